@@ -1,0 +1,85 @@
+"""slimtune's command line: train | export. `slimtune train` with no config runs the demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from slimtune.errors import UserError
+
+TRAIN_EPILOG = """\
+Settings (YAML keys; override any of them as key=value, e.g. train.steps=50 lora.rank=8):
+{fields}
+
+Example config (configs/ has more):
+  model: path/to/hf-folder
+  data: {{path: data/train.jsonl, format: chat, max_length: 512}}
+  method: lora
+  lora: {{rank: 16, alpha: 32, targets: all-linear}}
+  train: {{steps: 100, batch_size: 4, lr: 2.0e-4}}
+  output_dir: runs/demo
+
+With no config at all, `slimtune train` runs the built-in demo (tiny model, CPU, ~2 minutes).
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    from slimtune.config import help_text
+
+    parser = argparse.ArgumentParser(prog="slimtune", description="Fine-tune language models that do not fit on your GPU.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser(
+        "train", help="fine-tune from a YAML config (no config: run the demo)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=TRAIN_EPILOG.format(fields="\n".join(help_text())),
+    )
+    train.add_argument("config", nargs="?", help="run config (YAML)")
+    train.add_argument("overrides", nargs="*", help="key=value settings applied over the config")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
+    export = sub.add_parser("export", help="write a merged HF model folder from a LoRA run")
+    export.add_argument("run_dir", help="the run's output_dir")
+    export.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
+    export.add_argument("--out", help="destination folder (default: RUN_DIR/merged)")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> None:
+    from slimtune import config, train
+
+    if args.config is None and not args.overrides:
+        from slimtune import demo
+
+        demo.main(progress=not args.no_progress)
+        return
+    path = args.config
+    overrides = list(args.overrides)
+    if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
+        overrides.insert(0, path)
+        path = None
+    cfg = config.load(path, overrides)
+    _, summary = train.fit(cfg, progress=not args.no_progress)
+    print(train.summary_table(summary))
+
+
+def _export(args: argparse.Namespace) -> None:
+    from slimtune import export
+
+    folder = export.merge_run(args.run_dir, args.out)
+    print(f"merged model written to {folder}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        {"train": _train, "export": _export}[args.command](args)
+    except UserError as err:
+        print(f"slimtune: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("slimtune: interrupted; the last checkpoint is intact.", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

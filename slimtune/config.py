@@ -1,0 +1,282 @@
+"""Typed run configuration: YAML plus `a.b=value` overrides -> a validated RunConfig.
+
+Each field's `help` metadata is the documentation (`slimtune train --help` prints it).
+Unknown keys, wrong types and impossible values are refused with one sentence naming
+the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from slimtune.errors import UserError
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field whose help text travels in its metadata."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+REQUIRED = dataclasses.MISSING
+
+
+@dataclass
+class DataConfig:
+    path: str = _f(REQUIRED, "Training data: a .jsonl/.json/.csv/.parquet file or a saved HF dataset folder.")
+    format: Literal["chat", "prompt_response", "text"] = _f(
+        "prompt_response",
+        "chat: a list of {role, content} messages; prompt_response: two text fields; text: plain text.",
+    )
+    max_length: int = _f(512, "Tokens per example; longer examples are truncated (and counted).")
+    packing: bool = _f(True, "Pack short examples into rows of max_length; attention never crosses examples.")
+    eval_path: str | None = _f(None, "Separate evaluation data; when unset, eval_fraction of path is held out.")
+    eval_fraction: float = _f(0.05, "Share of the training data held out for evaluation when eval_path is unset.")
+    prompt_field: str = _f("prompt", "prompt_response: the field holding the prompt.")
+    response_field: str = _f("response", "prompt_response: the field holding the response.")
+    messages_field: str = _f("messages", "chat: the field holding the list of messages.")
+    text_field: str = _f("text", "text: the field holding the text.")
+    chat_template: str | None = _f(
+        None, "chat: a Jinja template (or a path to a .jinja file); default: the tokenizer's own, else slimtune's."
+    )
+
+    def validate(self) -> None:
+        _positive("data.max_length", self.max_length)
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise UserError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}.")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = _f(16, "LoRA rank r.")
+    alpha: float = _f(32.0, "LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = _f(0.0, "Dropout on the LoRA input.")
+    targets: str | list[str] = _f(
+        "all-linear",
+        "Linears to adapt: 'all-linear' (every linear in the blocks) or name patterns such as [q_proj, v_proj].",
+    )
+
+    def validate(self) -> None:
+        _positive("lora.rank", self.rank)
+        _positive("lora.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}.")
+        if isinstance(self.targets, list) and not self.targets:
+            raise UserError("lora.targets is an empty list; name at least one linear or use 'all-linear'.")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(100, "Optimizer steps.")
+    batch_size: int = _f(4, "Rows per micro-batch.")
+    grad_accum: int = _f(1, "Micro-batches per optimizer step.")
+    lr: float = _f(2.0e-4, "Peak learning rate.")
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
+    eps: float = _f(1.0e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Learning-rate decay after warmup.")
+    warmup_steps: int = _f(0, "Linear warmup steps from 0 to lr.")
+    seed: int = _f(0, "Seed for initialisation, data order and dropout.")
+    log_every: int = _f(1, "Write metrics every N steps.")
+    eval_every: int = _f(0, "Evaluate every N steps (0: only at the end).")
+    eval_batches: int = _f(0, "Evaluation batches per evaluation (0: the whole eval split).")
+    save_every: int = _f(0, "Checkpoint every N steps (0: only at the end).")
+    keep_last: int = _f(2, "Checkpoints kept on disk.")
+    resume: bool = _f(True, "Resume from the newest checkpoint in output_dir when one exists.")
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_last"):
+            _positive(f"train.{name}", getattr(self, name))
+        _positive("train.lr", self.lr)
+        for name in ("weight_decay", "max_grad_norm", "warmup_steps", "eval_every", "eval_batches", "save_every"):
+            if getattr(self, name) < 0:
+                raise UserError(f"train.{name} must not be negative, got {getattr(self, name)}.")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise UserError(f"train.betas must be two numbers in [0, 1), got {self.betas}.")
+        if self.warmup_steps > self.steps:
+            raise UserError(f"train.warmup_steps ({self.warmup_steps}) exceeds train.steps ({self.steps}).")
+
+
+@dataclass
+class RunConfig:
+    model: str = _f(REQUIRED, "A local Hugging Face model folder (config.json, *.safetensors, tokenizer files).")
+    data: DataConfig = _f(REQUIRED, "The dataset; see data.* fields.")
+    method: Literal["lora", "full"] = _f("lora", "lora: train adapters on a frozen base; full: train every weight.")
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA settings; see lora.* fields."})
+    freeze: list[str] = _f([], "full: parameter name patterns (fnmatch) to keep frozen, e.g. ['*embed_tokens*'].")
+    engine: Literal["resident"] = _f("resident", "How the step is run; resident keeps everything on the device.")
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Optimisation; see train.* fields."})
+    output_dir: str = _f("runs/slimtune", "Where checkpoints, metrics, plots and the result go.")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: CUDA when present, else the CPU.")
+    precision: Literal["auto", "fp32", "bf16", "fp64"] = _f(
+        "auto", "auto: bf16 autocast over fp32 weights on CUDA, fp32 on the CPU; fp64 is for tests."
+    )
+
+    def validate(self) -> None:
+        self.data.validate()
+        self.lora.validate()
+        self.train.validate()
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise UserError(f"{name} must be positive, got {value}.")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load(path: str | Path | None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
+    """Read YAML (or start from `base`), apply `a.b=value` overrides, build and validate."""
+    raw = dict(base or {})
+    source = "the command line"
+    if path is not None:
+        raw = _read_yaml(Path(path))
+        source = str(path)
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = from_dict(RunConfig, raw, prefix="", source=source)
+    cfg.validate()
+    return cfg
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"config file '{path}' does not exist.")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)}).") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} must hold a mapping of settings at the top level.")
+    return raw
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise UserError(f"override '{item}' must look like a.b=value.")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"override '{item}': '{part}' is not a section.")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types by name."""
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise UserError(f"{where} in {source} must be a mapping, got {type(raw).__name__}.")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise UserError(f"unknown key '{prefix}{key}' in {source}{hint}.")
+    values = {}
+    for name, f in known.items():
+        if name in raw:
+            values[name] = _coerce(hints[name], raw[name], prefix + name, source)
+        elif f.default is REQUIRED and f.default_factory is REQUIRED:
+            raise UserError(f"missing required key '{prefix}{name}' in {source}.")
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, str) and key == "data":
+            value = {"path": value}
+        return from_dict(hint, value, key + ".", source)
+    if origin in (typing.Union, types.UnionType):
+        return _coerce_union(typing.get_args(hint), value, key, source)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise UserError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}.")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"{key} must be a list, got {value!r}.")
+        (item,) = typing.get_args(hint)
+        return [_coerce(item, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    return _coerce_scalar(hint, value, key)
+
+
+def _coerce_union(options: tuple, value: Any, key: str, source: str) -> Any:
+    if value is None and type(None) in options:
+        return None
+    errors = []
+    for option in (o for o in options if o is not type(None)):
+        try:
+            return _coerce(option, value, key, source)
+        except UserError as err:
+            errors.append(str(err))
+    raise UserError(errors[0] if len(errors) == 1 else f"{key} has the wrong type: {value!r}.")
+
+
+def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "2e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    raise UserError(f"{key} must be {names.get(hint, hint)}, got {value!r}.")
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def help_text(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """One line per field: key, default, help. Nested sections are expanded."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines.extend(help_text(hints[f.name], prefix + f.name + "."))
+            continue
+        if f.default is not REQUIRED:
+            default = repr(f.default)
+        elif f.default_factory is not REQUIRED:
+            default = repr(f.default_factory())
+        else:
+            default = "(required)"
+        lines.append(f"  {prefix + f.name:<22} {default:<16} {f.metadata.get('help', '')}")
+    return lines

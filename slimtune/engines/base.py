@@ -1,0 +1,49 @@
+"""The engine interface every engine implements, and what one step reports."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from slimtune.data import Batch
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean cross-entropy per trained token over the step's micro-batches
+    tokens: int  # trained (target) tokens in the step
+    seen_tokens: int  # input tokens in the step, padding excluded (Batch.num_tokens)
+    lr: float
+    grad_norm: float  # global norm before clipping
+    device_peak_bytes: int  # measured by the device meter
+    host_link_bytes: int  # counted bytes moved between host and device
+
+
+class Engine(Protocol):
+    name: str
+
+    def step(self, micro_batches: list[Batch]) -> StepResult: ...
+
+    def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
+        """Summed loss and trained-token count over `batches`, without gradients."""
+        ...
+
+    def state_dict(self) -> dict:
+        """Everything exact resume needs: trainable weights, optimizer, scheduler."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trained weights by parameter name (what export writes)."""
+        ...
+
+
+def autocast_for(device: torch.device, precision: str):
+    """bf16 autocast over fp32 weights on CUDA; nothing on the CPU (fp32 is its fast dtype)."""
+    if precision == "bf16" and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()

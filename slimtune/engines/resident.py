@@ -1,0 +1,105 @@
+"""Engine `resident`: everything on the device; the baseline every other engine is checked against."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slimtune import memory, schedule
+from slimtune.config import TrainConfig
+from slimtune.data import Batch
+from slimtune.engines.base import StepResult, autocast_for
+from slimtune.loss import token_loss_sum
+from slimtune.model import Stack
+
+
+def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Decay matrices only: biases and norm gains (1-D) are left undecayed, as is usual."""
+    decay = [p for _, p in named if p.ndim >= 2]
+    plain = [p for _, p in named if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if plain:
+        groups.append({"params": plain, "weight_decay": 0.0})
+    return groups
+
+
+class ResidentEngine:
+    name = "resident"
+
+    def __init__(self, stack: Stack, cfg: TrainConfig, device: torch.device, precision: str):
+        self.stack, self.cfg, self.device, self.precision = stack, cfg, device, precision
+        self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
+        # foreach on CUDA (its default there); CPU torch would pick the for-loop form.
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.named, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+            foreach=device.type == "cuda",
+        )
+        self.scheduler = schedule.build(self.optimizer, cfg.steps, cfg.warmup_steps, cfg.schedule)
+        self.meter = memory.meter_for(device)
+
+    def _resident_tensors(self):
+        yield from self.stack.model.parameters()
+        yield from (p.grad for p in self.params)
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+        with autocast_for(self.device, self.precision):
+            hidden = self.stack.final_hidden(batch.input_ids, batch.position_ids)
+            return token_loss_sum(hidden, self.stack.head, batch.targets)
+
+    def step(self, micro_batches: list[Batch]) -> StepResult:
+        self.stack.model.train()
+        total = sum(b.num_targets for b in micro_batches)
+        loss_sum = 0.0
+        with self.meter.measure(self._resident_tensors()) as reading:
+            for batch in micro_batches:
+                batch = batch.to(self.device)
+                loss = self._loss_sum(batch) / max(total, 1)
+                loss.backward()
+                loss_sum += loss.item() * max(total, 1)
+            grad_norm = self._clip()
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        return StepResult(
+            loss=loss_sum / max(total, 1),
+            tokens=total,
+            seen_tokens=sum(b.num_tokens for b in micro_batches),
+            lr=lr, grad_norm=grad_norm, device_peak_bytes=int(reading.peak), host_link_bytes=0,
+        )
+
+    def _clip(self) -> float:
+        grads = [p for p in self.params if p.grad is not None]
+        if self.cfg.max_grad_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(grads, self.cfg.max_grad_norm))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in grads]))
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
+        self.stack.model.eval()
+        loss_sum, tokens = 0.0, 0
+        for batch in batches:
+            batch = batch.to(self.device)
+            loss_sum += float(self._loss_sum(batch))
+            tokens += batch.num_targets
+        return loss_sum, tokens
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.named}
+
+    def state_dict(self) -> dict:
+        return {
+            "trainable": self.trainable_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for name, param in self.named:
+                param.copy_(state["trainable"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

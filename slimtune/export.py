@@ -1,0 +1,55 @@
+"""A run's result: a PEFT-format adapter (LoRA) or a full HF model folder, and merged exports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from slimtune import lora
+from slimtune.checkpoint import atomic_folder
+from slimtune.errors import UserError
+
+
+def save_adapter(model: torch.nn.Module, cfg, base_model: str, folder: Path) -> Path:
+    """adapter_config.json + adapter_model.safetensors, loadable by peft.PeftModel.from_pretrained."""
+    with atomic_folder(folder) as tmp:
+        (tmp / "adapter_config.json").write_text(json.dumps(lora.peft_config(model, cfg, base_model), indent=2))
+        state = {k: v.detach().cpu().contiguous() for k, v in lora.peft_state_dict(model).items()}
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def save_model(model: torch.nn.Module, tokenizer, folder: Path) -> Path:
+    """A plain HF folder (config.json, safetensors, tokenizer) for AutoModelForCausalLM."""
+    with atomic_folder(folder) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+    return folder
+
+
+def save_result(run, out: Path) -> Path:
+    if run.cfg.method == "lora":
+        return save_adapter(run.stack.model, run.cfg.lora, str(Path(run.cfg.model).resolve()), out / "adapter")
+    return save_model(run.stack.model, run.tokenizer, out / "model")
+
+
+def merge_run(run_dir: Path, out: Path | None = None) -> Path:
+    """Base model + the run's adapter, merged into one HF folder (default: run_dir/merged)."""
+    from slimtune.model import load_model, load_tokenizer
+
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise UserError(f"'{run_dir}' is not a slimtune run folder (no config.yaml).")
+    cfg = yaml.safe_load(config_path.read_text())
+    out = Path(out) if out is not None else run_dir / "merged"
+    if cfg["method"] == "full":
+        raise UserError(f"'{run_dir}' was full fine-tuning; its model is already whole in {run_dir / 'model'}.")
+    model = load_model(cfg["model"], torch.float32, torch.device("cpu"))
+    lora.load_peft_adapter(model, run_dir / "adapter")
+    lora.merge(model)
+    return save_model(model, load_tokenizer(cfg["model"]), out)

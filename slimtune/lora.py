@@ -1,0 +1,183 @@
+"""LoRA adapters: LoRALinear over a frozen base, applied by name pattern, merged, and
+saved/loaded in PEFT's on-disk format (adapter_config.json + adapter_model.safetensors).
+
+The base may be any module that maps (..., in) -> (..., out) and exposes `in_features`
+and `out_features`, so a 4-bit base slots in without a second code path.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from slimtune.config import LoraConfig
+from slimtune.errors import UserError
+
+PEFT_PREFIX = "base_model.model."
+
+
+class LoRALinear(nn.Module):
+    """y = base(x) + (alpha / r) * B(A(dropout(x))), with A, B trainable and base frozen."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / rank
+        weight = getattr(base, "weight", None)
+        factory = dict(dtype=weight.dtype if weight is not None and weight.is_floating_point() else None,
+                       device=weight.device if weight is not None else None)
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **factory)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **factory)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # PEFT's default init: A Kaiming-uniform, B zero, so the adapter starts as a no-op.
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        """(out, in): the dense update this adapter adds to the base weight."""
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+    def merged(self) -> nn.Linear:
+        """A plain nn.Linear equal to this module (base must expose a dense `weight`)."""
+        base = self.base
+        dense = base.dequantized_weight() if hasattr(base, "dequantized_weight") else base.weight
+        out = nn.Linear(self.in_features, self.out_features, bias=base.bias is not None,
+                        dtype=self.lora_A.weight.dtype, device=dense.device)
+        with torch.no_grad():
+            out.weight.copy_(dense.to(out.weight.dtype) + self.delta_weight())
+            if base.bias is not None:
+                out.bias.copy_(base.bias)
+        return out
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return hasattr(module, "in_features") and hasattr(module, "out_features") and not isinstance(module, LoRALinear)
+
+
+def select_targets(model: nn.Module, targets: str | list[str], blocks_prefix: str = "model.layers.") -> list[str]:
+    """Module names to adapt: every linear inside the blocks for 'all-linear', else those whose
+    leaf name equals a pattern or whose full name matches it (fnmatch)."""
+    names = [n for n, m in model.named_modules() if _is_linear(m) and n.startswith(blocks_prefix)]
+    if targets == "all-linear":
+        chosen = names
+    else:
+        patterns = [targets] if isinstance(targets, str) else targets
+        all_linear = [n for n, m in model.named_modules() if _is_linear(m)]
+        chosen = [n for n in all_linear if any(_matches(n, p) for p in patterns)]
+        for pattern in patterns:
+            if not any(_matches(n, pattern) for n in all_linear):
+                leaves = sorted({n.rsplit(".", 1)[-1] for n in all_linear})
+                raise UserError(f"lora.targets: '{pattern}' matches no linear layer; the model has {', '.join(leaves)}.")
+    return chosen
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return name.rsplit(".", 1)[-1] == pattern or fnmatch.fnmatchcase(name, pattern)
+
+
+def apply(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Freeze the model and wrap the target linears in LoRALinear. Returns their names."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    names = select_targets(model, cfg.targets)
+    for name in names:
+        parent, leaf = _parent(model, name)
+        setattr(parent, leaf, LoRALinear(getattr(parent, leaf), cfg.rank, cfg.alpha, cfg.dropout))
+    return names
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), leaf
+
+
+def adapters(model: nn.Module) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def merge(model: nn.Module) -> nn.Module:
+    """Replace every LoRALinear by its merged nn.Linear, in place."""
+    for name, module in list(adapters(model).items()):
+        parent, leaf = _parent(model, name)
+        setattr(parent, leaf, module.merged())
+    return model
+
+
+# ---------------------------------------------------------------- PEFT format
+
+
+def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, module in adapters(model).items():
+        state[f"{PEFT_PREFIX}{name}.lora_A.weight"] = module.lora_A.weight.detach().contiguous()
+        state[f"{PEFT_PREFIX}{name}.lora_B.weight"] = module.lora_B.weight.detach().contiguous()
+    return state
+
+
+def peft_target_modules(model: nn.Module) -> list[str] | str:
+    """Leaf names when they pick out exactly the adapted modules (PEFT's usual form), else a regex."""
+    adapted = set(adapters(model))
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in adapted})
+    by_leaf = {n for n, m in model.named_modules()
+               if n.rsplit(".", 1)[-1] in leaves and (_is_linear(m) or isinstance(m, LoRALinear))}
+    if by_leaf == adapted:
+        return leaves
+    return "^(" + "|".join(re.escape(n) for n in sorted(adapted)) + ")$"
+
+
+def peft_config(model: nn.Module, cfg: LoraConfig, base_model: str) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": peft_target_modules(model),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+
+
+def load_peft_adapter(model: nn.Module, folder: str | Path) -> LoraConfig:
+    """Apply and load an adapter saved in PEFT format (ours or peft's)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise UserError(f"'{folder}' is not a PEFT adapter folder (needs adapter_config.json and adapter_model.safetensors).")
+    raw = json.loads(config_path.read_text())
+    targets = raw["target_modules"]
+    cfg = LoraConfig(rank=raw["r"], alpha=raw["lora_alpha"], dropout=0.0, targets=targets)
+    if isinstance(targets, str):  # a regex, as PEFT allows
+        names = [n for n, m in model.named_modules() if _is_linear(m) and re.fullmatch(targets, n)]
+        cfg.targets = names
+    apply(model, cfg)
+    # PEFT writes keys without the adapter name: base_model.model.<module>.lora_A.weight
+    state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(weights_path)).items()}
+    with torch.no_grad():
+        for name, module in adapters(model).items():
+            for part in ("lora_A", "lora_B"):
+                tensor = state.get(f"{name}.{part}.weight")
+                if tensor is None:
+                    raise UserError(f"adapter in '{folder}' has no weight for {name}.{part}.")
+                getattr(module, part).weight.copy_(tensor)
+    return cfg

@@ -1,0 +1,215 @@
+"""The training loop, one for every engine: build the run in its fixed order, then step,
+log, evaluate, checkpoint, and write the result."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from slimtune import checkpoint, data, engines, export, lora
+from slimtune.config import RunConfig, to_dict
+from slimtune.errors import UserError
+from slimtune.metrics import MetricsLog, format_table, human_bytes
+from slimtune.model import Stack, load_model, load_tokenizer
+
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("device is 'cuda' but no CUDA device is available; use device=auto or device=cpu.")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """auto: bf16 autocast over fp32 weights on CUDA, plain fp32 on the CPU (bf16 is slow there)."""
+    if name == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return name
+
+
+@dataclass
+class Run:
+    """A built run: everything the loop needs, in build order."""
+
+    cfg: RunConfig
+    device: torch.device
+    precision: str
+    tokenizer: object
+    stack: Stack
+    splits: data.Splits
+    engine: engines.base.Engine
+    adapted: list[str] = field(default_factory=list)
+
+    def trainable_count(self) -> int:
+        return sum(p.numel() for p in self.stack.model.parameters() if p.requires_grad)
+
+
+def apply_method(cfg: RunConfig, stack: Stack) -> list[str]:
+    """LoRA adapters on the chosen linears, or full fine-tuning minus the freeze patterns."""
+    import fnmatch
+
+    stack.advance("adapters")
+    if cfg.method == "lora":
+        return lora.apply(stack.model, cfg.lora)
+    for name, param in stack.model.named_parameters():
+        param.requires_grad_(not any(fnmatch.fnmatchcase(name, p) for p in cfg.freeze))
+    if not any(p.requires_grad for p in stack.model.parameters()):
+        raise UserError(f"freeze patterns {cfg.freeze} freeze every parameter; nothing would train.")
+    return []
+
+
+def build(cfg: RunConfig) -> Run:
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    torch.manual_seed(cfg.train.seed)
+    tokenizer = load_tokenizer(cfg.model)
+    splits = data.load_splits(cfg.data, tokenizer, cfg.train.seed)
+    if not splits.train:
+        raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
+    stack = Stack(load_model(cfg.model, WEIGHT_DTYPES[precision], device))
+    adapted = apply_method(cfg, stack)
+    stack.advance("engine")
+    engine = engines.build(cfg, stack, device, precision)
+    return Run(cfg, device, precision, tokenizer, stack, splits, engine, adapted)
+
+
+def _stream(run: Run) -> data.BatchStream:
+    d = run.cfg.data
+    return data.BatchStream(
+        run.splits.train, run.cfg.train.batch_size, d.max_length, d.packing, run.tokenizer.pad_token_id,
+        run.cfg.train.seed,
+    )
+
+
+def _eval_batches(run: Run) -> list[data.Batch]:
+    d, t = run.cfg.data, run.cfg.train
+    batches = data.eval_batches(run.splits.eval, t.batch_size, d.max_length, d.packing, run.tokenizer.pad_token_id)
+    return batches[: t.eval_batches] if t.eval_batches else batches
+
+
+def evaluate(run: Run, batches: list[data.Batch]) -> dict:
+    if not batches:
+        return {}
+    loss_sum, tokens = run.engine.evaluate(batches)
+    loss = loss_sum / max(tokens, 1)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def _resume(run: Run, stream: data.BatchStream) -> int:
+    found = checkpoint.latest(Path(run.cfg.output_dir)) if run.cfg.train.resume else None
+    if found is None:
+        return 0
+    step, engine_state, stream_state, rng = checkpoint.load(found)
+    run.engine.load_state_dict(engine_state)
+    stream.load_state_dict(stream_state)
+    checkpoint.set_rng_state(rng)
+    return step
+
+
+def _record(step: int, result, seconds: float) -> dict:
+    return {
+        "step": step,
+        "loss": result.loss,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "tokens": result.tokens,
+        "tokens_per_s": result.seen_tokens / max(seconds, 1e-9),
+        "device_peak_bytes": result.device_peak_bytes,
+        "host_link_bytes": result.host_link_bytes,
+        "step_s": seconds,
+    }
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[Run, dict]:
+    """Train `cfg` to its last step (resuming when a checkpoint exists); returns the run and its summary."""
+    from tqdm.auto import tqdm
+
+    run = run or build(cfg)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    stream = _stream(run)
+    start = _resume(run, stream)
+    log = MetricsLog(out, start)
+    eval_data = _eval_batches(run)
+    t = cfg.train
+    bar = tqdm(total=t.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
+    began = time.perf_counter()
+    try:
+        for step in range(start + 1, t.steps + 1):
+            tick = time.perf_counter()
+            result = run.engine.step([stream.next_batch() for _ in range(t.grad_accum)])
+            record = _record(step, result, time.perf_counter() - tick)
+            if _due(step, t.eval_every, t.steps):
+                record.update(evaluate(run, eval_data))
+            if _due(step, t.log_every, t.steps):
+                log.log(record)
+            if _due(step, t.save_every, t.steps):
+                checkpoint.save(out, step, run.engine.state_dict(), stream.state_dict(), t.keep_last)
+            bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            mem=human_bytes(result.device_peak_bytes))
+            bar.update(1)
+    finally:
+        bar.close()
+        log.close()
+    result_dir = export.save_result(run, out)
+    summary = _summary(run, log, time.perf_counter() - began, start, result_dir)
+    log.plot(out / "metrics.png")
+    return run, summary
+
+
+def _summary(run: Run, log: MetricsLog, seconds: float, start: int, result_dir: Path) -> dict:
+    done = [r for r in log.records if r["step"] > start]
+    evals = [r for r in log.records if "eval_loss" in r]
+    return {
+        "steps": run.cfg.train.steps,
+        "resumed_from": start,
+        "seconds": seconds,
+        "final_loss": log.records[-1]["loss"] if log.records else float("nan"),
+        "eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "eval_ppl": evals[-1]["eval_ppl"] if evals else None,
+        "tokens_per_s": sum(r["tokens_per_s"] for r in done) / len(done) if done else 0.0,
+        "device_peak_bytes": max((r["device_peak_bytes"] for r in done), default=0),
+        "meter": run.engine.meter.kind,
+        "trainable_params": run.trainable_count(),
+        "result": str(result_dir),
+        "data": run.splits.report.summary(),
+    }
+
+
+def summary_table(summary: dict) -> str:
+    rows = [
+        ("steps", f"{summary['steps']} (resumed from {summary['resumed_from']})" if summary["resumed_from"]
+         else str(summary["steps"])),
+        ("data", summary["data"]),
+        ("trainable parameters", f"{summary['trainable_params']:,}"),
+        ("final train loss", f"{summary['final_loss']:.4f}"),
+    ]
+    if summary["eval_loss"] is not None:
+        rows.append(("eval loss / perplexity", f"{summary['eval_loss']:.4f} / {summary['eval_ppl']:.2f}"))
+    rows += [
+        ("tokens/s (mean)", f"{summary['tokens_per_s']:.0f}"),
+        ("device peak", f"{human_bytes(summary['device_peak_bytes'])} (measured: {summary['meter']})"),
+        ("wall time", f"{summary['seconds']:.1f} s"),
+        ("result", summary["result"]),
+    ]
+    return format_table(rows)
+
+
+def config_fields_help() -> str:
+    from slimtune.config import help_text
+
+    return "\n".join(help_text())
+

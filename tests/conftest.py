@@ -1,0 +1,82 @@
+"""Shared fixtures: a tokenizer trained offline and tiny random models saved as HF folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, this is a tiny corpus for a tiny tokenizer",
+    "question: what is two plus two? answer: four",
+    "user assistant system says hi and bye 0 1 2 3 4 5 6 7 8 9",
+]
+
+
+def train_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained in well under a second, wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_tokenizer()
+
+
+def tiny_config(family: str = "llama", vocab_size: int = 300, **overrides):
+    """A tiny config of a supported family; overrides pass through to the config class."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "qwen3":
+        kwargs["head_dim"] = 8
+    kwargs.update(overrides)
+    return classes[family](**kwargs)
+
+
+def save_tiny_model(folder: Path, tokenizer, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Build a random model from a tiny config and save it (safetensors) with the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, len(tokenizer), **overrides))
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
