@@ -16,8 +16,10 @@ from slimtune.data import IGNORE_INDEX
 
 
 def token_loss_sum(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
-    """hidden (B, T, D), targets (B, T) -> summed cross-entropy over trained positions (fp32)."""
-    logits = head(hidden).float()  # (B, T, V)
+    """hidden (B, T, D), targets (B, T) -> summed cross-entropy over trained positions (at least fp32)."""
+    logits = head(hidden)  # (B, T, V)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # the softmax in half precision loses the small probabilities
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )

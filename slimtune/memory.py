@@ -19,6 +19,8 @@ from torch.utils._pytree import tree_flatten
 
 # Storages the runtime placed on the host on purpose; the CPU meter never counts them.
 _HOST_RESIDENT: dict[int, weakref.finalize] = {}
+# Meters currently measuring; marking storage host-resident takes it off their count.
+_ACTIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def _key(storage: torch.UntypedStorage) -> int:
@@ -31,6 +33,8 @@ def mark_host_resident(tensor: torch.Tensor) -> torch.Tensor:
     key = _key(storage)
     if key not in _HOST_RESIDENT:
         _HOST_RESIDENT[key] = weakref.finalize(storage, _HOST_RESIDENT.pop, key, None)
+        for meter in list(_ACTIVE):
+            meter.forget(key)
     return tensor
 
 
@@ -72,6 +76,21 @@ class LiveBytesMeter(TorchDispatchMode):
     def _release(self, key: int) -> None:
         nbytes, _ = self._live.pop(key, (0, None))
         self.current -= nbytes
+
+    def forget(self, key: int) -> None:
+        """Stop counting a storage (it became host-resident); the peak already reached stands."""
+        nbytes, finalizer = self._live.pop(key, (0, None))
+        if finalizer is not None:
+            finalizer.detach()
+        self.current -= nbytes
+
+    def __enter__(self):
+        _ACTIVE.add(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.discard(self)
+        return super().__exit__(*exc)
 
     def close(self) -> None:
         """Stop watching storages that outlive the measurement (parameters, optimizer state)."""

@@ -45,8 +45,10 @@ def read_config(folder: str | Path) -> dict:
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Weights from safetensors only (never pickle), memory-mapped and loaded once onto `device`."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     read_config(folder)
+    hf_logging.disable_progress_bar()  # our own progress bar is the one the user watches
     if not any(Path(folder).glob("*.safetensors")):
         found = sorted(p.name for p in Path(folder).glob("*.bin"))
         extra = f" (found {', '.join(found)}; slimtune loads safetensors only)" if found else ""

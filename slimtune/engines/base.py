@@ -15,7 +15,7 @@ from slimtune.data import Batch
 class StepResult:
     loss: float  # mean cross-entropy per trained token over the step's micro-batches
     tokens: int  # trained (target) tokens in the step
-    seen_tokens: int  # input tokens in the step, padding excluded (Batch.num_tokens)
+    seen_tokens: int  # input positions processed, padding included (as HF Trainer counts them)
     lr: float
     grad_norm: float  # global norm before clipping
     device_peak_bytes: int  # measured by the device meter

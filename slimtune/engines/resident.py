@@ -67,7 +67,7 @@ class ResidentEngine:
         return StepResult(
             loss=loss_sum / max(total, 1),
             tokens=total,
-            seen_tokens=sum(b.num_tokens for b in micro_batches),
+            seen_tokens=sum(b.input_ids.numel() for b in micro_batches),
             lr=lr, grad_norm=grad_norm, device_peak_bytes=int(reading.peak), host_link_bytes=0,
         )
 

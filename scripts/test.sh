@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (first run only) and run the test suite (CPU; GPU tests are marked and skip without CUDA).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/slimtune-inductor-$$"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
