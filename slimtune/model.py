@@ -112,7 +112,10 @@ class Stack:
 
     def layer_type(self, index: int) -> str:
         types = getattr(self.config, "layer_types", None)
-        return types[index] if types else "full_attention"
+        if types:
+            return types[index]
+        # Mistral names no layer types: a set sliding_window applies to every layer.
+        return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
 
     def prepare(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> BlockInputs:
         """Rotary tables and attention masks. Position ids that restart at 0 mark packed
