@@ -15,7 +15,7 @@ from slimtune import checkpoint, data, engines, export, lora
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
 from slimtune.metrics import MetricsLog, format_table, human_bytes
-from slimtune.model import Stack, load_model, load_tokenizer
+from slimtune.model import Stack, load_model, load_tokenizer, read_config
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
 
@@ -70,6 +70,7 @@ def build(cfg: RunConfig) -> Run:
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
     torch.manual_seed(cfg.train.seed)
+    read_config(cfg.model)  # a wrong folder is named before anything else is read
     tokenizer = load_tokenizer(cfg.model)
     splits = data.load_splits(cfg.data, tokenizer, cfg.train.seed)
     if not splits.train:

@@ -1,0 +1,105 @@
+"""`slimtune train` and `slimtune export` through the CLI on a tiny model."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from e2e_helpers import slimtune, workdir  # noqa: F401  (workdir is a fixture)
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_result_metrics_plot_and_checkpoints(workdir):
+    proc = slimtune("train", "run.yaml", "--no-progress", cwd=workdir)
+    out = workdir / "out"
+    assert "final train loss" in proc.stdout and "measured" in proc.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for key in ("step", "loss", "tokens_per_s", "device_peak_bytes"):
+        assert all(key in r for r in records)
+    assert all(r["device_peak_bytes"] > 0 for r in records)
+    assert "eval_loss" in records[3] and "eval_ppl" in records[-1]
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "metrics.png").stat().st_size > 1000
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-00000006", "step-00000008"]
+
+
+def test_full_finetune_writes_a_loadable_model(workdir):
+    from transformers import AutoModelForCausalLM
+
+    slimtune("train", "run.yaml", "method=full", "train.steps=2", "--no-progress", cwd=workdir)
+    model = AutoModelForCausalLM.from_pretrained(str(workdir / "out" / "model"), local_files_only=True)
+    assert model.config.model_type == "llama"
+
+
+def test_resume_after_kill_is_bit_exact(workdir):
+    slimtune("train", "run.yaml", "train.steps=30", "output_dir=straight", "--no-progress", cwd=workdir)
+    # kill -9 once a checkpoint exists, then resume with the same command
+    cmd = [sys.executable, "-m", "slimtune.cli", "train", "run.yaml", "train.steps=30", "output_dir=killed",
+           "train.save_every=1", "train.keep_last=3", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (workdir / "killed" / "checkpoints" / "step-00000003").exists() and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    stopped_at = json.loads(sorted((workdir / "killed" / "checkpoints").glob("step-*[0-9]"))[-1]
+                            .joinpath("meta.json").read_text())["step"]
+    assert stopped_at < 30, "the run finished before it was killed; the test proved nothing"
+    out = slimtune("train", "run.yaml", "train.steps=30", "output_dir=killed", "train.save_every=1",
+                   "train.keep_last=3", "--no-progress", cwd=workdir)
+    assert f"resumed from {stopped_at}" in out.stdout
+    assert losses(workdir / "killed") == losses(workdir / "straight")
+
+
+def test_export_merge_equals_base_plus_adapter(workdir):
+    from transformers import AutoModelForCausalLM
+
+    from slimtune import lora
+    from slimtune.model import load_model
+
+    slimtune("train", "run.yaml", "train.steps=3", "train.lr=0.05", "--no-progress", cwd=workdir)
+    slimtune("export", "out", "--merge", "--out", "merged", cwd=workdir)
+    merged = AutoModelForCausalLM.from_pretrained(str(workdir / "merged"), local_files_only=True).eval()
+    adapted = load_model(workdir / "model", torch.float32, torch.device("cpu")).eval()
+    lora.load_peft_adapter(adapted, workdir / "out" / "adapter")
+    ids = torch.randint(3, 300, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        base = load_model(workdir / "model", torch.float32, torch.device("cpu"))
+        assert (base(input_ids=ids).logits - adapted(input_ids=ids).logits).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["run.yaml", "train.stepz=1"], "unknown key 'train.stepz' in run.yaml (did you mean 'train.steps'?)"),
+        (["run.yaml", "model=missing"], "model folder 'missing' does not exist"),
+        (["run.yaml", "data.path=nope.jsonl"], "nope.jsonl"),
+        (["nope.yaml"], "config file 'nope.yaml' does not exist"),
+        (["run.yaml", "data.path=bad.jsonl"], "bad.jsonl line 2"),
+    ],
+)
+def test_user_errors_are_one_sentence_and_leave_nothing(workdir, args, needle):
+    (workdir / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": oops}\n')
+    proc = slimtune("train", *args, "--no-progress", cwd=workdir, check=False)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert not (workdir / "out").exists()
+
+
+def test_export_of_a_non_run_folder_is_refused(workdir):
+    proc = slimtune("export", "model", "--merge", cwd=workdir, check=False)
+    assert proc.returncode == 2 and "not a slimtune run folder" in proc.stderr
