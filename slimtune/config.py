@@ -119,7 +119,9 @@ class RunConfig:
     output_dir: str = _f("runs/slimtune", "Where checkpoints, metrics, plots and the result go.")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: CUDA when present, else the CPU.")
     precision: Literal["auto", "fp32", "bf16", "fp64"] = _f(
-        "auto", "auto: bf16 autocast over fp32 weights on CUDA, fp32 on the CPU; fp64 is for tests."
+        "auto",
+        "auto: bf16 on CUDA, fp32 on the CPU. bf16: autocast, trained weights fp32, a frozen LoRA base stored"
+        " in bf16. fp64 is for tests.",
     )
 
     def validate(self) -> None:
@@ -278,5 +280,5 @@ def help_text(cls: type = RunConfig, prefix: str = "") -> list[str]:
             default = repr(f.default_factory())
         else:
             default = "(required)"
-        lines.append(f"  {prefix + f.name:<22} {default:<16} {f.metadata.get('help', '')}")
+        lines.append(f"  {prefix + f.name:<22} {default:<18} {f.metadata.get('help', '')}")
     return lines

@@ -32,8 +32,7 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
         weight = getattr(base, "weight", None)
-        factory = dict(dtype=weight.dtype if weight is not None and weight.is_floating_point() else None,
-                       device=weight.device if weight is not None else None)
+        factory = dict(dtype=_adapter_dtype(weight), device=weight.device if weight is not None else None)
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **factory)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **factory)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -61,6 +60,13 @@ class LoRALinear(nn.Module):
             if base.bias is not None:
                 out.bias.copy_(base.bias)
         return out
+
+
+def _adapter_dtype(weight: torch.Tensor | None) -> torch.dtype:
+    """Adapters train in fp32 over a half-precision (or quantized) base, else in the base's dtype."""
+    if weight is None or not weight.is_floating_point() or weight.dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return weight.dtype
 
 
 def _is_linear(module: nn.Module) -> bool:

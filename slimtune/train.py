@@ -17,7 +17,13 @@ from slimtune.errors import UserError
 from slimtune.metrics import MetricsLog, format_table, human_bytes
 from slimtune.model import Stack, load_model, load_tokenizer, read_config
 
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
+def weight_dtype(precision: str, method: str) -> torch.dtype:
+    """Trained weights stay fp32 under bf16 autocast; a frozen LoRA base is stored in bf16."""
+    if precision == "fp64":
+        return torch.float64
+    if precision == "bf16" and method == "lora":
+        return torch.bfloat16
+    return torch.float32
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,7 +81,7 @@ def build(cfg: RunConfig) -> Run:
     splits = data.load_splits(cfg.data, tokenizer, cfg.train.seed)
     if not splits.train:
         raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
-    stack = Stack(load_model(cfg.model, WEIGHT_DTYPES[precision], device))
+    stack = Stack(load_model(cfg.model, weight_dtype(precision, cfg.method), device))
     adapted = apply_method(cfg, stack)
     stack.advance("engine")
     engine = engines.build(cfg, stack, device, precision)

@@ -43,7 +43,7 @@ class Engine(Protocol):
 
 
 def autocast_for(device: torch.device, precision: str):
-    """bf16 autocast over fp32 weights on CUDA; nothing on the CPU (fp32 is its fast dtype)."""
-    if precision == "bf16" and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    """bf16 autocast for precision bf16 (the default on CUDA only: fp32 is the CPU's fast dtype)."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

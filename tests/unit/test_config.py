@@ -79,3 +79,13 @@ def test_every_field_has_help():
     lines = config.help_text()
     assert any(line.strip().startswith("train.lr") for line in lines)
     assert all(len(line.split(None, 2)) == 3 for line in lines)
+
+
+def test_example_configs_load():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        assert path.read_text().startswith("# slimtune train "), f"{path.name} must start with its command"
+        config.load(path)
