@@ -1,0 +1,499 @@
+"""Datasets -> token examples -> training batches.
+
+Records come from a .jsonl/.json/.csv/.parquet file or a `save_to_disk` folder, read
+through Hugging Face `datasets`. Each becomes an `Example` whose targets are already
+shifted (`targets[t]` is token t+1 when that token is trained, else IGNORE_INDEX), so a
+packed row never asks one example to predict the first token of the next.
+
+Trained tokens: prompt_response trains the response and eos after encode_prompt(prompt);
+text trains everything after the bos; chat trains each assistant turn's content and the
+end-of-turn marker the template writes after it.
+
+Chat template: data.chat_template (Jinja text or a file path), else the tokenizer's own,
+else DEFAULT_CHAT_TEMPLATE, which writes each turn as `<|role|>`, a newline, the content,
+then a newline (system, user) or the eos token (assistant); its generation prompt is
+`<|assistant|>\\n`:
+
+    <|system|>\\nBe terse.\\n<|user|>\\nHi\\n<|assistant|>\\nHello.</s><|user|>\\n...
+
+Rendered text is tokenized without special tokens and gets a bos in front only when the
+tokenizer adds one by default and the text lacks it. `encode_prompt` follows the same
+rule, so generation sees exactly the training prefix.
+
+BatchStream packs examples greedily into rows of at most max_length tokens; position ids
+restart at 0 at every example, which is how the model keeps attention inside one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import functools
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from slimtune.config import DataConfig
+from slimtune.errors import UserError
+
+IGNORE_INDEX = -100
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ '\\n' }}{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{{ '\\n' }}{% endif %}"
+)
+
+_ROLES = ("system", "user", "assistant")
+_PROBE = "\x00slimtune-probe\x00"  # stands in for content to find where a first assistant turn starts
+_LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    targets: list[int]  # same length; shifted; IGNORE_INDEX where the next token is not trained
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, T) long
+    targets: torch.Tensor  # (B, T) long, IGNORE_INDEX where no loss
+    position_ids: torch.Tensor  # (B, T) long, 0 at every example start and at the padding tail
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.targets != IGNORE_INDEX).sum())
+
+    def to(self, device: Any) -> Batch:
+        return Batch(self.input_ids.to(device), self.targets.to(device), self.position_ids.to(device))
+
+
+@dataclass
+class DataReport:
+    train_examples: int
+    eval_examples: int
+    truncated: int
+    dropped: int  # examples with no trainable token left after truncation
+    max_length: int | None = None
+
+    def summary(self) -> str:
+        limit = f" to {self.max_length} tokens" if self.max_length else ""
+        counts = f"{self.truncated} truncated{limit}; {self.dropped} dropped (no trainable token)"
+        return f"{self.train_examples} train / {self.eval_examples} eval examples; {counts}"
+
+
+@dataclass
+class Splits:
+    train: list[Example]
+    eval: list[Example]
+    report: DataReport
+
+
+def load_splits(cfg: DataConfig, tokenizer: Any, seed: int) -> Splits:
+    """Read, tokenize, truncate and split the data named by `cfg`."""
+    encoder = _Encoder(cfg, tokenizer)
+    counts = {"truncated": 0, "dropped": 0}
+    train = _load_examples(cfg.path, encoder, cfg.max_length, counts)
+    if not train:
+        raise UserError(f"no record in {cfg.path} keeps a trainable token within data.max_length={cfg.max_length}.")
+    if cfg.eval_path:
+        held_out = _load_examples(cfg.eval_path, encoder, cfg.max_length, counts)
+    else:
+        train, held_out = _hold_out(train, cfg.eval_fraction, seed)
+    report = DataReport(len(train), len(held_out), counts["truncated"], counts["dropped"], cfg.max_length)
+    return Splits(train, held_out, report)
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt ids exactly as training sees them: (bos) + prompt without special tokens."""
+    return _with_bos(tokenizer(prompt, add_special_tokens=False)["input_ids"], _bos_to_add(tokenizer))
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[dict], template: str | None) -> str:
+    """The conversation up to the assistant's generation prompt; `encode_prompt` it for generation."""
+    return _render(tokenizer, _resolve_template(tokenizer, template), messages, True, "the conversation")
+
+
+def _bos_to_add(tokenizer: Any) -> int | None:
+    # Tokenizers differ (Llama adds bos, Qwen does not); ask the tokenizer rather than guess.
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a")["input_ids"] if bos is not None else []
+    return bos if ids[:1] == [bos] else None
+
+
+def _with_bos(ids: list[int], bos: int | None) -> list[int]:
+    # A chat template may already have written the bos as text; never put in a second one.
+    return [bos] + ids if bos is not None and ids[:1] != [bos] else ids
+
+
+def _read_records(path: str) -> tuple[list[Any], Callable[[int], str]]:
+    """The records and a function naming record i for messages: file line where lines mean something."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"data path '{path}' does not exist.")
+    if p.is_dir():
+        return _load_folder(p, path), _where(path, None)
+    kind = _LOADERS.get(p.suffix.lower())
+    if kind is None:
+        raise UserError(f"data path '{path}' has an unknown extension; use {', '.join(_LOADERS)} or a folder.")
+    if kind == "json":
+        return _read_json(p, path)
+    lines = _csv_lines(p) if kind == "csv" else None
+    if (len(lines) if lines is not None else _parquet_rows(p)) == 0:  # datasets' own message is cryptic
+        raise UserError(f"data file '{path}' holds no records.")
+    return _load_file(kind, p, path), _where(path, lines)
+
+
+def _where(label: str, lines: list[int] | None) -> Callable[[int], str]:
+    return lambda i: f"{label} line {lines[i]}" if lines else f"{label} record {i + 1}"
+
+
+def _parquet_rows(p: Path) -> int | None:
+    import pyarrow.parquet as pq
+
+    with contextlib.suppress(Exception):  # a broken file is reported by the loader
+        return pq.read_metadata(p).num_rows
+
+
+def _read_json(p: Path, label: str) -> tuple[list[Any], Callable[[int], str]]:
+    """Parse JSON ourselves first so a bad record is named by line; then load via datasets."""
+    try:
+        text = p.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
+    except UnicodeDecodeError as err:
+        raise UserError(f"{label} is not UTF-8 text ({err}).") from None
+    if p.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        rows, lines = _scan_json_array(text, label)
+    else:
+        rows, lines = _scan_json_lines(text, label)
+    with contextlib.suppress(UserError):  # datasets refuses some valid JSON; our parse is the same data
+        loaded = _load_file("json", p, label) if rows else []
+        rows = loaded if len(loaded) == len(rows) else rows
+    return rows, _where(label, lines)
+
+
+def _parse_json(text: str, label: str, first_line: int = 1) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        line = first_line + err.lineno - 1
+        raise UserError(f"{label} line {line}: not valid JSON ({err.msg} at column {err.colno}).") from None
+
+
+def _scan_json_lines(text: str, label: str) -> tuple[list[Any], list[int]]:
+    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line breaks verbatim.
+    numbered = [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
+    return [_parse_json(line, label, n) for n, line in numbered], [n for n, _ in numbered]
+
+
+def _scan_json_array(text: str, label: str) -> tuple[list[Any], list[int]]:
+    rows = _parse_json(text, label)
+    # Walk the array once more to learn the line each element starts on.
+    decoder, lines, pos = json.JSONDecoder(), [], text.index("[") + 1
+    for _ in rows:
+        while text[pos] in " \t\r\n,":
+            pos += 1
+        lines.append(text.count("\n", 0, pos) + 1)
+        pos = decoder.raw_decode(text, pos)[1]
+    return rows, lines
+
+
+def _csv_lines(p: Path) -> list[int]:
+    """The line each CSV record starts on (header = line 1); quoted fields may span lines."""
+    with open(p, newline="", encoding="utf-8", errors="replace") as f:
+        reader = csv.reader(f)
+        next(reader, None)
+        starts, previous = [], reader.line_num
+        for row in reader:
+            if row:  # pandas skips blank lines, so the records do too
+                starts.append(previous + 1)
+            previous = reader.line_num
+    return starts
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    # A failed load logs an error before raising; we raise our own sentence instead.
+    logger = datasets.utils.logging.get_logger("datasets")
+    level = logger.level
+    logger.setLevel(100)
+    try:
+        yield datasets
+    finally:
+        logger.setLevel(level)
+
+
+def _load_file(kind: str, p: Path, label: str) -> list[Any]:
+    # A throwaway cache dir keeps datasets from writing arrow files into the user's home.
+    with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="slimtune-data-") as cache:
+        try:
+            ds = datasets.load_dataset(kind, data_files=str(p), split="train", cache_dir=cache, keep_in_memory=True)
+            return ds.to_list()
+        except Exception as err:  # noqa: BLE001 - any reader failure is a property of the user's file
+            raise UserError(f"data file '{label}' could not be read as {kind} ({_cause(err)}).") from None
+
+
+def _load_folder(p: Path, label: str) -> list[Any]:
+    with _quiet_datasets() as datasets:
+        try:
+            ds = datasets.load_from_disk(str(p), keep_in_memory=True)
+        except Exception as err:  # noqa: BLE001
+            raise UserError(f"data folder '{label}' is not a save_to_disk dataset ({_cause(err)}).") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds and len(ds) != 1:
+            raise UserError(f"data folder '{label}' holds splits {list(ds)} and none is named 'train'.")
+        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    return ds.to_list()
+
+
+def _cause(err: BaseException) -> str:
+    text = str(err.__cause__ or err).strip()  # datasets wraps the informative error
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _load_examples(path: str, encoder: _Encoder, max_length: int, counts: dict) -> list[Example]:
+    rows, where = _read_records(path)
+    if not rows:
+        raise UserError(f"data path '{path}' holds no records.")
+    examples = []
+    for i, row in enumerate(rows):
+        ids, trained = encoder.encode(row, functools.partial(where, i))
+        counts["truncated"] += len(ids) > max_length
+        example = _shifted(ids[:max_length], trained[:max_length])
+        counts["dropped"] += example is None
+        examples += [example] if example is not None else []
+    return examples
+
+
+def _shifted(ids: list[int], trained: list[bool]) -> Example | None:
+    """Targets[t] = ids[t+1] where token t+1 is trained; None when nothing is trained."""
+    targets = [ids[t + 1] if trained[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
+    targets.append(IGNORE_INDEX)
+    return Example(ids, targets) if any(t != IGNORE_INDEX for t in targets) else None
+
+
+def _hold_out(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    n = len(examples)
+    # At least one held out when asked for any, and always one left to train on (n >= 1 here).
+    k = min(max(round(fraction * n), int(fraction > 0)), n - 1)
+    held = set(torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k].tolist())
+    # Both sides keep file order; the training stream does its own shuffling.
+    train = [e for i, e in enumerate(examples) if i not in held]
+    return train, [e for i, e in enumerate(examples) if i in held]
+
+
+class _Encoder:
+    """One record -> (ids, trained flags) for the configured format."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any):
+        self.cfg, self.tok, self.bos, self.eos = cfg, tokenizer, _bos_to_add(tokenizer), tokenizer.eos_token_id
+        if self.eos is None:
+            raise UserError("the tokenizer has no eos token; slimtune ends every trained example with one.")
+        self.template = _resolve_template(tokenizer, cfg.chat_template) if cfg.format == "chat" else None
+
+    def encode(self, row: Any, where) -> tuple[list[int], list[bool]]:
+        if not isinstance(row, dict):
+            raise UserError(f"{where()}: expected an object with named fields, got {type(row).__name__}.")
+        if self.cfg.format == "chat":
+            return self._chat(_messages_field(row, self.cfg.messages_field, where), where)
+        if self.cfg.format == "text":
+            head, body = _with_bos([], self.bos), _text_field(row, self.cfg.text_field, where)
+        else:
+            # Tokenized apart so that generation from encode_prompt(prompt) sees this exact prefix.
+            head = _with_bos(self._ids(_text_field(row, self.cfg.prompt_field, where)), self.bos)
+            body = _text_field(row, self.cfg.response_field, where)
+        trained = self._ids(body) + [self.eos]
+        return head + trained, [False] * len(head) + [True] * len(trained)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def _chat(self, messages: list[dict], where) -> tuple[list[int], list[bool]]:
+        text, spans = _assistant_spans(self.tok, self.template, messages, where)
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        # A token is trained when its characters lie inside an assistant span.
+        trained = [any(s <= a and b <= e for s, e in spans) and b > a for a, b in enc["offset_mapping"]]
+        ids = _with_bos(enc["input_ids"], self.bos)
+        return ids, [False] * (len(ids) - len(trained)) + trained
+
+
+def _present(row: dict, name: str, where) -> Any:
+    value = row.get(name)
+    if value is None or (isinstance(value, float) and math.isnan(value)):  # NaN: an empty CSV cell
+        raise UserError(f"{where()}: missing field '{name}'.")
+    return value
+
+
+def _text_field(row: dict, name: str, where) -> str:
+    value = _present(row, name, where)
+    if not isinstance(value, str):
+        raise UserError(f"{where()}: field '{name}' must be a string, got {type(value).__name__}.")
+    return value
+
+
+def _messages_field(row: dict, name: str, where) -> list[dict]:
+    value = _present(row, name, where)
+    if isinstance(value, str):  # CSV cells can only hold the list as JSON text
+        with contextlib.suppress(json.JSONDecodeError):
+            value = json.loads(value)
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{where()}: field '{name}' must be a non-empty list of {{role, content}} messages.")
+    messages = []
+    for j, message in enumerate(value, start=1):
+        if not isinstance(message, dict):
+            raise UserError(f"{where()}: message {j} in '{name}' must be a {{role, content}} object.")
+        role, content = message.get("role"), message.get("content")
+        if role not in _ROLES:
+            raise UserError(f"{where()}: message {j} has role {role!r}; expected one of {', '.join(_ROLES)}.")
+        if not isinstance(content, str):
+            raise UserError(f"{where()}: message {j} needs a string 'content', got {type(content).__name__}.")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+# ---------------------------------------------------------------- chat templates
+
+
+def _resolve_template(tokenizer: Any, template: str | None) -> str:
+    if template:
+        if os.path.isfile(template):
+            return Path(template).read_text(encoding="utf-8")
+        if template.endswith((".jinja", ".j2")):
+            raise UserError(f"data.chat_template file '{template}' does not exist.")
+        return template
+    own = tokenizer.chat_template
+    if isinstance(own, dict):  # named templates; 'default' is the conversational one
+        own = own.get("default")
+    return own or DEFAULT_CHAT_TEMPLATE
+
+
+def _render(tokenizer: Any, template: str, messages: list[dict], generation: bool, where: str) -> str:
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=generation, tokenize=False
+        )
+    except TemplateError as err:
+        raise UserError(f"{where}: the chat template failed ({err}).") from None
+
+
+def _assistant_spans(tokenizer: Any, template: str, messages: list[dict], where) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and its assistant turns as character spans: from the end of the
+    prefix with the generation prompt to the end of the turn (content plus end-of-turn marker)."""
+    full = _render(tokenizer, template, messages, False, where())
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        through = _render(tokenizer, template, messages[: i + 1], False, where())
+        if i:
+            before = _render(tokenizer, template, messages[:i], True, where())
+        else:  # apply_chat_template refuses an empty prefix; a probe turn shows where content starts
+            probe = _render(tokenizer, template, [{"role": "assistant", "content": _PROBE}], False, where())
+            before = probe.split(_PROBE)[0] if _PROBE in probe else None
+        if before is not None and full.startswith(through) and through.startswith(before):
+            span = (len(before), len(through))
+        else:
+            # Templates that rewrite earlier turns break the prefix rule; fall back to the content.
+            start = full.find(message["content"], spans[-1][1] if spans else 0)
+            if start < 0:
+                raise UserError(f"{where()}: the chat template does not write assistant message {i + 1} verbatim.")
+            span = (start, start + len(message["content"]))
+        spans.append(span)
+    return full, spans
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _build_rows(lengths: list[int], order: list[int], max_length: int, packing: bool) -> list[list[int]]:
+    """Example indices per row: greedy in `order`, never splitting an example."""
+    if not packing:
+        return [[i] for i in order]
+    rows, current, used = [], [], 0
+    for i in order:
+        if current and used + lengths[i] > max_length:
+            rows.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += lengths[i]
+    if current:
+        rows.append(current)
+    return rows
+
+
+def _collate(examples: list[Example], rows: list[list[int]], pad_id: int) -> Batch:
+    """Rows -> one batch padded to its longest row; the padding tail is its own segment."""
+    used = [sum(len(examples[i].input_ids) for i in row) for row in rows]
+    ids, targets, positions = [], [], []
+    for row, pad in zip(rows, [max(used) - u for u in used]):
+        ids.append([t for i in row for t in examples[i].input_ids] + [pad_id] * pad)
+        targets.append([t for i in row for t in examples[i].targets] + [IGNORE_INDEX] * pad)
+        positions.append([p for i in row for p in range(len(examples[i].input_ids))] + list(range(pad)))
+    return Batch(*(torch.tensor(x, dtype=torch.long) for x in (ids, targets, positions)))  # each (B, T)
+
+
+def eval_batches(examples: list[Example], batch_size: int, max_length: int, packing: bool, pad_id: int) -> list[Batch]:
+    """All of `examples` in their given order, batched by the same row rules as training."""
+    rows = _build_rows([len(e.input_ids) for e in examples], list(range(len(examples))), max_length, packing)
+    return [_collate(examples, rows[i : i + batch_size], pad_id) for i in range(0, len(rows), batch_size)]
+
+
+class BatchStream:
+    """Training batches: infinite, reshuffled every epoch, exactly resumable."""
+
+    def __init__(
+        self, examples: list[Example], batch_size: int, max_length: int, packing: bool, pad_id: int, seed: int
+    ):
+        if not examples:
+            raise UserError("there are no training examples to batch.")
+        self.examples, self.batch_size, self.max_length = examples, batch_size, max_length
+        self.packing, self.pad_id, self.seed = packing, pad_id, seed
+        self.lengths = [len(e.input_ids) for e in examples]
+        if packing and max(self.lengths) > max_length:
+            raise ValueError(f"an example of {max(self.lengths)} tokens cannot be packed into rows of {max_length}.")
+        self.epoch, self.cursor, self._rows_epoch, self._rows = 0, 0, -1, []
+
+    def _epoch_rows(self) -> list[list[int]]:
+        if self._rows_epoch != self.epoch:
+            # Mixed into one 63-bit seed so every (seed, epoch) pair gets its own order.
+            mixed = (self.seed * 0x9E3779B97F4A7C15 + self.epoch) % (1 << 63)
+            order = torch.randperm(len(self.examples), generator=torch.Generator().manual_seed(mixed)).tolist()
+            self._rows = _build_rows(self.lengths, order, self.max_length, self.packing)
+            self._rows_epoch = self.epoch
+        return self._rows
+
+    def next_batch(self) -> Batch:
+        rows = self._epoch_rows()
+        if self.cursor * self.batch_size >= len(rows):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            rows = self._epoch_rows()
+        start = self.cursor * self.batch_size
+        self.cursor += 1
+        return _collate(self.examples, rows[start : start + self.batch_size], self.pad_id)
+
+    def _fingerprint(self) -> dict:
+        # What must match for a saved position to mean the same batches again.
+        names = ("seed", "batch_size", "max_length", "packing")
+        sizes = {"num_examples": len(self.examples), "num_tokens": sum(self.lengths)}
+        return {**{name: getattr(self, name) for name in names}, **sizes}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, **self._fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in self._fingerprint().items():
+            if key in state and state[key] != value:
+                raise UserError(f"cannot resume the data stream exactly: {key} was {state[key]}, now {value}.")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
