@@ -114,6 +114,6 @@ def latest(root: Path) -> Path | None:
 def load(folder: Path) -> tuple[int, dict, dict, dict]:
     """(step, engine_state, stream_state, rng) of a checkpoint folder."""
     meta = json.loads((folder / "meta.json").read_text())
-    blob = torch.load(folder / "state.pt", weights_only=False)
+    blob = torch.load(folder / "state.pt", weights_only=True)  # tensors and plain values only: no code runs
     engine_state = dict(blob["engine"], trainable=load_file(str(folder / "trainable.safetensors")))
     return meta["step"], engine_state, meta["stream"], blob["rng"]

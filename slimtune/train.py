@@ -3,6 +3,7 @@ log, evaluate, checkpoint, and write the result."""
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import time
 from dataclasses import dataclass, field
@@ -60,8 +61,6 @@ class Run:
 
 def apply_method(cfg: RunConfig, stack: Stack) -> list[str]:
     """LoRA adapters on the chosen linears, or full fine-tuning minus the freeze patterns."""
-    import fnmatch
-
     stack.advance("adapters")
     if cfg.method == "lora":
         return lora.apply(stack.model, cfg.lora)
