@@ -495,5 +495,8 @@ class BatchStream:
     def load_state_dict(self, state: dict) -> None:
         for key, value in self._fingerprint().items():
             if key in state and state[key] != value:
-                raise UserError(f"cannot resume the data stream exactly: {key} was {state[key]}, now {value}.")
+                raise UserError(
+                    f"cannot resume the data stream exactly: {key} was {state[key]}, now {value}; "
+                    "use a new output_dir or train.resume=false."
+                )
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

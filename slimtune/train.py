@@ -151,6 +151,8 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     log = MetricsLog(out, start)
     eval_data = _eval_batches(run)
     t = cfg.train
+    if progress:
+        tqdm.write(f"data: {run.splits.report.summary()}" + (f"; resuming after step {start}" if start else ""))
     bar = tqdm(total=t.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
     began = time.perf_counter()
     try:
