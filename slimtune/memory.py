@@ -111,7 +111,7 @@ class LiveBytesMeter(TorchDispatchMode):
 class CpuMeter:
     """Per-step device peak on the CPU: a LiveBytesMeter around the step."""
 
-    kind = "live tensor bytes (CPU meter)"
+    kind = "measured: live tensor bytes (CPU meter)"
 
     @contextlib.contextmanager
     def measure(self, resident: Iterable[torch.Tensor | None]) -> Iterator[LiveBytesMeter]:
@@ -133,7 +133,7 @@ class _CudaReading:
 class CudaMeter:
     """Per-step device peak on CUDA: the caching allocator's max_memory_allocated."""
 
-    kind = "CUDA allocator peak"
+    kind = "measured: CUDA allocator peak"
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -149,5 +149,22 @@ class CudaMeter:
             reading.peak = torch.cuda.max_memory_allocated(self.device)
 
 
-def meter_for(device: torch.device) -> CpuMeter | CudaMeter:
+class _NoReading:
+    peak = None
+
+
+class NullMeter:
+    """For runs that opt out of measuring (train.measure_memory=false); peaks read as None."""
+
+    kind = "not measured"
+
+    @contextlib.contextmanager
+    def measure(self, resident: Iterable[torch.Tensor | None]) -> Iterator[_NoReading]:
+        del resident
+        yield _NoReading()
+
+
+def meter_for(device: torch.device, enabled: bool = True) -> CpuMeter | CudaMeter | NullMeter:
+    if not enabled:
+        return NullMeter()
     return CudaMeter(device) if device.type == "cuda" else CpuMeter()

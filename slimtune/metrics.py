@@ -55,7 +55,8 @@ class MetricsLog:
             top.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
         top.set_ylabel("loss")
         top.legend()
-        bottom.plot([r["step"] for r in train], [r["device_peak_bytes"] / 2**20 for r in train])
+        measured = [r for r in train if r["device_peak_bytes"] is not None]
+        bottom.plot([r["step"] for r in measured], [r["device_peak_bytes"] / 2**20 for r in measured])
         bottom.set_ylabel("device peak (MiB, measured)")
         bottom.set_xlabel("step")
         fig.tight_layout()

@@ -127,6 +127,7 @@ def _record(step: int, result, seconds: float) -> dict:
         "lr": result.lr,
         "grad_norm": result.grad_norm,
         "tokens": result.tokens,
+        "seen_tokens": result.seen_tokens,
         "tokens_per_s": result.seen_tokens / max(seconds, 1e-9),
         "device_peak_bytes": result.device_peak_bytes,
         "host_link_bytes": result.host_link_bytes,
@@ -157,8 +158,9 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     began = time.perf_counter()
     try:
         for step in range(start + 1, t.steps + 1):
+            micro_batches = [stream.next_batch() for _ in range(t.grad_accum)]
             tick = time.perf_counter()
-            result = run.engine.step([stream.next_batch() for _ in range(t.grad_accum)])
+            result = run.engine.step(micro_batches)
             record = _record(step, result, time.perf_counter() - tick)
             if _due(step, t.eval_every, t.steps):
                 record.update(evaluate(run, eval_data))
@@ -167,7 +169,7 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
             if _due(step, t.save_every, t.steps):
                 checkpoint.save(out, step, run.engine.state_dict(), stream.state_dict(), t.keep_last)
             bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            mem=human_bytes(result.device_peak_bytes))
+                            mem=_peak_text(result.device_peak_bytes))
             bar.update(1)
     finally:
         bar.close()
@@ -176,6 +178,17 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     summary = _summary(run, log, time.perf_counter() - began, start, result_dir)
     log.plot(out / "metrics.png")
     return run, summary
+
+
+def _peak_text(peak: int | None) -> str:
+    return "not measured" if peak is None else human_bytes(peak)
+
+
+def _steady_tokens_per_s(records: list[dict]) -> float:
+    """Total tokens over total step time, leaving out the first (warm-up) step when there are others."""
+    steady = records[1:] if len(records) > 1 else records
+    seconds = sum(r["step_s"] for r in steady)
+    return sum(r["seen_tokens"] for r in steady) / seconds if seconds > 0 else 0.0
 
 
 def _summary(run: Run, log: MetricsLog, seconds: float, start: int, result_dir: Path) -> dict:
@@ -188,8 +201,9 @@ def _summary(run: Run, log: MetricsLog, seconds: float, start: int, result_dir: 
         "final_loss": log.records[-1]["loss"] if log.records else float("nan"),
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
         "eval_ppl": evals[-1]["eval_ppl"] if evals else None,
-        "tokens_per_s": sum(r["tokens_per_s"] for r in done) / len(done) if done else 0.0,
-        "device_peak_bytes": max((r["device_peak_bytes"] for r in done), default=0),
+        "tokens_per_s": _steady_tokens_per_s(done),
+        "device_peak_bytes": max((r["device_peak_bytes"] for r in done if r["device_peak_bytes"] is not None),
+                                 default=None),
         "meter": run.engine.meter.kind,
         "trainable_params": run.trainable_count(),
         "result": str(result_dir),
@@ -208,8 +222,9 @@ def summary_table(summary: dict) -> str:
     if summary["eval_loss"] is not None:
         rows.append(("eval loss / perplexity", f"{summary['eval_loss']:.4f} / {summary['eval_ppl']:.2f}"))
     rows += [
-        ("tokens/s (mean)", f"{summary['tokens_per_s']:.0f}"),
-        ("device peak", f"{human_bytes(summary['device_peak_bytes'])} (measured: {summary['meter']})"),
+        ("tokens/s (after step 1)", f"{summary['tokens_per_s']:.0f}"),
+        ("device peak", _peak_text(summary["device_peak_bytes"]) + (
+            f" ({summary['meter']})" if summary["device_peak_bytes"] is not None else "")),
         ("wall time", f"{summary['seconds']:.1f} s"),
         ("result", summary["result"]),
     ]

@@ -18,7 +18,7 @@ class StepResult:
     seen_tokens: int  # input positions processed, padding included (as HF Trainer counts them)
     lr: float
     grad_norm: float  # global norm before clipping
-    device_peak_bytes: int  # measured by the device meter
+    device_peak_bytes: int | None  # measured by the device meter; None when measuring is off
     host_link_bytes: int  # counted bytes moved between host and device
 
 

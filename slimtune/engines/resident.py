@@ -36,7 +36,7 @@ class ResidentEngine:
             foreach=device.type == "cuda",
         )
         self.scheduler = schedule.build(self.optimizer, cfg.steps, cfg.warmup_steps, cfg.schedule)
-        self.meter = memory.meter_for(device)
+        self.meter = memory.meter_for(device, cfg.measure_memory)
 
     def _resident_tensors(self):
         yield from self.stack.model.parameters()
@@ -68,7 +68,7 @@ class ResidentEngine:
             loss=loss_sum / max(total, 1),
             tokens=total,
             seen_tokens=sum(b.input_ids.numel() for b in micro_batches),
-            lr=lr, grad_norm=grad_norm, device_peak_bytes=int(reading.peak), host_link_bytes=0,
+            lr=lr, grad_norm=grad_norm, device_peak_bytes=reading.peak, host_link_bytes=0,
         )
 
     def _clip(self) -> float:
