@@ -12,13 +12,12 @@ Memory, both sides: slimtune.memory.LiveBytesMeter (live CPU tensor-storage byte
 entered at the start of each optimizer step and left at its end, with the model's
 parameters, gradients and optimizer state registered as resident. slimtune does that
 inside ResidentEngine.step; for HF a TrainerCallback does it from on_step_begin to
-on_step_end. Unmetered runs swap slimtune's meter for a no-op one and drop the HF
+on_step_end. Unmetered runs set slimtune's train.measure_memory=false and drop the HF
 callback's meter, to show what metering costs in time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import resource
@@ -179,24 +178,13 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     return {
         "tokens_per_s": sum(s["tokens"] for s in measured) / seconds,
         "mean_step_s": seconds / len(measured),
-        "device_peak_bytes": max(s["device_peak_bytes"] for s in steps),
+        "device_peak_bytes": max((s["device_peak_bytes"] for s in steps if s["device_peak_bytes"]), default=None),
         "median_step_s": statistics.median(s["step_s"] for s in measured),
         "min_step_s": min(s["step_s"] for s in measured),
         "final_loss": steps[-1]["loss"],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "steps": steps,
     }
-
-
-class NoMeter:
-    """Stands in for slimtune's CpuMeter to time a step without the dispatch-mode meter."""
-
-    kind = "none (unmetered timing run)"
-
-    @contextlib.contextmanager
-    def measure(self, resident):
-        del resident
-        yield type("Reading", (), {"peak": 0})()
 
 
 def slimtune_side(spec: dict) -> dict:
@@ -210,15 +198,12 @@ def slimtune_side(spec: dict) -> dict:
         "lora": {"rank": t["rank"], "alpha": t["alpha"], "dropout": t["dropout"], "targets": LORA_TARGETS},
         "train": {"steps": spec["steps"], "batch_size": t["batch_size"], "lr": t["lr"], "weight_decay":
                   t["weight_decay"], "max_grad_norm": t["max_grad_norm"], "schedule": t["schedule"],
-                  "warmup_steps": 0, "seed": t["seed"], "log_every": 1},
+                  "warmup_steps": 0, "seed": t["seed"], "log_every": 1, "measure_memory": spec["metered"]},
     })
-    run = train.build(cfg)
-    if not spec["metered"]:
-        run.engine.meter = NoMeter()
-    run, summary = train.fit(cfg, progress=False, run=run)
+    run, summary = train.fit(cfg, progress=False)
     records = [json.loads(line) for line in (Path(spec["out"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [{"step": r["step"], "loss": r["loss"], "step_s": r["step_s"], "device_peak_bytes":
-              r["device_peak_bytes"], "tokens": round(r["tokens_per_s"] * r["step_s"])} for r in records]
+              r["device_peak_bytes"], "tokens": r["seen_tokens"]} for r in records]
     return {**summarize(steps, spec["warmup"]), "trainable_params": summary["trainable_params"],
             "meter": summary["meter"]}
 
