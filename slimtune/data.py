@@ -66,13 +66,17 @@ class Batch:
     input_ids: torch.Tensor  # (B, T) long
     targets: torch.Tensor  # (B, T) long, IGNORE_INDEX where no loss
     position_ids: torch.Tensor  # (B, T) long, 0 at every example start and at the padding tail
+    # Trained positions (targets != IGNORE_INDEX), counted once here so that engines never read a
+    # tensor value mid-step (which fake tensors, used by memory.estimate, cannot answer).
+    num_targets: int = -1
 
-    @property
-    def num_targets(self) -> int:
-        return int((self.targets != IGNORE_INDEX).sum())
+    def __post_init__(self) -> None:
+        if self.num_targets < 0:
+            self.num_targets = int((self.targets != IGNORE_INDEX).sum())
 
     def to(self, device: Any) -> Batch:
-        return Batch(self.input_ids.to(device), self.targets.to(device), self.position_ids.to(device))
+        moved = (t.to(device) for t in (self.input_ids, self.targets, self.position_ids))
+        return Batch(*moved, num_targets=self.num_targets)
 
 
 @dataclass

@@ -42,26 +42,53 @@ def is_host_resident(tensor: torch.Tensor) -> bool:
     return _key(tensor.untyped_storage()) in _HOST_RESIDENT
 
 
+# What the breakdown of a peak is made of. Resident tensors are tagged when a step starts;
+# anything created during the step takes the phase the engine is in.
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "loss", "temporaries")
+
+
 class LiveBytesMeter(TorchDispatchMode):
-    """Counts live storage bytes on the metered device type; `peak` is the high-water mark."""
+    """Counts live storage bytes on the metered device type; `peak` is the high-water mark and
+    `peak_breakdown` splits it by category at that moment."""
 
     def __init__(self, device_type: str = "cpu"):
         super().__init__()
         self.device_type = device_type
         self.current = 0
         self.peak = 0
-        self._live: dict[int, tuple[int, weakref.finalize]] = {}
+        self.category = "temporaries"  # the phase new storage is tagged with
+        self.by_category = dict.fromkeys(CATEGORIES, 0)
+        self.peak_breakdown = dict(self.by_category)
+        self._live: dict[int, list] = {}  # key -> [nbytes, finalizer, category]
 
-    def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
+    def track(self, tensors: Iterable[torch.Tensor | None], category: str | None = None) -> None:
         """Count tensors that already exist (parameters, gradients, optimizer state, inputs)."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self._track_one(t)
+                self._track_one(t, category or self.category)
+
+    @contextlib.contextmanager
+    def phase(self, category: str) -> Iterator[None]:
+        """Tag storage created inside the block with `category`."""
+        previous, self.category = self.category, category
+        try:
+            yield
+        finally:
+            self.category = previous
+
+    def retag(self, tensor: torch.Tensor | None, category: str) -> None:
+        """Move a tracked storage to another category (a gradient made during backward)."""
+        entry = self._live.get(_key(tensor.untyped_storage())) if tensor is not None else None
+        if entry is not None:
+            self.by_category[entry[2]] -= entry[0]
+            self.by_category[category] += entry[0]
+            entry[2] = category
 
     def reset_peak(self) -> None:
         self.peak = self.current
+        self.peak_breakdown = dict(self.by_category)
 
-    def _track_one(self, t: torch.Tensor) -> None:
+    def _track_one(self, t: torch.Tensor, category: str) -> None:
         if t.device.type != self.device_type or t.is_sparse:
             return
         storage = t.untyped_storage()
@@ -69,20 +96,25 @@ class LiveBytesMeter(TorchDispatchMode):
         if key in self._live or key in _HOST_RESIDENT:
             return
         nbytes = storage.nbytes()
-        self._live[key] = (nbytes, weakref.finalize(storage, self._release, key))
+        self._live[key] = [nbytes, weakref.finalize(storage, self._release, key), category]
         self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        self.by_category[category] += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_breakdown = dict(self.by_category)
 
     def _release(self, key: int) -> None:
-        nbytes, _ = self._live.pop(key, (0, None))
-        self.current -= nbytes
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
+            self.by_category[entry[2]] -= entry[0]
 
     def forget(self, key: int) -> None:
         """Stop counting a storage (it became host-resident); the peak already reached stands."""
-        nbytes, finalizer = self._live.pop(key, (0, None))
-        if finalizer is not None:
-            finalizer.detach()
-        self.current -= nbytes
+        entry = self._live.get(key)
+        if entry is not None:
+            entry[1].detach()
+            self._release(key)
 
     def __enter__(self):
         _ACTIVE.add(self)
@@ -94,8 +126,8 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def close(self) -> None:
         """Stop watching storages that outlive the measurement (parameters, optimizer state)."""
-        for _, finalizer in self._live.values():
-            finalizer.detach()
+        for entry in self._live.values():
+            entry[1].detach()
         self._live.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -114,9 +146,11 @@ class CpuMeter:
     kind = "measured: live tensor bytes (CPU meter)"
 
     @contextlib.contextmanager
-    def measure(self, resident: Iterable[torch.Tensor | None]) -> Iterator[LiveBytesMeter]:
+    def measure(self, resident: Iterable[tuple[torch.Tensor | None, str]]) -> Iterator[LiveBytesMeter]:
+        """`resident`: (tensor, category) pairs alive when the step starts."""
         meter = LiveBytesMeter("cpu")
-        meter.track(resident)
+        for tensor, category in resident:
+            meter.track([tensor], category)
         try:
             with meter:
                 yield meter
@@ -124,7 +158,24 @@ class CpuMeter:
             meter.close()
 
 
-class _CudaReading:
+class _TotalsOnly:
+    """A reading with a total and no breakdown: phases and re-tags are accepted and ignored."""
+
+    peak: int | None = None
+    peak_breakdown: dict | None = None
+
+    @contextlib.contextmanager
+    def phase(self, category: str) -> Iterator[None]:
+        yield
+
+    def retag(self, tensor: torch.Tensor | None, category: str) -> None:
+        pass
+
+
+NO_READING = _TotalsOnly()  # for code paths that are not measured (evaluation)
+
+
+class _CudaReading(_TotalsOnly):
     def __init__(self, device: torch.device):
         self.device = device
         self.peak = 0
@@ -139,7 +190,7 @@ class CudaMeter:
         self.device = device
 
     @contextlib.contextmanager
-    def measure(self, resident: Iterable[torch.Tensor | None]) -> Iterator[_CudaReading]:
+    def measure(self, resident: Iterable[tuple[torch.Tensor | None, str]]) -> Iterator[_CudaReading]:
         del resident  # the allocator already knows every live tensor
         torch.cuda.reset_peak_memory_stats(self.device)
         reading = _CudaReading(self.device)
@@ -149,19 +200,15 @@ class CudaMeter:
             reading.peak = torch.cuda.max_memory_allocated(self.device)
 
 
-class _NoReading:
-    peak = None
-
-
 class NullMeter:
     """For runs that opt out of measuring (train.measure_memory=false); peaks read as None."""
 
     kind = "not measured"
 
     @contextlib.contextmanager
-    def measure(self, resident: Iterable[torch.Tensor | None]) -> Iterator[_NoReading]:
+    def measure(self, resident: Iterable[tuple[torch.Tensor | None, str]]) -> Iterator[_TotalsOnly]:
         del resident
-        yield _NoReading()
+        yield _TotalsOnly()
 
 
 def meter_for(device: torch.device, enabled: bool = True) -> CpuMeter | CudaMeter | NullMeter:

@@ -20,6 +20,7 @@ class StepResult:
     grad_norm: float  # global norm before clipping
     device_peak_bytes: int | None  # measured by the device meter; None when measuring is off
     host_link_bytes: int  # counted bytes moved between host and device
+    device_peak_breakdown: dict[str, int] | None = None  # by memory.CATEGORIES, where the meter can tell
 
 
 class Engine(Protocol):
@@ -40,6 +41,13 @@ class Engine(Protocol):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The trained weights by parameter name (what export writes)."""
         ...
+
+
+def to_float(value: torch.Tensor) -> float:
+    """A step's scalar for the log; NaN for a fake tensor (memory.estimate runs steps without values)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return float("nan") if is_fake(value) else float(value)
 
 
 def autocast_for(device: torch.device, precision: str):

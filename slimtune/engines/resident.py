@@ -8,7 +8,7 @@ from torch import nn
 from slimtune import memory, schedule
 from slimtune.config import TrainConfig
 from slimtune.data import Batch
-from slimtune.engines.base import StepResult, autocast_for
+from slimtune.engines.base import StepResult, autocast_for, to_float
 from slimtune.loss import token_loss_sum
 from slimtune.model import Stack
 
@@ -30,52 +30,64 @@ class ResidentEngine:
         self.stack, self.cfg, self.device, self.precision = stack, cfg, device, precision
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
-        # foreach on CUDA (its default there); CPU torch would pick the for-loop form.
+        # Fused AdamW on every device: the fastest form and the leanest in temporaries, and one
+        # op per step, so the fake-tensor estimate models the same optimizer a GPU runs.
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.named, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-            foreach=device.type == "cuda",
+            param_groups(self.named, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True
         )
         self.scheduler = schedule.build(self.optimizer, cfg.steps, cfg.warmup_steps, cfg.schedule)
         self.meter = memory.meter_for(device, cfg.measure_memory)
+        self._reading = None  # the meter reading of the step in progress
+        for param in self.params:  # a gradient made in backward is counted as a gradient
+            param.register_post_accumulate_grad_hook(self._tag_gradient)
+
+    def _tag_gradient(self, param: torch.Tensor) -> None:
+        if self._reading is not None:
+            self._reading.retag(param.grad, "gradients")
 
     def _resident_tensors(self):
-        yield from self.stack.model.parameters()
-        yield from (p.grad for p in self.params)
+        yield from ((p, "weights") for p in self.stack.model.parameters())
+        yield from ((p.grad, "gradients") for p in self.params)
         for state in self.optimizer.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+            yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
 
-    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+    def _loss_sum(self, batch: Batch, reading=memory.NO_READING) -> torch.Tensor:
         with autocast_for(self.device, self.precision):
-            hidden = self.stack.final_hidden(batch.input_ids, batch.position_ids)
-            return token_loss_sum(hidden, self.stack.head, batch.targets)
+            with reading.phase("activations"):
+                hidden = self.stack.final_hidden(batch.input_ids, batch.position_ids)
+            with reading.phase("loss"):
+                return token_loss_sum(hidden, self.stack.head, batch.targets)
 
     def step(self, micro_batches: list[Batch]) -> StepResult:
         self.stack.model.train()
-        total = sum(b.num_targets for b in micro_batches)
-        loss_sum = 0.0
+        total = max(sum(b.num_targets for b in micro_batches), 1)
         with self.meter.measure(self._resident_tensors()) as reading:
+            self._reading = reading
+            loss_sum = None
             for batch in micro_batches:
-                batch = batch.to(self.device)
-                loss = self._loss_sum(batch) / max(total, 1)
+                loss = self._loss_sum(batch.to(self.device), reading) / total
                 loss.backward()
-                loss_sum += loss.item() * max(total, 1)
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             grad_norm = self._clip()
             lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
+            with reading.phase("optimizer"):
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
+            self._reading = None
         return StepResult(
-            loss=loss_sum / max(total, 1),
-            tokens=total,
+            loss=to_float(loss_sum),
+            tokens=sum(b.num_targets for b in micro_batches),
             seen_tokens=sum(b.input_ids.numel() for b in micro_batches),
-            lr=lr, grad_norm=grad_norm, device_peak_bytes=reading.peak, host_link_bytes=0,
+            lr=lr, grad_norm=to_float(grad_norm), device_peak_bytes=reading.peak, host_link_bytes=0,
+            device_peak_breakdown=reading.peak_breakdown,
         )
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
         grads = [p for p in self.params if p.grad is not None]
         if self.cfg.max_grad_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(grads, self.cfg.max_grad_norm))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in grads]))
+            return torch.nn.utils.clip_grad_norm_(grads, self.cfg.max_grad_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in grads])
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:

@@ -67,7 +67,29 @@ def test_backward_temporaries_are_seen():
 def test_cpu_meter_detaches_from_long_lived_storage():
     weight = torch.randn(100)
     for _ in range(3):
-        with memory.CpuMeter().measure([weight]) as reading:
+        with memory.CpuMeter().measure([(weight, "weights")]) as reading:
             pass
         assert reading.peak == 400
     del weight  # no meter callbacks left to fire on a dead meter
+
+
+def test_breakdown_by_phase_and_retag():
+    weight = torch.randn(10, 10)  # 400 B
+    meter = memory.LiveBytesMeter()
+    meter.track([weight], "weights")
+    with meter:
+        with meter.phase("activations"):
+            saved = torch.empty(50)  # 200 B
+        with meter.phase("loss"):
+            logits = torch.empty(100)  # 400 B
+        grad = torch.empty(25)  # 100 B, made as a temporary
+        meter.retag(grad, "gradients")
+        assert meter.peak_breakdown == {"weights": 400, "gradients": 0, "optimizer": 0, "activations": 200,
+                                        "loss": 400, "temporaries": 100}
+        del logits
+        big = torch.empty(200)  # 800 B: a new peak of 1500 without the logits
+    assert meter.peak == 400 + 200 + 100 + 800
+    assert meter.peak_breakdown == {"weights": 400, "gradients": 100, "optimizer": 0, "activations": 200,
+                                    "loss": 0, "temporaries": 800}
+    assert sum(meter.peak_breakdown.values()) == meter.peak
+    del saved, grad, big
