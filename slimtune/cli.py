@@ -1,4 +1,4 @@
-"""slimtune's command line: train | export. `slimtune train` with no config runs the demo."""
+"""slimtune's command line: train | plan | probe | export. `slimtune train` with no config runs the demo."""
 
 from __future__ import annotations
 
@@ -36,6 +36,17 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="run config (YAML)")
     train.add_argument("overrides", nargs="*", help="key=value settings applied over the config")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
+    train.add_argument("--gpu", help="with plan=auto: the card to plan for (same as gpu=...)")
+    plan = sub.add_parser("plan", help="what fits a GPU and what runs fastest, from the real step on fake tensors")
+    plan.add_argument("--model", required=True, help="a preset name (e.g. Llama-3.1-8B) or a local HF folder")
+    plan.add_argument("--gpu", required=True, help="a card name (rtx4090, h100, ...), a size (24GiB) or a probe JSON")
+    plan.add_argument("--seq", type=int, default=2048, help="tokens per row (default 2048)")
+    plan.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
+    plan.add_argument("--method", choices=("lora", "full"), default="lora")
+    plan.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    plan.add_argument("--json", action="store_true", help="print the plans as a JSON list")
+    probe = sub.add_parser("probe", help="measure this machine's device and write a GPU profile")
+    probe.add_argument("--out", help="write the profile here (JSON, usable as --gpu FILE)")
     export = sub.add_parser("export", help="write a merged HF model folder from a LoRA run")
     export.add_argument("run_dir", help="the run's output_dir")
     export.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
@@ -56,9 +67,38 @@ def _train(args: argparse.Namespace) -> None:
     if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
         overrides.insert(0, path)
         path = None
+    if args.gpu:
+        overrides.append(f"gpu={args.gpu}")
     cfg = config.load(path, overrides)
     _, summary = train.fit(cfg, progress=not args.no_progress)
     print(train.summary_table(summary))
+
+
+def _plan(args: argparse.Namespace) -> None:
+    from slimtune import planner, presets
+
+    if args.seq <= 0 or args.batch <= 0 or args.rank <= 0:
+        raise UserError("--seq, --batch and --rank must be positive.")
+    model_config = presets.model_config(args.model)
+    gpu = presets.gpu_profile(args.gpu)
+    base = planner.planning_config(args.method, args.rank)
+    results = planner.plan(model_config, base, gpu, args.batch, args.seq)
+    if args.json:
+        print(planner.to_json(results))
+        return
+    title = (f"slimtune plan: {args.model}, {args.method}, batch {args.batch} x seq {args.seq}, on {gpu.name} "
+             f"({gpu.memory_bytes / 2**30:.1f} GiB)")
+    print(planner.table(results, title, gpu))
+
+
+def _probe(args: argparse.Namespace) -> None:
+    from slimtune import probe
+
+    profile = probe.run(args.out)
+    for key, value in profile.items():
+        print(f"  {key:<16} {value:,.2f}" if isinstance(value, float) else f"  {key:<16} {value}")
+    if args.out:
+        print(f"profile written to {args.out} (use it as --gpu {args.out})")
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -71,7 +111,7 @@ def _export(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"train": _train, "export": _export}[args.command](args)
+        {"train": _train, "plan": _plan, "probe": _probe, "export": _export}[args.command](args)
     except UserError as err:
         print(f"slimtune: error: {err}", file=sys.stderr)
         return 2

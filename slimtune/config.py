@@ -118,6 +118,12 @@ class RunConfig:
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA settings; see lora.* fields."})
     freeze: list[str] = _f([], "full: parameter name patterns (fnmatch) to keep frozen, e.g. ['*embed_tokens*'].")
     engine: Literal["resident"] = _f("resident", "How the step is run; resident keeps everything on the device.")
+    plan: Literal["manual", "auto"] = _f(
+        "manual", "auto: let the planner choose engine and options for `gpu` (see `slimtune plan`)."
+    )
+    gpu: str | None = _f(
+        None, "plan=auto: the card to plan for: a name (rtx4090, a100-80gb, ...), a size (8GiB) or a probe JSON."
+    )
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Optimisation; see train.* fields."})
     output_dir: str = _f("runs/slimtune", "Where checkpoints, metrics, plots and the result go.")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: CUDA when present, else the CPU.")
@@ -131,6 +137,8 @@ class RunConfig:
         self.data.validate()
         self.lora.validate()
         self.train.validate()
+        if self.plan == "auto" and self.gpu is None and self.device == "cpu":
+            raise UserError("plan=auto needs gpu (e.g. --gpu 8GiB) when training on the CPU.")
 
 
 def _positive(name: str, value: float) -> None:

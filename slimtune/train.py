@@ -71,8 +71,22 @@ def apply_method(cfg: RunConfig, stack: Stack) -> list[str]:
     return []
 
 
+def _auto_plan(cfg: RunConfig, device: torch.device) -> RunConfig:
+    """plan=auto: the planner's recommended engine and options for the run's card."""
+    from slimtune import planner, presets
+
+    gpu = presets.gpu_profile(cfg.gpu) if cfg.gpu else presets.device_profile(device)
+    planned, chosen = planner.apply_recommended(cfg, presets.model_config(cfg.model), gpu)
+    print(f"plan=auto on {gpu.name}: {chosen.engine} {chosen.label} "
+          f"(device peak {human_bytes(chosen.estimate.device_peak_bytes)}, measured on fake tensors; "
+          f"{chosen.tokens_per_s:,.0f} tokens/s modelled)")
+    return planned
+
+
 def build(cfg: RunConfig) -> Run:
     device = resolve_device(cfg.device)
+    if cfg.plan == "auto":
+        cfg = _auto_plan(cfg, device)
     precision = resolve_precision(cfg.precision, device)
     torch.manual_seed(cfg.train.seed)
     read_config(cfg.model)  # a wrong folder is named before anything else is read
@@ -144,6 +158,7 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     from tqdm.auto import tqdm
 
     run = run or build(cfg)
+    cfg = run.cfg  # plan=auto may have chosen the engine and options
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -160,7 +175,10 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
         for step in range(start + 1, t.steps + 1):
             micro_batches = [stream.next_batch() for _ in range(t.grad_accum)]
             tick = time.perf_counter()
-            result = run.engine.step(micro_batches)
+            try:
+                result = run.engine.step(micro_batches)
+            except torch.OutOfMemoryError:
+                raise UserError(out_of_memory_advice(run, step)) from None
             record = _record(step, result, time.perf_counter() - tick)
             if _due(step, t.eval_every, t.steps):
                 record.update(evaluate(run, eval_data))
@@ -178,6 +196,25 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     summary = _summary(run, log, time.perf_counter() - began, start, result_dir)
     log.plot(out / "metrics.png")
     return run, summary
+
+
+def out_of_memory_advice(run: Run, step: int) -> str:
+    """One sentence for a step that ran out of device memory, naming a plan that fits this card."""
+    from slimtune import planner, presets
+
+    cfg = run.cfg
+    gpu = presets.device_profile(run.device)
+    results = planner.plan(presets.model_config(cfg.model), cfg, gpu, cfg.train.batch_size, cfg.data.max_length)
+    chosen = planner.recommended(results)
+    if chosen is None:
+        need = planner.smallest(results)
+        return (f"out of device memory at step {step}, and no plan fits {human_bytes(gpu.memory_bytes)}: the smallest "
+                f"({need.engine} {need.label}) needs {human_bytes(need.estimate.device_peak_bytes)}; lower "
+                f"train.batch_size or data.max_length.")
+    options = " ".join(f"{k}={v}" for k, v in chosen.options.items())
+    return (f"out of device memory at step {step} with engine={cfg.engine} precision={cfg.precision}; "
+            f"a plan that fits {human_bytes(gpu.memory_bytes)}: engine={chosen.engine} {options} "
+            f"(device peak {human_bytes(chosen.estimate.device_peak_bytes)} on fake tensors), or train with plan=auto.")
 
 
 def _peak_text(peak: int | None) -> str:

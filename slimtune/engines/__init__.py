@@ -14,3 +14,10 @@ def build(cfg: RunConfig, stack: Stack, device: torch.device, precision: str):
 
         return ResidentEngine(stack, cfg.train, device, precision)
     raise AssertionError(f"engine {cfg.engine!r} passed validation but has no builder")
+
+
+def plan_options(method: str) -> list[dict]:
+    """Every engine-and-options combination the planner weighs for `method`; each engine adds its own.
+    A plan is a set of RunConfig overrides."""
+    del method  # resident serves LoRA and full fine-tuning alike
+    return [{"engine": "resident", "precision": precision} for precision in ("bf16", "fp32")]

@@ -1,0 +1,97 @@
+"""memory.estimate: the real training step of the real engine, run on fake tensors.
+
+The model is built on the meta device and given fake parameters (FakeTensorMode on the
+CPU device: fake `cuda` tensors cannot exist on a CPU-only torch), the run's method and
+engine are applied exactly as `train.build` applies them, and two steps run under the
+same meter the training loop uses. Nothing is computed and no weight is allocated, so an
+8B model's step is measured in seconds. Step 2 is the one reported: from then on the
+optimizer state exists, as it does for every later step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slimtune.config import RunConfig
+from slimtune.data import IGNORE_INDEX, Batch
+
+STEPS = 2
+
+
+@dataclass
+class Estimate:
+    device_peak_bytes: int
+    breakdown: dict[str, int]  # by memory.CATEGORIES, at the peak
+    host_bytes: int  # host RAM the plan holds beyond the loaded model files (offloaded state)
+    disk_bytes: int
+    host_link_bytes: int  # per optimizer step
+    trainable_params: int
+    total_params: int
+
+
+def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 0) -> Batch:
+    """A packed-looking batch: each row holds two examples (position ids restart halfway), and
+    the first quarter of each example is prompt (no loss), as response-only training has."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
+    half = seq_len // 2
+    positions = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(batch_size, -1).clone()
+    targets = torch.roll(ids, -1, dims=1)
+    targets[positions < max(1, half // 4)] = IGNORE_INDEX
+    targets[:, [half - 1, seq_len - 1]] = IGNORE_INDEX
+    return Batch(ids, targets, positions)
+
+
+def fake_model(config, dtype: torch.dtype, mode) -> nn.Module:
+    """An HF model whose parameters and buffers are fake tensors (tied weights stay tied)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.config.use_cache = False
+    replaced: dict[int, nn.Parameter] = {}
+    with mode:
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    if id(param) not in replaced:
+                        fake = torch.empty(param.shape, dtype=param.dtype)
+                        replaced[id(param)] = nn.Parameter(fake, requires_grad=param.requires_grad)
+                    module._parameters[name] = replaced[id(param)]
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype)
+    return model
+
+
+def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int) -> Estimate:
+    """Device peak of one steady-state optimizer step of `cfg` on a model of `config`'s shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from slimtune import engines, train
+    from slimtune.model import Stack
+
+    precision = train.resolve_precision(cfg.precision, torch.device("cuda"))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    stack = Stack(fake_model(config, train.weight_dtype(precision, cfg.method), mode))
+    real_batch = synthetic_batch(batch_size, seq_len, config.vocab_size)
+    with mode:
+        train.apply_method(cfg, stack)
+        stack.advance("engine")
+        engine = engines.build(cfg, stack, torch.device("cpu"), precision)
+        batch = Batch(*(mode.from_tensor(t) for t in (real_batch.input_ids, real_batch.targets,
+                                                       real_batch.position_ids)), num_targets=real_batch.num_targets)
+        results = [engine.step([batch] * cfg.train.grad_accum) for _ in range(STEPS)]
+    model = stack.model
+    return Estimate(
+        device_peak_bytes=results[-1].device_peak_bytes,
+        breakdown=results[-1].device_peak_breakdown,
+        host_bytes=0,
+        disk_bytes=0,
+        host_link_bytes=results[-1].host_link_bytes,
+        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        total_params=sum(p.numel() for p in model.parameters()),
+    )

@@ -1,0 +1,148 @@
+"""The planner: every applicable plan (engine plus options), its measured-on-fake-tensors device
+peak, its modelled speed on a card, which fit, and the one to run.
+
+A plan is a set of RunConfig overrides. Engines list their own candidates in
+`engines.plan_options`, so each new engine plugs in by adding itself there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from slimtune import config as config_module
+from slimtune import engines, estimate, speed
+from slimtune.config import RunConfig
+from slimtune.errors import UserError
+from slimtune.metrics import human_bytes
+
+# CUDA context and allocator slack a process holds beyond its tensors (PLATFORM.md: 0.5-1 GiB).
+# Assumed, not measured here: no GPU was available when it was set.
+CUDA_OVERHEAD_BYTES = 768 * 2**20
+
+
+@dataclass
+class PlanResult:
+    engine: str
+    options: dict
+    estimate: estimate.Estimate
+    time: speed.StepTime
+    tokens_per_s: float
+    fits: bool
+    recommended: bool = False
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.options.items())
+
+    def as_json(self) -> dict:
+        e = self.estimate
+        return {
+            "engine": self.engine,
+            "options": self.options,
+            "device_peak_bytes": e.device_peak_bytes,
+            "device_peak_kind": "measured on fake tensors (training meter)",
+            "breakdown": e.breakdown,
+            "host_bytes": e.host_bytes,
+            "disk_bytes": e.disk_bytes,
+            "host_link_bytes": e.host_link_bytes,
+            "fits": self.fits,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_kind": "modelled",
+            "step_s_modelled": self.time.seconds,
+            "recommended": self.recommended,
+        }
+
+
+def _run_config(base: RunConfig, plan: dict) -> RunConfig:
+    raw = dataclasses.asdict(base)
+    raw.update({k: v for k, v in plan.items() if k in raw})
+    return config_module.from_dict(RunConfig, raw, prefix="", source="the plan")
+
+
+def evaluate(model_config, base: RunConfig, plan: dict, gpu, batch_size: int, seq_len: int) -> PlanResult:
+    cfg = _run_config(base, plan)
+    found = estimate.estimate(model_config, cfg, batch_size, seq_len)
+    flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len) * cfg.train.grad_accum
+    time = speed.step_time(flops, found.trainable_params, found.host_link_bytes, gpu, plan.get("precision", "bf16"))
+    tokens = batch_size * seq_len * cfg.train.grad_accum
+    fits = found.device_peak_bytes + CUDA_OVERHEAD_BYTES <= gpu.memory_bytes
+    options = {k: v for k, v in plan.items() if k != "engine"}
+    return PlanResult(plan["engine"], options, found, time, time.tokens_per_s(tokens), fits)
+
+
+def plan(model_config, base: RunConfig, gpu, batch_size: int, seq_len: int) -> list[PlanResult]:
+    """Every candidate plan for base.method, fastest first; the fastest that fits is recommended."""
+    results = [evaluate(model_config, base, p, gpu, batch_size, seq_len) for p in engines.plan_options(base.method)]
+    results.sort(key=lambda r: (-r.tokens_per_s, r.estimate.device_peak_bytes))
+    fitting = [r for r in results if r.fits]
+    if fitting:
+        fitting[0].recommended = True
+    return results
+
+
+def recommended(results: list[PlanResult]) -> PlanResult | None:
+    return next((r for r in results if r.recommended), None)
+
+
+def smallest(results: list[PlanResult]) -> PlanResult:
+    return min(results, key=lambda r: r.estimate.device_peak_bytes)
+
+
+def planning_config(method: str, rank: int = 16, **train) -> RunConfig:
+    """A RunConfig for planning a model by preset or folder (no data is read)."""
+    base = {"model": "(planned)", "data": "(planned)", "method": method, "lora": {"rank": rank, "alpha": 2 * rank},
+            "train": {"batch_size": 1, **train}}
+    return config_module.load(None, [], base=base)
+
+
+def apply_recommended(cfg: RunConfig, model_config, gpu) -> tuple[RunConfig, PlanResult]:
+    """plan=auto: the run's own method, sequence length and batch, planned for `gpu`."""
+    results = plan(model_config, cfg, gpu, cfg.train.batch_size, cfg.data.max_length)
+    chosen = recommended(results)
+    if chosen is None:
+        need = smallest(results)
+        raise UserError(
+            f"no plan fits {gpu.name} ({human_bytes(gpu.memory_bytes)}): the smallest, {need.engine} {need.label}, "
+            f"needs {human_bytes(need.estimate.device_peak_bytes + CUDA_OVERHEAD_BYTES)}; lower train.batch_size "
+            f"or data.max_length."
+        )
+    return _run_config(cfg, {"engine": chosen.engine, **chosen.options}), chosen
+
+
+# ---------------------------------------------------------------- printing
+
+_COLUMNS = ("weights", "gradients", "optimizer", "activations", "loss", "temporaries")
+
+
+def table(results: list[PlanResult], title: str, gpu) -> str:
+    lines = [title, ""]
+    head = ["engine", "options", "device peak", *_COLUMNS, "host RAM", "disk", "link/step", "tokens/s*", "fits"]
+    rows = [head]
+    for r in results:
+        e = r.estimate
+        rows.append([
+            r.engine, r.label, human_bytes(e.device_peak_bytes),
+            *(human_bytes(e.breakdown.get(c, 0)) for c in _COLUMNS),
+            human_bytes(e.host_bytes), human_bytes(e.disk_bytes), human_bytes(e.host_link_bytes),
+            f"{r.tokens_per_s:,.0f}", ("yes" if r.fits else "no") + (" <- recommended" if r.recommended else ""),
+        ])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [
+        "",
+        "Device peak and its breakdown: the real training step run on fake tensors and counted by the training "
+        f"loop's meter. Fits: peak + {human_bytes(CUDA_OVERHEAD_BYTES)} CUDA context (assumed) <= "
+        f"{human_bytes(gpu.memory_bytes)}.",
+        f"* tokens/s is modelled: step FLOPs over {gpu.name}'s spec-sheet rate at {speed.ASSUMED_MFU:.0%} MFU "
+        "(assumed), plus optimizer and host-link traffic over its bandwidths.",
+    ]
+    chosen = recommended(results)
+    lines.append(f"recommended: {chosen.engine} {chosen.label}" if chosen else
+                 f"no plan fits; the smallest needs {human_bytes(smallest(results).estimate.device_peak_bytes)}.")
+    return "\n".join(lines)
+
+
+def to_json(results: list[PlanResult]) -> str:
+    return json.dumps([r.as_json() for r in results], indent=2)

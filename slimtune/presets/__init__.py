@@ -1,0 +1,185 @@
+"""Architecture-only presets: popular causal LMs (config, no weights) and GPU profiles.
+
+The planner builds a preset's model on the meta device to count bytes, and times a plan
+against a GPU profile's spec-sheet rates, so every time derived from these is modelled.
+Values, and where each was checked, live in models.json and gpus.json beside this file.
+`MODEL_PRESETS` and `GPU_PROFILES` are read on first use, so importing costs no file I/O.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from slimtune.errors import UserError
+
+_HERE = Path(__file__).parent
+# Keys in models.json that describe a preset rather than configure the model.
+_META_KEYS = ("hf_id", "source", "params")
+# The card whose rates a plain memory size borrows: a common, well-documented consumer GPU.
+GENERIC_RATES_FROM = "rtx4090"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)\s*$", re.IGNORECASE)
+
+
+@functools.cache
+def _load(name: str) -> dict:
+    return json.loads((_HERE / name).read_text())
+
+
+def __getattr__(name: str):
+    # PEP 562: the module-level dicts exist on first access, not at import.
+    if name == "MODEL_PRESETS":
+        return _load("models.json")
+    if name == "GPU_PROFILES":
+        return _load("gpus.json")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def preset_names() -> list[str]:
+    return list(_load("models.json"))
+
+
+def _find_preset(name: str) -> str | None:
+    wanted = name.strip().lower()
+    return next((key for key in _load("models.json") if key.lower() == wanted), None)
+
+
+def model_config(name_or_folder: str):
+    """A `transformers.PretrainedConfig` for a preset name (any case) or a local model folder.
+
+    From a folder only config.json is read, so a planner can size a model whose weights
+    are not there. A real folder wins over a preset of the same name: it is the truth about
+    that checkpoint."""
+    from transformers import AutoConfig
+
+    if Path(name_or_folder).is_dir():
+        from slimtune.model import read_config
+
+        read_config(name_or_folder)  # refuses a missing config.json or an unsupported family
+        try:
+            return AutoConfig.from_pretrained(str(name_or_folder), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise UserError(f"config.json in '{name_or_folder}' is not a usable model config ({err}).") from None
+    key = _find_preset(name_or_folder)
+    if key is None:
+        raise UserError(
+            f"'{name_or_folder}' is neither a model folder nor a preset; presets: {', '.join(preset_names())}."
+        )
+    settings = {k: v for k, v in _load("models.json")[key].items() if k not in _META_KEYS}
+    return AutoConfig.for_model(settings.pop("model_type"), **settings)
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """What the planner knows of a GPU: spec-sheet rates, not measurements (unless probed)."""
+
+    name: str
+    memory_bytes: int
+    bf16_tflops: float  # dense bf16 tensor-core peak, fp32 accumulate
+    fp32_tflops: float  # dense fp32 peak without tensor cores (PyTorch's default for fp32 matmuls)
+    memory_gbps: float  # device memory bandwidth, GB/s
+    host_link_gbps: float  # realistic one-direction pinned host<->device, GB/s
+    description: str = ""
+
+
+_NUMBERS = ("memory_bytes", "bf16_tflops", "fp32_tflops", "memory_gbps", "host_link_gbps")
+_FORMS = (
+    "a named card ({names}), a memory size such as 24GiB, 24GB, 8G, 12.5GiB or 500MiB, "
+    "or a JSON file with the fields {fields}"
+)
+
+
+def _normal(text: str) -> str:
+    # "RTX-4090", "rtx 4090" and "4090" should all find the card.
+    key = re.sub(r"[^a-z0-9]", "", text.lower())
+    for prefix in ("nvidia", "geforce", "rtx"):
+        key = key.removeprefix(prefix)
+    return key
+
+
+@functools.cache
+def _card_index() -> dict[str, str]:
+    index = {}
+    for name, card in _load("gpus.json").items():
+        for alias in (name, *card.get("aliases", ())):
+            index[_normal(alias)] = name
+    return index
+
+
+def _named(name: str) -> GpuProfile:
+    card = _load("gpus.json")[name]
+    return GpuProfile(name=name, description=card["description"], **{k: card[k] for k in _NUMBERS})
+
+
+def _sized(number: str, unit: str) -> GpuProfile:
+    # "GB" and "G" count as GiB: a user typing 24GB means the card's nominal 24 (GiB) size.
+    scale = 2**30 if unit.lower() in ("gib", "gb", "g") else 2**20
+    size = int(float(number) * scale)
+    rates = _named(GENERIC_RATES_FROM)
+    return GpuProfile(
+        name=f"generic-{number}{unit}",
+        memory_bytes=size,
+        bf16_tflops=rates.bf16_tflops,
+        fp32_tflops=rates.fp32_tflops,
+        memory_gbps=rates.memory_gbps,
+        host_link_gbps=rates.host_link_gbps,
+        description=f"generic card with {size / 2**30:g} GiB; rates of the {GENERIC_RATES_FROM} (generic)",
+    )
+
+
+def _from_file(path: Path, spec: str) -> GpuProfile:
+    """A profile JSON (as `slimtune probe` writes): the number fields required, others optional."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"GPU profile file '{spec}' is not readable JSON ({err}).") from None
+    if not isinstance(data, dict):
+        raise UserError(f"GPU profile file '{spec}' must hold a JSON object.")
+    missing = [k for k in _NUMBERS if k not in data]
+    bad = [k for k in _NUMBERS if k in data and not _positive(data[k])]
+    if missing or bad:
+        raise UserError(f"GPU profile file '{spec}' needs positive numbers for: {', '.join(missing + bad)}.")
+    known = {f.name for f in fields(GpuProfile)}
+    values = {k: v for k, v in data.items() if k in known}
+    values.setdefault("name", path.stem)
+    values.setdefault("description", f"profile from {path}")
+    values["memory_bytes"] = int(values["memory_bytes"])
+    return GpuProfile(**values)
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def gpu_profile(spec: str) -> GpuProfile:
+    """A named card (any case, with aliases), a plain memory size, or a profile JSON file."""
+    text = str(spec).strip()
+    name = _card_index().get(_normal(text)) if text else None
+    if name:
+        return _named(name)
+    size = _SIZE.match(text)
+    if size and float(size.group(1)) > 0:
+        return _sized(size.group(1), size.group(2))
+    if text and Path(text).is_file():
+        return _from_file(Path(text), text)
+    forms = _FORMS.format(names=", ".join(_load("gpus.json")), fields=", ".join(_NUMBERS))
+    raise UserError(f"unknown GPU '{spec}': give {forms}.")
+
+
+def device_profile(device) -> GpuProfile:
+    """The card a run is on: its real memory size, with the rates of the named card of the same
+    name when there is one, else generic rates (modelled speed only; memory decides fits)."""
+    import torch
+
+    if device.type != "cuda":
+        import os
+
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return replace(_named(GENERIC_RATES_FROM), name="cpu", memory_bytes=ram, description="this machine's RAM")
+    props = torch.cuda.get_device_properties(device)
+    name = _card_index().get(_normal(props.name))
+    base = _named(name or GENERIC_RATES_FROM)
+    return replace(base, name=props.name, memory_bytes=props.total_memory)

@@ -1,0 +1,65 @@
+"""Modelled step time: FLOPs and bytes moved over a card's rates.
+
+Memory is measured (estimate.py); time is not, so everything here is labelled "modelled"
+wherever it is printed. The model: matmul FLOPs of the step over the card's dense peak
+times an assumed model-FLOPs utilisation, plus the optimizer's memory traffic over the
+device bandwidth, plus host-link bytes over the link bandwidth (the resident engine
+overlaps nothing, so the three add up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Model-FLOPs utilisation a well-fed training step reaches on a GPU (assumed, not measured
+# here: no GPU was available when it was set). benchmarks/README.md holds the CPU calibration.
+ASSUMED_MFU = 0.5
+ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: reads param, grad, m, v (16 B), writes param, m, v (12 B)
+
+
+@dataclass
+class StepTime:
+    seconds: float
+    compute_s: float
+    optimizer_s: float
+    link_s: float
+    flops: float
+
+    def tokens_per_s(self, tokens: int) -> float:
+        return tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def block_linear_params(config) -> int:
+    """Weights of the matmuls in one block: q, k, v, o and the gated MLP."""
+    d, hd = config.hidden_size, _head_dim(config)
+    attention = d * hd * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    return attention + 3 * d * config.intermediate_size
+
+
+def forward_flops(config, batch_size: int, seq_len: int) -> float:
+    """Matmul FLOPs of one forward pass (2 per multiply-add); causal attention counts half."""
+    tokens = batch_size * seq_len
+    linears = config.num_hidden_layers * block_linear_params(config) + config.vocab_size * config.hidden_size
+    width = config.num_attention_heads * _head_dim(config)
+    attention = config.num_hidden_layers * 2 * 2 * batch_size * seq_len * seq_len * width * 0.5
+    return 2.0 * tokens * linears + attention
+
+
+def step_flops(config, method: str, batch_size: int, seq_len: int) -> float:
+    """Forward + backward. Full fine-tuning's backward computes input and weight gradients
+    (2x forward); LoRA's computes input gradients only (1x; the adapters' share is negligible)."""
+    forward = forward_flops(config, batch_size, seq_len)
+    return forward * (3.0 if method == "full" else 2.0)
+
+
+def step_time(flops: float, trainable_params: int, host_link_bytes: int, gpu, precision: str,
+              mfu: float = ASSUMED_MFU) -> StepTime:
+    rate = (gpu.bf16_tflops if precision == "bf16" else gpu.fp32_tflops) * 1e12
+    compute = flops / (rate * mfu)
+    optimizer = trainable_params * ADAMW_BYTES_PER_PARAM / (gpu.memory_gbps * 1e9)
+    link = host_link_bytes / (gpu.host_link_gbps * 1e9)
+    return StepTime(compute + optimizer + link, compute, optimizer, link, flops)
