@@ -1,0 +1,76 @@
+"""The planner's choices and the ways a user reaches them: slimtune plan, plan=auto, an OOM."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import write_jsonl
+from slimtune import cli, config, planner, presets, probe, train
+from slimtune.errors import UserError
+
+
+def test_plan_json_lists_every_plan_with_one_recommended(tiny_model_dir, capsys):
+    assert cli.main(["plan", "--model", str(tiny_model_dir), "--gpu", "1GiB", "--seq", "64", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert {p["options"]["precision"] for p in plans} == {"bf16", "fp32"}
+    for p in plans:
+        assert {"engine", "options", "device_peak_bytes", "host_bytes", "fits", "tokens_per_s", "recommended"} <= set(p)
+        assert p["tokens_per_s_kind"] == "modelled"
+    assert sum(p["recommended"] for p in plans) == 1
+    assert max(plans, key=lambda p: p["tokens_per_s"])["recommended"]
+
+
+def test_plan_table_labels_memory_measured_and_speed_modelled(capsys):
+    assert cli.main(["plan", "--model", "Qwen2.5-0.5B", "--gpu", "rtx3060", "--seq", "256", "--method", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "fake tensors" in out and "modelled" in out and "recommended:" in out
+
+
+def test_nothing_fits_a_tiny_card(tiny_model_dir):
+    base = planner.planning_config("full")
+    results = planner.plan(presets.model_config(str(tiny_model_dir)), base, presets.gpu_profile("1MiB"), 1, 32)
+    assert not any(r.fits for r in results) and planner.recommended(results) is None
+
+
+def test_plan_refuses_unknown_model_and_gpu(capsys):
+    assert cli.main(["plan", "--model", "Llama-9", "--gpu", "24GiB"]) == 2
+    assert "Llama-9" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "Llama-3.2-1B", "--gpu", "lots"]) == 2
+    assert "unknown GPU 'lots'" in capsys.readouterr().err
+
+
+def run_config(tmp_path, model_dir, *overrides):
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{a} plus {a}?", "response": f" {2 * a}"} for a in range(30)])
+    base = {"model": str(model_dir), "data": {"path": str(tmp_path / "d.jsonl"), "max_length": 32},
+            "train": {"steps": 1, "batch_size": 2}, "output_dir": str(tmp_path / "out"), "device": "cpu"}
+    return config.load(None, list(overrides), base=base)
+
+
+def test_plan_auto_trains_with_the_recommended_plan(tmp_path, tiny_model_dir):
+    run = train.build(run_config(tmp_path, tiny_model_dir, "plan=auto", "gpu=1GiB"))
+    assert run.cfg.engine == "resident" and run.cfg.precision == "bf16"
+
+
+def test_plan_auto_with_no_fitting_plan_names_the_need(tmp_path, tiny_model_dir):
+    with pytest.raises(UserError, match=r"no plan fits .*the smallest, resident precision=bf16, needs"):
+        train.build(run_config(tmp_path, tiny_model_dir, "plan=auto", "gpu=1MiB"))
+
+
+def test_out_of_memory_ends_with_a_plan_that_fits(tmp_path, tiny_model_dir):
+    cfg = run_config(tmp_path, tiny_model_dir)
+    run = train.build(cfg)
+
+    def exhausted(micro_batches):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    run.engine.step = exhausted
+    with pytest.raises(UserError, match=r"out of device memory at step 1 .*a plan that fits .*engine=resident"):
+        train.fit(cfg, progress=False, run=run)
+
+
+def test_probe_writes_a_profile_the_planner_reads(tmp_path):
+    profile = probe.run(str(tmp_path / "me.json"))
+    assert profile["fp32_tflops"] > 0 and profile["memory_gbps"] > 0
+    card = presets.gpu_profile(str(tmp_path / "me.json"))
+    assert card.memory_bytes == profile["memory_bytes"]
