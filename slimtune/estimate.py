@@ -45,13 +45,19 @@ def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 
     return Batch(ids, targets, positions)
 
 
-def fake_model(config, dtype: torch.dtype, mode) -> nn.Module:
-    """An HF model whose parameters and buffers are fake tensors (tied weights stay tied)."""
+def meta_model(config, dtype: torch.dtype) -> nn.Module:
+    """An HF model of `config`'s shape with no storage at all."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
+    return model
+
+
+def make_fake(model: nn.Module, mode) -> nn.Module:
+    """Give every parameter and buffer a fake tensor of its shape (tied weights stay tied).
+    Assigned directly: Module.to() cannot move parameters onto fake tensors."""
     replaced: dict[int, nn.Parameter] = {}
     with mode:
         for module in model.modules():
@@ -65,6 +71,10 @@ def fake_model(config, dtype: torch.dtype, mode) -> nn.Module:
                 if buffer is not None:
                     module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype)
     return model
+
+
+def fake_model(config, dtype: torch.dtype, mode) -> nn.Module:
+    return make_fake(meta_model(config, dtype), mode)
 
 
 def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int) -> Estimate:

@@ -1,0 +1,101 @@
+"""The planner on every preset at 24 GiB and 8 GiB, and an outside reference: the plain
+Hugging Face step for Llama-3-8B at seq 1024, batch 1, counted by the same meter.
+
+Every device figure is the real step run on fake tensors (slimtune.estimate) and counted by
+the training loop's meter; every tokens/s is modelled (slimtune.speed) on the generic card
+of each size (the RTX 4090's spec-sheet rates).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from slimtune import planner, presets
+from slimtune.estimate import STEPS, fake_model, make_fake, meta_model, synthetic_batch
+from slimtune.memory import LiveBytesMeter
+
+SEQ, BATCH = 2048, 1
+SIZES = ("24GiB", "8GiB")
+REFERENCE = dict(preset="Llama-3.1-8B", seq=1024, batch=1)
+
+
+def _at_size(results: list[dict], size: str) -> list[dict]:
+    """The same plans judged for a card of another size: the estimates do not depend on the card,
+    and both sizes use the same generic rates, so only fits and the recommendation change."""
+    memory = presets.gpu_profile(size).memory_bytes
+    judged = [dict(r, fits=r["device_peak_bytes"] + planner.CUDA_OVERHEAD_BYTES <= memory, recommended=False)
+              for r in results]
+    fitting = [r for r in judged if r["fits"]]
+    if fitting:
+        fitting[0]["recommended"] = True  # plans arrive fastest first
+    return judged
+
+
+def preset_rows(names: list[str]) -> list[dict]:
+    rows = []
+    for name in names:
+        model_config = presets.model_config(name)
+        for method in ("lora", "full"):
+            began = time.perf_counter()
+            results = planner.plan(model_config, planner.planning_config(method), presets.gpu_profile(SIZES[0]),
+                                   BATCH, SEQ)
+            plans = [r.as_json() for r in results]
+            rows.append({"preset": name, "method": method, "seconds": time.perf_counter() - began,
+                         **{size: _at_size(plans, size) for size in SIZES}})
+    return rows
+
+
+def _hf_step(model: nn.Module, params: list[nn.Parameter], batch, mode) -> int:
+    """Device peak of step 2 of a plain HF step: model(labels=...) loss, backward, fused AdamW."""
+    with mode:
+        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        ids = mode.from_tensor(batch.input_ids)
+        peak = 0
+        for _ in range(STEPS):
+            meter = LiveBytesMeter("cpu")
+            meter.track(model.parameters(), "weights")
+            meter.track((p.grad for p in params), "gradients")
+            for state in optimizer.state.values():
+                meter.track((v for v in state.values() if isinstance(v, torch.Tensor)), "optimizer")
+            with meter:
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            meter.close()
+            peak = meter.peak
+    return peak
+
+
+def hf_reference() -> dict:
+    """Full fine-tuning in bf16 with fused AdamW, and LoRA r16 on every projection via peft over a
+    bf16 base: the two figures PLATFORM.md quotes (about 60 and 26 GiB)."""
+    from peft import LoraConfig, get_peft_model
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model_config = presets.model_config(REFERENCE["preset"])
+    batch = synthetic_batch(REFERENCE["batch"], REFERENCE["seq"], model_config.vocab_size)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    full = fake_model(model_config, torch.bfloat16, mode)
+    full_peak = _hf_step(full, list(full.parameters()), batch, mode)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # peft moves its new layers with Module.to(), which fake parameters refuse: wrap on meta first.
+    lora = get_peft_model(meta_model(model_config, torch.bfloat16), LoraConfig(r=16, lora_alpha=32,
+                                                                               target_modules=targets))
+    make_fake(lora, mode)
+    lora_peak = _hf_step(lora, [p for p in lora.parameters() if p.requires_grad], batch, mode)
+    ours = {}
+    for method in ("full", "lora"):
+        results = planner.plan(model_config, planner.planning_config(method), presets.gpu_profile("80GiB"),
+                               REFERENCE["batch"], REFERENCE["seq"])
+        ours[method] = [r.as_json() for r in results]
+    return {**REFERENCE, "hf_full_bf16_fused_adamw_bytes": full_peak, "hf_peft_lora_r16_bf16_base_bytes": lora_peak,
+            "slimtune": ours}
+
+
+def run(quick: bool) -> dict:
+    names = ["Qwen2.5-0.5B", "Llama-3.2-1B"] if quick else sorted(presets.preset_names())
+    return {"seq": SEQ, "batch": BATCH, "sizes": SIZES, "presets": preset_rows(names), "reference": hf_reference()}
