@@ -75,6 +75,47 @@ class LoraConfig:
 
 
 @dataclass
+class QuantConfig:
+    scheme: Literal["none", "nf4", "int4"] = _f(
+        "none", "Frozen linear weights in 4 bits, dequantized just in time: nf4 (bitsandbytes) or symmetric int4."
+    )
+    group_size: int = _f(64, "Weights per quantization scale (int4; nf4 uses bitsandbytes' block of 64).")
+    embeddings: bool = _f(False, "Also quantize a frozen embedding and LM head.")
+
+    def validate(self) -> None:
+        _positive("quant.group_size", self.group_size)
+
+
+@dataclass
+class ActivationsConfig:
+    checkpoint: Literal["none", "recompute", "host", "disk"] = _f(
+        "none", "Per-block checkpointing: keep block inputs on the device (recompute), in host RAM, or on disk."
+    )
+    cache: Literal["none", "small", "last_k"] = _f(
+        "none", "Selective cache: nothing, small tensors (no recompute of them), or the last k block inputs on the device."
+    )
+    last_k: int = _f(2, "cache=last_k: how many of the last blocks keep their input on the device.")
+    disk_dir: str | None = _f(None, "checkpoint=disk: where block files go (default: output_dir/activations).")
+
+    def validate(self) -> None:
+        _positive("activations.last_k", self.last_k)
+
+
+@dataclass
+class LossConfig:
+    mode: Literal["exact", "subset"] = _f(
+        "exact", "exact: chunked cross-entropy that never builds T x V logits; subset: softmax over top-k candidates."
+    )
+    chunk_size: int = _f(1024, "Tokens per loss chunk.")
+    subset_k: int = _f(1000, "mode=subset: candidates per position (top-k of the frozen head, target included).")
+    masking: bool = _f(True, "Only trained (response) positions go through the final norm, head and loss.")
+
+    def validate(self) -> None:
+        _positive("loss.chunk_size", self.chunk_size)
+        _positive("loss.subset_k", self.subset_k)
+
+
+@dataclass
 class TrainConfig:
     steps: int = _f(100, "Optimizer steps.")
     batch_size: int = _f(4, "Rows per micro-batch.")
@@ -117,6 +158,11 @@ class RunConfig:
     method: Literal["lora", "full"] = _f("lora", "lora: train adapters on a frozen base; full: train every weight.")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA settings; see lora.* fields."})
     freeze: list[str] = _f([], "full: parameter name patterns (fnmatch) to keep frozen, e.g. ['*embed_tokens*'].")
+    quant: QuantConfig = field(default_factory=QuantConfig, metadata={"help": "4-bit base; see quant.* fields."})
+    activations: ActivationsConfig = field(
+        default_factory=ActivationsConfig, metadata={"help": "Checkpointing; see activations.* fields."}
+    )
+    loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "The loss; see loss.* fields."})
     engine: Literal["resident"] = _f("resident", "How the step is run; resident keeps everything on the device.")
     plan: Literal["manual", "auto"] = _f(
         "manual", "auto: let the planner choose engine and options for `gpu` (see `slimtune plan`)."
@@ -134,9 +180,10 @@ class RunConfig:
     )
 
     def validate(self) -> None:
-        self.data.validate()
-        self.lora.validate()
-        self.train.validate()
+        for section in (self.data, self.lora, self.quant, self.activations, self.loss, self.train):
+            section.validate()
+        if self.quant.scheme != "none" and self.method == "full":
+            raise UserError("quant.scheme quantizes frozen weights; with method=full every weight trains. Use method=lora.")
         if self.plan == "auto" and self.gpu is None and self.device == "cpu":
             raise UserError("plan=auto needs gpu (e.g. --gpu 8GiB) when training on the CPU.")
 
