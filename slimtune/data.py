@@ -31,7 +31,6 @@ import csv
 import functools
 import json
 import math
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,19 +38,13 @@ from typing import Any, Callable
 
 import torch
 
+from slimtune.chat import DEFAULT_CHAT_TEMPLATE, assistant_spans, render, resolve_template  # noqa: F401 (re-exported)
 from slimtune.config import DataConfig
 from slimtune.errors import UserError
 
 IGNORE_INDEX = -100
 
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ '\\n' }}{{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{{ '\\n' }}{% endif %}"
-)
-
 _ROLES = ("system", "user", "assistant")
-_PROBE = "\x00slimtune-probe\x00"  # stands in for content to find where a first assistant turn starts
 _LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -122,7 +115,7 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 def render_chat_prompt(tokenizer: Any, messages: list[dict], template: str | None) -> str:
     """The conversation up to the assistant's generation prompt; `encode_prompt` it for generation."""
-    return _render(tokenizer, _resolve_template(tokenizer, template), messages, True, "the conversation")
+    return render(tokenizer, resolve_template(tokenizer, template), messages, True, "the conversation")
 
 
 def _bos_to_add(tokenizer: Any) -> int | None:
@@ -303,7 +296,7 @@ class _Encoder:
         self.cfg, self.tok, self.bos, self.eos = cfg, tokenizer, _bos_to_add(tokenizer), tokenizer.eos_token_id
         if self.eos is None:
             raise UserError("the tokenizer has no eos token; slimtune ends every trained example with one.")
-        self.template = _resolve_template(tokenizer, cfg.chat_template) if cfg.format == "chat" else None
+        self.template = resolve_template(tokenizer, cfg.chat_template) if cfg.format == "chat" else None
 
     def encode(self, row: Any, where) -> tuple[list[int], list[bool]]:
         if not isinstance(row, dict):
@@ -323,7 +316,7 @@ class _Encoder:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def _chat(self, messages: list[dict], where) -> tuple[list[int], list[bool]]:
-        text, spans = _assistant_spans(self.tok, self.template, messages, where)
+        text, spans = assistant_spans(self.tok, self.template, messages, where)
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         # A token is trained when its characters lie inside an assistant span.
         trained = [any(s <= a and b <= e for s, e in spans) and b > a for a, b in enc["offset_mapping"]]
@@ -363,59 +356,6 @@ def _messages_field(row: dict, name: str, where) -> list[dict]:
             raise UserError(f"{where()}: message {j} needs a string 'content', got {type(content).__name__}.")
         messages.append({"role": role, "content": content})
     return messages
-
-
-# ---------------------------------------------------------------- chat templates
-
-
-def _resolve_template(tokenizer: Any, template: str | None) -> str:
-    if template:
-        if os.path.isfile(template):
-            return Path(template).read_text(encoding="utf-8")
-        if template.endswith((".jinja", ".j2")):
-            raise UserError(f"data.chat_template file '{template}' does not exist.")
-        return template
-    own = tokenizer.chat_template
-    if isinstance(own, dict):  # named templates; 'default' is the conversational one
-        own = own.get("default")
-    return own or DEFAULT_CHAT_TEMPLATE
-
-
-def _render(tokenizer: Any, template: str, messages: list[dict], generation: bool, where: str) -> str:
-    from jinja2 import TemplateError
-
-    try:
-        return tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=generation, tokenize=False
-        )
-    except TemplateError as err:
-        raise UserError(f"{where}: the chat template failed ({err}).") from None
-
-
-def _assistant_spans(tokenizer: Any, template: str, messages: list[dict], where) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and its assistant turns as character spans: from the end of the
-    prefix with the generation prompt to the end of the turn (content plus end-of-turn marker)."""
-    full = _render(tokenizer, template, messages, False, where())
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        through = _render(tokenizer, template, messages[: i + 1], False, where())
-        if i:
-            before = _render(tokenizer, template, messages[:i], True, where())
-        else:  # apply_chat_template refuses an empty prefix; a probe turn shows where content starts
-            probe = _render(tokenizer, template, [{"role": "assistant", "content": _PROBE}], False, where())
-            before = probe.split(_PROBE)[0] if _PROBE in probe else None
-        if before is not None and full.startswith(through) and through.startswith(before):
-            span = (len(before), len(through))
-        else:
-            # Templates that rewrite earlier turns break the prefix rule; fall back to the content.
-            start = full.find(message["content"], spans[-1][1] if spans else 0)
-            if start < 0:
-                raise UserError(f"{where()}: the chat template does not write assistant message {i + 1} verbatim.")
-            span = (start, start + len(message["content"]))
-        spans.append(span)
-    return full, spans
 
 
 # ---------------------------------------------------------------- batches
