@@ -59,16 +59,20 @@ class Batch:
     input_ids: torch.Tensor  # (B, T) long
     targets: torch.Tensor  # (B, T) long, IGNORE_INDEX where no loss
     position_ids: torch.Tensor  # (B, T) long, 0 at every example start and at the padding tail
-    # Trained positions (targets != IGNORE_INDEX), counted once here so that engines never read a
-    # tensor value mid-step (which fake tensors, used by memory.estimate, cannot answer).
+    # Trained positions (targets != IGNORE_INDEX): their flat indices into (B*T) and their count,
+    # found once here so that engines never read a tensor value mid-step (fake tensors, used by
+    # the planner's estimate, cannot answer, and data-dependent shapes cannot be traced).
+    rows: torch.Tensor | None = None  # (N,) long
     num_targets: int = -1
 
     def __post_init__(self) -> None:
+        if self.rows is None:
+            self.rows = (self.targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
         if self.num_targets < 0:
-            self.num_targets = int((self.targets != IGNORE_INDEX).sum())
+            self.num_targets = int(self.rows.numel())
 
     def to(self, device: Any) -> Batch:
-        moved = (t.to(device) for t in (self.input_ids, self.targets, self.position_ids))
+        moved = (t.to(device) for t in (self.input_ids, self.targets, self.position_ids, self.rows))
         return Batch(*moved, num_targets=self.num_targets)
 
 

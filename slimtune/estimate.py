@@ -92,8 +92,8 @@ def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int) -> Estimate:
         train.apply_method(cfg, stack)
         stack.advance("engine")
         engine = engines.build(cfg, stack, torch.device("cpu"), precision)
-        batch = Batch(*(mode.from_tensor(t) for t in (real_batch.input_ids, real_batch.targets,
-                                                       real_batch.position_ids)), num_targets=real_batch.num_targets)
+        tensors = (real_batch.input_ids, real_batch.targets, real_batch.position_ids, real_batch.rows)
+        batch = Batch(*(mode.from_tensor(t) for t in tensors), num_targets=real_batch.num_targets)
         results = [engine.step([batch] * cfg.train.grad_accum) for _ in range(STEPS)]
     model = stack.model
     return Estimate(
