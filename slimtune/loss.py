@@ -1,25 +1,281 @@
-"""Causal-LM loss from final hidden states.
+"""Causal-LM loss from the final block output: masking, exact chunked CE, subset softmax.
 
 Targets arrive already shifted (data.Example), so position t is scored against
-targets[t] and IGNORE_INDEX rows cost nothing. The loss of an optimizer step is the
-sum over every trained token of its micro-batches divided by their total count, so
-gradient accumulation gives exactly the gradient of one large batch.
+targets[t] and IGNORE_INDEX rows cost nothing. The engine divides the returned sum by
+the trained-token count of the whole optimizer step, so gradient accumulation gives
+exactly the gradient of one large batch.
+
+Three memory measures (specs/peak-memory-lora.md 2.5, 2.6):
+- Logits masking (exact): only the trained rows of the final block output go through
+  the final norm, the head and the loss. Their flat indices come from the caller
+  (`trained_rows`, computed when the batch is built), because finding them here would
+  read tensor values mid-step, which fake tensors (memory.estimate) cannot answer.
+- mode=exact: cross-entropy in token chunks that computes each chunk's gradients in the
+  forward pass, so no (N, V) logits are ever kept; only the (N, D) hidden gradient (and
+  the (V, D) head gradient when the head trains) waits for backward.
+- mode=subset (training only): softmax over a per-position candidate set S_t (top-k of
+  the frozen head's logits, target forced in). L_S <= L_full, so it is never reported
+  as the loss: `exact_sum` carries the full-softmax loss and `excluded_mass_sum` the
+  probability mass the training objective ignored.
+Logits are formed in at least fp32 (fp64 stays fp64), whatever the autocast context.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from slimtune.config import LossConfig
 from slimtune.data import IGNORE_INDEX
+from slimtune.errors import UserError
+
+# A head stored in a narrower dtype than the logits is cast in tiles of this many rows,
+# so the cast never holds a full (V, D) fp32 copy (1.5 GiB for Llama-3's vocabulary).
+CAST_TILE_ROWS = 8192
+
+WeightFn = Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def token_loss_sum(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
-    """hidden (B, T, D), targets (B, T) -> summed cross-entropy over trained positions (at least fp32)."""
-    logits = head(hidden)  # (B, T, V)
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # the softmax in half precision loses the small probabilities
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor  # () the training objective summed over trained positions; backprop this
+    exact_sum: torch.Tensor  # () detached full-softmax loss sum: the loss to log and report
+    excluded_mass_sum: torch.Tensor  # () detached sum of 1 - p(S_t) over trained positions; 0 in mode=exact
+
+
+def trained_rows(targets: torch.Tensor) -> torch.Tensor:
+    """targets (B, T) -> (N,) long flat indices into B*T of the trained positions.
+    Call it when the batch is built, on real tensors: its output shape depends on values."""
+    return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def causal_lm_loss(
+    hidden: torch.Tensor,
+    norm: nn.Module,
+    head: nn.Module,
+    targets: torch.Tensor,
+    cfg: LossConfig,
+    rows: torch.Tensor | None = None,
+    training: bool = True,
+) -> LossOutput:
+    """hidden (B, T, D), the last block's output before the final norm; targets (B, T) shifted;
+    rows (N,) = trained_rows(targets), required when cfg.masking. Returns sums, never means."""
+    if not (training and torch.is_grad_enabled()):
+        with torch.no_grad():  # evaluation: the exact loss and no graph
+            x, t = _head_inputs(hidden, norm, targets, cfg, rows)
+            weight, bias = head_weight(head)
+            loss = _exact_pass(x, weight, bias, t, cfg.chunk_size, (False, False, False))[0]
+        return LossOutput(loss, loss, torch.zeros_like(loss))
+    x, t = _head_inputs(hidden, norm, targets, cfg, rows)
+    if cfg.mode == "subset":
+        _refuse_trainable_head(head)
+        loss, exact, excluded = _SubsetCE.apply(x, t, lambda: head_weight(head), cfg.chunk_size, cfg.subset_k)
+        return LossOutput(loss, exact, excluded)
+    weight, bias = head_weight(head)
+    loss = _ExactCE.apply(x, weight, bias, t, cfg.chunk_size)
+    return LossOutput(loss, loss.detach(), torch.zeros_like(loss.detach()))
+
+
+def head_weight(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head as (V, D) weight and (V,) bias or None; a quantized head dequantizes here."""
+    if hasattr(head, "dequantized_weight"):
+        weight = head.dequantized_weight()
+    elif isinstance(getattr(head, "weight", None), torch.Tensor):
+        weight = head.weight
+    else:
+        raise TypeError(f"LM head {type(head).__name__} has neither a weight nor dequantized_weight().")
+    return weight, getattr(head, "bias", None)
+
+
+def _head_inputs(
+    hidden: torch.Tensor, norm: nn.Module, targets: torch.Tensor, cfg: LossConfig, rows: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> normed rows x (N, D) and their targets (N,): the trained rows only when masking."""
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, D)
+    flat_targets = targets.reshape(-1)  # (B*T,)
+    if cfg.masking:
+        if rows is None:
+            raise ValueError("loss.masking needs rows=trained_rows(targets), computed when the batch is built.")
+        # Gathered before the norm: the norm, head and loss then cost N rows, not B*T.
+        flat, flat_targets = flat.index_select(0, rows), flat_targets.index_select(0, rows)
+    return norm(flat), flat_targets
+
+
+def _refuse_trainable_head(head: nn.Module) -> None:
+    # The subset Function does not take the head as an input, so a trainable head (or a tied
+    # trainable embedding) would silently get no gradient. Parameters only: no dequantizing.
+    if any(p.requires_grad for p in head.parameters()):
+        raise UserError(
+            "loss.mode=subset needs a frozen LM head (LoRA); this run trains the head or a tied embedding."
+            " Use loss.mode=exact or freeze them."
+        )
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    # Softmax over a large vocabulary in half precision loses the small probabilities.
+    return torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+
+
+# ---------------------------------------------------------------- head matmuls in the compute dtype
+
+
+def _logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x (c, D) in `dtype`, weight (V, D) -> logits (c, V) in `dtype`."""
+    if weight.dtype == dtype:
+        z = x @ weight.T
+    else:
+        z = x.new_empty((x.shape[0], weight.shape[0]))
+        for start in range(0, weight.shape[0], CAST_TILE_ROWS):
+            tile = weight[start : start + CAST_TILE_ROWS].to(dtype)  # (tile, D)
+            z[:, start : start + CAST_TILE_ROWS] = x @ tile.T
+    if bias is not None:
+        z += bias.to(dtype)
+    return z
+
+
+def _times_weight(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """g (c, V) in the compute dtype @ weight (V, D) -> (c, D) in the compute dtype."""
+    if weight.dtype == g.dtype:
+        return g @ weight
+    out = g.new_zeros((g.shape[0], weight.shape[1]))
+    for start in range(0, weight.shape[0], CAST_TILE_ROWS):
+        out += g[:, start : start + CAST_TILE_ROWS] @ weight[start : start + CAST_TILE_ROWS].to(g.dtype)
+    return out
+
+
+def _chunk_terms(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """z (c, V), t (c,) -> lse (c,), target logit (c,), valid (c,) bool, safe target ids (c,)."""
+    valid = t != IGNORE_INDEX
+    safe = torch.where(valid, t, 0)  # ignored rows read column 0 and are masked out after
+    return torch.logsumexp(z, dim=-1), z.gather(1, safe[:, None]).squeeze(1), valid, safe
+
+
+# ---------------------------------------------------------------- mode=exact
+
+
+def _exact_pass(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    chunk: int,
+    need: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Loss sum and, as `need` (x, weight, bias) asks, gradients for an upstream gradient of 1.
+    x (N, D), weight (V, D), targets (N,) -> (), (N, D), (V, D), (V,). One (c, V) buffer at a time."""
+    dtype = _compute_dtype(x, weight)
+    loss = x.new_zeros((), dtype=dtype)
+    grad_x = torch.empty_like(x) if need[0] else None
+    grad_w = weight.new_zeros(weight.shape, dtype=dtype) if need[1] else None
+    grad_b = weight.new_zeros(weight.shape[:1], dtype=dtype) if need[2] else None
+    for start in range(0, x.shape[0], chunk):
+        x_c = x[start : start + chunk].to(dtype)  # (c, D)
+        z = _logits(x_c, weight, bias, dtype)  # (c, V)
+        lse, z_y, valid, safe = _chunk_terms(z, targets[start : start + chunk])
+        loss = loss + torch.where(valid, lse - z_y, 0).sum()
+        if not any(need):
+            continue
+        g = z.sub_(lse[:, None]).exp_()  # softmax, in place over the logits: (c, V)
+        g.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))  # minus one-hot(y)
+        g.mul_(valid[:, None])  # ignored rows carry no gradient
+        if grad_x is not None:
+            grad_x[start : start + chunk] = _times_weight(g, weight)
+        if grad_w is not None:
+            grad_w.addmm_(g.T, x_c)
+        if grad_b is not None:
+            grad_b += g.sum(0)
+    return loss, grad_x, grad_w, grad_b
+
+
+class _ExactCE(torch.autograd.Function):
+    """Summed cross-entropy of x @ W.T (+ b) whose gradients are made in forward
+    (the Liger / Cut-Cross-Entropy trick): backward only scales them by grad_output."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, chunk):
+        need = tuple(ctx.needs_input_grad[:3])
+        with torch.autocast(x.device.type, enabled=False):  # dtypes are chosen explicitly
+            loss, grad_x, grad_w, grad_b = _exact_pass(x, weight, bias, targets, chunk, need)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        ctx.save_for_backward(grad_x, grad_w, grad_b)  # (N, D), (V, D) | None, (V,) | None
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in ctx.saved_tensors)
+        return (*grads, None, None)
+
+
+# ---------------------------------------------------------------- mode=subset
+
+
+@torch.no_grad()
+def select_subset(z: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """z (c, V) logits, targets (c,) valid ids -> candidate ids (c, min(k, V)), distinct per row:
+    the top-k, except that a target outside them replaces the smallest (last, as topk sorts)."""
+    ids = z.topk(min(k, z.shape[-1]), dim=-1).indices  # (c, k)
+    present = (ids == targets[:, None]).any(dim=-1)
+    ids[:, -1] = torch.where(present, ids[:, -1], targets)
+    return ids
+
+
+def _subset_chunk(z: torch.Tensor, t: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """z (c, V), t (c,) -> ids (c, k), dL_S/dz on S (c, k), and the chunk's sums of
+    L_S, L_full and 1 - p(S)."""
+    lse, z_y, valid, safe = _chunk_terms(z, t)
+    ids = select_subset(z, safe, k)
+    z_s = z.gather(1, ids)  # (c, k)
+    lse_s = torch.logsumexp(z_s, dim=-1)  # (c,)
+    g_s = (z_s - lse_s[:, None]).exp_() - (ids == safe[:, None]).to(z.dtype)  # q - one-hot(y)
+    g_s.mul_(valid[:, None])
+    sums = (
+        torch.where(valid, lse_s - z_y, 0).sum(),
+        torch.where(valid, lse - z_y, 0).sum(),
+        torch.where(valid, -torch.expm1(lse_s - lse), 0).sum(),  # 1 - p(S) = 1 - exp(lse_S - lse)
     )
+    return ids, g_s, *sums
+
+
+class _SubsetCE(torch.autograd.Function):
+    """Summed subset-softmax loss of x against a frozen head given by `weight_fn`. The head
+    is not an input, so nothing head-sized is saved (a quantized head dequantizes again in
+    backward); forward keeps only the candidate ids and dL/dz on them, both (N, k)."""
+
+    @staticmethod
+    def forward(ctx, x, targets, weight_fn: WeightFn, chunk: int, k: int):
+        weight, bias = weight_fn()
+        dtype = _compute_dtype(x, weight)
+        k = min(k, weight.shape[0])
+        # (N, k) each: about 12 k bytes per trained token, vocabulary-wide only if k >= V.
+        ids = targets.new_empty((x.shape[0], k))  # (N, k)
+        g_s = x.new_empty((x.shape[0], k), dtype=dtype)  # (N, k)
+        sums = [x.new_zeros((), dtype=dtype) for _ in range(3)]  # L_S, L_full, excluded mass
+        with torch.autocast(x.device.type, enabled=False):
+            for start in range(0, x.shape[0], chunk):
+                z = _logits(x[start : start + chunk].to(dtype), weight, bias, dtype)  # (c, V)
+                ids_c, g_c, *parts = _subset_chunk(z, targets[start : start + chunk], k)
+                ids[start : start + chunk], g_s[start : start + chunk] = ids_c, g_c
+                sums = [s + p for s, p in zip(sums, parts)]
+        ctx.save_for_backward(ids, g_s)
+        ctx.weight_fn, ctx.chunk, ctx.x_dtype, ctx.vocab = weight_fn, chunk, x.dtype, weight.shape[0]
+        ctx.mark_non_differentiable(sums[1], sums[2])
+        return tuple(sums)
+
+    @staticmethod
+    def backward(ctx, grad_out, _exact_grad, _excluded_grad):
+        ids, g_s = ctx.saved_tensors
+        weight, _ = ctx.weight_fn()
+        grad_x = g_s.new_empty((ids.shape[0], weight.shape[1]), dtype=ctx.x_dtype)  # (N, D)
+        with torch.autocast(grad_x.device.type, enabled=False):
+            for start in range(0, ids.shape[0], ctx.chunk):
+                g_c = g_s[start : start + ctx.chunk] * grad_out.to(g_s.dtype)  # (c, k)
+                dense = g_c.new_zeros((g_c.shape[0], ctx.vocab))  # (c, V), transient
+                dense.scatter_(1, ids[start : start + ctx.chunk], g_c)  # ids are distinct per row
+                grad_x[start : start + ctx.chunk] = _times_weight(dense, weight)
+        return grad_x, None, None, None, None

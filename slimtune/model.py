@@ -139,10 +139,18 @@ class Stack:
             position_embeddings=inputs.position_embeddings,
         )
 
-    def final_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids (B, T) -> normed hidden states (B, T, D), ready for the head."""
+    def body_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, run_blocks=None) -> torch.Tensor:
+        """input_ids (B, T) -> the last block's output (B, T, D), before the final norm (the loss
+        normalises only the rows it scores). `run_blocks(stack, hidden, inputs)` replaces the plain
+        loop, e.g. by a checkpointed one."""
         hidden = self.embed(input_ids)
         inputs = self.prepare(hidden, position_ids)
+        if run_blocks is not None:
+            return run_blocks(self, hidden, inputs)
         for index in range(len(self.blocks)):
             hidden = self.run_block(index, hidden, inputs)
-        return self.norm(hidden)
+        return hidden
+
+    def final_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (B, T) -> normed hidden states (B, T, D), ready for the head."""
+        return self.norm(self.body_hidden(input_ids, position_ids))

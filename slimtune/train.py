@@ -140,6 +140,7 @@ def _record(step: int, result, seconds: float) -> dict:
         "loss": result.loss,
         "lr": result.lr,
         "grad_norm": result.grad_norm,
+        "excluded_mass": result.excluded_mass,
         "tokens": result.tokens,
         "seen_tokens": result.seen_tokens,
         "tokens_per_s": result.seen_tokens / max(seconds, 1e-9),

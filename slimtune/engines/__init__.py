@@ -12,7 +12,7 @@ def build(cfg: RunConfig, stack: Stack, device: torch.device, precision: str):
     if cfg.engine == "resident":
         from slimtune.engines.resident import ResidentEngine
 
-        return ResidentEngine(stack, cfg.train, device, precision)
+        return ResidentEngine(stack, cfg.train, device, precision, cfg.loss)
     raise AssertionError(f"engine {cfg.engine!r} passed validation but has no builder")
 
 

@@ -13,7 +13,7 @@ from slimtune.data import Batch
 
 @dataclass
 class StepResult:
-    loss: float  # mean cross-entropy per trained token over the step's micro-batches
+    loss: float  # mean exact cross-entropy per trained token over the step's micro-batches
     tokens: int  # trained (target) tokens in the step
     seen_tokens: int  # input positions processed, padding included (as HF Trainer counts them)
     lr: float
@@ -21,6 +21,7 @@ class StepResult:
     device_peak_bytes: int | None  # measured by the device meter; None when measuring is off
     host_link_bytes: int  # counted bytes moved between host and device
     device_peak_breakdown: dict[str, int] | None = None  # by memory.CATEGORIES, where the meter can tell
+    excluded_mass: float = 0.0  # loss.mode=subset: mean probability mass outside the candidates
 
 
 class Engine(Protocol):

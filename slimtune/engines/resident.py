@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from slimtune import memory, schedule
-from slimtune.config import TrainConfig
+from slimtune.config import LossConfig, TrainConfig
 from slimtune.data import Batch
 from slimtune.engines.base import StepResult, autocast_for, to_float
-from slimtune.loss import token_loss_sum
+from slimtune.loss import LossOutput, causal_lm_loss
 from slimtune.model import Stack
 
 
@@ -26,8 +26,10 @@ def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> 
 class ResidentEngine:
     name = "resident"
 
-    def __init__(self, stack: Stack, cfg: TrainConfig, device: torch.device, precision: str):
+    def __init__(self, stack: Stack, cfg: TrainConfig, device: torch.device, precision: str,
+                 loss_cfg: LossConfig | None = None):
         self.stack, self.cfg, self.device, self.precision = stack, cfg, device, precision
+        self.loss_cfg = loss_cfg or LossConfig()
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         # Fused AdamW on every device: the fastest form and the leanest in temporaries, and one
@@ -51,23 +53,25 @@ class ResidentEngine:
         for state in self.optimizer.state.values():
             yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
 
-    def _loss_sum(self, batch: Batch, reading=memory.NO_READING) -> torch.Tensor:
+    def _loss(self, batch: Batch, reading=memory.NO_READING, training: bool = True) -> LossOutput:
         with autocast_for(self.device, self.precision):
             with reading.phase("activations"):
-                hidden = self.stack.final_hidden(batch.input_ids, batch.position_ids)
+                hidden = self.stack.body_hidden(batch.input_ids, batch.position_ids)
             with reading.phase("loss"):
-                return token_loss_sum(hidden, self.stack.head, batch.targets)
+                return causal_lm_loss(hidden, self.stack.norm, self.stack.head, batch.targets, self.loss_cfg,
+                                      rows=batch.rows, training=training)
 
     def step(self, micro_batches: list[Batch]) -> StepResult:
         self.stack.model.train()
         total = max(sum(b.num_targets for b in micro_batches), 1)
         with self.meter.measure(self._resident_tensors()) as reading:
             self._reading = reading
-            loss_sum = None
+            exact_sum, excluded_sum = 0.0, 0.0
             for batch in micro_batches:
-                loss = self._loss_sum(batch.to(self.device), reading) / total
-                loss.backward()
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                out = self._loss(batch.to(self.device), reading)
+                (out.loss_sum / total).backward()
+                # The exact loss is what is logged: a subset objective is only a lower bound of it.
+                exact_sum, excluded_sum = exact_sum + out.exact_sum, excluded_sum + out.excluded_mass_sum
             grad_norm = self._clip()
             lr = self.scheduler.get_last_lr()[0]
             with reading.phase("optimizer"):
@@ -76,7 +80,8 @@ class ResidentEngine:
             self.scheduler.step()
             self._reading = None
         return StepResult(
-            loss=to_float(loss_sum),
+            loss=to_float(exact_sum) / total,
+            excluded_mass=to_float(excluded_sum) / total,
             tokens=sum(b.num_targets for b in micro_batches),
             seen_tokens=sum(b.input_ids.numel() for b in micro_batches),
             lr=lr, grad_norm=to_float(grad_norm), device_peak_bytes=reading.peak, host_link_bytes=0,
@@ -95,7 +100,7 @@ class ResidentEngine:
         loss_sum, tokens = 0.0, 0
         for batch in batches:
             batch = batch.to(self.device)
-            loss_sum += float(self._loss_sum(batch))
+            loss_sum += float(self._loss(batch, training=False).exact_sum)
             tokens += batch.num_targets
         return loss_sum, tokens
 
