@@ -184,6 +184,8 @@ class RunConfig:
             section.validate()
         if self.quant.scheme != "none" and self.method == "full":
             raise UserError("quant.scheme quantizes frozen weights; with method=full every weight trains. Use method=lora.")
+        if self.loss.mode == "subset" and self.method == "full":
+            raise UserError("loss.mode=subset needs a frozen LM head; with method=full the head trains. Use loss.mode=exact.")
         if self.plan == "auto" and self.gpu is None and self.device == "cpu":
             raise UserError("plan=auto needs gpu (e.g. --gpu 8GiB) when training on the CPU.")
 

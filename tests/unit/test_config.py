@@ -53,6 +53,9 @@ def test_overrides_apply_with_yaml_types(tmp_path):
         (["train.warmup_steps=500"], "train.warmup_steps (500) exceeds train.steps (100)"),
         (["train=5"], "train in"),
         (["oops"], "override 'oops' must look like a.b=value"),
+        (["method=full", "loss.mode=subset"], "loss.mode=subset needs a frozen LM head"),
+        (["method=full", "quant.scheme=nf4"], "quant.scheme quantizes frozen weights"),
+        (["activations.checkpoint=tape"], "activations.checkpoint must be one of none, recompute, host, disk"),
     ],
 )
 def test_mistakes_name_the_key(tmp_path, overrides, needle):
