@@ -32,7 +32,9 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
         weight = getattr(base, "weight", None)
-        factory = dict(dtype=_adapter_dtype(weight), device=weight.device if weight is not None else None)
+        # A 4-bit base keeps its dense dtype beside the codes; adapters follow that, not uint8.
+        dense_dtype = base.qweight.dtype if hasattr(base, "qweight") else getattr(weight, "dtype", None)
+        factory = dict(dtype=_adapter_dtype(dense_dtype), device=weight.device if weight is not None else None)
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **factory)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **factory)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -62,11 +64,11 @@ class LoRALinear(nn.Module):
         return out
 
 
-def _adapter_dtype(weight: torch.Tensor | None) -> torch.dtype:
-    """Adapters train in fp32 over a half-precision (or quantized) base, else in the base's dtype."""
-    if weight is None or not weight.is_floating_point() or weight.dtype in (torch.float16, torch.bfloat16):
+def _adapter_dtype(dense_dtype: torch.dtype | None) -> torch.dtype:
+    """Adapters train in fp32 over a half-precision base, else in the base's dtype (fp64 in tests)."""
+    if dense_dtype is None or not dense_dtype.is_floating_point or dense_dtype in (torch.float16, torch.bfloat16):
         return torch.float32
-    return weight.dtype
+    return dense_dtype
 
 
 def _is_linear(module: nn.Module) -> bool:

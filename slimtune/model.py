@@ -90,15 +90,30 @@ class Stack:
     """The one view of a causal LM every engine uses."""
 
     def __init__(self, model: nn.Module):
-        inner = model.model
         self.model = model
         self.config = model.config
-        self.embed: nn.Embedding = inner.embed_tokens
-        self.blocks: nn.ModuleList = inner.layers
-        self.norm: nn.Module = inner.norm
-        self.head: nn.Linear = model.lm_head
-        self.rotary = inner.rotary_emb
         self.stages: list[str] = ["loaded"]
+
+    # Read through the model each time: quantization replaces the embedding and head modules.
+    @property
+    def embed(self) -> nn.Module:
+        return self.model.model.embed_tokens
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.model.model.layers
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.model.model.norm
+
+    @property
+    def head(self) -> nn.Module:
+        return self.model.lm_head
+
+    @property
+    def rotary(self) -> nn.Module:
+        return self.model.model.rotary_emb
 
     def advance(self, stage: str) -> None:
         """Record a build stage, refusing one that comes before a stage already applied."""
@@ -108,7 +123,10 @@ class Stack:
 
     @property
     def tied(self) -> bool:
-        return self.head.weight is self.embed.weight
+        head, embed = self.head, self.embed
+        if hasattr(head, "qweight"):  # a quantized tied pair shares one set of codes
+            return head.qweight is getattr(embed, "qweight", None)
+        return head.weight is embed.weight
 
     def layer_type(self, index: int) -> str:
         types = getattr(self.config, "layer_types", None)

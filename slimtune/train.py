@@ -59,8 +59,14 @@ class Run:
         return sum(p.numel() for p in self.stack.model.parameters() if p.requires_grad)
 
 
-def apply_method(cfg: RunConfig, stack: Stack) -> list[str]:
-    """LoRA adapters on the chosen linears, or full fine-tuning minus the freeze patterns."""
+def apply_method(cfg: RunConfig, stack: Stack, device: torch.device | None = None) -> list[str]:
+    """A 4-bit base (its codes placed on `device`), then LoRA adapters on the chosen linears, or
+    full fine-tuning minus the freeze patterns."""
+    if cfg.quant.scheme != "none":
+        from slimtune import quant
+
+        stack.advance("quant")
+        quant.apply(stack.model, cfg.quant, device=device)
     stack.advance("adapters")
     if cfg.method == "lora":
         return lora.apply(stack.model, cfg.lora)
@@ -94,8 +100,12 @@ def build(cfg: RunConfig) -> Run:
     splits = data.load_splits(cfg.data, tokenizer, cfg.train.seed)
     if not splits.train:
         raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
-    stack = Stack(load_model(cfg.model, weight_dtype(precision, cfg.method), device))
-    adapted = apply_method(cfg, stack)
+    # A 4-bit base is loaded on the host and quantized onto the device, so the dense weights never
+    # sit on the device.
+    load_on = torch.device("cpu") if cfg.quant.scheme != "none" else device
+    stack = Stack(load_model(cfg.model, weight_dtype(precision, cfg.method), load_on))
+    adapted = apply_method(cfg, stack, device)
+    stack.model.to(device)
     stack.advance("engine")
     engine = engines.build(cfg, stack, device, precision)
     return Run(cfg, device, precision, tokenizer, stack, splits, engine, adapted)

@@ -17,7 +17,9 @@ def build(cfg: RunConfig, stack: Stack, device: torch.device, precision: str):
 
 
 def plan_options(method: str) -> list[dict]:
-    """Every engine-and-options combination the planner weighs for `method`; each engine adds its own.
-    A plan is a set of RunConfig overrides."""
-    del method  # resident serves LoRA and full fine-tuning alike
-    return [{"engine": "resident", "precision": precision} for precision in ("bf16", "fp32")]
+    """Every engine-and-options combination the planner weighs for `method`, as dotted-key
+    RunConfig settings; each engine adds its own."""
+    plans = [{"engine": "resident", "precision": precision} for precision in ("bf16", "fp32")]
+    if method == "lora":
+        plans.append({"engine": "resident", "precision": "bf16", "quant.scheme": "nf4"})
+    return plans

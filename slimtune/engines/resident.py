@@ -49,6 +49,7 @@ class ResidentEngine:
 
     def _resident_tensors(self):
         yield from ((p, "weights") for p in self.stack.model.parameters())
+        yield from ((b, "weights") for b in self.stack.model.buffers())  # 4-bit codes live in buffers
         yield from ((p.grad, "gradients") for p in self.params)
         for state in self.optimizer.state.values():
             yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
