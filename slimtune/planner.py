@@ -56,25 +56,59 @@ class PlanResult:
 
 
 def _run_config(base: RunConfig, plan: dict) -> RunConfig:
-    raw = dataclasses.asdict(base)
-    raw.update({k: v for k, v in plan.items() if k in raw})
-    return config_module.from_dict(RunConfig, raw, prefix="", source="the plan")
+    """`base` with the plan's dotted-key settings applied, validated like any run config."""
+    return config_module.load(None, [f"{k}={v}" for k, v in plan.items()], base=dataclasses.asdict(base))
 
 
 def evaluate(model_config, base: RunConfig, plan: dict, gpu, batch_size: int, seq_len: int) -> PlanResult:
     cfg = _run_config(base, plan)
     found = estimate.estimate(model_config, cfg, batch_size, seq_len)
-    flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len) * cfg.train.grad_accum
-    time = speed.step_time(flops, found.trainable_params, found.host_link_bytes, gpu, plan.get("precision", "bf16"))
+    time = _modelled_time(model_config, cfg, found, gpu, batch_size, seq_len)
     tokens = batch_size * seq_len * cfg.train.grad_accum
     fits = found.device_peak_bytes + CUDA_OVERHEAD_BYTES <= gpu.memory_bytes
     options = {k: v for k, v in plan.items() if k != "engine"}
     return PlanResult(plan["engine"], options, found, time, time.tokens_per_s(tokens), fits)
 
 
+def _modelled_time(model_config, cfg: RunConfig, found: estimate.Estimate, gpu, batch_size: int,
+                   seq_len: int) -> speed.StepTime:
+    checkpoint = cfg.activations.checkpoint
+    recompute = checkpoint != "none"
+    flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len, recompute) * cfg.train.grad_accum
+    passes = (3 if recompute else 2) * cfg.train.grad_accum
+    dequant = speed.dequant_bytes(model_config, passes) if cfg.quant.scheme != "none" else 0.0
+    disk = found.host_link_bytes if checkpoint == "disk" else 0.0
+    return speed.step_time(flops, found.trainable_params, gpu, cfg.precision, link_bytes=found.host_link_bytes,
+                           disk_bytes=disk, memory_bytes=dequant)
+
+
+# Below this many block-widths (layers x hidden) a plan is estimated faster than a worker process starts.
+PARALLEL_FROM = 16 * 1024
+
+
+def _evaluate_all(model_config, base: RunConfig, gpu, batch_size: int, seq_len: int) -> list[PlanResult]:
+    """Plans are independent: large models are estimated in worker processes, one per core
+    (spawned, not forked: a forked torch can hang in its thread pool)."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    jobs = [(model_config, base, p, gpu, batch_size, seq_len) for p in engines.plan_options(base.method)]
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers < 2 or model_config.num_hidden_layers * model_config.hidden_size < PARALLEL_FROM:
+        return [evaluate(*job) for job in jobs]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return list(pool.map(_evaluate_job, jobs))
+
+
+def _evaluate_job(job: tuple) -> PlanResult:
+    return evaluate(*job)
+
+
 def plan(model_config, base: RunConfig, gpu, batch_size: int, seq_len: int) -> list[PlanResult]:
     """Every candidate plan for base.method, fastest first; the fastest that fits is recommended."""
-    results = [evaluate(model_config, base, p, gpu, batch_size, seq_len) for p in engines.plan_options(base.method)]
+    results = _evaluate_all(model_config, base, gpu, batch_size, seq_len)
     results.sort(key=lambda r: (-r.tokens_per_s, r.estimate.device_peak_bytes))
     fitting = [r for r in results if r.fits]
     if fitting:

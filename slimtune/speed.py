@@ -15,6 +15,8 @@ from dataclasses import dataclass
 # here: no GPU was available when it was set). benchmarks/README.md holds the CPU calibration.
 ASSUMED_MFU = 0.5
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: reads param, grad, m, v (16 B), writes param, m, v (12 B)
+DEQUANT_BYTES_PER_PARAM = 4.5  # 4-bit: read the codes (0.5 B), write and re-read the bf16 weight (2 x 2 B)
+DISK_GBPS = 2.0  # an NVMe SSD's sustained write/read rate (assumed; the card profiles carry no disk figure)
 
 
 @dataclass
@@ -49,17 +51,25 @@ def forward_flops(config, batch_size: int, seq_len: int) -> float:
     return 2.0 * tokens * linears + attention
 
 
-def step_flops(config, method: str, batch_size: int, seq_len: int) -> float:
+def step_flops(config, method: str, batch_size: int, seq_len: int, recompute: bool = False) -> float:
     """Forward + backward. Full fine-tuning's backward computes input and weight gradients
-    (2x forward); LoRA's computes input gradients only (1x; the adapters' share is negligible)."""
+    (2x forward); LoRA's computes input gradients only (1x; the adapters' share is negligible).
+    Checkpointing runs every block's forward once more in backward."""
     forward = forward_flops(config, batch_size, seq_len)
-    return forward * (3.0 if method == "full" else 2.0)
+    return forward * ((3.0 if method == "full" else 2.0) + (1.0 if recompute else 0.0))
 
 
-def step_time(flops: float, trainable_params: int, host_link_bytes: int, gpu, precision: str,
-              mfu: float = ASSUMED_MFU) -> StepTime:
+def dequant_bytes(config, passes: int) -> float:
+    """Memory traffic of dequantizing every 4-bit block weight `passes` times in a step."""
+    return config.num_hidden_layers * block_linear_params(config) * DEQUANT_BYTES_PER_PARAM * passes
+
+
+def step_time(flops: float, trainable_params: int, gpu, precision: str, link_bytes: float = 0.0,
+              disk_bytes: float = 0.0, memory_bytes: float = 0.0, mfu: float = ASSUMED_MFU) -> StepTime:
+    """Nothing overlaps in the model (the resident engine prefetches one block, which this ignores),
+    so the parts add up: a conservative figure."""
     rate = (gpu.bf16_tflops if precision == "bf16" else gpu.fp32_tflops) * 1e12
     compute = flops / (rate * mfu)
-    optimizer = trainable_params * ADAMW_BYTES_PER_PARAM / (gpu.memory_gbps * 1e9)
-    link = host_link_bytes / (gpu.host_link_gbps * 1e9)
+    optimizer = (trainable_params * ADAMW_BYTES_PER_PARAM + memory_bytes) / (gpu.memory_gbps * 1e9)
+    link = link_bytes / (gpu.host_link_gbps * 1e9) + disk_bytes / (DISK_GBPS * 1e9)
     return StepTime(compute + optimizer + link, compute, optimizer, link, flops)

@@ -65,7 +65,7 @@ def run(quick: bool) -> dict:
         for method in ("lora", "full"):
             found = measure(shape, method, 2 if quick else 5)
             flops = speed.step_flops(model_config, method, BATCH, SEQ)
-            modelled = speed.step_time(flops, found["trainable_params"], 0, profile, "fp32", mfu=1.0)
+            modelled = speed.step_time(flops, found["trainable_params"], profile, "fp32", mfu=1.0)
             rows.append({"shape": name, "method": method, **found, "flops": flops,
                          "modelled_step_s_at_100pct": modelled.seconds,
                          "achieved_mfu": modelled.seconds / found["measured_step_s"]})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from slimtune.config import RunConfig
@@ -12,7 +14,8 @@ def build(cfg: RunConfig, stack: Stack, device: torch.device, precision: str):
     if cfg.engine == "resident":
         from slimtune.engines.resident import ResidentEngine
 
-        return ResidentEngine(stack, cfg.train, device, precision, cfg.loss)
+        return ResidentEngine(stack, cfg.train, device, precision, cfg.loss, cfg.activations,
+                              Path(cfg.output_dir) / "activations")
     raise AssertionError(f"engine {cfg.engine!r} passed validation but has no builder")
 
 
@@ -20,6 +23,10 @@ def plan_options(method: str) -> list[dict]:
     """Every engine-and-options combination the planner weighs for `method`, as dotted-key
     RunConfig settings; each engine adds its own."""
     plans = [{"engine": "resident", "precision": precision} for precision in ("bf16", "fp32")]
+    for store in ("recompute", "host", "disk"):
+        plans.append({"engine": "resident", "precision": "bf16", "activations.checkpoint": store})
     if method == "lora":
-        plans.append({"engine": "resident", "precision": "bf16", "quant.scheme": "nf4"})
+        nf4 = {"engine": "resident", "precision": "bf16", "quant.scheme": "nf4"}
+        plans += [nf4, *({**nf4, "activations.checkpoint": store} for store in ("recompute", "host", "disk"))]
+        plans.append({**nf4, "activations.checkpoint": "disk", "loss.mode": "subset"})
     return plans

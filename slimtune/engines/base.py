@@ -22,6 +22,8 @@ class StepResult:
     host_link_bytes: int  # counted bytes moved between host and device
     device_peak_breakdown: dict[str, int] | None = None  # by memory.CATEGORIES, where the meter can tell
     excluded_mass: float = 0.0  # loss.mode=subset: mean probability mass outside the candidates
+    host_peak_bytes: int = 0  # host RAM the step held for the device (offloaded activations, ...)
+    disk_peak_bytes: int = 0  # disk the step held (activations.checkpoint=disk)
 
 
 class Engine(Protocol):

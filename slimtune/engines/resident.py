@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimtune import memory, schedule
-from slimtune.config import LossConfig, TrainConfig
+from pathlib import Path
+
+from slimtune import activations, memory, schedule
+from slimtune.config import ActivationsConfig, LossConfig, TrainConfig
 from slimtune.data import Batch
 from slimtune.engines.base import StepResult, autocast_for, to_float
 from slimtune.loss import LossOutput, causal_lm_loss
@@ -27,9 +29,12 @@ class ResidentEngine:
     name = "resident"
 
     def __init__(self, stack: Stack, cfg: TrainConfig, device: torch.device, precision: str,
-                 loss_cfg: LossConfig | None = None):
+                 loss_cfg: LossConfig | None = None, activations_cfg: ActivationsConfig | None = None,
+                 store_dir: Path | None = None):
         self.stack, self.cfg, self.device, self.precision = stack, cfg, device, precision
         self.loss_cfg = loss_cfg or LossConfig()
+        self.activations_cfg = activations_cfg or ActivationsConfig()
+        self.store_dir = store_dir  # checkpoint=disk without activations.disk_dir
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         # Fused AdamW on every device: the fastest form and the leanest in temporaries, and one
@@ -54,10 +59,11 @@ class ResidentEngine:
         for state in self.optimizer.state.values():
             yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
 
-    def _loss(self, batch: Batch, reading=memory.NO_READING, training: bool = True) -> LossOutput:
+    def _loss(self, batch: Batch, reading=memory.NO_READING, training: bool = True, store=None) -> LossOutput:
+        blocks = activations.runner(self.activations_cfg, store)
         with autocast_for(self.device, self.precision):
             with reading.phase("activations"):
-                hidden = self.stack.body_hidden(batch.input_ids, batch.position_ids)
+                hidden = self.stack.body_hidden(batch.input_ids, batch.position_ids, blocks)
             with reading.phase("loss"):
                 return causal_lm_loss(hidden, self.stack.norm, self.stack.head, batch.targets, self.loss_cfg,
                                       rows=batch.rows, training=training)
@@ -68,11 +74,12 @@ class ResidentEngine:
         with self.meter.measure(self._resident_tensors()) as reading:
             self._reading = reading
             exact_sum, excluded_sum = 0.0, 0.0
-            for batch in micro_batches:
-                out = self._loss(batch.to(self.device), reading)
-                (out.loss_sum / total).backward()
-                # The exact loss is what is logged: a subset objective is only a lower bound of it.
-                exact_sum, excluded_sum = exact_sum + out.exact_sum, excluded_sum + out.excluded_mass_sum
+            with activations.open_store(self.activations_cfg, self.device, self.store_dir) as store:
+                for batch in micro_batches:
+                    out = self._loss(batch.to(self.device), reading, store=store)
+                    (out.loss_sum / total).backward()
+                    # The exact loss is what is logged: a subset objective is only a lower bound of it.
+                    exact_sum, excluded_sum = exact_sum + out.exact_sum, excluded_sum + out.excluded_mass_sum
             grad_norm = self._clip()
             lr = self.scheduler.get_last_lr()[0]
             with reading.phase("optimizer"):
@@ -85,9 +92,14 @@ class ResidentEngine:
             excluded_mass=to_float(excluded_sum) / total,
             tokens=sum(b.num_targets for b in micro_batches),
             seen_tokens=sum(b.input_ids.numel() for b in micro_batches),
-            lr=lr, grad_norm=to_float(grad_norm), device_peak_bytes=reading.peak, host_link_bytes=0,
-            device_peak_breakdown=reading.peak_breakdown,
+            lr=lr, grad_norm=to_float(grad_norm), device_peak_bytes=reading.peak, host_link_bytes=store.link_bytes,
+            device_peak_breakdown=reading.peak_breakdown, **self._offload_peaks(store),
         )
+
+    def _offload_peaks(self, store) -> dict:
+        """Block inputs held in host RAM or on disk at most at once this step."""
+        where = {"host": "host_peak_bytes", "disk": "disk_peak_bytes"}.get(self.activations_cfg.checkpoint)
+        return {where: store.peak_bytes} if where else {}
 
     def _clip(self) -> torch.Tensor:
         grads = [p for p in self.params if p.grad is not None]

@@ -1,0 +1,497 @@
+"""Block checkpointing: what a block keeps for backward, and where its input waits (device, host, disk).
+
+`run_blocks` replaces the loop over the blocks (Stack.body_hidden's hook: see `runner`). An autograd
+Function runs them under no_grad, keeping each block's input (in a store) and its RNG state.
+Backward walks the blocks in reverse: take the input (the next is already being fetched), restore
+the RNG state (LoRA dropout redraws its masks), recompute the block with grad, back-propagate through
+it (parameter grads accumulate into .grad), pass the input's grad on. The device holds what the store
+keeps there plus one block's activations; gradients equal plain autograd's. BlockInputs (rotary
+tables, masks) are constants shared by all blocks and the recompute, never stored per block.
+
+Stores, one per step (`with open_store(...) as store:`), leave nothing behind after success, an
+exception, KeyboardInterrupt or a graph dropped without backward. recompute: inputs stay on the
+device. host: host RAM (CUDA: pinned, copied on a side stream, the way back prefetched a block
+ahead; CPU-only: a copy marked host-resident, so the meter counts what a GPU would hold). disk: one
+raw file per block (dtype, shape, strides kept aside) in a private folder under disk_dir, written by
+a worker thread, read back a block ahead, deleted once read; free space is checked first. Counters:
+bytes_written, link_bytes (both ways: twice per stored input after backward), peak_bytes.
+
+Caches. last_k: the last k blocks' inputs stay on the device (backward needs them first). small: per
+block, the outputs of ops that are deterministic, neither views nor in-place, and small (<= 1/8 of
+the block input's elements) stay on the device and are handed back in the recompute instead of
+rerunning the op: in a Llama block with LoRA r <= d/8, the 7 LoRA down-projections x·Aᵀ (B, T, r)
+and each RMSNorm's mean square, +eps and rsqrt (B, T, 1), i.e. (7r + 6)/d of a block input per
+block. That saves those ops' compute, not memory. Attention's log-sum-exp is not kept (SDPA returns
+it with the full output). The first recompute op out of step with forward's log ends substitution
+for that block, so a mismatch costs compute, never correctness.
+
+Under FakeTensorMode (memory.estimate) nothing reaches a disk (a fake host copy marked host-resident
+stands for each file), free space is not checked, and bytes are still counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import shutil
+import tempfile
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from slimtune.config import ActivationsConfig
+from slimtune.errors import UserError
+from slimtune.memory import mark_host_resident
+from slimtune.model import BlockInputs, Stack
+
+SMALL_FRACTION = 8  # cache=small: an op output is small at <= 1/8 of the block input's elements
+WRITES_IN_FLIGHT = 2  # disk writes queued at once: bounds the host buffers waiting for the disk
+DISK_MARGIN = 64 << 20  # free space left on the disk after every block file is written
+
+
+def open_store(cfg: ActivationsConfig, device: torch.device, default_dir: str | Path | None = None):
+    """The store for cfg.checkpoint (none: an unused BlockStore, so callers need no branch).
+    `default_dir`: for block files when activations.disk_dir is unset (output_dir/activations)."""
+    if cfg.checkpoint in ("none", "recompute"):
+        return BlockStore(device)
+    if cfg.checkpoint == "host":
+        return HostStore(device)
+    if not (cfg.disk_dir or default_dir):
+        raise UserError("activations.checkpoint=disk needs activations.disk_dir (a folder for block files).")
+    return DiskStore(device, cfg.disk_dir or default_dir)
+
+
+def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: ActivationsConfig,
+               store: BlockStore | None = None) -> torch.Tensor:
+    """hidden (B, T, D) -> the last block's output (B, T, D), checkpointed as cfg says."""
+    count = len(stack.blocks)
+    # Without grad (evaluation) nothing runs backward, so storing inputs would be wasted traffic.
+    if cfg.checkpoint == "none" or count == 0 or not torch.is_grad_enabled():
+        for index in range(count):
+            hidden = stack.run_block(index, hidden, inputs)
+        return hidden
+    if store is None and cfg.checkpoint != "recompute":
+        raise ValueError(f"checkpoint={cfg.checkpoint} needs a store from open_store().")
+    store = store or BlockStore(hidden.device)
+    tensors = [inputs.position_ids, *inputs.position_embeddings, *inputs.masks.values()]
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        # Gradients stop at the Function's inputs: such a tensor would silently get none.
+        raise ValueError("checkpointed blocks take BlockInputs as constants; one of them requires grad.")
+    on_device = set(range(max(count - cfg.last_k, 0), count)) if cfg.cache == "last_k" else set()
+    logs = {} if cfg.cache == "small" else None
+    # A 0-dim input that needs grad, so backward runs even when `hidden` needs none (LoRA, frozen embedding).
+    anchor = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=True)
+    return _Checkpointed.apply(_Run(stack, inputs, store, on_device, logs), hidden, anchor)
+
+
+def runner(cfg: ActivationsConfig, store: BlockStore | None = None):
+    """Stack.body_hidden's `run_blocks`: `stack.body_hidden(ids, positions, runner(cfg, store))`."""
+    return functools.partial(run_blocks, cfg=cfg, store=store)
+
+
+# ---------------------------------------------------------------- the autograd Function
+
+
+class _Run:
+    """One run_blocks call: the blocks' inputs (keys into a store) and RNG states, and its cache log."""
+
+    def __init__(self, stack: Stack, inputs: BlockInputs, store: BlockStore, on_device: set, logs: dict | None):
+        self.stack, self.inputs, self.store, self.on_device, self.logs = stack, inputs, store, on_device, logs
+        self.keys, self.rng, self.local = {}, [], BlockStore()  # local: cache=last_k inputs
+        # A graph dropped without backward (or a failed forward) gives its entries back.
+        self.release = weakref.finalize(self, _discard_all, self.keys)
+
+    def put(self, index: int, x: torch.Tensor) -> None:
+        cuda = torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None
+        self.rng.append((torch.get_rng_state(), cuda))
+        store = self.local if index in self.on_device else self.store
+        self.keys[index] = (store, store.put(x))
+
+    def prefetch(self, index: int) -> None:
+        if index in self.keys:
+            self.keys[index][0].prefetch(self.keys[index][1])
+
+    def take(self, index: int) -> torch.Tensor:
+        store, key = self.keys.pop(index)
+        return store.take(key)
+
+
+class _Checkpointed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: _Run, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.run, ctx.device = run, hidden.device
+        # The engine calls backward outside its autocast block; the recompute must cast as forward did.
+        ctx.autocast = [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k),
+                         torch.is_autocast_cache_enabled()) for k in {hidden.device.type, "cpu"} & {"cpu", "cuda"}]
+        try:
+            return _forward_blocks(run, hidden)
+        except BaseException:
+            run.release()  # the graph never forms: no backward will take the inputs
+            raise
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        run, ctx.run = ctx.run, None
+        if run is None:
+            raise RuntimeError("checkpointed blocks support one backward per forward (no retain_graph).")
+        try:
+            with contextlib.ExitStack() as scope:
+                for kind, enabled, dtype, cache in ctx.autocast:
+                    scope.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache))
+                # The RNG restores below must not change what the rest of the step draws.
+                scope.enter_context(torch.random.fork_rng([ctx.device] if ctx.device.type == "cuda" else []))
+                grad = _backward_blocks(run, grad, ctx.needs_input_grad[1])
+        finally:
+            run.release()
+        return None, grad, None
+
+
+def _forward_blocks(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
+    count = len(run.stack.blocks)
+    run.store.reserve(hidden, count - len(run.on_device))
+    for index in range(count):
+        run.put(index, hidden)
+        with _SmallCache(run, index, hidden) if run.logs is not None else contextlib.nullcontext():
+            hidden = run.stack.run_block(index, hidden, run.inputs)
+    return hidden
+
+
+def _backward_blocks(run: _Run, grad: torch.Tensor, wants_input_grad: bool):
+    last = len(run.stack.blocks) - 1
+    run.prefetch(last)
+    for index in range(last, -1, -1):
+        x = run.take(index)
+        run.prefetch(index - 1)  # overlaps the fetch with this block's recompute
+        x = x.detach().requires_grad_(index > 0 or wants_input_grad)
+        _restore_rng(run.rng[index], x.device)
+        with torch.enable_grad(), _SmallCache(run, index) if run.logs is not None else contextlib.nullcontext():
+            y = run.stack.run_block(index, x, run.inputs)
+        if grad is not None and y.requires_grad:
+            torch.autograd.backward(y, grad)  # frees this block's graph before the next recompute
+        grad = x.grad if x.requires_grad else None
+        del x, y
+    return grad
+
+
+def _discard_all(keys: dict) -> None:
+    for store, key in keys.values():
+        store.discard(key)
+    keys.clear()
+
+
+def _restore_rng(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+# ---------------------------------------------------------------- stores
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    host: torch.Tensor | None = None  # the host copy (host store; disk under fake tensors)
+    ready: object = None  # CUDA event: `host` is filled
+    path: Path | None = None  # disk: the block's file until it is read back
+    layout: tuple = ()  # disk: (shape, stride, dtype) to rebuild the tensor
+    read: Future | None = None  # disk: the read-back in flight
+    fetched: tuple | None = None  # (device tensor, CUDA event) once prefetched
+
+
+class BlockStore:
+    """checkpoint=recompute: block inputs stay on the device. The base of the other stores."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.device, self.entries, self._ids, self.closed = device, {}, itertools.count(), False
+        self.bytes_written = 0  # into host RAM or onto the disk
+        self.link_bytes = 0  # across the host link, both directions
+        self.stored_bytes = self.peak_bytes = 0  # held in host RAM or on disk: now, at most
+        self.cache_kept = self.cache_hits = 0  # cache=small: op outputs kept in forward, handed back
+
+    def reserve(self, example: torch.Tensor, count: int) -> None:
+        """`count` inputs like `example` are about to be put (a disk checks its free space)."""
+
+    def put(self, x: torch.Tensor) -> int:
+        key = next(self._ids)
+        self.entries[key] = (x.detach(), x._version)
+        return key
+
+    def prefetch(self, key: int) -> None:
+        pass
+
+    def take(self, key: int) -> torch.Tensor:
+        x, version = self.entries.pop(key)
+        if x._version != version:  # changed in place after forward: its recompute would be wrong
+            raise RuntimeError("a checkpointed block's input was modified in place after its forward.")
+        return x
+
+    def discard(self, key: int) -> None:
+        entry = self.entries.pop(key, None)
+        if isinstance(entry, _Entry):
+            self.stored_bytes -= entry.nbytes
+
+    def close(self) -> None:
+        self.closed = True
+        self.entries.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _count_in(self, nbytes: int) -> None:
+        self.bytes_written += nbytes
+        self.link_bytes += nbytes
+        self.stored_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.stored_bytes)
+
+
+class _Link:
+    """Host <-> device copies (runtime.Device's job once that module exists). CUDA: pinned host
+    buffers and a side stream, ordered by events, so copies overlap compute. CPU: the synchronous
+    form; host buffers are marked host-resident so the meter leaves them out, as a GPU would."""
+
+    def __init__(self, device: torch.device | None):
+        self.device, self.cuda = device, device is not None and device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+        # x's strides when dense (a permutation), else contiguous ones: what empty_like keeps.
+        stride = torch.empty_like(x, device="meta").stride()
+        host = torch.empty_strided(x.shape, stride, dtype=x.dtype, device="cpu", pin_memory=self.cuda)
+        mark_host_resident(host)
+        if not self.cuda:
+            return host.copy_(x), None
+        self.stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(x, non_blocking=True)
+            x.record_stream(self.stream)  # x may be freed on the main stream before this copy ran
+            return host, self.stream.record_event()
+
+    def to_device(self, host: torch.Tensor, after: object) -> tuple[torch.Tensor, object]:
+        if not self.cuda:
+            return host.clone(), None  # clone keeps dense strides; the meter counts it as device memory
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            x = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
+            return x.copy_(host, non_blocking=True), self.stream.record_event()
+
+    @staticmethod
+    def ready(fetched: tuple) -> torch.Tensor:
+        x, event = fetched
+        if event is not None:
+            current = torch.cuda.current_stream(x.device)
+            current.wait_event(event)
+            x.record_stream(current)  # allocated on the side stream, used and freed on this one
+        return x
+
+
+class HostStore(BlockStore):
+    """checkpoint=host: block inputs in host RAM (pinned on CUDA)."""
+
+    def __init__(self, device: torch.device | None = None):
+        super().__init__(device)
+        self.link = _Link(device)
+
+    def put(self, x: torch.Tensor) -> int:
+        key = next(self._ids)
+        host, ready = self.link.to_host(x)
+        self.entries[key] = _Entry(_nbytes(x), host=host, ready=ready)
+        self._count_in(_nbytes(x))
+        return key
+
+    def prefetch(self, key: int) -> None:
+        entry = self.entries.get(key)
+        if entry is not None and entry.fetched is None and entry.host is not None:
+            entry.fetched, entry.host = self.link.to_device(entry.host, entry.ready), None
+
+    def take(self, key: int) -> torch.Tensor:
+        self.prefetch(key)
+        entry = self.entries.pop(key)
+        self.link_bytes += entry.nbytes
+        self.stored_bytes -= entry.nbytes
+        return self.link.ready(entry.fetched)
+
+
+class DiskStore(HostStore):
+    """checkpoint=disk: one file per block input in a private folder under `folder`."""
+
+    def __init__(self, device: torch.device | None, folder: str | Path):
+        super().__init__(device)
+        self.root, self.folder, self._cleanup = Path(folder), None, None  # folder: made on the first write
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="slimtune-disk")  # in order: reads follow writes
+        self.writes: deque[Future] = deque()
+
+    def _ensure_folder(self) -> Path:
+        if self.folder is None:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.folder = Path(tempfile.mkdtemp(prefix="blocks-", dir=self.root))
+            except OSError as err:
+                raise UserError(f"activations.disk_dir '{self.root}' is not a usable folder ({err}).") from None
+            # Also runs at interpreter exit and when the store is dropped unclosed.
+            self._cleanup = weakref.finalize(self, _shut_down, self.worker, self.folder)
+        return self.folder
+
+    def reserve(self, example: torch.Tensor, count: int) -> None:
+        if count <= 0 or is_fake(example):
+            return
+        need, free = _nbytes(example) * count, shutil.disk_usage(self._ensure_folder()).free
+        if need + DISK_MARGIN > free:
+            raise UserError(
+                f"activations.checkpoint=disk needs {need / 2**30:.2f} GiB for block inputs in '{self.root}',"
+                f" which has {free / 2**30:.2f} GiB free; free space there, set activations.disk_dir"
+                " elsewhere, or use activations.checkpoint=host.")
+
+    def put(self, x: torch.Tensor) -> int:
+        if self.closed:
+            raise RuntimeError("the disk store is closed.")
+        if is_fake(x):  # the estimate: a fake host copy stands for the file
+            return super().put(x)
+        key = next(self._ids)
+        host, ready = self.link.to_host(x)
+        path = self._ensure_folder() / f"block-{key}.bin"
+        self.writes.append(self.worker.submit(_write_file, path, host, ready))
+        self.entries[key] = _Entry(_nbytes(x), path=path, layout=(x.shape, host.stride(), x.dtype))
+        self._count_in(_nbytes(x))
+        while len(self.writes) > WRITES_IN_FLIGHT or (self.writes and self.writes[0].done()):
+            self._wait(self.writes.popleft())  # back-pressure; write errors surface here
+        return key
+
+    def prefetch(self, key: int) -> None:
+        # From the disk into a host buffer; the device copy is made when taken (a fake entry too).
+        entry = self.entries.get(key)
+        if entry is not None and entry.path is not None and entry.read is None:
+            entry.read = self.worker.submit(_read_file, entry.path, entry.layout, self.link.cuda)
+
+    def take(self, key: int) -> torch.Tensor:
+        entry = self.entries[key]
+        if entry.path is not None:
+            self.prefetch(key)
+            entry.host = mark_host_resident(self._wait(entry.read))  # the file is gone once read
+            entry.path = entry.read = None
+        entry.fetched, entry.host = self.link.to_device(entry.host, entry.ready), None
+        return super().take(key)
+
+    def discard(self, key: int) -> None:
+        entry = self.entries.get(key)
+        super().discard(key)
+        if entry is not None and entry.path is not None and not self.closed:
+            self.worker.submit(entry.path.unlink, missing_ok=True)  # after its write: jobs run in order
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()
+            self.writes.clear()
+            self._cleanup() if self._cleanup is not None else self.worker.shutdown(wait=True)
+
+    def _wait(self, job: Future):
+        try:
+            return job.result()
+        except OSError as err:
+            raise UserError(f"activations.disk_dir '{self.root}': block file I/O failed ({err}).") from None
+
+
+def _byte_view(t: torch.Tensor):
+    """The bytes of t's (fresh, dense) storage as a numpy array: any dtype, bf16 included."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), 0, (_nbytes(t),), (1,)).numpy()
+
+
+def _write_file(path: Path, host: torch.Tensor, ready) -> None:
+    if ready is not None:
+        ready.synchronize()  # the copy from the device has landed
+    with open(path, "wb") as f:
+        f.write(memoryview(_byte_view(host)))
+
+
+def _read_file(path: Path, layout: tuple, pinned: bool) -> torch.Tensor:
+    shape, stride, dtype = layout
+    host = torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=pinned)
+    view = memoryview(_byte_view(host))
+    with open(path, "rb") as f:
+        got = f.readinto(view)
+    path.unlink()
+    if got != len(view):
+        raise OSError(f"{path}: read {got} of {len(view)} bytes")
+    return host
+
+
+def _shut_down(worker: ThreadPoolExecutor, folder: Path) -> None:
+    with contextlib.suppress(RuntimeError):  # run by the worker itself (its GC): it cannot join itself
+        worker.shutdown(wait=True, cancel_futures=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- cache=small
+
+_AUTOGRAD_ONLY = {torch.ops.aten.detach.default}  # autograd adds these when it saves an output
+_VIEW_LIKE = {torch.ops.aten._unsafe_view.default}  # aliases its input though its schema says not
+
+
+def _signature(func, args, kwargs) -> tuple:
+    return func, tuple(
+        (tuple(v.shape), v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor)
+        else v if isinstance(v, (int, float, bool, str, type(None), torch.dtype, torch.device)) else type(v)
+        for v in tree_flatten((args, kwargs))[0])
+
+
+def _versions(out) -> tuple:
+    return () if out is None else tuple(t._version for t in tree_flatten(out)[0])
+
+
+def _is_small(func, args, out, limit: int) -> bool:
+    # Random ops must rerun (the RNG stream), factories cost nothing, views and in-place ops own nothing.
+    if (torch.Tag.nondeterministic_seeded in func.tags or func in _VIEW_LIKE
+            or not any(isinstance(a, torch.Tensor) for a in tree_flatten(args)[0])
+            or any(r.alias_info is not None for r in func._schema.returns)):
+        return False
+    leaves = tree_flatten(out)[0]
+    return all(isinstance(t, torch.Tensor) for t in leaves) and 0 < sum(t.numel() for t in leaves) <= limit
+
+
+class _SmallCache(TorchDispatchMode):
+    """cache=small for one block. In forward (x given) it logs every op's signature in order, with
+    its output when small. In the recompute an op matching the next logged signature gets the kept
+    output instead of running; the first op out of step ends substitution for the block."""
+
+    def __init__(self, run: _Run, index: int, x: torch.Tensor | None = None):
+        super().__init__()
+        self.replay, self.store, self.position = x is None, run.store, 0
+        self.log = run.logs.pop(index, []) if x is None else run.logs.setdefault(index, [])
+        self.limit = 0 if x is None else x.numel() // SMALL_FRACTION
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _AUTOGRAD_ONLY or self.position is None:
+            return func(*args, **kwargs)
+        if not self.replay:
+            out = func(*args, **kwargs)
+            kept = out if _is_small(func, args, out, self.limit) else None
+            self.store.cache_kept += kept is not None
+            self.log.append((_signature(func, args, kwargs), kept, _versions(kept)))
+            return out
+        entry = self.log[self.position] if self.position < len(self.log) else None
+        if entry is None or entry[0] != _signature(func, args, kwargs):
+            self.position, self.log[:] = None, []
+            return func(*args, **kwargs)
+        self.log[self.position], self.position = None, self.position + 1  # handed back once, then freed
+        _, kept, versions = entry
+        if kept is None or _versions(kept) != versions:  # not kept, or changed in place since
+            return func(*args, **kwargs)
+        self.store.cache_hits += 1
+        return kept
