@@ -237,7 +237,8 @@ def _subset_chunk(z: torch.Tensor, t: torch.Tensor, k: int) -> tuple[torch.Tenso
     sums = (
         torch.where(valid, lse_s - z_y, 0).sum(),
         torch.where(valid, lse - z_y, 0).sum(),
-        torch.where(valid, -torch.expm1(lse_s - lse), 0).sum(),  # 1 - p(S) = 1 - exp(lse_S - lse)
+        # 1 - p(S) = 1 - exp(lse_S - lse), never below 0 (rounding can put lse_S a hair above lse)
+        torch.where(valid, -torch.expm1((lse_s - lse).clamp_max(0)), 0).sum(),
     )
     return ids, g_s, *sums
 
