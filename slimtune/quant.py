@@ -25,6 +25,7 @@ Order: quant.apply runs before lora.apply; LoRALinear wraps a QuantLinear like a
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -118,6 +119,11 @@ def _bitsandbytes():
     if "bitsandbytes.functional" not in sys.modules:
         from torch.utils._python_dispatch import _disable_current_modes
 
+        # bitsandbytes warns at import that an optional CPU matmul kernel package is missing; we
+        # never call that kernel (we dequantize and use torch's matmul), so the warning is noise.
+        cpu_ops_log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+        level = cpu_ops_log.level
+        cpu_ops_log.setLevel(logging.ERROR)
         with _disable_current_modes():
             try:
                 import bitsandbytes.functional  # noqa: F401  (registers torch.ops.bitsandbytes)
@@ -125,6 +131,8 @@ def _bitsandbytes():
                 raise UserError(
                     "quant.scheme=nf4 needs bitsandbytes (pip install bitsandbytes); or use quant.scheme=int4."
                 ) from None
+            finally:
+                cpu_ops_log.setLevel(level)
     return sys.modules["bitsandbytes.functional"]
 
 
