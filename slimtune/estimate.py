@@ -91,8 +91,9 @@ def _step(engine, micro_batches: list[Batch], metered: bool):
         engine.meter = meter
 
 
-def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int) -> Estimate:
-    """Device peak of one steady-state optimizer step of `cfg` on a model of `config`'s shape."""
+def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch | None = None) -> Estimate:
+    """Device peak of one steady-state optimizer step of `cfg` on a model of `config`'s shape, on
+    `batch` (real tensors; its shape wins) or else a synthetic_batch(batch_size, seq_len)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from slimtune import engines, train
@@ -101,7 +102,7 @@ def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int) -> Estimate:
     precision = train.resolve_precision(cfg.precision, torch.device("cuda"))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     stack = Stack(fake_model(config, train.weight_dtype(precision, cfg.method), mode))
-    real_batch = synthetic_batch(batch_size, seq_len, config.vocab_size)
+    real_batch = batch if batch is not None else synthetic_batch(batch_size, seq_len, config.vocab_size)
     with mode:
         train.apply_method(cfg, stack)
         stack.advance("engine")

@@ -27,7 +27,7 @@ import torch
 from slimtune import config as config_module
 from slimtune import engines, presets, train
 from slimtune.data import IGNORE_INDEX, Batch
-from slimtune.estimate import STEPS, _step, fake_model
+from slimtune.estimate import STEPS, estimate
 from slimtune.model import Stack
 
 GIB = 2**30
@@ -100,22 +100,13 @@ def _result_row(result, seconds: float, trainable: int) -> dict:
 
 
 def fake_estimate(model_config, cfg, batch: Batch) -> dict:
-    """slimtune.estimate.estimate with our own batch: two engine steps on fake tensors, step 2 metered."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    """slimtune.estimate.estimate on our own batch: two engine steps on fake tensors, step 2 metered."""
     began = time.perf_counter()
-    precision = train.resolve_precision(cfg.precision, torch.device("cuda"))
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    stack = Stack(fake_model(model_config, train.weight_dtype(precision, cfg.method), mode))
-    with mode:
-        train.apply_method(cfg, stack)
-        stack.advance("engine")
-        engine = engines.build(cfg, stack, torch.device("cpu"), precision)
-        tensors = (batch.input_ids, batch.targets, batch.position_ids, batch.rows)
-        fake = Batch(*(mode.from_tensor(t) for t in tensors), num_targets=batch.num_targets)
-        results = [_step(engine, [fake], metered=i == STEPS - 1) for i in range(STEPS)]
-    trainable = sum(p.numel() for p in stack.model.parameters() if p.requires_grad)
-    return _result_row(results[-1], time.perf_counter() - began, trainable)
+    found = estimate(model_config, cfg, *batch.input_ids.shape, batch=batch)
+    return {"device_peak_bytes": found.device_peak_bytes, "device_peak_gib": found.device_peak_bytes / GIB,
+            "breakdown_bytes": found.breakdown, "host_bytes": found.host_bytes, "disk_bytes": found.disk_bytes,
+            "host_link_bytes": found.host_link_bytes, "trainable_params": found.trainable_params,
+            "seconds": time.perf_counter() - began}
 
 
 def random_model(model_config, seed: int = 0):
