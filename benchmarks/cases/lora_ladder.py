@@ -72,6 +72,9 @@ def rungs(seq: int) -> list[tuple[str, dict]]:
         # extras: nf4 in place of int4 at the quant rung; slimtune's default exact chunked loss at rung 3
         ("+quant (nf4)", {**quant, "quant.scheme": "nf4"}),
         ("+checkpointing, exact chunk 1024", {**ckpt, "loss.chunk_size": 1024}),
+        # all four with the tied embedding/head quantized too, then also computing in bf16
+        ("+masking, 4-bit embedding/head", {**masking, "quant.embeddings": True}),
+        ("+masking, 4-bit embedding/head, bf16", {**masking, "quant.embeddings": True, "precision": "bf16"}),
     ]
 
 
