@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,7 +181,10 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     t = cfg.train
     if progress:
         tqdm.write(f"data: {run.splits.report.summary()}" + (f"; resuming after step {start}" if start else ""))
-    bar = tqdm(total=t.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
+    # A log file or pipe gets a refresh every 30 s instead of every step.
+    refresh = 0.1 if sys.stderr.isatty() else 30.0
+    bar = tqdm(total=t.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
+               mininterval=refresh)
     began = time.perf_counter()
     try:
         for step in range(start + 1, t.steps + 1):
