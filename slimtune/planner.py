@@ -131,17 +131,24 @@ def planning_config(method: str, rank: int = 16, **train) -> RunConfig:
     return config_module.load(None, [], base=base)
 
 
-def apply_recommended(cfg: RunConfig, model_config, gpu) -> tuple[RunConfig, PlanResult]:
-    """plan=auto: the run's own method, sequence length and batch, planned for `gpu`."""
+def plan_run(cfg: RunConfig, model_config, gpu) -> tuple[list[PlanResult], PlanResult | None]:
+    """The run's own method, sequence length and batch, planned for `gpu`; and the recommended plan."""
     results = plan(model_config, cfg, gpu, cfg.train.batch_size, cfg.data.max_length)
-    chosen = recommended(results)
-    if chosen is None:
-        need = smallest(results)
-        raise UserError(
-            f"no plan fits {gpu.name} ({human_bytes(gpu.memory_bytes)}): the smallest, {need.engine} {need.label}, "
+    return results, recommended(results)
+
+
+def no_fit_sentence(results: list[PlanResult], gpu) -> str:
+    need = smallest(results)
+    return (f"no plan fits {gpu.name} ({human_bytes(gpu.memory_bytes)}): the smallest, {need.engine} {need.label}, "
             f"needs {human_bytes(need.estimate.device_peak_bytes + CUDA_OVERHEAD_BYTES)}; lower train.batch_size "
-            f"or data.max_length."
-        )
+            f"or data.max_length.")
+
+
+def apply_recommended(cfg: RunConfig, model_config, gpu) -> tuple[RunConfig, PlanResult]:
+    """plan=auto: the run's settings with the recommended plan's engine and options."""
+    results, chosen = plan_run(cfg, model_config, gpu)
+    if chosen is None:
+        raise UserError(no_fit_sentence(results, gpu))
     return _run_config(cfg, {"engine": chosen.engine, **chosen.options}), chosen
 
 

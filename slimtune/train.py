@@ -219,13 +219,9 @@ def out_of_memory_advice(run: Run, step: int) -> str:
 
     cfg = run.cfg
     gpu = presets.device_profile(run.device)
-    results = planner.plan(presets.model_config(cfg.model), cfg, gpu, cfg.train.batch_size, cfg.data.max_length)
-    chosen = planner.recommended(results)
+    results, chosen = planner.plan_run(cfg, presets.model_config(cfg.model), gpu)
     if chosen is None:
-        need = planner.smallest(results)
-        return (f"out of device memory at step {step}, and no plan fits {human_bytes(gpu.memory_bytes)}: the smallest "
-                f"({need.engine} {need.label}) needs {human_bytes(need.estimate.device_peak_bytes)}; lower "
-                f"train.batch_size or data.max_length.")
+        return f"out of device memory at step {step}, and {planner.no_fit_sentence(results, gpu)}"
     options = " ".join(f"{k}={v}" for k, v in chosen.options.items())
     return (f"out of device memory at step {step} with engine={cfg.engine} precision={cfg.precision}; "
             f"a plan that fits {human_bytes(gpu.memory_bytes)}: engine={chosen.engine} {options} "
@@ -281,10 +277,3 @@ def summary_table(summary: dict) -> str:
         ("result", summary["result"]),
     ]
     return format_table(rows)
-
-
-def config_fields_help() -> str:
-    from slimtune.config import help_text
-
-    return "\n".join(help_text())
-
