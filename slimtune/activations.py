@@ -16,6 +16,12 @@ raw file per block (dtype, shape, strides kept aside) in a private folder under 
 a worker thread, read back a block ahead, deleted once read; free space is checked first. Counters:
 bytes_written, link_bytes (both ways: twice per stored input after backward), peak_bytes.
 
+MLP chunks (activations.mlp_chunk). A block's MLP is per token, so a checkpointed block runs it in
+token chunks: forward writes each chunk's output in place; the recompute builds and back-propagates
+one chunk's graph at a time, after the attention half's. One chunk's MLP activations (c x I, with
+I ~ 3-5 x d) exist at a time instead of T x I: at 16K tokens that is the peak of the recompute.
+Forward and recompute use the same chunks in the same order, so dropout masks repeat exactly.
+
 Caches. last_k: the last k blocks' inputs stay on the device (backward needs them first). small: per
 block, the outputs of ops that are deterministic, neither views nor in-place, and small (<= 1/8 of
 the block input's elements) stay on the device and are handed back in the recompute instead of
@@ -52,6 +58,8 @@ from slimtune.errors import UserError
 from slimtune.memory import mark_host_resident
 from slimtune.model import BlockInputs, Stack
 
+MLP_CHUNK_SHARE = 4  # auto mlp_chunk: one chunk's (c, I) MLP activation ~ 1/4 of a (T, D) block input
+MIN_MLP_CHUNK = 256  # auto chunks stay at least this long: shorter matmuls waste the device
 SMALL_FRACTION = 8  # cache=small: an op output is small at <= 1/8 of the block input's elements
 WRITES_IN_FLIGHT = 2  # disk writes queued at once: bounds the host buffers waiting for the disk
 DISK_MARGIN = 64 << 20  # free space left on the disk after every block file is written
@@ -89,7 +97,16 @@ def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: Act
     logs = {} if cfg.cache == "small" else None
     # A 0-dim input that needs grad, so backward runs even when `hidden` needs none (LoRA, frozen embedding).
     anchor = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=True)
-    return _Checkpointed.apply(_Run(stack, inputs, store, on_device, logs), hidden, anchor)
+    chunk = mlp_chunk_tokens(stack, hidden.shape[1], cfg)
+    return _Checkpointed.apply(_Run(stack, inputs, store, on_device, logs, chunk), hidden, anchor)
+
+
+def mlp_chunk_tokens(stack: Stack, seq: int, cfg: ActivationsConfig) -> int:
+    """Tokens per MLP chunk of a checkpointed block for `seq`-token rows (seq: one chunk)."""
+    if cfg.mlp_chunk:
+        return min(cfg.mlp_chunk, seq)
+    chunks = -(-MLP_CHUNK_SHARE * stack.config.intermediate_size // stack.config.hidden_size)
+    return min(seq, max(-(-seq // chunks), MIN_MLP_CHUNK))
 
 
 def runner(cfg: ActivationsConfig, store: BlockStore | None = None):
@@ -103,8 +120,10 @@ def runner(cfg: ActivationsConfig, store: BlockStore | None = None):
 class _Run:
     """One run_blocks call: the blocks' inputs (keys into a store) and RNG states, and its cache log."""
 
-    def __init__(self, stack: Stack, inputs: BlockInputs, store: BlockStore, on_device: set, logs: dict | None):
+    def __init__(self, stack: Stack, inputs: BlockInputs, store: BlockStore, on_device: set, logs: dict | None,
+                 chunk: int):
         self.stack, self.inputs, self.store, self.on_device, self.logs = stack, inputs, store, on_device, logs
+        self.chunk = chunk  # tokens per MLP chunk
         self.keys, self.rng, self.local = {}, [], BlockStore()  # local: cache=last_k inputs
         # A graph dropped without backward (or a failed forward) gives its entries back.
         self.release = weakref.finalize(self, _discard_all, self.keys)
@@ -160,8 +179,20 @@ def _forward_blocks(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
     for index in range(count):
         run.put(index, hidden)
         with _SmallCache(run, index, hidden) if run.logs is not None else contextlib.nullcontext():
-            hidden = run.stack.run_block(index, hidden, run.inputs)
+            hidden = _block_forward(run, index, hidden)
     return hidden
+
+
+def _block_forward(run: _Run, index: int, x: torch.Tensor) -> torch.Tensor:
+    """Block `index` without grad; its MLP in token chunks, in the order the recompute repeats
+    (so dropout draws the same masks), overwriting the attention half's output chunk by chunk."""
+    if run.chunk >= x.shape[1]:
+        return run.stack.run_block(index, x, run.inputs)
+    h = run.stack.attention_half(index, x, run.inputs)
+    for start in range(0, h.shape[1], run.chunk):
+        part = h[:, start : start + run.chunk]
+        part.copy_(run.stack.mlp_half(index, part))
+    return h
 
 
 def _backward_blocks(run: _Run, grad: torch.Tensor, wants_input_grad: bool):
@@ -172,13 +203,45 @@ def _backward_blocks(run: _Run, grad: torch.Tensor, wants_input_grad: bool):
         run.prefetch(index - 1)  # overlaps the fetch with this block's recompute
         x = x.detach().requires_grad_(index > 0 or wants_input_grad)
         _restore_rng(run.rng[index], x.device)
-        with torch.enable_grad(), _SmallCache(run, index) if run.logs is not None else contextlib.nullcontext():
-            y = run.stack.run_block(index, x, run.inputs)
-        if grad is not None and y.requires_grad:
-            torch.autograd.backward(y, grad)  # frees this block's graph before the next recompute
+        cache = _SmallCache(run, index) if run.logs is not None else contextlib.nullcontext()
+        _block_backward(run, index, x, grad, cache)
         grad = x.grad if x.requires_grad else None
-        del x, y
+        del x
     return grad
+
+
+def _block_backward(run: _Run, index: int, x: torch.Tensor, grad: torch.Tensor | None, cache) -> None:
+    """Recompute block `index` from its input x and back-propagate its output's gradient:
+    parameter grads accumulate, x.grad is set. Each graph is freed by its backward before the next
+    block (or MLP chunk) is recomputed."""
+    if run.chunk >= x.shape[1]:
+        with torch.enable_grad(), cache:
+            y = run.stack.run_block(index, x, run.inputs)
+        _backward(y, grad)
+        return
+    with torch.enable_grad(), cache:
+        h = run.stack.attention_half(index, x, run.inputs)
+    _backward(h, _mlp_backward(run, index, h, grad, cache))
+
+
+def _mlp_backward(run: _Run, index: int, h: torch.Tensor, grad: torch.Tensor | None, cache) -> torch.Tensor | None:
+    """The MLP half of block `index`, chunk by chunk: recompute a chunk, back-propagate it, drop its
+    graph, so one chunk's MLP activations exist at a time. Returns the gradient of its input h."""
+    grad_h = torch.empty_like(h) if grad is not None and h.requires_grad else None
+    for start in range(0, h.shape[1], run.chunk):
+        with torch.enable_grad(), cache:  # the slice too: forward's cache log has it
+            part = h.detach()[:, start : start + run.chunk].requires_grad_(grad_h is not None)
+            y = run.stack.mlp_half(index, part)
+        _backward(y, None if grad is None else grad[:, start : start + run.chunk])
+        if grad_h is not None:
+            grad_h[:, start : start + run.chunk] = part.grad
+        del y, part
+    return grad_h
+
+
+def _backward(y: torch.Tensor, grad: torch.Tensor | None) -> None:
+    if grad is not None and y.requires_grad:
+        torch.autograd.backward(y, grad)
 
 
 def _discard_all(keys: dict) -> None:
@@ -439,7 +502,9 @@ def _shut_down(worker: ThreadPoolExecutor, folder: Path) -> None:
 
 # ---------------------------------------------------------------- cache=small
 
-_AUTOGRAD_ONLY = {torch.ops.aten.detach.default}  # autograd adds these when it saves an output
+# Not logged and never substituted: autograd adds detach when it saves an output, and the chunked
+# forward's copy_ (an MLP chunk written into place) has no counterpart in the chunked recompute.
+_UNLOGGED = {torch.ops.aten.detach.default, torch.ops.aten.copy_.default}
 _VIEW_LIKE = {torch.ops.aten._unsafe_view.default}  # aliases its input though its schema says not
 
 
@@ -477,7 +542,7 @@ class _SmallCache(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _AUTOGRAD_ONLY or self.position is None:
+        if func in _UNLOGGED or self.position is None:
             return func(*args, **kwargs)
         if not self.replay:
             out = func(*args, **kwargs)

@@ -96,9 +96,16 @@ class ActivationsConfig:
     )
     last_k: int = _f(2, "cache=last_k: how many of the last blocks keep their input on the device.")
     disk_dir: str | None = _f(None, "checkpoint=disk: where block files go (default: output_dir/activations).")
+    mlp_chunk: int = _f(
+        0,
+        "Checkpointed blocks run their MLP in token chunks of this many tokens, forward and recompute (exact: the"
+        " MLP is per token); 0 = auto (chunks whose MLP activations are about a quarter of a block input, >= 256 tokens).",
+    )
 
     def validate(self) -> None:
         _positive("activations.last_k", self.last_k)
+        if self.mlp_chunk < 0:
+            raise UserError(f"activations.mlp_chunk must be 0 (auto) or a token count, got {self.mlp_chunk}.")
 
 
 @dataclass
@@ -106,12 +113,13 @@ class LossConfig:
     mode: Literal["exact", "subset"] = _f(
         "exact", "exact: chunked cross-entropy that never builds T x V logits; subset: softmax over top-k candidates."
     )
-    chunk_size: int = _f(1024, "Tokens per loss chunk.")
+    chunk_size: int = _f(0, "Tokens per loss chunk; 0 = auto (chunks whose fp32 logits are about 64 MiB).")
     subset_k: int = _f(1000, "mode=subset: candidates per position (top-k of the frozen head, target included).")
     masking: bool = _f(True, "Only trained (response) positions go through the final norm, head and loss.")
 
     def validate(self) -> None:
-        _positive("loss.chunk_size", self.chunk_size)
+        if self.chunk_size < 0:
+            raise UserError(f"loss.chunk_size must be 0 (auto) or a token count, got {self.chunk_size}.")
         _positive("loss.subset_k", self.subset_k)
 
 

@@ -58,22 +58,28 @@ class Example:
 class Batch:
     input_ids: torch.Tensor  # (B, T) long
     targets: torch.Tensor  # (B, T) long, IGNORE_INDEX where no loss
-    position_ids: torch.Tensor  # (B, T) long, 0 at every example start and at the padding tail
+    position_ids: torch.Tensor  # (B, T) long, 0 at every example start; the padding tail continues its row
     # Trained positions (targets != IGNORE_INDEX): their flat indices into (B*T) and their count,
     # found once here so that engines never read a tensor value mid-step (fake tensors, used by
     # the planner's estimate, cannot answer, and data-dependent shapes cannot be traced).
     rows: torch.Tensor | None = None  # (N,) long
     num_targets: int = -1
+    # Some row holds several examples (its position ids restart): attention needs a block-diagonal
+    # mask, a (B, 1, T, T) tensor. Otherwise plain causal attention needs none (SDPA's is_causal).
+    segmented: bool | None = None
 
     def __post_init__(self) -> None:
         if self.rows is None:
             self.rows = (self.targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
         if self.num_targets < 0:
             self.num_targets = int(self.rows.numel())
+        if self.segmented is None:
+            plain = torch.arange(self.position_ids.shape[-1], device=self.position_ids.device)
+            self.segmented = bool((self.position_ids != plain).any())
 
     def to(self, device: Any) -> Batch:
         moved = (t.to(device) for t in (self.input_ids, self.targets, self.position_ids, self.rows))
-        return Batch(*moved, num_targets=self.num_targets)
+        return Batch(*moved, num_targets=self.num_targets, segmented=self.segmented)
 
 
 @dataclass
@@ -382,13 +388,16 @@ def _build_rows(lengths: list[int], order: list[int], max_length: int, packing: 
 
 
 def _collate(examples: list[Example], rows: list[list[int]], pad_id: int) -> Batch:
-    """Rows -> one batch padded to its longest row; the padding tail is its own segment."""
+    """Rows -> one batch padded to its longest row. The padding tail continues its row's last
+    example: causal attention keeps it from every real token, its targets are ignored, and a row
+    of one example stays unsegmented (no attention mask to build)."""
     used = [sum(len(examples[i].input_ids) for i in row) for row in rows]
     ids, targets, positions = [], [], []
     for row, pad in zip(rows, [max(used) - u for u in used]):
         ids.append([t for i in row for t in examples[i].input_ids] + [pad_id] * pad)
         targets.append([t for i in row for t in examples[i].targets] + [IGNORE_INDEX] * pad)
-        positions.append([p for i in row for p in range(len(examples[i].input_ids))] + list(range(pad)))
+        last = len(examples[row[-1]].input_ids)
+        positions.append([p for i in row for p in range(len(examples[i].input_ids))] + list(range(last, last + pad)))
     return Batch(*(torch.tensor(x, dtype=torch.long) for x in (ids, targets, positions)))  # each (B, T)
 
 

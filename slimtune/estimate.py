@@ -108,7 +108,8 @@ def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch
         stack.advance("engine")
         engine = engines.build(cfg, stack, torch.device("cpu"), precision)
         tensors = (real_batch.input_ids, real_batch.targets, real_batch.position_ids, real_batch.rows)
-        batch = Batch(*(mode.from_tensor(t) for t in tensors), num_targets=real_batch.num_targets)
+        batch = Batch(*(mode.from_tensor(t) for t in tensors), num_targets=real_batch.num_targets,
+                      segmented=real_batch.segmented)
         results = [_step(engine, [batch] * cfg.train.grad_accum, metered=i == STEPS - 1) for i in range(STEPS)]
     model = stack.model
     return Estimate(

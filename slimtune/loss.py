@@ -18,13 +18,16 @@ Three memory measures (specs/peak-memory-lora.md 2.5, 2.6):
   as the loss: `exact_sum` carries the full-softmax loss and `excluded_mass_sum` the
   probability mass the training objective ignored.
 Logits are formed in at least fp32 (fp64 stays fp64), whatever the autocast context.
+
+Memory of the head itself: a token chunk's logits are (c, V); loss.chunk_size=0 (auto) picks c so
+that they stay near LOGITS_CHUNK_BYTES. The (V, D) weight is read in vocabulary tiles (`_Head`): a
+head narrower than the compute dtype is cast tile by tile and a 4-bit head dequantized tile by
+tile, so no full-size dense copy of it ever exists (1.5 GiB in fp32 for Llama-3's vocabulary).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 from torch import nn
 
@@ -35,8 +38,10 @@ from slimtune.errors import UserError
 # A head stored in a narrower dtype than the logits is cast in tiles of this many rows,
 # so the cast never holds a full (V, D) fp32 copy (1.5 GiB for Llama-3's vocabulary).
 CAST_TILE_ROWS = 8192
-
-WeightFn = Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
+# loss.chunk_size=0: tokens per chunk such that the (c, V) logits stay near this (64 MiB; 130
+# tokens at Llama-3's vocabulary in fp32), and never fewer than MIN_CHUNK_TOKENS.
+LOGITS_CHUNK_BYTES = 64 << 20
+MIN_CHUNK_TOKENS = 16
 
 
 @dataclass
@@ -63,31 +68,51 @@ def causal_lm_loss(
 ) -> LossOutput:
     """hidden (B, T, D), the last block's output before the final norm; targets (B, T) shifted;
     rows (N,) = trained_rows(targets), required when cfg.masking. Returns sums, never means."""
+    source = _Head(head)
+    chunk = chunk_tokens(cfg, source.shape[0])
     if not (training and torch.is_grad_enabled()):
         with torch.no_grad():  # evaluation: the exact loss and no graph
             x, t = _head_inputs(hidden, norm, targets, cfg, rows)
-            weight, bias = head_weight(head)
-            loss = _exact_pass(x, weight, bias, t, cfg.chunk_size, (False, False, False))[0]
+            loss = _exact_pass(x, source, t, chunk, (False, False, False))[0]
         return LossOutput(loss, loss, torch.zeros_like(loss))
     x, t = _head_inputs(hidden, norm, targets, cfg, rows)
     if cfg.mode == "subset":
         _refuse_trainable_head(head)
-        loss, exact, excluded = _SubsetCE.apply(x, t, lambda: head_weight(head), cfg.chunk_size, cfg.subset_k)
+        loss, exact, excluded = _SubsetCE.apply(x, t, source, chunk, cfg.subset_k)
         return LossOutput(loss, exact, excluded)
-    weight, bias = head_weight(head)
-    loss = _ExactCE.apply(x, weight, bias, t, cfg.chunk_size)
+    loss = _ExactCE.apply(x, source.weight, source.bias, t, chunk, source)
     return LossOutput(loss, loss.detach(), torch.zeros_like(loss.detach()))
 
 
-def head_weight(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The head as (V, D) weight and (V,) bias or None; a quantized head dequantizes here."""
-    if hasattr(head, "dequantized_weight"):
-        weight = head.dequantized_weight()
-    elif isinstance(getattr(head, "weight", None), torch.Tensor):
-        weight = head.weight
-    else:
-        raise TypeError(f"LM head {type(head).__name__} has neither a weight nor dequantized_weight().")
-    return weight, getattr(head, "bias", None)
+def chunk_tokens(cfg: LossConfig, vocab: int) -> int:
+    """Tokens per loss chunk: cfg.chunk_size, or for 0 (auto) ~LOGITS_CHUNK_BYTES of fp32 logits."""
+    return cfg.chunk_size or max(MIN_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * vocab))
+
+
+class _Head:
+    """The LM head's (V, D) weight, handed out in vocabulary tiles: as it is when it is already in
+    the compute dtype, else cast (a narrower head) or dequantized (a 4-bit head, quant.QuantLinear)
+    one tile at a time. `weight` is the dense weight autograd sees, None for a 4-bit head."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.bias = module, getattr(module, "bias", None)
+        if hasattr(module, "weight_tiles"):
+            self.weight, self.shape, self.dtype = None, (module.out_features, module.in_features), module.qweight.dtype
+        elif isinstance(getattr(module, "weight", None), torch.Tensor):
+            self.weight, self.shape, self.dtype = module.weight, tuple(module.weight.shape), module.weight.dtype
+        else:
+            raise TypeError(f"LM head {type(module).__name__} has neither a weight nor weight_tiles().")
+
+    def tiles(self, dtype: torch.dtype):
+        """Yields (start, stop, rows [start, stop) of the weight in `dtype`)."""
+        if self.weight is None:
+            yield from self.module.weight_tiles(dtype)
+        elif self.weight.dtype == dtype:
+            yield 0, self.shape[0], self.weight
+        else:
+            for start in range(0, self.shape[0], CAST_TILE_ROWS):
+                stop = min(start + CAST_TILE_ROWS, self.shape[0])
+                yield start, stop, self.weight[start:stop].to(dtype)
 
 
 def _head_inputs(
@@ -114,35 +139,36 @@ def _refuse_trainable_head(head: nn.Module) -> None:
         )
 
 
-def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def _compute_dtype(x: torch.Tensor, head: _Head) -> torch.dtype:
     # Softmax over a large vocabulary in half precision loses the small probabilities.
-    return torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+    return torch.promote_types(torch.promote_types(x.dtype, head.dtype), torch.float32)
 
 
 # ---------------------------------------------------------------- head matmuls in the compute dtype
 
 
-def _logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """x (c, D) in `dtype`, weight (V, D) -> logits (c, V) in `dtype`."""
-    if weight.dtype == dtype:
-        z = x @ weight.T
-    else:
-        z = x.new_empty((x.shape[0], weight.shape[0]))
-        for start in range(0, weight.shape[0], CAST_TILE_ROWS):
-            tile = weight[start : start + CAST_TILE_ROWS].to(dtype)  # (tile, D)
-            z[:, start : start + CAST_TILE_ROWS] = x @ tile.T
-    if bias is not None:
-        z += bias.to(dtype)
+def _logits(x: torch.Tensor, head: _Head, dtype: torch.dtype) -> torch.Tensor:
+    """x (c, D) in `dtype` -> logits (c, V) in `dtype`, one weight tile at a time."""
+    z = None
+    for start, stop, tile in head.tiles(dtype):  # tile (stop - start, D)
+        if start == 0 and stop == head.shape[0]:
+            z = x @ tile.T
+        else:
+            z = x.new_empty((x.shape[0], head.shape[0])) if z is None else z
+            z[:, start:stop] = x @ tile.T
+    if head.bias is not None:
+        z += head.bias.to(dtype)
     return z
 
 
-def _times_weight(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _times_weight(g: torch.Tensor, head: _Head) -> torch.Tensor:
     """g (c, V) in the compute dtype @ weight (V, D) -> (c, D) in the compute dtype."""
-    if weight.dtype == g.dtype:
-        return g @ weight
-    out = g.new_zeros((g.shape[0], weight.shape[1]))
-    for start in range(0, weight.shape[0], CAST_TILE_ROWS):
-        out += g[:, start : start + CAST_TILE_ROWS] @ weight[start : start + CAST_TILE_ROWS].to(g.dtype)
+    out = None
+    for start, stop, tile in head.tiles(g.dtype):
+        if start == 0 and stop == head.shape[0]:
+            return g @ tile
+        out = g.new_zeros((g.shape[0], head.shape[1])) if out is None else out
+        out.addmm_(g[:, start:stop], tile)
     return out
 
 
@@ -158,22 +184,21 @@ def _chunk_terms(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _exact_pass(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    head: _Head,
     targets: torch.Tensor,
     chunk: int,
     need: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Loss sum and, as `need` (x, weight, bias) asks, gradients for an upstream gradient of 1.
-    x (N, D), weight (V, D), targets (N,) -> (), (N, D), (V, D), (V,). One (c, V) buffer at a time."""
-    dtype = _compute_dtype(x, weight)
+    x (N, D), head (V, D), targets (N,) -> (), (N, D), (V, D), (V,). One (c, V) buffer at a time."""
+    dtype = _compute_dtype(x, head)
     loss = x.new_zeros((), dtype=dtype)
     grad_x = torch.empty_like(x) if need[0] else None
-    grad_w = weight.new_zeros(weight.shape, dtype=dtype) if need[1] else None
-    grad_b = weight.new_zeros(weight.shape[:1], dtype=dtype) if need[2] else None
+    grad_w = x.new_zeros(head.shape, dtype=dtype) if need[1] else None
+    grad_b = x.new_zeros(head.shape[:1], dtype=dtype) if need[2] else None
     for start in range(0, x.shape[0], chunk):
         x_c = x[start : start + chunk].to(dtype)  # (c, D)
-        z = _logits(x_c, weight, bias, dtype)  # (c, V)
+        z = _logits(x_c, head, dtype)  # (c, V)
         lse, z_y, valid, safe = _chunk_terms(z, targets[start : start + chunk])
         loss = loss + torch.where(valid, lse - z_y, 0).sum()
         if not any(need):
@@ -182,7 +207,7 @@ def _exact_pass(
         g.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))  # minus one-hot(y)
         g.mul_(valid[:, None])  # ignored rows carry no gradient
         if grad_x is not None:
-            grad_x[start : start + chunk] = _times_weight(g, weight)
+            grad_x[start : start + chunk] = _times_weight(g, head)
         if grad_w is not None:
             grad_w.addmm_(g.T, x_c)
         if grad_b is not None:
@@ -195,10 +220,11 @@ class _ExactCE(torch.autograd.Function):
     (the Liger / Cut-Cross-Entropy trick): backward only scales them by grad_output."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, chunk):
+    def forward(ctx, x, weight, bias, targets, chunk, head: _Head):
+        # weight, bias: head.weight and head.bias, passed so autograd routes their gradients
         need = tuple(ctx.needs_input_grad[:3])
         with torch.autocast(x.device.type, enabled=False):  # dtypes are chosen explicitly
-            loss, grad_x, grad_w, grad_b = _exact_pass(x, weight, bias, targets, chunk, need)
+            loss, grad_x, grad_w, grad_b = _exact_pass(x, head, targets, chunk, need)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None:
@@ -209,7 +235,7 @@ class _ExactCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in ctx.saved_tensors)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 # ---------------------------------------------------------------- mode=subset
@@ -244,39 +270,38 @@ def _subset_chunk(z: torch.Tensor, t: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 
 class _SubsetCE(torch.autograd.Function):
-    """Summed subset-softmax loss of x against a frozen head given by `weight_fn`. The head
-    is not an input, so nothing head-sized is saved (a quantized head dequantizes again in
-    backward); forward keeps only the candidate ids and dL/dz on them, both (N, k)."""
+    """Summed subset-softmax loss of x against a frozen `head`. The head is not an input, so
+    nothing head-sized is saved (a quantized head dequantizes again, tile by tile, in backward);
+    forward keeps only the candidate ids and dL/dz on them, both (N, k)."""
 
     @staticmethod
-    def forward(ctx, x, targets, weight_fn: WeightFn, chunk: int, k: int):
-        weight, bias = weight_fn()
-        dtype = _compute_dtype(x, weight)
-        k = min(k, weight.shape[0])
+    def forward(ctx, x, targets, head: _Head, chunk: int, k: int):
+        dtype = _compute_dtype(x, head)
+        k = min(k, head.shape[0])
         # (N, k) each: about 12 k bytes per trained token, vocabulary-wide only if k >= V.
         ids = targets.new_empty((x.shape[0], k))  # (N, k)
         g_s = x.new_empty((x.shape[0], k), dtype=dtype)  # (N, k)
         sums = [x.new_zeros((), dtype=dtype) for _ in range(3)]  # L_S, L_full, excluded mass
         with torch.autocast(x.device.type, enabled=False):
             for start in range(0, x.shape[0], chunk):
-                z = _logits(x[start : start + chunk].to(dtype), weight, bias, dtype)  # (c, V)
+                z = _logits(x[start : start + chunk].to(dtype), head, dtype)  # (c, V)
                 ids_c, g_c, *parts = _subset_chunk(z, targets[start : start + chunk], k)
                 ids[start : start + chunk], g_s[start : start + chunk] = ids_c, g_c
                 sums = [s + p for s, p in zip(sums, parts)]
         ctx.save_for_backward(ids, g_s)
-        ctx.weight_fn, ctx.chunk, ctx.x_dtype, ctx.vocab = weight_fn, chunk, x.dtype, weight.shape[0]
+        ctx.head, ctx.chunk, ctx.x_dtype = head, chunk, x.dtype
         ctx.mark_non_differentiable(sums[1], sums[2])
         return tuple(sums)
 
     @staticmethod
     def backward(ctx, grad_out, _exact_grad, _excluded_grad):
         ids, g_s = ctx.saved_tensors
-        weight, _ = ctx.weight_fn()
-        grad_x = g_s.new_empty((ids.shape[0], weight.shape[1]), dtype=ctx.x_dtype)  # (N, D)
+        head, ctx.head = ctx.head, None
+        grad_x = g_s.new_empty((ids.shape[0], head.shape[1]), dtype=ctx.x_dtype)  # (N, D)
         with torch.autocast(grad_x.device.type, enabled=False):
             for start in range(0, ids.shape[0], ctx.chunk):
                 g_c = g_s[start : start + ctx.chunk] * grad_out.to(g_s.dtype)  # (c, k)
-                dense = g_c.new_zeros((g_c.shape[0], ctx.vocab))  # (c, V), transient
+                dense = g_c.new_zeros((g_c.shape[0], head.shape[0]))  # (c, V), transient
                 dense.scatter_(1, ids[start : start + ctx.chunk], g_c)  # ids are distinct per row
-                grad_x[start : start + ctx.chunk] = _times_weight(dense, weight)
+                grad_x[start : start + ctx.chunk] = _times_weight(dense, head)
         return grad_x, None, None, None, None

@@ -2,7 +2,9 @@
 
 Every engine runs the model through the Stack, so anything family-specific lives here.
 Llama, Mistral, Qwen2 and Qwen3 share one layout (`model.embed_tokens`, `model.layers`,
-`model.norm`, `model.rotary_emb`, `lm_head`); tied or untied embeddings, GQA, attention
+`model.norm`, `model.rotary_emb`, `lm_head`) and one block: input_layernorm -> self_attn ->
+residual add -> post_attention_layernorm -> mlp -> residual add, which `attention_half` and
+`mlp_half` compose from the block's own submodules. Tied or untied embeddings, GQA, attention
 bias, rope scaling and sliding-window layers are all handled by the family's own modules.
 """
 
@@ -135,13 +137,16 @@ class Stack:
         # Mistral names no layer types: a set sliding_window applies to every layer.
         return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
 
-    def prepare(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> BlockInputs:
+    def prepare(self, hidden: torch.Tensor, position_ids: torch.Tensor, segmented: bool = True) -> BlockInputs:
         """Rotary tables and attention masks. Position ids that restart at 0 mark packed
-        examples; the family's own mask builders turn them into block-diagonal causal masks."""
+        examples; the family's own mask builders turn them into block-diagonal causal masks.
+        segmented=False (every row is 0..T-1, data.Batch.segmented) skips that search, which
+        reads tensor values: SDPA then gets no mask (is_causal), so no (T, T) tensor is built."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         kwargs = dict(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
+            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+            position_ids=position_ids if segmented else None,
         )
         masks = {"full_attention": create_causal_mask(**kwargs)}
         if any(self.layer_type(i) == "sliding_attention" for i in range(len(self.blocks))):
@@ -157,12 +162,31 @@ class Stack:
             position_embeddings=inputs.position_embeddings,
         )
 
-    def body_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, run_blocks=None) -> torch.Tensor:
+    def attention_half(self, index: int, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+        """hidden (B, T, D) -> hidden + attention(norm(hidden)): the first residual branch of block
+        `index`. With mlp_half it is run_block, split where the MLP's per-token work begins."""
+        layer = self.blocks[index]
+        out, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(hidden),
+            attention_mask=inputs.masks[self.layer_type(index)],
+            position_ids=inputs.position_ids,
+            position_embeddings=inputs.position_embeddings,
+        )
+        return hidden + out
+
+    def mlp_half(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (B, t, D) -> hidden + mlp(norm(hidden)): the second residual branch. Every
+        token is independent here, so any slice of tokens can run alone (activations' chunks)."""
+        layer = self.blocks[index]
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def body_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, run_blocks=None,
+                    segmented: bool = True) -> torch.Tensor:
         """input_ids (B, T) -> the last block's output (B, T, D), before the final norm (the loss
         normalises only the rows it scores). `run_blocks(stack, hidden, inputs)` replaces the plain
-        loop, e.g. by a checkpointed one."""
+        loop, e.g. by a checkpointed one. segmented: as in `prepare`."""
         hidden = self.embed(input_ids)
-        inputs = self.prepare(hidden, position_ids)
+        inputs = self.prepare(hidden, position_ids, segmented)
         if run_blocks is not None:
             return run_blocks(self, hidden, inputs)
         for index in range(len(self.blocks)):

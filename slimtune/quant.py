@@ -14,7 +14,10 @@ Two schemes share one storage module, QuantWeight, whose state is two registered
         embedding) use a plain-torch codebook lookup that matches bitsandbytes bit for bit.
 
 Autograd saves the codes and scales, never a dequantized weight (spec pitfall 4): backward
-dequantizes again for dx = dy @ W, and the frozen base gets no weight gradient.
+dequantizes again for dx = dy @ W, and the frozen base gets no weight gradient. Both matmuls
+run over tiles of output rows (DEQUANT_TILE_ELEMENTS), so only one tile of W is ever dense:
+an MLP weight of a 3B model is 96 MiB dense in fp32, which would otherwise outweigh the
+activations of a token-chunked, checkpointed block.
 
 Compute dtype: x's dtype, or the autocast dtype when autocast is on for x's device. A
 custom autograd Function is not on autocast's op list, so the input is cast explicitly
@@ -26,6 +29,7 @@ Order: quant.apply runs before lora.apply; LoRALinear wraps a QuantLinear like a
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from dataclasses import dataclass
 
@@ -45,6 +49,7 @@ NF4_TABLE = (
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )
+DEQUANT_TILE_ELEMENTS = 1 << 22  # dense elements of W per tile (16 MiB in fp32)
 BNB_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # bitsandbytes' 4-bit kernels stop at fp32
 
 
@@ -182,6 +187,34 @@ def dequantize(layout: Layout, codes: torch.Tensor, scales: torch.Tensor, dtype:
     return _nf4_dequantize(codes, scales, layout.shape, dtype)
 
 
+def row_tiles(layout: Layout) -> list[tuple[int, int]]:
+    """[start, stop) ranges of output rows, about DEQUANT_TILE_ELEMENTS each. nf4 blocks run
+    over the flattened weight, so an nf4 tile starts where a block starts."""
+    rows, cols = layout.shape
+    step = max(1, DEQUANT_TILE_ELEMENTS // cols)
+    if layout.scheme == "nf4":
+        unit = NF4_BLOCK // math.gcd(cols, NF4_BLOCK)  # rows per whole number of blocks
+        step = max(unit, step // unit * unit)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def dequantize_row_range(layout: Layout, codes: torch.Tensor, scales: torch.Tensor, start: int, stop: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Rows [start, stop) of the dense weight, (stop - start, in); for nf4 start * in must be a
+    whole number of blocks (row_tiles' ranges are)."""
+    rows, cols = layout.shape
+    if layout.scheme == "int4":
+        return _int4_dequantize(codes[start:stop], scales[start:stop], cols, layout.group_size, dtype)
+    first, last = start * cols, stop * cols  # flat element range
+    assert first % NF4_BLOCK == 0, "an nf4 tile must start on a block"
+    _bitsandbytes()
+    out_dtype = dtype if dtype in BNB_DTYPES else torch.float32
+    w = torch.ops.bitsandbytes.dequantize_4bit(
+        codes[first // 2 : (last + 1) // 2], scales[first // NF4_BLOCK : -(-last // NF4_BLOCK)], NF4_BLOCK, "nf4",
+        [last - first], out_dtype)
+    return w.view(stop - start, cols).to(dtype)
+
+
 def dequantize_rows(layout: Layout, codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
     """Rows `index` (any shape) of the dense weight: (*index.shape, in), nothing else dequantized."""
@@ -232,15 +265,27 @@ class _DequantLinear(torch.autograd.Function):
     def forward(ctx, x, layout, codes, scales):
         ctx.layout = layout
         ctx.save_for_backward(codes, scales)  # codes and scales only: never the dense W
-        return F.linear(x, dequantize(layout, codes, scales, x.dtype))
+        tiles = row_tiles(layout)
+        if len(tiles) == 1:
+            return F.linear(x, dequantize(layout, codes, scales, x.dtype))
+        y = x.new_empty((*x.shape[:-1], layout.shape[0]))
+        for start, stop in tiles:
+            y[..., start:stop] = F.linear(x, dequantize_row_range(layout, codes, scales, start, stop, x.dtype))
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         codes, scales = ctx.saved_tensors
-        w = dequantize(ctx.layout, codes, scales, dy.dtype)
-        return dy @ w, None, None, None  # no weight gradient: the base is frozen
+        tiles = row_tiles(ctx.layout)
+        if len(tiles) == 1:
+            return dy @ dequantize(ctx.layout, codes, scales, dy.dtype), None, None, None
+        flat = dy.reshape(-1, dy.shape[-1])  # (n, out)
+        dx = flat.new_zeros((flat.shape[0], ctx.layout.shape[1]))  # (n, in)
+        for start, stop in tiles:
+            dx.addmm_(flat[:, start:stop], dequantize_row_range(ctx.layout, codes, scales, start, stop, dy.dtype))
+        return dx.view(*dy.shape[:-1], -1), None, None, None  # no weight gradient: the base is frozen
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -282,6 +327,13 @@ class QuantLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """(out, in) dense weight, in the original weight's dtype unless told otherwise."""
         return self.qweight.dequantize(dtype)
+
+    def weight_tiles(self, dtype: torch.dtype | None = None):
+        """Yields (start, stop, rows [start, stop) of W dense in `dtype`), one tile at a time
+        (the LM head of the loss: never the whole (V, D) weight at once)."""
+        q = self.qweight
+        for start, stop in row_tiles(q.layout):
+            yield start, stop, dequantize_row_range(q.layout, q.codes, q.scales, start, stop, dtype or q.dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows of W (e.g. the head rows a subset softmax needs), without dequantizing the rest."""

@@ -13,6 +13,12 @@ weights (4-bit codes and scales when quantized, plus the unquantized fp32 embedd
 and norms), LoRA weights, their gradients, AdamW moments (step 2: they exist), activations
 saved for backward, loss buffers and temporaries. Not counted: the CUDA context and allocator
 fragmentation. Units: GiB (2**30 bytes).
+
+Two figures per row: `device_peak` (all of the above) and `step_peak`, the peak above what is
+resident when the step starts (model weights incl. LoRA, and AdamW moments): gradients,
+activations, loss buffers and temporaries. The paper's last rows fall below the size of the
+4-bit weights and count no optimizer state (spec section 3, readings (d) and (e)), so the goal
+is judged on `step_peak`; `device_peak` is reported beside it.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ GIB = 2**30
 MODELS = ("Llama-3.2-3B", "Qwen2.5-3B")
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 TRAINABLE_SHARE = 0.30
-MEASURED_RUNGS = ("LoRA", "+quant", "+checkpointing", "+subset", "+masking", "+checkpointing, exact chunk 1024")
+MEASURED_RUNGS = ("LoRA", "+quant", "+checkpointing", "+subset", "+masking", "+checkpointing, exact loss")
 GOAL_FRACTION = 0.5  # the issue: every "all four" figure at most half the paper's
 
 # The paper's Table 1 (arXiv 2606.19528), printed as "GB", behaving like GiB (spec 3(a)); None = OOM.
@@ -65,13 +71,16 @@ def rungs(seq: int) -> list[tuple[str, dict]]:
     lora = {"loss.masking": False, "loss.chunk_size": seq, "quant.scheme": "none", "activations.checkpoint": "none"}
     quant = {**lora, "quant.scheme": "int4"}
     ckpt = {**quant, "activations.checkpoint": "disk"}
-    subset = {**ckpt, "loss.mode": "subset", "loss.subset_k": 1000, "loss.chunk_size": 1024}
+    # from here the loss is chunked as slimtune's default does (loss.chunk_size=0: ~64 MiB of logits)
+    subset = {**ckpt, "loss.mode": "subset", "loss.subset_k": 1000, "loss.chunk_size": 0}
     masking = {**subset, "loss.masking": True}
     return [
         ("LoRA", lora), ("+quant", quant), ("+checkpointing", ckpt), ("+subset", subset), ("+masking", masking),
         # extras: nf4 in place of int4 at the quant rung; slimtune's default exact chunked loss at rung 3
         ("+quant (nf4)", {**quant, "quant.scheme": "nf4"}),
-        ("+checkpointing, exact chunk 1024", {**ckpt, "loss.chunk_size": 1024}),
+        ("+checkpointing, exact loss", {**ckpt, "loss.chunk_size": 0}),
+        # all four without MLP token chunks (the whole block recomputed at once)
+        ("+masking, whole-block recompute", {**masking, "activations.mlp_chunk": seq}),
         # all four with the tied embedding/head quantized too, then also computing in bf16
         ("+masking, 4-bit embedding/head", {**masking, "quant.embeddings": True}),
         ("+masking, 4-bit embedding/head, bf16", {**masking, "quant.embeddings": True, "precision": "bf16"}),
@@ -95,8 +104,15 @@ def ladder_batch(seq: int, vocab_size: int, seed: int = 0) -> Batch:
     return Batch(ids, targets, torch.arange(seq).unsqueeze(0))
 
 
+def step_peak_bytes(peak: int, breakdown: dict) -> int:
+    """The peak above the state resident when the step starts: weights (incl. LoRA) and AdamW moments."""
+    return peak - breakdown["weights"] - breakdown["optimizer"]
+
+
 def _result_row(result, seconds: float, trainable: int) -> dict:
+    step = step_peak_bytes(result.device_peak_bytes, result.device_peak_breakdown)
     return {"device_peak_bytes": result.device_peak_bytes, "device_peak_gib": result.device_peak_bytes / GIB,
+            "step_peak_bytes": step, "step_peak_gib": step / GIB,
             "breakdown_bytes": result.device_peak_breakdown, "host_bytes": result.host_peak_bytes,
             "disk_bytes": result.disk_peak_bytes, "host_link_bytes": result.host_link_bytes,
             "trainable_params": trainable, "seconds": seconds}
@@ -106,7 +122,9 @@ def fake_estimate(model_config, cfg, batch: Batch) -> dict:
     """slimtune.estimate.estimate on our own batch: two engine steps on fake tensors, step 2 metered."""
     began = time.perf_counter()
     found = estimate(model_config, cfg, *batch.input_ids.shape, batch=batch)
+    step = step_peak_bytes(found.device_peak_bytes, found.breakdown)
     return {"device_peak_bytes": found.device_peak_bytes, "device_peak_gib": found.device_peak_bytes / GIB,
+            "step_peak_bytes": step, "step_peak_gib": step / GIB,
             "breakdown_bytes": found.breakdown, "host_bytes": found.host_bytes, "disk_bytes": found.disk_bytes,
             "host_link_bytes": found.host_link_bytes, "trainable_params": found.trainable_params,
             "seconds": time.perf_counter() - began}
@@ -150,17 +168,19 @@ def part1(quick: bool, output_dir: str) -> list[dict]:
                 paper = PAPER_TABLE1[name][paper_row][LENGTHS.index(seq)] if paper_row else None
                 rows.append({"model": name, "seq": seq, "rung": rung, "settings": overrides,
                              "trained_tokens": batch.num_targets, "paper_row": paper_row, "paper_gib": paper, **row})
-                print(f"{name} T={seq} {rung}: {row['device_peak_gib']:.3f} GiB (paper {paper}) "
+                print(f"{name} T={seq} {rung}: {row['device_peak_gib']:.3f} GiB, step {row['step_peak_gib']:.3f}"
+                      f" GiB (paper {paper}) "
                       f"[{row['seconds']:.1f} s]", flush=True)
     return rows
 
 
 def goal(rows: list[dict]) -> dict:
-    checks = [{"model": r["model"], "seq": r["seq"], "ours_gib": r["device_peak_gib"], "paper_gib": r["paper_gib"],
-               "ratio": r["device_peak_gib"] / r["paper_gib"], "met": r["device_peak_gib"] <= GOAL_FRACTION * r["paper_gib"]}
+    checks = [{"model": r["model"], "seq": r["seq"], "step_peak_gib": r["step_peak_gib"],
+               "device_peak_gib": r["device_peak_gib"], "paper_gib": r["paper_gib"],
+               "ratio": r["step_peak_gib"] / r["paper_gib"], "met": r["step_peak_gib"] <= GOAL_FRACTION * r["paper_gib"]}
               for r in rows if r["rung"] == "+masking"]
-    return {"rule": "every 'all four' (+masking) figure <= 0.5 x the paper's", "checks": checks,
-            "met": all(c["met"] for c in checks)}
+    return {"rule": "every 'all four' (+masking) step peak (above the resident weights and AdamW moments, the"
+                    " paper's basis) <= 0.5 x the paper's", "checks": checks, "met": all(c["met"] for c in checks)}
 
 
 def part2(output_dir: str, seq: int = 512, layers: int = 2) -> list[dict]:

@@ -63,7 +63,7 @@ class ResidentEngine:
         blocks = activations.runner(self.activations_cfg, store)
         with autocast_for(self.device, self.precision):
             with reading.phase("activations"):
-                hidden = self.stack.body_hidden(batch.input_ids, batch.position_ids, blocks)
+                hidden = self.stack.body_hidden(batch.input_ids, batch.position_ids, blocks, batch.segmented)
             with reading.phase("loss"):
                 return causal_lm_loss(hidden, self.stack.norm, self.stack.head, batch.targets, self.loss_cfg,
                                       rows=batch.rows, training=training)

@@ -263,12 +263,13 @@ def synthetic(lengths: list[int], trained_from: int = 1) -> list[Example]:
 
 
 def segments(batch: Batch, pad_id: int):
-    """Per row: (example index, start, end) of each example segment; position 0 opens a segment."""
+    """Per row: (example index, start, end) of each example segment; position 0 opens a segment,
+    the padding tail (pad ids, positions continuing the last segment) closes the last one."""
     rows = []
     for ids, pos in zip(batch.input_ids.tolist(), batch.position_ids.tolist()):
-        starts = [t for t, p in enumerate(pos) if p == 0] + [len(ids)]
-        segs = [(ids[s] // 1000, s, e) for s, e in zip(starts, starts[1:]) if ids[s] != pad_id]
-        rows.append(segs)
+        used = ids.index(pad_id) if pad_id in ids else len(ids)
+        starts = [t for t, p in enumerate(pos[:used]) if p == 0] + [used]
+        rows.append([(ids[s] // 1000, s, e) for s, e in zip(starts, starts[1:])])
     return rows
 
 
@@ -286,7 +287,9 @@ def check_batch(batch: Batch, examples: list[Example], max_length: int, pad_id: 
             assert batch.position_ids[b, s:e].tolist() == list(range(e - s))
             seen.append(k)
         assert (row[used:] == pad_id).all() and (batch.targets[b, used:] == IGNORE_INDEX).all()
-        assert batch.position_ids[b, used:].tolist() == list(range(width - used))
+        last = segs[-1][2] - segs[-1][1] if segs else 0
+        assert batch.position_ids[b, used:].tolist() == list(range(last, last + width - used))
+        assert batch.segmented == any(len(r) > 1 for r in segments(batch, pad_id))
     assert width == longest  # padded to the longest row, no further
     return seen
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimtune import loss as L
-from slimtune.config import LossConfig
+from slimtune import quant
+from slimtune.config import LossConfig, QuantConfig
 from slimtune.data import IGNORE_INDEX
 from slimtune.errors import UserError
 
@@ -116,30 +117,30 @@ def test_exact_tied_trainable_embedding_gets_both_gradients(masking):
     assert ours[1].abs().sum() > 0
 
 
-class _DequantHead(nn.Module):
-    """Stands in for a quantized head: a frozen buffer handed out as a fresh tensor."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.register_buffer("codes", weight.detach().clone())
-
-    def dequantized_weight(self) -> torch.Tensor:
-        return self.codes * 1.0
-
-
+@pytest.mark.parametrize("scheme", ["int4", "nf4"])
 @pytest.mark.parametrize("mode", ["exact", "subset"])
-def test_dequantized_head_is_used(mode):
+def test_4bit_head_is_dequantized_tile_by_tile(mode, scheme, monkeypatch):
+    """A 4-bit head (quant.QuantLinear) gives the loss and gradients of a dense head holding its
+    dequantized weight, read in tiles of 8 vocabulary rows (37 = 4 x 8 + 5), never whole."""
+    monkeypatch.setattr(quant, "DEQUANT_TILE_ELEMENTS", 8 * D)
     hidden, norm, head = _model(4, head_grad=False)
+    qhead = quant.quantize(head, QuantConfig(scheme=scheme, group_size=4))
+    dense = nn.Linear(D, V, bias=False, dtype=torch.float64).requires_grad_(False)
+    dense.weight.copy_(qhead.dequantized_weight())
     targets = _targets("segments")
     cfg = dict(mode=mode, chunk_size=5, subset_k=V)
-    plain = _ours(hidden, norm, head, targets, **cfg)
+    plain = _ours(hidden, norm, dense, targets, **cfg)
     plain.loss_sum.backward()
     expected = _grads([hidden, norm.weight])
-    quant = _ours(hidden, norm, _DequantHead(head.weight), targets, **cfg)
-    quant.loss_sum.backward()
-    torch.testing.assert_close(quant.loss_sum, plain.loss_sum, **TOL)
+    shapes = []
+    original = quant.dequantize_row_range
+    monkeypatch.setattr(quant, "dequantize_row_range", lambda *a: shapes.append(a[4] - a[3]) or original(*a))
+    tiled = _ours(hidden, norm, qhead, targets, **cfg)
+    tiled.loss_sum.backward()
+    torch.testing.assert_close(tiled.loss_sum, plain.loss_sum, **TOL)
     for mine, theirs in zip(_grads([hidden, norm.weight]), expected):
         torch.testing.assert_close(mine, theirs, **TOL)
+    assert shapes and max(shapes) == 8 and V not in shapes
 
 
 def test_masking_needs_rows():

@@ -137,11 +137,15 @@ def _quant_lora(scheme: str, dtype: torch.dtype):
     return layer
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["whole", "row-tiles"])
 @pytest.mark.parametrize("scheme,dtype,tol", [
     ("int4", torch.float64, 1e-12), ("nf4", torch.float64, 1e-12),
     ("int4", torch.float32, 1e-6), ("nf4", torch.float32, 1e-6),
 ])
-def test_output_and_grads_equal_dense_linear_on_dequantized_weight(scheme, dtype, tol):
+def test_output_and_grads_equal_dense_linear_on_dequantized_weight(scheme, dtype, tol, tiled, monkeypatch):
+    if tiled:  # 5 rows a tile (int4, a short last one); nf4 rounds to 4 (80 inputs: 4 rows = 5 whole blocks)
+        monkeypatch.setattr(quant, "DEQUANT_TILE_ELEMENTS", 5 * IN)
+        assert len(quant.row_tiles(quant.Layout(scheme, (OUT, IN), 16))) == (10 if scheme == "int4" else 12)
     layer = _quant_lora(scheme, dtype)
     w = layer.base.dequantized_weight()
     assert w.dtype == dtype and w.shape == (OUT, IN)
