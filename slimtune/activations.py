@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_flatten
 
 from slimtune.config import ActivationsConfig
 from slimtune.errors import UserError
+from slimtune import runtime
 from slimtune.memory import mark_host_resident
 from slimtune.model import BlockInputs, Stack
 
@@ -129,8 +130,7 @@ class _Run:
         self.release = weakref.finalize(self, _discard_all, self.keys)
 
     def put(self, index: int, x: torch.Tensor) -> None:
-        cuda = torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None
-        self.rng.append((torch.get_rng_state(), cuda))
+        self.rng.append(rng_state(x.device))
         store = self.local if index in self.on_device else self.store
         self.keys[index] = (store, store.put(x))
 
@@ -179,19 +179,19 @@ def _forward_blocks(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
     for index in range(count):
         run.put(index, hidden)
         with _SmallCache(run, index, hidden) if run.logs is not None else contextlib.nullcontext():
-            hidden = _block_forward(run, index, hidden)
+            hidden = block_forward(run.stack, index, hidden, run.inputs, run.chunk)
     return hidden
 
 
-def _block_forward(run: _Run, index: int, x: torch.Tensor) -> torch.Tensor:
+def block_forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, chunk: int) -> torch.Tensor:
     """Block `index` without grad; its MLP in token chunks, in the order the recompute repeats
     (so dropout draws the same masks), overwriting the attention half's output chunk by chunk."""
-    if run.chunk >= x.shape[1]:
-        return run.stack.run_block(index, x, run.inputs)
-    h = run.stack.attention_half(index, x, run.inputs)
-    for start in range(0, h.shape[1], run.chunk):
-        part = h[:, start : start + run.chunk]
-        part.copy_(run.stack.mlp_half(index, part))
+    if chunk >= x.shape[1]:
+        return stack.run_block(index, x, inputs)
+    h = stack.attention_half(index, x, inputs)
+    for start in range(0, h.shape[1], chunk):
+        part = h[:, start : start + chunk]
+        part.copy_(stack.mlp_half(index, part))
     return h
 
 
@@ -202,39 +202,42 @@ def _backward_blocks(run: _Run, grad: torch.Tensor, wants_input_grad: bool):
         x = run.take(index)
         run.prefetch(index - 1)  # overlaps the fetch with this block's recompute
         x = x.detach().requires_grad_(index > 0 or wants_input_grad)
-        _restore_rng(run.rng[index], x.device)
+        restore_rng(run.rng[index], x.device)
         cache = _SmallCache(run, index) if run.logs is not None else contextlib.nullcontext()
-        _block_backward(run, index, x, grad, cache)
+        block_backward(run.stack, index, x, grad, run.inputs, run.chunk, cache)
         grad = x.grad if x.requires_grad else None
         del x
     return grad
 
 
-def _block_backward(run: _Run, index: int, x: torch.Tensor, grad: torch.Tensor | None, cache) -> None:
-    """Recompute block `index` from its input x and back-propagate its output's gradient:
-    parameter grads accumulate, x.grad is set. Each graph is freed by its backward before the next
-    block (or MLP chunk) is recomputed."""
-    if run.chunk >= x.shape[1]:
+def block_backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor | None, inputs: BlockInputs,
+                   chunk: int, cache=None) -> None:
+    """Recompute block `index` from its input x (RNG state restored by the caller) and back-propagate
+    its output's gradient: parameter grads accumulate, x.grad is set. Each graph is freed by its
+    backward before the next block (or MLP chunk) is recomputed. `cache`: a _SmallCache or None."""
+    cache = cache if cache is not None else contextlib.nullcontext()
+    if chunk >= x.shape[1]:
         with torch.enable_grad(), cache:
-            y = run.stack.run_block(index, x, run.inputs)
+            y = stack.run_block(index, x, inputs)
         _backward(y, grad)
         return
     with torch.enable_grad(), cache:
-        h = run.stack.attention_half(index, x, run.inputs)
-    _backward(h, _mlp_backward(run, index, h, grad, cache))
+        h = stack.attention_half(index, x, inputs)
+    _backward(h, _mlp_backward(stack, index, h, grad, chunk, cache))
 
 
-def _mlp_backward(run: _Run, index: int, h: torch.Tensor, grad: torch.Tensor | None, cache) -> torch.Tensor | None:
+def _mlp_backward(stack: Stack, index: int, h: torch.Tensor, grad: torch.Tensor | None, chunk: int,
+                  cache) -> torch.Tensor | None:
     """The MLP half of block `index`, chunk by chunk: recompute a chunk, back-propagate it, drop its
     graph, so one chunk's MLP activations exist at a time. Returns the gradient of its input h."""
     grad_h = torch.empty_like(h) if grad is not None and h.requires_grad else None
-    for start in range(0, h.shape[1], run.chunk):
+    for start in range(0, h.shape[1], chunk):
         with torch.enable_grad(), cache:  # the slice too: forward's cache log has it
-            part = h.detach()[:, start : start + run.chunk].requires_grad_(grad_h is not None)
-            y = run.stack.mlp_half(index, part)
-        _backward(y, None if grad is None else grad[:, start : start + run.chunk])
+            part = h.detach()[:, start : start + chunk].requires_grad_(grad_h is not None)
+            y = stack.mlp_half(index, part)
+        _backward(y, None if grad is None else grad[:, start : start + chunk])
         if grad_h is not None:
-            grad_h[:, start : start + run.chunk] = part.grad
+            grad_h[:, start : start + chunk] = part.grad
         del y, part
     return grad_h
 
@@ -250,7 +253,12 @@ def _discard_all(keys: dict) -> None:
     keys.clear()
 
 
-def _restore_rng(state: tuple, device: torch.device) -> None:
+def rng_state(device: torch.device) -> tuple:
+    """The CPU (and the device's CUDA) generator states: what a recompute restores to redraw masks."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def restore_rng(state: tuple, device: torch.device) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
@@ -323,53 +331,12 @@ class BlockStore:
         self.peak_bytes = max(self.peak_bytes, self.stored_bytes)
 
 
-class _Link:
-    """Host <-> device copies (runtime.Device's job once that module exists). CUDA: pinned host
-    buffers and a side stream, ordered by events, so copies overlap compute. CPU: the synchronous
-    form; host buffers are marked host-resident so the meter leaves them out, as a GPU would."""
-
-    def __init__(self, device: torch.device | None):
-        self.device, self.cuda = device, device is not None and device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
-        # x's strides when dense (a permutation), else contiguous ones: what empty_like keeps.
-        stride = torch.empty_like(x, device="meta").stride()
-        host = torch.empty_strided(x.shape, stride, dtype=x.dtype, device="cpu", pin_memory=self.cuda)
-        mark_host_resident(host)
-        if not self.cuda:
-            return host.copy_(x), None
-        self.stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(self.stream):
-            host.copy_(x, non_blocking=True)
-            x.record_stream(self.stream)  # x may be freed on the main stream before this copy ran
-            return host, self.stream.record_event()
-
-    def to_device(self, host: torch.Tensor, after: object) -> tuple[torch.Tensor, object]:
-        if not self.cuda:
-            return host.clone(), None  # clone keeps dense strides; the meter counts it as device memory
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
-            x = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
-            return x.copy_(host, non_blocking=True), self.stream.record_event()
-
-    @staticmethod
-    def ready(fetched: tuple) -> torch.Tensor:
-        x, event = fetched
-        if event is not None:
-            current = torch.cuda.current_stream(x.device)
-            current.wait_event(event)
-            x.record_stream(current)  # allocated on the side stream, used and freed on this one
-        return x
-
-
 class HostStore(BlockStore):
     """checkpoint=host: block inputs in host RAM (pinned on CUDA)."""
 
     def __init__(self, device: torch.device | None = None):
         super().__init__(device)
-        self.link = _Link(device)
+        self.link = runtime.Link(device)
 
     def put(self, x: torch.Tensor) -> int:
         key = next(self._ids)

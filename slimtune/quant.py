@@ -15,7 +15,7 @@ Two schemes share one storage module, QuantWeight, whose state is two registered
 
 Autograd saves the codes and scales, never a dequantized weight (spec pitfall 4): backward
 dequantizes again for dx = dy @ W, and the frozen base gets no weight gradient. Both matmuls
-run over tiles of output rows (DEQUANT_TILE_ELEMENTS), so only one tile of W is ever dense:
+run over tiles of output rows (DEQUANT_TILE_ELEMENTS, 32 MiB in fp32), so only one tile of W is dense at a time:
 an MLP weight of a 3B model is 96 MiB dense in fp32, which would otherwise outweigh the
 activations of a token-chunked, checkpointed block.
 
@@ -49,7 +49,7 @@ NF4_TABLE = (
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )
-DEQUANT_TILE_ELEMENTS = 1 << 22  # dense elements of W per tile (16 MiB in fp32)
+DEQUANT_TILE_ELEMENTS = 1 << 23  # dense elements of W per tile (32 MiB in fp32)
 BNB_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # bitsandbytes' 4-bit kernels stop at fp32
 
 

@@ -1,0 +1,190 @@
+"""The offload runtime: host storage kept for the device, the host <-> device link, a fixed pool of
+device slots, and a host worker. Shared by activations' host/disk stores and the engines that keep
+state off the device (slide; LSP-Offload and RoundPipe later).
+
+- `host_empty` / `to_host_storage`: host tensors made for the device: pinned on CUDA (so copies are
+  asynchronous DMA); on a CPU-only run, marked host-resident so the device meter leaves them out,
+  as a GPU's meter would.
+- `Link`: copies across the host link, counted in bytes both ways. CUDA: a side copy stream ordered
+  by events, so copies overlap compute. CPU: the same calls done synchronously (events are None).
+- `SlotPool`: `count` device buffers of fixed size (weights + gradients), allocated once and lent
+  to units in turn; never reallocated, so device memory does not grow with depth.
+- `HostWorker`: one thread running host work (optimizer updates) in submission order. torch's CPU
+  kernels release the GIL, so the device loop keeps going while it runs; `barrier()` waits for all.
+  Under FakeTensorMode it still runs on its thread: the meter (a thread-local dispatch mode) then
+  does not see host work, which is what it should not count.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from slimtune.memory import mark_host_resident
+
+SLOT_ALIGN = 256  # bytes: every tensor view in a slot starts on this boundary
+
+
+def host_empty(shape, dtype: torch.dtype, device: torch.device | None, stride=None) -> torch.Tensor:
+    """An uninitialised host tensor made for traffic with `device` (pinned on CUDA)."""
+    cuda = device is not None and device.type == "cuda"
+    if stride is None:
+        host = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=cuda)
+    else:
+        host = torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=cuda)
+    return mark_host_resident(host)
+
+
+def to_host_storage(x: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host copy of x (in `dtype` if given) that lives for the device: pinned / host-resident."""
+    host = host_empty(x.shape, dtype or x.dtype, device)
+    with torch.no_grad():
+        host.copy_(x)
+    return host
+
+
+class Link:
+    """Host <-> device copies. Counts bytes_up (host to device) and bytes_down."""
+
+    def __init__(self, device: torch.device | None):
+        self.device, self.cuda = device, device is not None and device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.bytes_up = self.bytes_down = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_up + self.bytes_down
+
+    def to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """A new host copy of device tensor x, and the event after which it is filled."""
+        # x's strides when dense (a permutation), else contiguous ones: what empty_like keeps.
+        host = host_empty(x.shape, x.dtype, self.device, torch.empty_like(x, device="meta").stride())
+        return host, self.copy_down(host, x)
+
+    def to_device(self, host: torch.Tensor, after: object = None) -> tuple[torch.Tensor, object]:
+        """A new device copy of host tensor `host` (after event `after`), and its ready event."""
+        if not self.cuda:
+            self.bytes_up += _nbytes(host)
+            return host.clone(), None  # clone keeps dense strides; the meter counts it as device memory
+        x = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
+        return x, self.copy_up(x, host, after)
+
+    def copy_up(self, dst: torch.Tensor, src: torch.Tensor, after: object = None) -> object:
+        """Host src into the existing device tensor dst (a dtype cast on the way is allowed)."""
+        self.bytes_up += _nbytes(src)
+        if not self.cuda:
+            with torch.no_grad():
+                dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.stream), torch.no_grad():
+            if after is not None:
+                self.stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            return self.stream.record_event()
+
+    def copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> object:
+        """Device src into the existing host tensor dst, after the compute that made src."""
+        self.bytes_down += _nbytes(src)
+        if not self.cuda:
+            with torch.no_grad():
+                dst.copy_(src)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self.stream), torch.no_grad():
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(self.stream)  # src may be freed on the main stream before this copy ran
+            return self.stream.record_event()
+
+    def wait(self, event: object) -> None:
+        """The compute stream waits for `event` (a copy's completion)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def ready(fetched: tuple) -> torch.Tensor:
+        """(device tensor, its copy event) -> the tensor, usable on the compute stream."""
+        x, event = fetched
+        if event is not None:
+            current = torch.cuda.current_stream(x.device)
+            current.wait_event(event)
+            x.record_stream(current)  # allocated on the side stream, used and freed on this one
+        return x
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def view_bytes(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A `dtype` tensor of `shape` over bytes [offset, ...) of a uint8 buffer."""
+    count = 1
+    for size in shape:
+        count *= size
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    return buffer[offset : offset + count * itemsize].view(dtype).view(shape)
+
+
+@dataclass
+class Slot:
+    index: int
+    weights: torch.Tensor  # uint8 device buffer: a unit's weights (and frozen buffers)
+    grads: torch.Tensor | None  # uint8 device buffer: its trainable weights' gradients
+    released: object = None  # event: the previous borrower's device work on it is done
+    holder: str | None = None
+
+
+class SlotPool:
+    """`count` device slots of fixed size, allocated once; `acquire` lends the oldest free one."""
+
+    def __init__(self, device: torch.device, count: int, weight_bytes: int, grad_bytes: int):
+        self.device = device
+        self.slots = [Slot(i, torch.empty(aligned(weight_bytes), dtype=torch.uint8, device=device),
+                           torch.empty(aligned(grad_bytes), dtype=torch.uint8, device=device) if grad_bytes else None)
+                      for i in range(count)]
+        self.free = list(self.slots)
+        self.allocations = count  # buffers ever made: stays `count` for the pool's life
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for s in self.slots for t in (s.weights, s.grads) if t is not None]
+
+    def acquire(self, holder: str) -> Slot:
+        if not self.free:
+            held = ", ".join(s.holder or "?" for s in self.slots)
+            raise RuntimeError(f"no free device slot for {holder}: all {len(self.slots)} are held ({held}).")
+        slot = self.free.pop(0)
+        slot.holder = holder
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Give the slot back once the work queued on it so far is done (an event on CUDA)."""
+        if self.device.type == "cuda":
+            slot.released = torch.cuda.current_stream(self.device).record_event()
+        slot.holder = None
+        self.free.append(slot)
+
+
+class HostWorker:
+    """Host work in submission order on one thread; `barrier` waits for it and re-raises errors."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="slimtune-host")
+        self.pending: list[Future] = []
+
+    def submit(self, fn, *args) -> Future:
+        job = self.pool.submit(fn, *args)
+        self.pending.append(job)
+        return job
+
+    def barrier(self) -> None:
+        jobs, self.pending = self.pending, []
+        for job in jobs:
+            job.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
