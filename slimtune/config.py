@@ -160,6 +160,17 @@ class TrainConfig:
 
 
 @dataclass
+class SlideConfig:
+    slots: int = _f(2, "engine=slide: device slots, each the size of the largest block (2: one runs while the next loads).")
+    head_tile_mb: float = _f(64.0, "engine=slide: MiB of the LM head streamed to the device per vocabulary tile.")
+
+    def validate(self) -> None:
+        if self.slots not in (2, 3):
+            raise UserError(f"slide.slots must be 2 or 3, got {self.slots}.")
+        _positive("slide.head_tile_mb", self.head_tile_mb)
+
+
+@dataclass
 class RunConfig:
     model: str = _f(REQUIRED, "A local Hugging Face model folder (config.json, *.safetensors, tokenizer files).")
     data: DataConfig = _f(REQUIRED, "The dataset; see data.* fields.")
@@ -171,7 +182,12 @@ class RunConfig:
         default_factory=ActivationsConfig, metadata={"help": "Checkpointing; see activations.* fields."}
     )
     loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "The loss; see loss.* fields."})
-    engine: Literal["resident"] = _f("resident", "How the step is run; resident keeps everything on the device.")
+    engine: Literal["resident", "slide"] = _f(
+        "resident",
+        "How the step is run. resident: everything on the device. slide: weights, gradients and AdamW state on"
+        " the host, a window of blocks on the device (models far larger than the device).",
+    )
+    slide: SlideConfig = field(default_factory=SlideConfig, metadata={"help": "engine=slide; see slide.* fields."})
     plan: Literal["manual", "auto"] = _f(
         "manual", "auto: let the planner choose engine and options for `gpu` (see `slimtune plan`)."
     )
@@ -188,14 +204,27 @@ class RunConfig:
     )
 
     def validate(self) -> None:
-        for section in (self.data, self.lora, self.quant, self.activations, self.loss, self.train):
+        for section in (self.data, self.lora, self.quant, self.activations, self.loss, self.train, self.slide):
             section.validate()
+        if self.engine == "slide":
+            _check_slide(self)
         if self.quant.scheme != "none" and self.method == "full":
             raise UserError("quant.scheme quantizes frozen weights; with method=full every weight trains. Use method=lora.")
         if self.loss.mode == "subset" and self.method == "full":
             raise UserError("loss.mode=subset needs a frozen LM head; with method=full the head trains. Use loss.mode=exact.")
         if self.plan == "auto" and self.gpu is None and self.device == "cpu":
             raise UserError("plan=auto needs gpu (e.g. --gpu 8GiB) when training on the CPU.")
+
+
+def _check_slide(cfg: RunConfig) -> None:
+    """What engine=slide does not do, refused in one sentence each."""
+    if cfg.loss.mode != "exact":
+        raise UserError("engine=slide streams the LM head for the exact loss; set loss.mode=exact.")
+    if cfg.quant.embeddings:
+        raise UserError("engine=slide keeps the embedding and LM head on the host in full precision;"
+                        " set quant.embeddings=false.")
+    if cfg.activations.cache != "none":
+        raise UserError("engine=slide keeps only each block's input; set activations.cache=none.")
 
 
 def _positive(name: str, value: float) -> None:

@@ -72,10 +72,10 @@ def causal_lm_loss(
     chunk = chunk_tokens(cfg, source.shape[0])
     if not (training and torch.is_grad_enabled()):
         with torch.no_grad():  # evaluation: the exact loss and no graph
-            x, t = _head_inputs(hidden, norm, targets, cfg, rows)
+            x, t = head_inputs(hidden, norm, targets, cfg, rows)
             loss = _exact_pass(x, source, t, chunk, (False, False, False))[0]
         return LossOutput(loss, loss, torch.zeros_like(loss))
-    x, t = _head_inputs(hidden, norm, targets, cfg, rows)
+    x, t = head_inputs(hidden, norm, targets, cfg, rows)
     if cfg.mode == "subset":
         _refuse_trainable_head(head)
         loss, exact, excluded = _SubsetCE.apply(x, t, source, chunk, cfg.subset_k)
@@ -115,7 +115,7 @@ class _Head:
                 yield start, stop, self.weight[start:stop].to(dtype)
 
 
-def _head_inputs(
+def head_inputs(
     hidden: torch.Tensor, norm: nn.Module, targets: torch.Tensor, cfg: LossConfig, rows: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> normed rows x (N, D) and their targets (N,): the trained rows only when masking."""

@@ -11,8 +11,9 @@ state off the device (slide; LSP-Offload and RoundPipe later).
   to units in turn; never reallocated, so device memory does not grow with depth.
 - `HostWorker`: one thread running host work (optimizer updates) in submission order. torch's CPU
   kernels release the GIL, so the device loop keeps going while it runs; `barrier()` waits for all.
-  Under FakeTensorMode it still runs on its thread: the meter (a thread-local dispatch mode) then
-  does not see host work, which is what it should not count.
+  The device meter (a thread-local dispatch mode) does not see host work, as it should not. Under
+  FakeTensorMode (the planner's estimate), which is not thread-safe, `inline=True` runs each job
+  at once on the caller's thread with the dispatch modes (meter included) switched off.
 """
 
 from __future__ import annotations
@@ -172,11 +173,19 @@ class SlotPool:
 class HostWorker:
     """Host work in submission order on one thread; `barrier` waits for it and re-raises errors."""
 
-    def __init__(self):
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="slimtune-host")
+    def __init__(self, inline: bool = False):
+        self.inline = inline
+        self.pool = None if inline else ThreadPoolExecutor(1, thread_name_prefix="slimtune-host")
         self.pending: list[Future] = []
 
     def submit(self, fn, *args) -> Future:
+        if self.inline:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            job = Future()
+            with _disable_current_modes():
+                job.set_result(fn(*args))
+            return job
         job = self.pool.submit(fn, *args)
         self.pending.append(job)
         return job
@@ -187,4 +196,5 @@ class HostWorker:
             job.result()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)

@@ -102,11 +102,13 @@ def build(cfg: RunConfig) -> Run:
     if not splits.train:
         raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
     # A 4-bit base is loaded on the host and quantized onto the device, so the dense weights never
-    # sit on the device.
-    load_on = torch.device("cpu") if cfg.quant.scheme != "none" else device
+    # sit on the device. Engine slide keeps the model on the host and moves blocks itself.
+    host_model = cfg.engine == "slide"
+    load_on = torch.device("cpu") if cfg.quant.scheme != "none" or host_model else device
     stack = Stack(load_model(cfg.model, weight_dtype(precision, cfg.method), load_on))
-    adapted = apply_method(cfg, stack, device)
-    stack.model.to(device)
+    adapted = apply_method(cfg, stack, torch.device("cpu") if host_model else device)
+    if not host_model:
+        stack.model.to(device)
     stack.advance("engine")
     engine = engines.build(cfg, stack, device, precision)
     return Run(cfg, device, precision, tokenizer, stack, splits, engine, adapted)

@@ -16,6 +16,11 @@ def build(cfg: RunConfig, stack: Stack, device: torch.device, precision: str):
 
         return ResidentEngine(stack, cfg.train, device, precision, cfg.loss, cfg.activations,
                               Path(cfg.output_dir) / "activations")
+    if cfg.engine == "slide":
+        from slimtune.engines.slide import SlideEngine
+
+        return SlideEngine(stack, cfg.train, device, precision, cfg.loss, cfg.activations, cfg.slide,
+                           Path(cfg.output_dir) / "activations")
     raise AssertionError(f"engine {cfg.engine!r} passed validation but has no builder")
 
 

@@ -1,0 +1,221 @@
+"""Engine slide (host masters and AdamW, a window of device slots, the head streamed in tiles)
+against engine resident, itself checked against hand-written PyTorch with torch.optim.AdamW
+(test_oracle_step): float64, several steps, with gradient accumulation and clipping, tied and
+untied heads, full fine-tuning and LoRA on a 4-bit base. Then: the device peak does not grow with
+depth, the slot pool is never reallocated, resume is exact, host work keeps its order, and the
+fake-tensor estimate equals the CPU meter."""
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_config
+from slimtune import config as config_module
+from slimtune import estimate, lora, quant
+from slimtune.config import LoraConfig, QuantConfig, SlideConfig, TrainConfig
+from slimtune.data import IGNORE_INDEX, Batch
+from slimtune.engines.resident import ResidentEngine
+from slimtune.engines.slide import SlideEngine
+from slimtune.errors import UserError
+from slimtune.model import Stack
+
+CPU = torch.device("cpu")
+
+
+def model_of(layers: int = 3, dtype=torch.float64, seed: int = 0, **overrides) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=layers, **overrides), dtype=dtype,
+                                             attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def batches(vocab: int, seed: int, micro: int = 2, rows: int = 2, seq: int = 12) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(micro):
+        ids = torch.randint(3, vocab, (rows, seq), generator=g)
+        targets = torch.roll(ids, -1, dims=1)
+        targets[:, -1] = IGNORE_INDEX
+        targets[0, :4] = IGNORE_INDEX
+        out.append(Batch(ids, targets, torch.arange(seq).expand(rows, seq).clone()))
+    return out
+
+
+def train_cfg(**overrides) -> TrainConfig:
+    base = dict(steps=4, batch_size=2, grad_accum=2, lr=1e-2, weight_decay=0.1, warmup_steps=1,
+                schedule="cosine", max_grad_norm=0.5)
+    return TrainConfig(**{**base, **overrides})
+
+
+def run_both(model: nn.Module, cfg: TrainConfig, steps: int = 3, slide_cfg=None, precision="fp64"):
+    """The same steps through resident and slide on copies of `model`: (losses, grad norms, params) each."""
+    results = []
+    for engine_class in (ResidentEngine, SlideEngine):
+        stack = Stack(copy.deepcopy(model))
+        kwargs = {"slide_cfg": slide_cfg} if engine_class is SlideEngine and slide_cfg else {}
+        engine = engine_class(stack, cfg, CPU, precision, **kwargs)
+        torch.manual_seed(123)  # the same dropout masks for both
+        out = [engine.step(batches(model.config.vocab_size, seed, cfg.grad_accum)) for seed in range(steps)]
+        params = {n: p.detach().clone() for n, p in stack.model.named_parameters()}
+        results.append(([r.loss for r in out], [r.grad_norm for r in out], params, engine))
+    return results
+
+
+def assert_same(resident, slide, tol=1e-10):
+    assert slide[0] == pytest.approx(resident[0], abs=tol, rel=0)  # losses
+    assert slide[1] == pytest.approx(resident[1], abs=tol, rel=0)  # grad norms before clipping
+    assert resident[2].keys() == slide[2].keys()
+    for name, value in resident[2].items():
+        torch.testing.assert_close(slide[2][name], value, atol=tol, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("clip", [0.5, 0.0], ids=["clipped", "overlapped-updates"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_full_fine_tuning_equals_resident(clip, tied):
+    model = model_of(tie_word_embeddings=tied)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    resident, slide = run_both(model, train_cfg(max_grad_norm=clip))
+    assert_same(resident, slide)
+    assert all(not torch.equal(slide[2][n], before[n]) for n in before)  # every weight moved
+    if clip:
+        assert max(slide[1]) > clip  # clipping took effect
+
+
+def test_one_micro_batch_three_slots_and_small_head_tiles():
+    model = model_of(layers=4)
+    resident, slide = run_both(model, train_cfg(grad_accum=1), slide_cfg=SlideConfig(slots=3, head_tile_mb=0.01))
+    assert_same(resident, slide)
+    tiles = slide[3].head_tiles[0].shape[0]
+    assert tiles < model.config.vocab_size  # the head really went up in several tiles
+
+
+def test_lora_on_a_4bit_base_equals_resident():
+    model = model_of()
+    quant.apply(model, QuantConfig(scheme="int4", group_size=16))
+    torch.manual_seed(1)
+    lora.apply(model, LoraConfig(rank=4, alpha=8.0, dropout=0.1))
+    for adapter in lora.adapters(model).values():
+        nn.init.normal_(adapter.lora_B.weight, std=0.2)
+    resident, slide = run_both(model, train_cfg())
+    assert_same(resident, slide)
+    assert slide[3].edge.optimizer is None  # the frozen embedding/head has no optimizer
+    trained = [n for n in slide[2] if "lora_" in n]
+    assert trained and all(n in slide[3].trainable_state() for n in trained)
+
+
+def test_bf16_compute_keeps_fp32_masters_and_tracks_resident():
+    model = model_of(dtype=torch.float32)
+    resident, slide = run_both(model, train_cfg(), precision="bf16")
+    engine = slide[3]
+    assert all(flat.dtype == torch.float32 for unit in engine.units for flat, _ in unit.flats)
+    assert engine.pool.slots[0].weights.numel() < sum(  # the slot holds bf16 copies: half of fp32
+        p.numel() * 4 for p in engine.stack.blocks[0].parameters())
+    assert slide[0] == pytest.approx(resident[0], rel=2e-2)
+
+
+def peak_of(layers: int) -> tuple[int, object]:
+    model = model_of(layers=layers, dtype=torch.float32)
+    engine = SlideEngine(Stack(model), train_cfg(grad_accum=1), CPU, "fp32")
+    results = [engine.step(batches(model.config.vocab_size, seed, 1)) for seed in range(2)]
+    return results[-1].device_peak_bytes, engine
+
+
+def test_device_peak_is_flat_in_depth_and_the_pool_is_never_reallocated():
+    peaks = {}
+    for layers in (8, 16, 32):
+        peaks[layers], engine = peak_of(layers)
+        pointers = [t.data_ptr() for t in engine.pool.tensors()]
+        engine.step(batches(engine.stack.config.vocab_size, 9, 1))
+        assert [t.data_ptr() for t in engine.pool.tensors()] == pointers
+        assert engine.pool.allocations == len(engine.pool.slots) == 2
+        assert all(unit.slot is None for unit in engine.units)  # every slot came back
+    assert peaks[8] == peaks[16] == peaks[32], peaks
+    resident = ResidentEngine(Stack(model_of(layers=32, dtype=torch.float32)), train_cfg(grad_accum=1), CPU, "fp32")
+    assert resident.step(batches(300, 0, 1)).device_peak_bytes > 4 * peaks[32]  # what the window saves
+
+
+def test_resume_is_exact():
+    model = model_of()
+    cfg = train_cfg()
+    straight = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+    losses = [straight.step(batches(300, seed, 2)).loss for seed in range(3)]
+    first = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+    for seed in range(2):
+        first.step(batches(300, seed, 2))
+    state = copy.deepcopy(first.state_dict())
+    resumed = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+    resumed.load_state_dict(state)
+    assert resumed.step(batches(300, 2, 2)).loss == losses[2]
+    for (name, a), (_, b) in zip(straight.trainable_state().items(), resumed.trainable_state().items()):
+        assert torch.equal(a, b), name
+
+
+def test_uploads_wait_for_updates_and_staging_for_its_reader(monkeypatch):
+    """Random sleeps in every host job: results stay equal to a run without them, no unit is
+    uploaded while its update runs, and no staging buffer is refilled while being read."""
+    from slimtune.engines import slide as slide_module
+
+    model = model_of()
+    cfg = train_cfg(max_grad_norm=0.0)
+    calm = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+    want = [calm.step(batches(300, seed, 2)).loss for seed in range(2)]
+    busy, violations = set(), []
+    rng = torch.Generator().manual_seed(0)
+
+    def slow(method):
+        def run(unit, *args):
+            busy.add(id(unit))
+            time.sleep(float(torch.rand((), generator=rng)) * 0.01)
+            try:
+                return method(unit, *args)
+            finally:
+                busy.discard(id(unit))
+        return run
+
+    bind = slide_module._Unit.bind
+
+    def checked_bind(unit, *args):
+        result = bind(unit, *args)
+        if id(unit) in busy:
+            violations.append(unit.name)
+        return result
+
+    monkeypatch.setattr(slide_module._Unit, "update", slow(slide_module._Unit.update))
+    monkeypatch.setattr(slide_module._Unit, "accumulate", slow(slide_module._Unit.accumulate))
+    monkeypatch.setattr(slide_module._Unit, "bind", checked_bind)
+    engine = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+    got = [engine.step(batches(300, seed, 2)).loss for seed in range(2)]
+    assert got == want and not violations
+    assert threading.active_count() >= 2  # the host worker is a thread of its own
+
+
+def test_estimate_equals_the_cpu_meter():
+    model_config = tiny_config(num_hidden_layers=3)
+    cfg = config_module.load(None, ["engine=slide", "method=full", "precision=fp32", "train.batch_size=2",
+                                    "train.grad_accum=1"], base={"model": "(test)", "data": "(test)"})
+    batch = batches(model_config.vocab_size, 0, 1)[0]
+    found = estimate.estimate(model_config, cfg, 2, 12, batch=batch)
+    model = model_of(layers=3, dtype=torch.float32)
+    engine = SlideEngine(Stack(model), cfg.train, CPU, "fp32", cfg.loss, cfg.activations, cfg.slide)
+    real = [engine.step([batch]) for _ in range(2)][-1]
+    assert found.device_peak_bytes == real.device_peak_bytes
+    assert found.host_bytes == real.host_peak_bytes > 16 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("override, words", [
+    ("loss.mode=subset", "loss.mode=exact"),
+    ("quant.embeddings=true", "quant.embeddings=false"),
+    ("activations.cache=small", "activations.cache=none"),
+    ("slide.slots=4", "slide.slots must be 2 or 3"),
+])
+def test_what_slide_does_not_do_is_refused_in_one_sentence(override, words):
+    with pytest.raises(UserError, match=words.replace(".", r"\.")):
+        config_module.load(None, ["engine=slide", override, "quant.scheme=int4"],
+                           base={"model": "(test)", "data": "(test)"})
