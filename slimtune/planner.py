@@ -20,6 +20,15 @@ from slimtune.metrics import human_bytes
 # CUDA context and allocator slack a process holds beyond its tensors (PLATFORM.md: 0.5-1 GiB).
 # Assumed, not measured here: no GPU was available when it was set.
 CUDA_OVERHEAD_BYTES = 768 * 2**20
+# Host RAM a plan may hold for the device (masters, moments, offloaded activations): this share of
+# the planning machine's RAM, checked before the device (a plan the host cannot hold never fits).
+HOST_RAM_SHARE = 0.9
+
+
+def host_ram_bytes() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass
@@ -31,6 +40,7 @@ class PlanResult:
     tokens_per_s: float
     fits: bool
     recommended: bool = False
+    host_fits: bool = True  # the plan's host RAM fits this machine (fits needs it too)
 
     @property
     def label(self) -> str:
@@ -48,6 +58,7 @@ class PlanResult:
             "disk_bytes": e.disk_bytes,
             "host_link_bytes": e.host_link_bytes,
             "fits": self.fits,
+            "host_fits": self.host_fits,
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_s_kind": "modelled",
             "step_s_modelled": self.time.seconds,
@@ -65,9 +76,10 @@ def evaluate(model_config, base: RunConfig, plan: dict, gpu, batch_size: int, se
     found = estimate.estimate(model_config, cfg, batch_size, seq_len)
     time = _modelled_time(model_config, cfg, found, gpu, batch_size, seq_len)
     tokens = batch_size * seq_len * cfg.train.grad_accum
-    fits = found.device_peak_bytes + CUDA_OVERHEAD_BYTES <= gpu.memory_bytes
+    host_fits = found.host_bytes <= HOST_RAM_SHARE * host_ram_bytes()
+    fits = host_fits and found.device_peak_bytes + CUDA_OVERHEAD_BYTES <= gpu.memory_bytes
     options = {k: v for k, v in plan.items() if k != "engine"}
-    return PlanResult(plan["engine"], options, found, time, time.tokens_per_s(tokens), fits)
+    return PlanResult(plan["engine"], options, found, time, time.tokens_per_s(tokens), fits, host_fits=host_fits)
 
 
 def _modelled_time(model_config, cfg: RunConfig, found: estimate.Estimate, gpu, batch_size: int,
@@ -78,6 +90,11 @@ def _modelled_time(model_config, cfg: RunConfig, found: estimate.Estimate, gpu, 
     passes = (3 if recompute else 2) * cfg.train.grad_accum
     dequant = speed.dequant_bytes(model_config, passes) if cfg.quant.scheme != "none" else 0.0
     disk = found.host_link_bytes if checkpoint == "disk" else 0.0
+    if cfg.engine == "slide":
+        recompute_flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len, True) * cfg.train.grad_accum
+        return speed.slide_step_time(recompute_flops, found.trainable_params, gpu, cfg.precision,
+                                     found.host_link_bytes, 2 * found.disk_bytes if checkpoint == "disk" else 0.0,
+                                     updates_exposed=cfg.train.max_grad_norm > 0)
     return speed.step_time(flops, found.trainable_params, gpu, cfg.precision, link_bytes=found.host_link_bytes,
                            disk_bytes=disk, memory_bytes=dequant)
 
@@ -167,7 +184,8 @@ def table(results: list[PlanResult], title: str, gpu) -> str:
             r.engine, r.label, human_bytes(e.device_peak_bytes),
             *(human_bytes(e.breakdown.get(c, 0)) for c in _COLUMNS),
             human_bytes(e.host_bytes), human_bytes(e.disk_bytes), human_bytes(e.host_link_bytes),
-            f"{r.tokens_per_s:,.0f}", ("yes" if r.fits else "no") + (" <- recommended" if r.recommended else ""),
+            f"{r.tokens_per_s:,.0f}",
+            ("yes" if r.fits else "no" if r.host_fits else "no (host RAM)") + (" <- recommended" if r.recommended else ""),
         ])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -175,7 +193,8 @@ def table(results: list[PlanResult], title: str, gpu) -> str:
         "",
         "Device peak and its breakdown: the real training step run on fake tensors and counted by the training "
         f"loop's meter. Fits: peak + {human_bytes(CUDA_OVERHEAD_BYTES)} CUDA context (assumed) <= "
-        f"{human_bytes(gpu.memory_bytes)}.",
+        f"{human_bytes(gpu.memory_bytes)}, and host RAM <= {HOST_RAM_SHARE:.0%} of this machine's "
+        f"{human_bytes(host_ram_bytes())}.",
         f"* tokens/s is modelled: step FLOPs over {gpu.name}'s spec-sheet rate at {speed.ASSUMED_MFU:.0%} MFU "
         "(assumed), plus optimizer and host-link traffic over its bandwidths.",
     ]

@@ -4,7 +4,9 @@ Memory is measured (estimate.py); time is not, so everything here is labelled "m
 wherever it is printed. The model: matmul FLOPs of the step over the card's dense peak
 times an assumed model-FLOPs utilisation, plus the optimizer's memory traffic over the
 device bandwidth, plus host-link bytes over the link bandwidth (the resident engine
-overlaps nothing, so the three add up).
+overlaps nothing, so the three add up). Engine slide overlaps its copies with compute and runs
+AdamW on the host: max(compute, link) plus the host AdamW, which is exposed when clipping makes
+every update wait for the last backward (`slide_step_time`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 ASSUMED_MFU = 0.5
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: reads param, grad, m, v (16 B), writes param, m, v (12 B)
 DEQUANT_BYTES_PER_PARAM = 4.5  # 4-bit: read the codes (0.5 B), write and re-read the bf16 weight (2 x 2 B)
+HOST_ADAMW_GBPS = 20.0  # a desktop CPU's memory bandwidth as a vectorised AdamW sees it (assumed)
 DISK_GBPS = 2.0  # an NVMe SSD's sustained write/read rate (assumed; the card profiles carry no disk figure)
 
 
@@ -73,3 +76,15 @@ def step_time(flops: float, trainable_params: int, gpu, precision: str, link_byt
     optimizer = (trainable_params * ADAMW_BYTES_PER_PARAM + memory_bytes) / (gpu.memory_gbps * 1e9)
     link = link_bytes / (gpu.host_link_gbps * 1e9) + disk_bytes / (DISK_GBPS * 1e9)
     return StepTime(compute + optimizer + link, compute, optimizer, link, flops)
+
+
+def slide_step_time(flops: float, trainable_params: int, gpu, precision: str, link_bytes: float,
+                    disk_bytes: float, updates_exposed: bool, mfu: float = ASSUMED_MFU) -> StepTime:
+    """Engine slide: copies overlap compute (the slower of the two sets the pace); the host AdamW
+    adds its whole time when clipping holds every update until the last backward, else only the
+    last unit's share, taken here as nothing."""
+    rate = (gpu.bf16_tflops if precision == "bf16" else gpu.fp32_tflops) * 1e12
+    compute = flops / (rate * mfu)
+    link = link_bytes / (gpu.host_link_gbps * 1e9) + disk_bytes / (DISK_GBPS * 1e9)
+    optimizer = trainable_params * ADAMW_BYTES_PER_PARAM / (HOST_ADAMW_GBPS * 1e9) if updates_exposed else 0.0
+    return StepTime(max(compute, link) + optimizer, compute, optimizer, link, flops)

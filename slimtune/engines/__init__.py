@@ -34,4 +34,7 @@ def plan_options(method: str) -> list[dict]:
         nf4 = {"engine": "resident", "precision": "bf16", "quant.scheme": "nf4"}
         plans += [nf4, *({**nf4, "activations.checkpoint": store} for store in ("recompute", "host", "disk"))]
         plans.append({**nf4, "activations.checkpoint": "disk", "loss.mode": "subset"})
+        plans.append({"engine": "slide", "precision": "bf16", "quant.scheme": "nf4"})
+    else:
+        plans += [{"engine": "slide", "precision": "bf16", "activations.checkpoint": store} for store in ("host", "disk")]
     return plans

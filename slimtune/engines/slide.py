@@ -66,6 +66,12 @@ class _Entry:
     offset: int = 0  # bytes into slot.weights
     grad_offset: int = -1  # bytes into slot.grads; -1: frozen
     master_grad: torch.Tensor | None = None  # host gradient accumulator (a view into a flat buffer)
+    shadow: torch.Tensor | None = None  # the master in device_dtype, when that is narrower (what goes up)
+
+    @property
+    def upload(self) -> torch.Tensor:
+        """What crosses the link: the narrow shadow of a master, else the host tensor itself."""
+        return self.shadow if self.shadow is not None else self.host
 
     @property
     def trainable(self) -> bool:
@@ -101,6 +107,7 @@ class _Unit:
             self.entries.append(_Entry(owner, attr, tensor if is_param else None, host, dtype,
                                        grad_offset=0 if trainable else -1))
         self.flats = self._make_masters()
+        self.shadows = self._make_shadows()
         self.weight_bytes, self.grad_bytes = self._lay_out()
         self.optimizer = self._make_optimizer() if self.flats else None
         self.update_job = None  # the last AdamW submitted for this unit
@@ -125,10 +132,11 @@ class _Unit:
         trainable = [e for e in self.entries if e.trainable]
         groups = [([e for e in trainable if e.param.ndim >= 2], self.cfg.weight_decay),
                   ([e for e in trainable if e.param.ndim < 2], 0.0)]
-        flats = []
+        flats, self.members = [], []
         for members, decay in groups:
             if not members:
                 continue
+            self.members.append(members)
             dtype = torch.promote_types(members[0].param.dtype, torch.float32)  # fp32 masters; fp64 stays
             numel = sum(e.param.numel() for e in members)
             master = runtime.host_empty((numel,), dtype, self.device)
@@ -147,6 +155,25 @@ class _Unit:
             flat.grad = grads
             flats.append((flat, decay))
         return flats
+
+    def _make_shadows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(shadow, master) flat pairs: a bf16 copy of fp32 masters, refreshed after each update, so
+        uploads move 2 bytes a weight and the host casts once per step, not once per upload."""
+        pairs = []
+        for (flat, _), members in zip(self.flats, self.members):
+            dtype = members[0].device_dtype if members else flat.dtype
+            if dtype == flat.dtype:
+                continue
+            shadow = runtime.host_empty(flat.shape, dtype, self.device)
+            with torch.no_grad():
+                shadow.copy_(flat)
+            start = 0
+            for e in members:
+                n = e.host.numel()
+                e.shadow = shadow[start : start + n].view(e.host.shape)
+                start += n
+            pairs.append((shadow, flat))
+        return pairs
 
     def _make_optimizer(self) -> torch.optim.AdamW:
         cfg = self.cfg
@@ -173,6 +200,7 @@ class _Unit:
     def host_bytes(self) -> int:
         """Host RAM this unit holds: masters, gradient accumulators, moments, frozen tensors."""
         flat = sum(3 * p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size() for p, _ in self.flats)
+        flat += sum(shadow.numel() * shadow.element_size() for shadow, _ in self.shadows)
         return flat + sum(e.host.numel() * e.host.element_size() for e in self.entries if not e.trainable)
 
     def host_tensors(self) -> list[torch.Tensor]:
@@ -190,7 +218,7 @@ class _Unit:
         event = None
         for e in self.entries:
             view = runtime.view_bytes(slot.weights, e.offset, tuple(e.host.shape), e.device_dtype)
-            event = link.copy_up(view, e.host, after)
+            event = link.copy_up(view, e.upload, after)
             if e.param is not None:
                 e.param.data = view
             else:
@@ -250,6 +278,8 @@ class _Unit:
             self.optimizer.step()
             for flat, _ in self.flats:
                 flat.grad.zero_()
+            for shadow, flat in self.shadows:
+                shadow.copy_(flat)
 
     def grad_norms(self) -> list[torch.Tensor]:
         return [torch.linalg.vector_norm(flat.grad) for flat, _ in self.flats]
@@ -302,7 +332,9 @@ class SlideEngine:
                 for _ in range(2 if self.device.type == "cuda" else 1)]
 
     def edge_head_weight(self) -> torch.Tensor:
-        return self.stack.head.weight
+        """The LM head weight as it goes up: the narrow shadow of its master, or the host tensor."""
+        weight = self.stack.head.weight
+        return next((e.upload for e in self.edge.entries if e.param is weight), weight)
 
     def _resident_tensors(self):
         yield from ((t, "weights") for t in self.pool.tensors())
@@ -380,7 +412,7 @@ class SlideEngine:
 
     def _head_sink(self):
         """streamed_ce's sink for a trainable head: each tile's gradient goes to its host rows."""
-        weight = self.edge_head_weight()
+        weight = self.stack.head.weight
         entry = next((e for e in self.edge.entries if e.param is weight and e.trainable), None)
         if entry is None:
             return None

@@ -118,6 +118,9 @@ def test_bf16_compute_keeps_fp32_masters_and_tracks_resident():
     assert engine.pool.slots[0].weights.numel() < sum(  # the slot holds bf16 copies: half of fp32
         p.numel() * 4 for p in engine.stack.blocks[0].parameters())
     assert slide[0] == pytest.approx(resident[0], rel=2e-2)
+    for unit in engine.units:  # what goes up is the updated master, rounded once to bf16
+        assert unit.shadows and all(torch.equal(shadow, flat.detach().to(torch.bfloat16))
+                                    for shadow, flat in unit.shadows)
 
 
 def peak_of(layers: int) -> tuple[int, object]:
