@@ -103,3 +103,21 @@ def test_user_errors_are_one_sentence_and_leave_nothing(workdir, args, needle):
 def test_export_of_a_non_run_folder_is_refused(workdir):
     proc = slimtune("export", "model", "--merge", cwd=workdir, check=False)
     assert proc.returncode == 2 and "not a slimtune run folder" in proc.stderr
+
+
+def test_slide_trains_resumes_exactly_and_exports(workdir):
+    """engine=slide through the CLI: full fine-tuning, stopped after 3 steps and resumed to 6,
+    logs the same losses as 6 steps straight, and close to resident's; the export loads."""
+    from transformers import AutoModelForCausalLM
+
+    common = ("run.yaml", "engine=slide", "method=full", "train.schedule=constant")
+    slimtune("train", *common, "train.steps=6", "output_dir=straight", "--no-progress", cwd=workdir)
+    slimtune("train", *common, "train.steps=3", "output_dir=split", "--no-progress", cwd=workdir)
+    out = slimtune("train", *common, "train.steps=6", "output_dir=split", "--no-progress", cwd=workdir)
+    assert "resumed from 3" in out.stdout
+    assert losses(workdir / "split") == losses(workdir / "straight")
+    slimtune("train", "run.yaml", "method=full", "train.schedule=constant", "train.steps=6",
+             "output_dir=resident", "--no-progress", cwd=workdir)
+    assert losses(workdir / "straight") == pytest.approx(losses(workdir / "resident"), rel=1e-4)
+    model = AutoModelForCausalLM.from_pretrained(str(workdir / "straight" / "model"), local_files_only=True)
+    assert model.config.model_type == "llama"
