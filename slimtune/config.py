@@ -163,6 +163,10 @@ class TrainConfig:
 class SlideConfig:
     slots: int = _f(2, "engine=slide: device slots, each the size of the largest block (2: one runs while the next loads).")
     head_tile_mb: float = _f(64.0, "engine=slide: MiB of the LM head streamed to the device per vocabulary tile.")
+    moments: Literal["ram", "disk"] = _f(
+        "ram", "engine=slide: AdamW moments in host RAM, or in memory-mapped files (8 B a weight off the RAM)."
+    )
+    moments_dir: str | None = _f(None, "slide.moments=disk: where the moment files go (default: output_dir/moments).")
 
     def validate(self) -> None:
         if self.slots not in (2, 3):

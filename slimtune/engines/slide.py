@@ -49,6 +49,7 @@ from slimtune import activations, memory, runtime, schedule
 from slimtune.config import ActivationsConfig, LossConfig, SlideConfig, TrainConfig
 from slimtune.data import Batch
 from slimtune.engines.base import StepResult, autocast_for, to_float
+from slimtune.errors import UserError
 from slimtune.loss import chunk_tokens, head_inputs
 from slimtune.model import Stack
 from slimtune.streamed_ce import streamed_ce
@@ -97,8 +98,8 @@ class _Unit:
     (pinned on CUDA) and go to the device as they are; trainable ones go in `weight_dtype`."""
 
     def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
-                 cfg: TrainConfig):
-        self.name, self.device, self.cfg = name, device, cfg
+                 cfg: TrainConfig, moments_dir: Path | None = None):
+        self.name, self.device, self.cfg, self.moments_dir = name, device, cfg, moments_dir
         self.entries: list[_Entry] = []
         for owner, attr, tensor, is_param in _own_tensors(modules):
             trainable = is_param and tensor.requires_grad
@@ -179,13 +180,33 @@ class _Unit:
         cfg = self.cfg
         optimizer = torch.optim.AdamW([{"params": [flat], "weight_decay": decay} for flat, decay in self.flats],
                                       lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
-        for flat, _ in self.flats:  # made here, host-resident, instead of lazily on the worker thread
+        for k, (flat, _) in enumerate(self.flats):  # made here, host-resident, not lazily on the worker
             optimizer.state[flat] = {
                 "step": memory.mark_host_resident(torch.zeros((), dtype=torch.float32)),
-                "exp_avg": runtime.host_empty(flat.shape, flat.dtype, self.device).zero_(),
-                "exp_avg_sq": runtime.host_empty(flat.shape, flat.dtype, self.device).zero_(),
+                "exp_avg": self._moment(flat, f"{k}-exp_avg"),
+                "exp_avg_sq": self._moment(flat, f"{k}-exp_avg_sq"),
             }
         return optimizer
+
+    def _moment(self, flat: torch.Tensor, tag: str) -> torch.Tensor:
+        """A zeroed AdamW moment: in host RAM, or (slide.moments=disk) a memory-mapped file the
+        page cache keeps as much of as RAM allows. Fake tensors (the estimate) never touch a disk."""
+        if self.moments_dir is None or _is_fake(flat):
+            return runtime.host_empty(flat.shape, flat.dtype, self.device).zero_()
+        path = self.moments_dir / f"{self.name.replace(' ', '-')}-{tag}.bin"
+        moment = torch.from_file(str(path), shared=True, size=flat.numel(), dtype=flat.dtype)  # a new file is zeros
+        return memory.mark_host_resident(moment.view(flat.shape))
+
+    def load_optimizer(self, saved: dict) -> None:
+        """Load a checkpoint's AdamW state into this unit's own moment tensors (RAM or mapped files)."""
+        own = {id(p): dict(self.optimizer.state[p]) for p, _ in self.flats}
+        self.optimizer.load_state_dict(saved)
+        with torch.no_grad():
+            for flat, _ in self.flats:
+                state = self.optimizer.state[flat]
+                for key, mine in own[id(flat)].items():
+                    mine.copy_(state[key])
+                    state[key] = mine
 
     def _lay_out(self) -> tuple[int, int]:
         weights = grads = 0
@@ -198,8 +219,9 @@ class _Unit:
         return weights, grads
 
     def host_bytes(self) -> int:
-        """Host RAM this unit holds: masters, gradient accumulators, moments, frozen tensors."""
-        flat = sum(3 * p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size() for p, _ in self.flats)
+        """Host RAM this unit holds: masters, gradient accumulators, moments (unless on disk), frozen tensors."""
+        copies = 3 if self.moments_dir is None else 1
+        flat = sum(copies * p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size() for p, _ in self.flats)
         flat += sum(shadow.numel() * shadow.element_size() for shadow, _ in self.shadows)
         return flat + sum(e.host.numel() * e.host.element_size() for e in self.entries if not e.trainable)
 
@@ -303,10 +325,11 @@ class SlideEngine:
         if getattr(stack.head, "bias", None) is not None:
             raise NotImplementedError("engine=slide streams an LM head without bias")
         weight_dtype = torch.bfloat16 if precision == "bf16" else None  # None: the master's dtype
+        moments = self._moments_dir(store_dir)
         blocks, count = stack.blocks, len(stack.blocks)
         self.units = [_Unit(f"block {i}", [blocks[i]] + ([stack.norm] if i == count - 1 else []), device,
-                            weight_dtype, cfg) for i in range(count)]
-        self.edge = _Unit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, cfg)
+                            weight_dtype, cfg, moments) for i in range(count)]
+        self.edge = _Unit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, cfg, moments)
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         stack.rotary.to(device)
         self.link = runtime.Link(device)
@@ -320,6 +343,24 @@ class SlideEngine:
         self.worker = runtime.HostWorker(inline=any(_is_fake(p) for p in stack.model.parameters()))
         self.step_count = 0
         self.meter = memory.meter_for(device, cfg.measure_memory)
+
+    def _moments_dir(self, store_dir: Path | None) -> Path | None:
+        """slide.moments=disk: a private folder for the moment files, removed with the engine."""
+        if self.slide_cfg.moments != "disk":
+            return None
+        import shutil
+        import tempfile
+        import weakref
+
+        root = Path(self.slide_cfg.moments_dir or (store_dir.parent / "moments" if store_dir else "moments"))
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(prefix="adam-", dir=root))
+        except OSError as err:
+            raise UserError(f"slide.moments_dir '{root}' is not a usable folder ({err}).") from None
+        weakref.finalize(self, shutil.rmtree, folder, True)
+        self.moments_folder = folder
+        return folder
 
     # ------------------------------------------------------------ the pieces of a step
 
@@ -568,11 +609,7 @@ class SlideEngine:
                 param.copy_(state["trainable"][name])
         for unit, saved in zip(self._all_units(), state["optimizers"]):
             if unit.optimizer is not None:
-                unit.optimizer.load_state_dict(saved)
-                for values in unit.optimizer.state.values():
-                    for value in values.values():
-                        if isinstance(value, torch.Tensor):
-                            memory.mark_host_resident(value)
+                unit.load_optimizer(saved)
         self.step_count = state["step"]
 
 

@@ -162,37 +162,51 @@ def test_resume_is_exact():
 
 def test_uploads_wait_for_updates_and_staging_for_its_reader(monkeypatch):
     """Random sleeps in every host job: results stay equal to a run without them, no unit is
-    uploaded while its update runs, and no staging buffer is refilled while being read."""
+    uploaded while its AdamW runs, and no staging buffer is refilled while a host job reads it."""
     from slimtune.engines import slide as slide_module
 
     model = model_of()
-    cfg = train_cfg(max_grad_norm=0.0)
+    cfg = train_cfg(max_grad_norm=0.0)  # updates overlap the backward: the racy case
     calm = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
     want = [calm.step(batches(300, seed, 2)).loss for seed in range(2)]
-    busy, violations = set(), []
+    updating, reading, violations = set(), set(), []
     rng = torch.Generator().manual_seed(0)
 
-    def slow(method):
-        def run(unit, *args):
-            busy.add(id(unit))
-            time.sleep(float(torch.rand((), generator=rng)) * 0.01)
-            try:
-                return method(unit, *args)
-            finally:
-                busy.discard(id(unit))
-        return run
+    def nap():
+        time.sleep(float(torch.rand((), generator=rng)) * 0.01)
 
-    bind = slide_module._Unit.bind
+    def slow_update(unit, *args):
+        updating.add(id(unit))
+        nap()
+        try:
+            return update(unit, *args)
+        finally:
+            updating.discard(id(unit))
+
+    def slow_accumulate(unit, staging, event):
+        reading.add(staging.data_ptr())
+        nap()
+        try:
+            return accumulate(unit, staging, event)
+        finally:
+            reading.discard(staging.data_ptr())
 
     def checked_bind(unit, *args):
-        result = bind(unit, *args)
-        if id(unit) in busy:
-            violations.append(unit.name)
-        return result
+        if id(unit) in updating:
+            violations.append(f"{unit.name} uploaded during its update")
+        return bind(unit, *args)
 
-    monkeypatch.setattr(slide_module._Unit, "update", slow(slide_module._Unit.update))
-    monkeypatch.setattr(slide_module._Unit, "accumulate", slow(slide_module._Unit.accumulate))
+    def checked_download(unit, link, staging):
+        if staging.data_ptr() in reading:
+            violations.append(f"staging refilled while read ({unit.name})")
+        return download(unit, link, staging)
+
+    update, accumulate = slide_module._Unit.update, slide_module._Unit.accumulate
+    bind, download = slide_module._Unit.bind, slide_module._Unit.download_grads
+    monkeypatch.setattr(slide_module._Unit, "update", slow_update)
+    monkeypatch.setattr(slide_module._Unit, "accumulate", slow_accumulate)
     monkeypatch.setattr(slide_module._Unit, "bind", checked_bind)
+    monkeypatch.setattr(slide_module._Unit, "download_grads", checked_download)
     engine = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
     got = [engine.step(batches(300, seed, 2)).loss for seed in range(2)]
     assert got == want and not violations
@@ -222,3 +236,27 @@ def test_what_slide_does_not_do_is_refused_in_one_sentence(override, words):
     with pytest.raises(UserError, match=words.replace(".", r"\.")):
         config_module.load(None, ["engine=slide", override, "quant.scheme=int4"],
                            base={"model": "(test)", "data": "(test)"})
+
+
+def test_moments_on_disk_train_exactly_like_moments_in_ram(tmp_path):
+    model = model_of()
+    cfg = train_cfg()
+    ram = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+    disk = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64",
+                       slide_cfg=SlideConfig(moments="disk", moments_dir=str(tmp_path)))
+    for seed in range(3):
+        assert ram.step(batches(300, seed, 2)).loss == disk.step(batches(300, seed, 2)).loss
+    files = list(tmp_path.rglob("*.bin"))
+    assert len(files) == 2 * sum(len(u.flats) for u in disk._all_units())  # exp_avg, exp_avg_sq per flat
+    assert disk.host_bytes() < ram.host_bytes()
+    for (name, a), (_, b) in zip(ram.trainable_state().items(), disk.trainable_state().items()):
+        assert torch.equal(a, b), name
+    resumed = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64",
+                          slide_cfg=SlideConfig(moments="disk", moments_dir=str(tmp_path)))
+    resumed.load_state_dict(copy.deepcopy(disk.state_dict()))
+    assert resumed.step(batches(300, 3, 2)).loss == disk.step(batches(300, 3, 2)).loss
+    del disk, resumed
+    import gc
+
+    gc.collect()
+    assert not list(tmp_path.rglob("*.bin"))  # the folders go with their engines
