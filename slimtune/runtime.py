@@ -85,6 +85,19 @@ class Link:
             dst.copy_(src, non_blocking=True)
             return self.stream.record_event()
 
+    def zero(self, dst: torch.Tensor, after: object = None) -> object:
+        """Zero a device tensor on the copy stream (ordered after its earlier copies, e.g. the
+        download of the gradients it held)."""
+        if not self.cuda:
+            with torch.no_grad():
+                dst.zero_()
+            return None
+        with torch.cuda.stream(self.stream), torch.no_grad():
+            if after is not None:
+                self.stream.wait_event(after)
+            dst.zero_()
+            return self.stream.record_event()
+
     def copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> object:
         """Device src into the existing host tensor dst, after the compute that made src."""
         self.bytes_down += _nbytes(src)

@@ -238,6 +238,8 @@ class _Unit:
         self.slot = slot
         after = slot.released
         event = None
+        if with_grads:  # zeroed on the copy stream: after the last borrower's gradients went down
+            event = self._zero_grads(link, after)
         for e in self.entries:
             view = runtime.view_bytes(slot.weights, e.offset, tuple(e.host.shape), e.device_dtype)
             event = link.copy_up(view, e.upload, after)
@@ -246,15 +248,30 @@ class _Unit:
             else:
                 e.owner._buffers[e.attr] = view
         if with_grads:
-            self.attach_grads()
+            self._set_grads()
         return event
 
-    def attach_grads(self) -> None:
-        """Zeroed gradient views in the slot become the trainable parameters' .grad (autograd adds into them)."""
+    def attach_grads(self, link: runtime.Link) -> object:
+        """For a unit loaded without: zeroed gradient views become .grad; returns the zeroing's event."""
+        event = self._zero_grads(link)
+        self._set_grads()
+        return event
+
+    def _grad_view(self, e: _Entry) -> torch.Tensor:
+        return runtime.view_bytes(self.slot.grads, e.grad_offset, tuple(e.host.shape), e.device_dtype)
+
+    def _zero_grads(self, link: runtime.Link, after: object = None) -> object:
+        event = None
         for e in self.entries:
             if e.trainable:
-                grad = runtime.view_bytes(self.slot.grads, e.grad_offset, tuple(e.host.shape), e.device_dtype)
-                e.param.grad = grad.zero_()
+                event = link.zero(self._grad_view(e), after)
+        return event
+
+    def _set_grads(self) -> None:
+        """The slot's gradient views become the trainable parameters' .grad (autograd adds into them)."""
+        for e in self.entries:
+            if e.trainable:
+                e.param.grad = self._grad_view(e)
         self.grads_bound = True
 
     def unbind(self) -> runtime.Slot:
@@ -387,7 +404,7 @@ class SlideEngine:
         if unit.slot is None:
             self.link.wait(unit.bind(self.pool.acquire(unit.name), self.link, with_grads))
         elif with_grads and not unit.grads_bound:
-            unit.attach_grads()
+            self.link.wait(unit.attach_grads(self.link))
 
     def _prefetch(self, index: int, with_grads: bool) -> None:
         """Start copying unit `index` in while the current one computes, if a slot is free."""
