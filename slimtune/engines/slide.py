@@ -114,6 +114,7 @@ class _Unit:
         self.update_job = None  # the last AdamW submitted for this unit
         self.norms: list[torch.Tensor] = []  # its gradients' norms as the last update saw them
         self.slot: runtime.Slot | None = None
+        self.ready = None  # the event of its last copy into the slot (None on the CPU)
         self.grads_bound = False
 
     # ------------------------------------------------------------ host storage
@@ -402,15 +403,16 @@ class SlideEngine:
     def _load(self, index: int, with_grads: bool) -> None:
         unit = self.units[index]
         if unit.slot is None:
-            self.link.wait(unit.bind(self.pool.acquire(unit.name), self.link, with_grads))
+            unit.ready = unit.bind(self.pool.acquire(unit.name), self.link, with_grads)
         elif with_grads and not unit.grads_bound:
-            self.link.wait(unit.attach_grads(self.link))
+            unit.ready = unit.attach_grads(self.link)
+        self.link.wait(unit.ready)  # compute waits for the copies (a prefetch's too)
 
     def _prefetch(self, index: int, with_grads: bool) -> None:
         """Start copying unit `index` in while the current one computes, if a slot is free."""
         if 0 <= index < len(self.units) and self.units[index].slot is None and self.pool.free:
             unit = self.units[index]
-            unit.bind(self.pool.acquire(unit.name), self.link, with_grads)
+            unit.ready = unit.bind(self.pool.acquire(unit.name), self.link, with_grads)
 
     def _unload(self, index: int) -> None:
         self.pool.release(self.units[index].unbind())
