@@ -227,6 +227,9 @@ def _check_slide(cfg: RunConfig) -> None:
     if cfg.quant.embeddings:
         raise UserError("engine=slide keeps the embedding and LM head on the host in full precision;"
                         " set quant.embeddings=false.")
+    if cfg.activations.checkpoint == "recompute":
+        raise UserError("engine=slide keeps block inputs in host RAM or on disk; set activations.checkpoint=host"
+                        " (or disk).")
     if cfg.activations.cache != "none":
         raise UserError("engine=slide keeps only each block's input; set activations.cache=none.")
 

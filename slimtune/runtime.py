@@ -28,9 +28,10 @@ from slimtune.memory import mark_host_resident
 SLOT_ALIGN = 256  # bytes: every tensor view in a slot starts on this boundary
 
 
-def host_empty(shape, dtype: torch.dtype, device: torch.device | None, stride=None) -> torch.Tensor:
-    """An uninitialised host tensor made for traffic with `device` (pinned on CUDA)."""
-    cuda = device is not None and device.type == "cuda"
+def host_empty(shape, dtype: torch.dtype, device: torch.device | None, stride=None, pinned: bool = True) -> torch.Tensor:
+    """An uninitialised host tensor made for traffic with `device`: pinned on CUDA unless told not
+    to (host state that never crosses the link: pinned memory is scarce and allocated in powers of two)."""
+    cuda = pinned and device is not None and device.type == "cuda"
     if stride is None:
         host = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=cuda)
     else:
@@ -69,7 +70,8 @@ class Link:
         if not self.cuda:
             self.bytes_up += _nbytes(host)
             return host.clone(), None  # clone keeps dense strides; the meter counts it as device memory
-        x = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
+        with torch.cuda.stream(self.stream):  # allocated on the side stream: see ready()
+            x = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
         return x, self.copy_up(x, host, after)
 
     def copy_up(self, dst: torch.Tensor, src: torch.Tensor, after: object = None) -> object:
@@ -172,6 +174,10 @@ class SlotPool:
             held = ", ".join(s.holder or "?" for s in self.slots)
             raise RuntimeError(f"no free device slot for {holder}: all {len(self.slots)} are held ({held}).")
         slot = self.free.pop(0)
+        if slot.released is not None:
+            # The host waits for the last borrower's compute: this bounds how far it runs ahead,
+            # so buffers freed on the device are reusable and memory stays that of the window.
+            slot.released.synchronize()
         slot.holder = holder
         return slot
 

@@ -38,6 +38,7 @@ same code runs; host tensors are marked host-resident, so the meter counts what 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,7 @@ class _Unit:
     def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
                  cfg: TrainConfig, moments_dir: Path | None = None):
         self.name, self.device, self.cfg, self.moments_dir = name, device, cfg, moments_dir
+        self.weight_dtype = weight_dtype
         self.entries: list[_Entry] = []
         for owner, attr, tensor, is_param in _own_tensors(modules):
             trainable = is_param and tensor.requires_grad
@@ -141,8 +143,10 @@ class _Unit:
             self.members.append(members)
             dtype = torch.promote_types(members[0].param.dtype, torch.float32)  # fp32 masters; fp64 stays
             numel = sum(e.param.numel() for e in members)
-            master = runtime.host_empty((numel,), dtype, self.device)
-            grads = runtime.host_empty((numel,), dtype, self.device)
+            # Pinned only if it crosses the link itself (no narrower shadow goes up in its place).
+            crosses = self.weight_dtype is None or self.weight_dtype == dtype
+            master = runtime.host_empty((numel,), dtype, self.device, pinned=crosses)
+            grads = runtime.host_empty((numel,), dtype, self.device, pinned=False)
             with torch.no_grad():
                 grads.zero_()
                 start = 0
@@ -193,7 +197,7 @@ class _Unit:
         """A zeroed AdamW moment: in host RAM, or (slide.moments=disk) a memory-mapped file the
         page cache keeps as much of as RAM allows. Fake tensors (the estimate) never touch a disk."""
         if self.moments_dir is None or _is_fake(flat):
-            return runtime.host_empty(flat.shape, flat.dtype, self.device).zero_()
+            return runtime.host_empty(flat.shape, flat.dtype, self.device, pinned=False).zero_()
         path = self.moments_dir / f"{self.name.replace(' ', '-')}-{tag}.bin"
         moment = torch.from_file(str(path), shared=True, size=flat.numel(), dtype=flat.dtype)  # a new file is zeros
         return memory.mark_host_resident(moment.view(flat.shape))
@@ -318,6 +322,10 @@ class _Unit:
             self.optimizer.step()
             for flat, _ in self.flats:
                 flat.grad.zero_()
+            self.refresh_shadows()
+
+    def refresh_shadows(self) -> None:
+        with torch.no_grad():
             for shadow, flat in self.shadows:
                 shadow.copy_(flat)
 
@@ -358,6 +366,7 @@ class SlideEngine:
         self.staging_jobs: list = [None, None]
         self.staging_turn = 0
         self.head_tiles = self._make_head_tiles(weight_dtype)
+        self.tiles_free: list = [None] * len(self.head_tiles)  # per tile buffer: its last reader is done
         self.worker = runtime.HostWorker(inline=any(_is_fake(p) for p in stack.model.parameters()))
         self.step_count = 0
         self.meter = memory.meter_for(device, cfg.measure_memory)
@@ -414,6 +423,19 @@ class SlideEngine:
             unit = self.units[index]
             unit.ready = unit.bind(self.pool.acquire(unit.name), self.link, with_grads)
 
+    @contextlib.contextmanager
+    def _window(self):
+        """Every slot comes back, even when a step or an evaluation fails half-way."""
+        try:
+            yield
+        finally:
+            for index, unit in enumerate(self.units):
+                if unit.slot is not None:
+                    self._unload(index)
+
+    def _compute_event(self) -> object:
+        return torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
+
     def _unload(self, index: int) -> None:
         self.pool.release(self.units[index].unbind())
 
@@ -431,7 +453,7 @@ class SlideEngine:
         turn = self._staging_buffer()
         event = unit.download_grads(self.link, self.staging[turn])
         self.staging_jobs[turn] = self.worker.submit(unit.accumulate, self.staging[turn], event)
-        if update is not None:
+        if update is not None and unit.optimizer is not None:
             unit.update_job = self.worker.submit(unit.update, *update)
         self._unload(index)
 
@@ -465,10 +487,12 @@ class SlideEngine:
         buffers, vocab = self.head_tiles, host.shape[0]
         rows = buffers[0].shape[0]
         for k, start in enumerate(range(0, vocab, rows)):
-            stop = min(start + rows, vocab)
-            tile = buffers[k % len(buffers)][: stop - start]
-            self.link.wait(self.link.copy_up(tile, host[start:stop]))
+            stop, turn = min(start + rows, vocab), k % len(buffers)
+            tile = buffers[turn][: stop - start]
+            # the copy waits until the compute that read this buffer last (tile k - 2) is done
+            self.link.wait(self.link.copy_up(tile, host[start:stop], self.tiles_free[turn]))
             yield start, stop, tile
+            self.tiles_free[turn] = self._compute_event()
 
     def _head_sink(self):
         """streamed_ce's sink for a trainable head: each tile's gradient goes to its host rows."""
@@ -527,6 +551,7 @@ class SlideEngine:
                                            scale=1.0 / total, sink=self._head_sink())
         torch.autograd.backward(x, grad_x)  # the final norm's gradient lands in the last unit's slot
         grad = out.grad
+        del hidden, out, x, grad_x  # only the gradient travels down the blocks
         wants_embed_grad = any(e.trainable and e.param is self.stack.embed.weight for e in self.edge.entries)
         with torch.random.fork_rng([self.device] if self.device.type == "cuda" else []), \
                 autocast_for(self.device, self.precision):
@@ -535,6 +560,8 @@ class SlideEngine:
                 for ahead in range(1, self.slide_cfg.slots):
                     self._prefetch(index - ahead, with_grads=True)
                 x_in = store.take(keys[index]).detach().requires_grad_(index > 0 or wants_embed_grad)
+                if index > 0:
+                    store.prefetch(keys[index - 1])  # the next input comes up while this block runs
                 activations.restore_rng(states[index], self.device)
                 activations.block_backward(self.stack, index, x_in, grad, inputs, chunk)
                 grad = x_in.grad if x_in.requires_grad else None
@@ -558,7 +585,7 @@ class SlideEngine:
                                               self.cfg.schedule)
         clipping = self.cfg.max_grad_norm > 0
         link_before = self.link.bytes
-        with self.meter.measure(self._resident_tensors()) as reading, self._store() as store:
+        with self.meter.measure(self._resident_tensors()) as reading, self._store() as store, self._window():
             loss_sum = 0.0
             for k, batch in enumerate(micro_batches):
                 update_now = (lr, 1.0) if k == len(micro_batches) - 1 and not clipping else None
@@ -605,12 +632,11 @@ class SlideEngine:
         self.stack.model.eval()
         loss_sum, tokens = 0.0, 0
         for batch in batches:
-            with autocast_for(self.device, self.precision):
+            with autocast_for(self.device, self.precision), self._window():
                 device_batch, hidden, *_ = self._forward(batch, None, keep_grads=False)
                 x, targets = head_inputs(hidden, self.stack.norm, device_batch.targets, self.loss_cfg,
                                          device_batch.rows)
                 loss, _ = streamed_ce(x, targets, self._tiles, chunk_tokens(self.loss_cfg, self._vocab()))
-            self._unload(len(self.units) - 1)
             loss_sum += float(loss)
             tokens += batch.num_targets
         return loss_sum, tokens
@@ -629,6 +655,7 @@ class SlideEngine:
         for unit, saved in zip(self._all_units(), state["optimizers"]):
             if unit.optimizer is not None:
                 unit.load_optimizer(saved)
+            unit.refresh_shadows()  # what goes up must be the loaded weights
         self.step_count = state["step"]
 
 

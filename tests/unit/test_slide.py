@@ -231,6 +231,7 @@ def test_estimate_equals_the_cpu_meter():
     ("quant.embeddings=true", "quant.embeddings=false"),
     ("activations.cache=small", "activations.cache=none"),
     ("slide.slots=4", "slide.slots must be 2 or 3"),
+    ("activations.checkpoint=recompute", "activations.checkpoint=host"),
 ])
 def test_what_slide_does_not_do_is_refused_in_one_sentence(override, words):
     with pytest.raises(UserError, match=words.replace(".", r"\.")):
@@ -260,3 +261,32 @@ def test_moments_on_disk_train_exactly_like_moments_in_ram(tmp_path):
 
     gc.collect()
     assert not list(tmp_path.rglob("*.bin"))  # the folders go with their engines
+
+
+def test_bf16_resume_uploads_the_loaded_weights_and_frozen_blocks_need_no_optimizer():
+    """A resumed bf16 run sends up the loaded masters (their shadows are refreshed), and a block
+    with nothing to train (freeze) takes part without an optimizer, clipping on or off."""
+    model = model_of(dtype=torch.float32)
+    for p in model.model.layers[0].parameters():
+        p.requires_grad_(False)
+    for clip in (0.0, 0.5):
+        cfg = train_cfg(max_grad_norm=clip)
+        straight = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "bf16")
+        losses = [straight.step(batches(300, seed, 2)).loss for seed in range(3)]
+        assert straight.units[0].optimizer is None
+        first = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "bf16")
+        for seed in range(2):
+            first.step(batches(300, seed, 2))
+        resumed = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "bf16")
+        resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+        assert resumed.step(batches(300, 2, 2)).loss == losses[2]
+
+
+def test_a_failed_step_gives_every_slot_back(monkeypatch):
+    from slimtune.engines import slide as slide_module
+
+    engine = SlideEngine(Stack(model_of()), train_cfg(), CPU, "fp64")
+    monkeypatch.setattr(slide_module, "streamed_ce", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step(batches(300, 0, 2))
+    assert len(engine.pool.free) == len(engine.pool.slots) and all(u.slot is None for u in engine.units)
