@@ -26,8 +26,8 @@ def _at_size(results: list[dict], size: str) -> list[dict]:
     """The same plans judged for a card of another size: the estimates do not depend on the card,
     and both sizes use the same generic rates, so only fits and the recommendation change."""
     memory = presets.gpu_profile(size).memory_bytes
-    judged = [dict(r, fits=r["device_peak_bytes"] + planner.CUDA_OVERHEAD_BYTES <= memory, recommended=False)
-              for r in results]
+    judged = [dict(r, fits=r["host_fits"] and r["device_peak_bytes"] + planner.CUDA_OVERHEAD_BYTES <= memory,
+                   recommended=False) for r in results]
     fitting = [r for r in judged if r["fits"]]
     if fitting:
         fitting[0]["recommended"] = True  # plans arrive fastest first
