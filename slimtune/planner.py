@@ -155,10 +155,18 @@ def plan_run(cfg: RunConfig, model_config, gpu) -> tuple[list[PlanResult], PlanR
 
 
 def no_fit_sentence(results: list[PlanResult], gpu) -> str:
+    return f"no plan fits {gpu.name} ({human_bytes(gpu.memory_bytes)}): {_smallest_need(results)}."
+
+
+def _smallest_need(results: list[PlanResult]) -> str:
+    """What the smallest plan needs: device memory, or the host RAM that keeps it from fitting."""
     need = smallest(results)
-    return (f"no plan fits {gpu.name} ({human_bytes(gpu.memory_bytes)}): the smallest, {need.engine} {need.label}, "
-            f"needs {human_bytes(need.estimate.device_peak_bytes + CUDA_OVERHEAD_BYTES)}; lower train.batch_size "
-            f"or data.max_length.")
+    device = human_bytes(need.estimate.device_peak_bytes + CUDA_OVERHEAD_BYTES)
+    if not need.host_fits:
+        return (f"the smallest on the device, {need.engine} {need.label}, needs {device} there but "
+                f"{human_bytes(need.estimate.host_bytes)} of host RAM, and this machine has "
+                f"{human_bytes(host_ram_bytes())}")
+    return f"the smallest, {need.engine} {need.label}, needs {device}; lower train.batch_size or data.max_length"
 
 
 def apply_recommended(cfg: RunConfig, model_config, gpu) -> tuple[RunConfig, PlanResult]:
@@ -199,8 +207,7 @@ def table(results: list[PlanResult], title: str, gpu) -> str:
         "(assumed), plus optimizer and host-link traffic over its bandwidths.",
     ]
     chosen = recommended(results)
-    lines.append(f"recommended: {chosen.engine} {chosen.label}" if chosen else
-                 f"no plan fits; the smallest needs {human_bytes(smallest(results).estimate.device_peak_bytes)}.")
+    lines.append(f"recommended: {chosen.engine} {chosen.label}" if chosen else f"no plan fits: {_smallest_need(results)}.")
     return "\n".join(lines)
 
 

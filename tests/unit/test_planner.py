@@ -27,6 +27,22 @@ def test_plan_table_labels_memory_measured_and_speed_modelled(capsys):
     assert "fake tensors" in out and "modelled" in out and "recommended:" in out
 
 
+def test_host_ram_is_checked_before_the_device(tiny_model_dir, monkeypatch):
+    """Full fine-tuning on a card too small for resident: slide fits the device, and only while
+    the host can hold its masters and moments; then the sentence names the host RAM."""
+    model_config = presets.model_config(str(tiny_model_dir))
+    base, gpu = planner.planning_config("full"), presets.gpu_profile("0.4MiB")  # resident needs ~650 KiB
+    monkeypatch.setattr(planner, "CUDA_OVERHEAD_BYTES", 0)
+    results = planner.plan(model_config, base, gpu, 1, 32)
+    chosen = planner.recommended(results)
+    assert chosen is not None and chosen.engine == "slide" and chosen.estimate.host_bytes > 0
+    monkeypatch.setattr(planner, "host_ram_bytes", lambda: chosen.estimate.host_bytes // 2)
+    results = planner.plan(model_config, base, gpu, 1, 32)
+    assert planner.recommended(results) is None
+    assert all(not r.host_fits for r in results if r.engine == "slide")
+    assert "of host RAM" in planner.no_fit_sentence(results, gpu)
+
+
 def test_nothing_fits_a_tiny_card(tiny_model_dir):
     base = planner.planning_config("full")
     results = planner.plan(presets.model_config(str(tiny_model_dir)), base, presets.gpu_profile("1MiB"), 1, 32)
