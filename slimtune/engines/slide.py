@@ -2,7 +2,8 @@
 (SlideFormer, specs/slide-window.md), on the offload runtime (runtime.py).
 
 Where things live. Host: the fp32 master of every trainable tensor, in flat buffers per unit (a
-block; the last block with the final norm; the embedding with the LM head), the gradient
+block; the last block with the final norm; the LM head; the embedding, or one unit for a tied
+pair), the gradient
 accumulators in the same layout, the AdamW moments (torch's fused CPU AdamW, one optimizer per
 unit), frozen tensors (a LoRA base, 4-bit codes), the embedding and LM head, and each block's input
 (the activations store: host RAM, or disk). Device: a SlotPool of `slide.slots` slots sized to the
@@ -355,7 +356,7 @@ class SlideEngine:
         blocks, count = stack.blocks, len(stack.blocks)
         self.units = [_Unit(f"block {i}", [blocks[i]] + ([stack.norm] if i == count - 1 else []), device,
                             weight_dtype, cfg, moments) for i in range(count)]
-        self.edge = _Unit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, cfg, moments)
+        self.edges = self._edge_units(weight_dtype, moments)
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         stack.rotary.to(device)
         self.link = runtime.Link(device)
@@ -370,6 +371,18 @@ class SlideEngine:
         self.worker = runtime.HostWorker(inline=any(_is_fake(p) for p in stack.model.parameters()))
         self.step_count = 0
         self.meter = memory.meter_for(device, cfg.measure_memory)
+
+    def _edge_units(self, weight_dtype: torch.dtype | None, moments: Path | None) -> list[_Unit]:
+        """The host-side units: the LM head (streamed up in tiles, so it gets a narrow shadow) and
+        the embedding (never sent up: rows are gathered on the host, so no shadow); one unit when tied."""
+        stack, device, cfg = self.stack, self.device, self.cfg
+        if stack.tied:
+            return [_Unit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, cfg, moments)]
+        return [_Unit("LM head", [stack.head], device, weight_dtype, cfg, moments),
+                _Unit("embedding", [stack.embed], device, None, cfg, moments)]
+
+    def _edge_entry(self, param: torch.Tensor) -> _Entry | None:
+        return next((e for unit in self.edges for e in unit.entries if e.param is param), None)
 
     def _moments_dir(self, store_dir: Path | None) -> Path | None:
         """slide.moments=disk: a private folder for the moment files, removed with the engine."""
@@ -402,7 +415,8 @@ class SlideEngine:
     def edge_head_weight(self) -> torch.Tensor:
         """The LM head weight as it goes up: the narrow shadow of its master, or the host tensor."""
         weight = self.stack.head.weight
-        return next((e.upload for e in self.edge.entries if e.param is weight), weight)
+        entry = self._edge_entry(weight)
+        return entry.upload if entry is not None else weight
 
     def _resident_tensors(self):
         yield from ((t, "weights") for t in self.pool.tensors())
@@ -466,7 +480,7 @@ class SlideEngine:
     def _embed_backward(self, input_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Add d(loss)/d(embedding rows) into the embedding's host gradient (index_add, on the worker)."""
         weight = self.stack.embed.weight
-        entry = next(e for e in self.edge.entries if e.param is weight)
+        entry = self._edge_entry(weight)
         host, event = self.link.to_host(grad.reshape(-1, grad.shape[-1]))
         ids = input_ids.reshape(-1).cpu()
         padding = getattr(self.stack.embed, "padding_idx", None)
@@ -497,8 +511,8 @@ class SlideEngine:
     def _head_sink(self):
         """streamed_ce's sink for a trainable head: each tile's gradient goes to its host rows."""
         weight = self.stack.head.weight
-        entry = next((e for e in self.edge.entries if e.param is weight and e.trainable), None)
-        if entry is None:
+        entry = self._edge_entry(weight)
+        if entry is None or not entry.trainable:
             return None
 
         def sink(start: int, stop: int, grad: torch.Tensor) -> None:
@@ -552,7 +566,8 @@ class SlideEngine:
         torch.autograd.backward(x, grad_x)  # the final norm's gradient lands in the last unit's slot
         grad = out.grad
         del hidden, out, x, grad_x  # only the gradient travels down the blocks
-        wants_embed_grad = any(e.trainable and e.param is self.stack.embed.weight for e in self.edge.entries)
+        embed_entry = self._edge_entry(self.stack.embed.weight)
+        wants_embed_grad = embed_entry is not None and embed_entry.trainable
         with torch.random.fork_rng([self.device] if self.device.type == "cuda" else []), \
                 autocast_for(self.device, self.precision):
             for index in range(len(self.units) - 1, -1, -1):
@@ -569,8 +584,9 @@ class SlideEngine:
                 self._finish_block(index, update)
         if wants_embed_grad and grad is not None:
             self._embed_backward(batch.input_ids, grad)
-        if update is not None and self.edge.optimizer is not None:
-            self.edge.update_job = self.worker.submit(self.edge.update, *update)
+        for unit in self.edges if update is not None else ():
+            if unit.optimizer is not None:
+                unit.update_job = self.worker.submit(unit.update, *update)
         return loss_sum
 
     def _vocab(self) -> int:
@@ -617,7 +633,7 @@ class SlideEngine:
         return torch.linalg.vector_norm(torch.stack(norms))
 
     def _all_units(self) -> list[_Unit]:
-        return [*self.units, self.edge]
+        return [*self.units, *self.edges]
 
     def _store_kind(self) -> str:
         return "host" if self.activations_cfg.checkpoint == "none" else self.activations_cfg.checkpoint

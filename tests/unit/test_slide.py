@@ -105,7 +105,7 @@ def test_lora_on_a_4bit_base_equals_resident():
         nn.init.normal_(adapter.lora_B.weight, std=0.2)
     resident, slide = run_both(model, train_cfg())
     assert_same(resident, slide)
-    assert slide[3].edge.optimizer is None  # the frozen embedding/head has no optimizer
+    assert all(u.optimizer is None for u in slide[3].edges)  # the frozen embedding and head have none
     trained = [n for n in slide[2] if "lora_" in n]
     assert trained and all(n in slide[3].trainable_state() for n in trained)
 
@@ -115,6 +115,8 @@ def test_bf16_compute_keeps_fp32_masters_and_tracks_resident():
     resident, slide = run_both(model, train_cfg(), precision="bf16")
     engine = slide[3]
     assert all(flat.dtype == torch.float32 for unit in engine.units for flat, _ in unit.flats)
+    head, embedding = engine.edges  # untied: the head gets a bf16 shadow to stream, the embedding none
+    assert head.shadows and not embedding.shadows
     assert engine.pool.slots[0].weights.numel() < sum(  # the slot holds bf16 copies: half of fp32
         p.numel() * 4 for p in engine.stack.blocks[0].parameters())
     assert slide[0] == pytest.approx(resident[0], rel=2e-2)
