@@ -1,0 +1,189 @@
+"""The device checks of issues 3-5 in one prepared run, for the session that gets a GPU.
+
+    python benchmarks/run.py device_checks            # on a CUDA machine: ~5 minutes on one GPU
+    python benchmarks/run.py device_checks --quick    # the same on the CPU (small shapes): exercises the script
+
+On CUDA every device figure is the caching allocator's peak (torch.cuda.max_memory_allocated),
+on the CPU the live-tensor meter. What it records:
+1. context: the bytes a CUDA process holds beyond its tensors (mem_get_info used minus
+   memory_reserved after one step), beside the planner's assumed CUDA_OVERHEAD_BYTES.
+2. estimate_vs_device: the fake-tensor estimate beside the measured peak of step 2, for resident
+   LoRA plans (bf16, nf4, nf4 + host / disk checkpoints, the loss stack) and slide (full, bf16),
+   on a Llama-3.2-1B-shaped random model cut to a few blocks.
+3. parity: slide against resident on the device, fp32, 3 steps, a tiny model: loss differences.
+4. speed: slide against resident step time (bf16, the 1B shapes; medians), and a profiler summary
+   of slide's step: time in host<->device copies, in compute kernels, and the copy time that
+   overlapped compute (copy spans intersected with kernel spans on other streams).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+from slimtune import config as config_module
+from slimtune import engines, presets, train
+from slimtune.data import IGNORE_INDEX, Batch
+from slimtune.estimate import estimate
+from slimtune.model import Stack
+
+GIB = 2**30
+RESIDENT_PLANS = (
+    {"quant.scheme": "none"},
+    {"quant.scheme": "nf4"},
+    {"quant.scheme": "nf4", "activations.checkpoint": "host"},
+    {"quant.scheme": "nf4", "activations.checkpoint": "disk", "loss.mode": "subset"},
+)
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def shapes(quick: bool, layers: int):
+    """Llama-3.2-1B's shapes with `layers` blocks (quick: a narrow model for a CPU run)."""
+    config = presets.model_config("Llama-3.2-1B")
+    config.num_hidden_layers = layers
+    if quick:
+        config.hidden_size, config.intermediate_size, config.vocab_size = 256, 512, 4096
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 64
+    return config
+
+
+def random_model(config, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def one_batch(vocab: int, seq: int, rows: int = 1) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, seq), generator=g)
+    targets = torch.roll(ids, -1, dims=1)
+    targets[:, : seq * 7 // 10] = IGNORE_INDEX  # the last 30% trained
+    targets[:, -1] = IGNORE_INDEX
+    return Batch(ids, targets, torch.arange(seq).expand(rows, seq).clone())
+
+
+def run_config(overrides: dict, output_dir: str):
+    base = {"model": "(checks)", "data": "(checks)", "output_dir": output_dir, "train": {"batch_size": 1}}
+    return config_module.load(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
+
+
+def build_engine(model, cfg, where: torch.device):
+    """What train.build does after loading: the method, then the model placed, then the engine."""
+    precision = train.resolve_precision(cfg.precision, where)
+    stack = Stack(copy.deepcopy(model).to(train.weight_dtype(precision, cfg.method)))  # as load_model's dtype
+    slide = cfg.engine == "slide"
+    train.apply_method(cfg, stack, torch.device("cpu") if slide else where)
+    if not slide:
+        stack.model.to(where)
+    stack.advance("engine")
+    return engines.build(cfg, stack, where, precision)
+
+
+def measured_step2(engine, batch: Batch) -> tuple[int, list[float]]:
+    results, times = [], []
+    for _ in range(3):
+        began = time.perf_counter()
+        results.append(engine.step([batch]))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return results[1].device_peak_bytes, times[1:]
+
+
+def estimate_vs_device(quick: bool, output_dir: str) -> list[dict]:
+    config = shapes(quick, 4)
+    seq = 256 if quick else 1024
+    model, batch, rows = random_model(config), one_batch(config.vocab_size, seq), []
+    plans = [{"engine": "resident", "method": "lora", "precision": "bf16", **p} for p in RESIDENT_PLANS]
+    plans.append({"engine": "slide", "method": "full", "precision": "bf16", "activations.checkpoint": "host"})
+    for plan in plans:
+        cfg = run_config(plan, output_dir)
+        found = estimate(config, cfg, 1, seq, batch=batch)
+        peak, _ = measured_step2(build_engine(model, cfg, device()), batch)
+        rows.append({"plan": plan, "seq": seq, "estimate_bytes": found.device_peak_bytes, "measured_bytes": peak,
+                     "difference_pct": 100 * (peak - found.device_peak_bytes) / found.device_peak_bytes})
+        print(f"{plan}: estimate {found.device_peak_bytes / GIB:.3f} GiB, measured {peak / GIB:.3f} GiB "
+              f"({rows[-1]['difference_pct']:+.2f}%)", flush=True)
+    return rows
+
+
+def context_bytes() -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device: the CPU has no context to measure"}
+    free, total = torch.cuda.mem_get_info()
+    from slimtune import planner
+
+    held = total - free - torch.cuda.memory_reserved()
+    return {"held_beyond_reserved_bytes": held, "reserved_bytes": torch.cuda.memory_reserved(),
+            "allocated_bytes": torch.cuda.memory_allocated(), "planner_assumes_bytes": planner.CUDA_OVERHEAD_BYTES}
+
+
+def parity(output_dir: str) -> dict:
+    config = shapes(True, 3)
+    model = random_model(config)
+    batch = one_batch(config.vocab_size, 64, rows=2)
+    losses = {}
+    for engine in ("resident", "slide"):
+        cfg = run_config({"engine": engine, "method": "full", "precision": "fp32",
+                          **({"activations.checkpoint": "host"} if engine == "slide" else {})}, output_dir)
+        built = build_engine(model, cfg, device())
+        losses[engine] = [built.step([batch]).loss for _ in range(3)]
+    diff = max(abs(a - b) for a, b in zip(losses["resident"], losses["slide"]))
+    print(f"parity: max loss difference {diff:.2e}", flush=True)
+    return {"losses": losses, "max_abs_difference": diff}
+
+
+def speed(quick: bool, output_dir: str) -> dict:
+    config = shapes(quick, 4 if quick else 8)
+    seq = 256 if quick else 2048
+    model, batch, out = random_model(config), one_batch(config.vocab_size, seq), {}
+    for engine in ("resident", "slide"):
+        cfg = run_config({"engine": engine, "method": "full", "precision": "bf16",
+                          "activations.checkpoint": "host" if engine == "slide" else "none"}, output_dir)
+        built = build_engine(model, cfg, device())
+        peak, times = measured_step2(built, batch)
+        out[engine] = {"median_step_s": statistics.median(times), "device_peak_bytes": peak}
+        if engine == "slide":
+            out["slide_profile"] = profile_summary(built, batch)
+    out["slide_over_resident_time"] = out["slide"]["median_step_s"] / out["resident"]["median_step_s"]
+    print(f"speed: slide/resident step time {out['slide_over_resident_time']:.2f}", flush=True)
+    return out
+
+
+def profile_summary(engine, batch: Batch) -> dict:
+    """Copy and compute time in one slide step, and how much of the copying overlapped compute."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        engine.step([batch])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")]
+    copies = [(s, t) for n, s, t in spans if "Memcpy" in n or "memcpy" in n]
+    kernels = [(s, t) for n, s, t in spans if not ("Memcpy" in n or "memcpy" in n or "Memset" in n)]
+    copy_us = sum(t - s for s, t in copies)
+    overlap_us = sum(max(0, min(t, kt) - max(s, ks)) for s, t in copies for ks, kt in kernels)
+    return {"copy_us": copy_us, "kernel_us": sum(t - s for s, t in kernels), "copy_overlapping_kernels_us": overlap_us,
+            "events": len(spans), "note": "CUDA spans only; on the CPU these are empty"}
+
+
+def run(quick: bool) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="slimtune-checks-") as out:
+        began = time.perf_counter()
+        result = {"device": str(device()), "estimate_vs_device": estimate_vs_device(quick, out),
+                  "context": context_bytes(), "parity": parity(out), "speed": speed(quick, out)}
+        result["seconds"] = time.perf_counter() - began
+    return result
