@@ -28,8 +28,9 @@ One micro-batch:
 Gradient accumulation: gradients of every micro-batch are summed on the host (each loss divided by
 the step's trained-token count, as in resident); updates wait for the last micro-batch. Clipping
 needs the global norm before any update, so with train.max_grad_norm > 0 every update runs after the
-last backward (the host AdamW time is then not hidden behind the device); with clipping off, each
-unit's update overlaps the backward of the blocks below it.
+last backward (the host AdamW time is then not hidden behind the device; each unit's norm is noted
+by its last host job, so only the sum of squares waits); with clipping off, each unit's update
+overlaps the backward of the blocks below it.
 
 Ordering is explicit: a unit's next upload waits for its last update (`_Unit.update_job`), a
 staging buffer is refilled only after the host job that read it finished, and a slot is refilled
@@ -115,7 +116,7 @@ class _Unit:
         self.weight_bytes, self.grad_bytes = self._lay_out()
         self.optimizer = self._make_optimizer() if self.flats else None
         self.update_job = None  # the last AdamW submitted for this unit
-        self.norms: list[torch.Tensor] = []  # its gradients' norms as the last update saw them
+        self.norms: list[torch.Tensor] = []  # its step gradients' norms, noted once they are complete
         self.slot: runtime.Slot | None = None
         self.ready = None  # the event of its last copy into the slot (None on the CPU)
         self.grads_bound = False
@@ -303,9 +304,19 @@ class _Unit:
 
     # ------------------------------------------------------------ host work (on the worker)
 
-    def accumulate(self, staging: torch.Tensor, event: object) -> None:
+    def accumulate(self, staging: torch.Tensor, event: object, final: bool = False) -> None:
+        """Add the staged gradients; on the step's last micro-batch also note their norms (on the
+        worker, so the global norm for clipping costs the device loop nothing)."""
         if event is not None:
             event.synchronize()
+        self._add_staged(staging)
+        if final:
+            self.note_norms()
+
+    def note_norms(self) -> None:
+        self.norms = self.grad_norms()
+
+    def _add_staged(self, staging: torch.Tensor) -> None:
         with torch.no_grad():
             for e in self.entries:
                 if e.trainable:
@@ -314,7 +325,6 @@ class _Unit:
     def update(self, lr: float, clip: float) -> None:
         """AdamW on the masters with the accumulated gradients times `clip`; then zero them."""
         with torch.no_grad():
-            self.norms = self.grad_norms()
             for flat, _ in self.flats:
                 if clip != 1.0:
                     flat.grad.mul_(clip)
@@ -460,13 +470,13 @@ class SlideEngine:
             self.staging_jobs[turn].result()
         return turn
 
-    def _finish_block(self, index: int, update: tuple | None) -> None:
-        """Gradients of block `index` down to the host, added up there (and its AdamW, when
-        `update` = (lr, clip)); the slot goes back."""
+    def _finish_block(self, index: int, update: tuple | None, final: bool) -> None:
+        """Gradients of block `index` down to the host, added up there (with their norms noted when
+        `final`, and its AdamW when `update` = (lr, clip)); the slot goes back."""
         unit = self.units[index]
         turn = self._staging_buffer()
         event = unit.download_grads(self.link, self.staging[turn])
-        self.staging_jobs[turn] = self.worker.submit(unit.accumulate, self.staging[turn], event)
+        self.staging_jobs[turn] = self.worker.submit(unit.accumulate, self.staging[turn], event, final)
         if update is not None and unit.optimizer is not None:
             unit.update_job = self.worker.submit(unit.update, *update)
         self._unload(index)
@@ -556,7 +566,7 @@ class SlideEngine:
                 self._unload(index)
         return device_batch, hidden, keys, states, inputs, chunk
 
-    def _micro_step(self, batch: Batch, total: int, store, update: tuple | None) -> torch.Tensor:
+    def _micro_step(self, batch: Batch, total: int, store, update: tuple | None, final: bool) -> torch.Tensor:
         with autocast_for(self.device, self.precision):
             device_batch, hidden, keys, states, inputs, chunk = self._forward(batch, store, keep_grads=True)
             out = hidden.detach().requires_grad_()
@@ -581,12 +591,14 @@ class SlideEngine:
                 activations.block_backward(self.stack, index, x_in, grad, inputs, chunk)
                 grad = x_in.grad if x_in.requires_grad else None
                 del x_in
-                self._finish_block(index, update)
+                self._finish_block(index, update, final)
         if wants_embed_grad and grad is not None:
             self._embed_backward(batch.input_ids, grad)
-        for unit in self.edges if update is not None else ():
-            if unit.optimizer is not None:
-                unit.update_job = self.worker.submit(unit.update, *update)
+        for unit in self.edges if final else ():
+            if unit.optimizer is not None:  # after its head-tile and embedding-row jobs, in order
+                self.worker.submit(unit.note_norms)
+                if update is not None:
+                    unit.update_job = self.worker.submit(unit.update, *update)
         return loss_sum
 
     def _vocab(self) -> int:
@@ -605,9 +617,10 @@ class SlideEngine:
             loss_sum = 0.0
             for k, batch in enumerate(micro_batches):
                 update_now = (lr, 1.0) if k == len(micro_batches) - 1 and not clipping else None
-                loss_sum = loss_sum + self._micro_step(batch, total, store, update_now)
+                final = k == len(micro_batches) - 1
+                loss_sum = loss_sum + self._micro_step(batch, total, store, update_now, final)
             self.worker.barrier()
-            grad_norm = self._grad_norm_before_update(clipping)
+            grad_norm = self._grad_norm()
             if clipping:
                 coef = float(torch.clamp(self.cfg.max_grad_norm / (grad_norm + 1e-6), max=1.0)) \
                     if not _is_fake(grad_norm) else 1.0
@@ -625,11 +638,10 @@ class SlideEngine:
             disk_peak_bytes=store.peak_bytes if self._store_kind() == "disk" else 0,
         )
 
-    def _grad_norm_before_update(self, clipping: bool) -> torch.Tensor:
-        """The global norm of this step's gradients. Without clipping the updates have already run
-        (and zeroed the accumulators): the norms their jobs saw are kept per unit."""
-        units = [u for u in self._all_units() if u.optimizer is not None]
-        norms = [n for u in units for n in (u.grad_norms() if clipping else u.norms)]
+    def _grad_norm(self) -> torch.Tensor:
+        """The global norm of this step's gradients, from the per-unit norms the host jobs noted
+        when each unit's gradients were complete (before any update touched them)."""
+        norms = [n for u in self._all_units() if u.optimizer is not None for n in u.norms]
         return torch.linalg.vector_norm(torch.stack(norms))
 
     def _all_units(self) -> list[_Unit]:

@@ -185,11 +185,11 @@ def test_uploads_wait_for_updates_and_staging_for_its_reader(monkeypatch):
         finally:
             updating.discard(id(unit))
 
-    def slow_accumulate(unit, staging, event):
+    def slow_accumulate(unit, staging, *args):
         reading.add(staging.data_ptr())
         nap()
         try:
-            return accumulate(unit, staging, event)
+            return accumulate(unit, staging, *args)
         finally:
             reading.discard(staging.data_ptr())
 
