@@ -28,6 +28,7 @@ tile, so no full-size dense copy of it ever exists (1.5 GiB in fp32 for Llama-3'
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 
