@@ -137,13 +137,14 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
+def nbytes_of(shape, dtype: torch.dtype) -> int:
+    """Bytes of a dense tensor of `shape` and `dtype`."""
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype, device="meta").element_size()
+
+
 def view_bytes(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A `dtype` tensor of `shape` over bytes [offset, ...) of a uint8 buffer."""
-    count = 1
-    for size in shape:
-        count *= size
-    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-    return buffer[offset : offset + count * itemsize].view(dtype).view(shape)
+    return buffer[offset : offset + nbytes_of(shape, dtype)].view(dtype).view(shape)
 
 
 @dataclass

@@ -42,6 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +83,14 @@ class _Entry:
     @property
     def trainable(self) -> bool:
         return self.grad_offset >= 0
+
+    def weight_in(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This tensor's place in a slot's weight buffer."""
+        return runtime.view_bytes(buffer, self.offset, tuple(self.host.shape), self.device_dtype)
+
+    def grad_in(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Its gradient's place in a slot's gradient buffer or a staging buffer (same layout)."""
+        return runtime.view_bytes(buffer, self.grad_offset, tuple(self.host.shape), self.device_dtype)
 
 
 def _own_tensors(modules: list[nn.Module]):
@@ -219,10 +230,10 @@ class _Unit:
         weights = grads = 0
         for e in self.entries:
             e.offset = weights
-            weights += runtime.aligned(_bytes(e.host.shape, e.device_dtype))
+            weights += runtime.aligned(runtime.nbytes_of(e.host.shape, e.device_dtype))
             if e.trainable:
                 e.grad_offset = grads
-                grads += runtime.aligned(_bytes(e.host.shape, e.device_dtype))
+                grads += runtime.aligned(runtime.nbytes_of(e.host.shape, e.device_dtype))
         return weights, grads
 
     def host_bytes(self) -> int:
@@ -248,7 +259,7 @@ class _Unit:
         if with_grads:  # zeroed on the copy stream: after the last borrower's gradients went down
             event = self._zero_grads(link, after)
         for e in self.entries:
-            view = runtime.view_bytes(slot.weights, e.offset, tuple(e.host.shape), e.device_dtype)
+            view = e.weight_in(slot.weights)
             event = link.copy_up(view, e.upload, after)
             if e.param is not None:
                 e.param.data = view
@@ -265,7 +276,7 @@ class _Unit:
         return event
 
     def _grad_view(self, e: _Entry) -> torch.Tensor:
-        return runtime.view_bytes(self.slot.grads, e.grad_offset, tuple(e.host.shape), e.device_dtype)
+        return e.grad_in(self.slot.grads)
 
     def _zero_grads(self, link: runtime.Link, after: object = None) -> object:
         event = None
@@ -297,9 +308,7 @@ class _Unit:
         event = None
         for e in self.entries:
             if e.trainable:
-                src = runtime.view_bytes(self.slot.grads, e.grad_offset, tuple(e.host.shape), e.device_dtype)
-                dst = runtime.view_bytes(staging, e.grad_offset, tuple(e.host.shape), e.device_dtype)
-                event = link.copy_down(dst, src)
+                event = link.copy_down(e.grad_in(staging), e.grad_in(self.slot.grads))
         return event
 
     # ------------------------------------------------------------ host work (on the worker)
@@ -320,7 +329,7 @@ class _Unit:
         with torch.no_grad():
             for e in self.entries:
                 if e.trainable:
-                    e.master_grad.add_(runtime.view_bytes(staging, e.grad_offset, tuple(e.host.shape), e.device_dtype))
+                    e.master_grad.add_(e.grad_in(staging))
 
     def update(self, lr: float, clip: float) -> None:
         """AdamW on the masters with the accumulated gradients times `clip`; then zero them."""
@@ -342,10 +351,6 @@ class _Unit:
 
     def grad_norms(self) -> list[torch.Tensor]:
         return [torch.linalg.vector_norm(flat.grad) for flat, _ in self.flats]
-
-
-def _bytes(shape, dtype: torch.dtype) -> int:
-    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 class SlideEngine:
@@ -379,6 +384,7 @@ class SlideEngine:
         self.head_tiles = self._make_head_tiles(weight_dtype)
         self.tiles_free: list = [None] * len(self.head_tiles)  # per tile buffer: its last reader is done
         self.worker = runtime.HostWorker(inline=any(_is_fake(p) for p in stack.model.parameters()))
+        weakref.finalize(self, self.worker.close)  # its thread goes with the engine
         self.step_count = 0
         self.meter = memory.meter_for(device, cfg.measure_memory)
 
@@ -398,10 +404,6 @@ class SlideEngine:
         """slide.moments=disk: a private folder for the moment files, removed with the engine."""
         if self.slide_cfg.moments != "disk":
             return None
-        import shutil
-        import tempfile
-        import weakref
-
         root = Path(self.slide_cfg.moments_dir or (store_dir.parent / "moments" if store_dir else "moments"))
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -409,7 +411,6 @@ class SlideEngine:
         except OSError as err:
             raise UserError(f"slide.moments_dir '{root}' is not a usable folder ({err}).") from None
         weakref.finalize(self, shutil.rmtree, folder, True)
-        self.moments_folder = folder
         return folder
 
     # ------------------------------------------------------------ the pieces of a step
@@ -417,7 +418,7 @@ class SlideEngine:
     def _make_head_tiles(self, weight_dtype: torch.dtype | None) -> list[torch.Tensor]:
         vocab, width = self.edge_head_weight().shape
         dtype = weight_dtype or self.edge_head_weight().dtype
-        per_row = width * torch.empty((), dtype=dtype, device="meta").element_size()
+        per_row = runtime.nbytes_of((width,), dtype)
         rows = max(1, min(vocab, int(self.slide_cfg.head_tile_mb * 2**20) // per_row))
         return [torch.empty((rows, width), dtype=dtype, device=self.device)
                 for _ in range(2 if self.device.type == "cuda" else 1)]
