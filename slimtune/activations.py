@@ -130,7 +130,7 @@ class _Run:
         self.release = weakref.finalize(self, _discard_all, self.keys)
 
     def put(self, index: int, x: torch.Tensor) -> None:
-        self.rng.append(rng_state(x.device))
+        self.rng.append(dropout_rng_state(x.device))
         store = self.local if index in self.on_device else self.store
         self.keys[index] = (store, store.put(x))
 
@@ -202,7 +202,7 @@ def _backward_blocks(run: _Run, grad: torch.Tensor, wants_input_grad: bool):
         x = run.take(index)
         run.prefetch(index - 1)  # overlaps the fetch with this block's recompute
         x = x.detach().requires_grad_(index > 0 or wants_input_grad)
-        restore_rng(run.rng[index], x.device)
+        restore_dropout_rng(run.rng[index], x.device)
         cache = _SmallCache(run, index) if run.logs is not None else contextlib.nullcontext()
         block_backward(run.stack, index, x, grad, run.inputs, run.chunk, cache)
         grad = x.grad if x.requires_grad else None
@@ -253,12 +253,13 @@ def _discard_all(keys: dict) -> None:
     keys.clear()
 
 
-def rng_state(device: torch.device) -> tuple:
-    """The CPU (and the device's CUDA) generator states: what a recompute restores to redraw masks."""
+def dropout_rng_state(device: torch.device) -> tuple:
+    """The CPU (and the device's CUDA) generator states before a block: what its recompute restores
+    so that dropout draws the same masks."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
-def restore_rng(state: tuple, device: torch.device) -> None:
+def restore_dropout_rng(state: tuple, device: torch.device) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
@@ -272,7 +273,7 @@ def _nbytes(x: torch.Tensor) -> int:
 
 
 @dataclass
-class _Entry:
+class _StoredInput:
     nbytes: int
     host: torch.Tensor | None = None  # the host copy (host store; disk under fake tensors)
     ready: object = None  # CUDA event: `host` is filled
@@ -311,7 +312,7 @@ class BlockStore:
 
     def discard(self, key: int) -> None:
         entry = self.entries.pop(key, None)
-        if isinstance(entry, _Entry):
+        if isinstance(entry, _StoredInput):
             self.stored_bytes -= entry.nbytes
 
     def close(self) -> None:
@@ -341,7 +342,7 @@ class HostStore(BlockStore):
     def put(self, x: torch.Tensor) -> int:
         key = next(self._ids)
         host, ready = self.link.to_host(x)
-        self.entries[key] = _Entry(_nbytes(x), host=host, ready=ready)
+        self.entries[key] = _StoredInput(_nbytes(x), host=host, ready=ready)
         self._count_in(_nbytes(x))
         return key
 
@@ -397,7 +398,7 @@ class DiskStore(HostStore):
         host, ready = self.link.to_host(x)
         path = self._ensure_folder() / f"block-{key}.bin"
         self.writes.append(self.worker.submit(_write_file, path, host, ready))
-        self.entries[key] = _Entry(_nbytes(x), path=path, layout=(x.shape, host.stride(), x.dtype))
+        self.entries[key] = _StoredInput(_nbytes(x), path=path, layout=(x.shape, host.stride(), x.dtype))
         self._count_in(_nbytes(x))
         while len(self.writes) > WRITES_IN_FLIGHT or (self.writes and self.writes[0].done()):
             self._wait(self.writes.popleft())  # back-pressure; write errors surface here

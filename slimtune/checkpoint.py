@@ -1,9 +1,14 @@
-"""Checkpoints: atomic save, keep-last-N, exact resume; and the run's final outputs.
+"""Checkpoints: atomic save, keep-last-N, exact resume.
 
-A checkpoint is a folder `checkpoints/step-<N>/` holding the trainable weights
-(safetensors), the optimizer and scheduler state, the data stream position, and every
-RNG state. It is written under a temporary name, each file fsynced, then renamed into
-place, so a run killed at any instant leaves either the whole checkpoint or none.
+A checkpoint is a folder `checkpoints/step-<N>/`:
+  trainable.safetensors  the trained weights by parameter name
+  moments.safetensors    AdamW's moments by parameter name (`exp_avg/<name>`, `exp_avg_sq/<name>`)
+  state.pt               the engine's name, AdamW's step count per parameter, engine extras, every RNG
+  meta.json              format, step, engine, the data stream's position
+Every engine writes this one format (`EngineState`): the optimizer state is kept by parameter name,
+not in an engine's own layout, so a checkpoint resumes under another engine (plan=auto on another
+card), or ends in one sentence. The folder is written under a temporary name, each file fsynced,
+then renamed into place, so a run killed at any instant leaves either the whole checkpoint or none.
 """
 
 from __future__ import annotations
@@ -13,13 +18,30 @@ import os
 import random
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from slimtune.errors import UserError
+
 PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
+FORMAT = 2  # meta.json "format"; checkpoints without one kept engine-specific optimizer state
+
+
+@dataclass
+class EngineState:
+    """Everything exact resume needs from an engine, the same for every engine."""
+
+    engine: str  # the engine that wrote it
+    step: int  # optimizer steps taken: the learning-rate schedule's position
+    trainable: dict[str, torch.Tensor]  # the trained weights by parameter name
+    exp_avg: dict[str, torch.Tensor]  # AdamW's moments by parameter name
+    exp_avg_sq: dict[str, torch.Tensor]
+    adam_steps: dict[str, float]  # AdamW's step count by parameter name (its bias correction)
+    extra: dict = field(default_factory=dict)  # engine-specific state (tensors and plain values only)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -66,29 +88,36 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def rng_state() -> dict:
+def process_rng_state() -> dict:
+    """Every generator the loop draws from (Python's, torch's, each CUDA device's): what resume restores."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_process_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(root: Path, step: int, engine_state: dict, stream_state: dict, keep_last: int) -> Path:
+def _host(tensors: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    return {prefix + k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+def save(root: Path, step: int, state: EngineState, stream_state: dict, keep_last: int) -> Path:
     """Write checkpoint `step` under root/checkpoints atomically, then prune to keep_last."""
     folder = Path(root) / "checkpoints" / f"{PREFIX}{step:08d}"
     with atomic_folder(folder) as tmp:
-        trainable = {k: v.detach().cpu().contiguous() for k, v in engine_state["trainable"].items()}
-        save_file(trainable, str(tmp / "trainable.safetensors"))
-        rest = {k: v for k, v in engine_state.items() if k != "trainable"}
-        torch.save({"engine": rest, "rng": rng_state()}, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "stream": stream_state}))
+        save_file(_host(state.trainable), str(tmp / "trainable.safetensors"))
+        save_file({**_host(state.exp_avg, "exp_avg/"), **_host(state.exp_avg_sq, "exp_avg_sq/")},
+                  str(tmp / "moments.safetensors"))
+        torch.save({"engine": state.engine, "step": state.step, "adam_steps": state.adam_steps,
+                    "extra": state.extra, "rng": process_rng_state()}, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, "engine": state.engine,
+                                                   "stream": stream_state}))
     prune(Path(root) / "checkpoints", keep_last)
     return folder
 
@@ -111,9 +140,17 @@ def latest(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load(folder: Path) -> tuple[int, dict, dict, dict]:
-    """(step, engine_state, stream_state, rng) of a checkpoint folder."""
+def load(folder: Path) -> tuple[int, EngineState, dict, dict]:
+    """(step, engine state, stream state, rng) of a checkpoint folder."""
     meta = json.loads((folder / "meta.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise UserError(f"checkpoint '{folder}' is in an older format than this slimtune reads; resume it with the"
+                        " slimtune that wrote it, or start afresh with train.resume=false or another output_dir.")
     blob = torch.load(folder / "state.pt", weights_only=True)  # tensors and plain values only: no code runs
-    engine_state = dict(blob["engine"], trainable=load_file(str(folder / "trainable.safetensors")))
-    return meta["step"], engine_state, meta["stream"], blob["rng"]
+    moments = load_file(str(folder / "moments.safetensors"))
+    state = EngineState(
+        engine=blob["engine"], step=blob["step"], trainable=load_file(str(folder / "trainable.safetensors")),
+        exp_avg={k.removeprefix("exp_avg/"): v for k, v in moments.items() if k.startswith("exp_avg/")},
+        exp_avg_sq={k.removeprefix("exp_avg_sq/"): v for k, v in moments.items() if k.startswith("exp_avg_sq/")},
+        adam_steps=blob["adam_steps"], extra=blob["extra"])
+    return meta["step"], state, meta["stream"], blob["rng"]

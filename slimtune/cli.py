@@ -24,6 +24,7 @@ With no config at all, `slimtune train` runs the built-in demo (tiny model, CPU,
 
 
 def _parser() -> argparse.ArgumentParser:
+    from slimtune import engines  # noqa: F401  (registers every engine: their settings are in the help)
     from slimtune.config import help_text
 
     parser = argparse.ArgumentParser(prog="slimtune", description="Fine-tune language models that do not fit on your GPU.")

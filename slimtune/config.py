@@ -7,21 +7,22 @@ the key.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 
 from slimtune.errors import UserError
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field whose help text travels in its metadata."""
+def setting(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field whose help text travels in its metadata (`slimtune train --help` prints it)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
     return field(default=default, metadata={"help": help}, **kw)
@@ -32,42 +33,42 @@ REQUIRED = dataclasses.MISSING
 
 @dataclass
 class DataConfig:
-    path: str = _f(REQUIRED, "Training data: a .jsonl/.json/.csv/.parquet file or a saved HF dataset folder.")
-    format: Literal["chat", "prompt_response", "text"] = _f(
+    path: str = setting(REQUIRED, "Training data: a .jsonl/.json/.csv/.parquet file or a saved HF dataset folder.")
+    format: Literal["chat", "prompt_response", "text"] = setting(
         "prompt_response",
         "chat: a list of {role, content} messages; prompt_response: two text fields; text: plain text.",
     )
-    max_length: int = _f(512, "Tokens per example; longer examples are truncated (and counted).")
-    packing: bool = _f(True, "Pack short examples into rows of max_length; attention never crosses examples.")
-    eval_path: str | None = _f(None, "Separate evaluation data; when unset, eval_fraction of path is held out.")
-    eval_fraction: float = _f(0.05, "Share of the training data held out for evaluation when eval_path is unset.")
-    prompt_field: str = _f("prompt", "prompt_response: the field holding the prompt.")
-    response_field: str = _f("response", "prompt_response: the field holding the response.")
-    messages_field: str = _f("messages", "chat: the field holding the list of messages.")
-    text_field: str = _f("text", "text: the field holding the text.")
-    chat_template: str | None = _f(
+    max_length: int = setting(512, "Tokens per example; longer examples are truncated (and counted).")
+    packing: bool = setting(True, "Pack short examples into rows of max_length; attention never crosses examples.")
+    eval_path: str | None = setting(None, "Separate evaluation data; when unset, eval_fraction of path is held out.")
+    eval_fraction: float = setting(0.05, "Share of the training data held out for evaluation when eval_path is unset.")
+    prompt_field: str = setting("prompt", "prompt_response: the field holding the prompt.")
+    response_field: str = setting("response", "prompt_response: the field holding the response.")
+    messages_field: str = setting("messages", "chat: the field holding the list of messages.")
+    text_field: str = setting("text", "text: the field holding the text.")
+    chat_template: str | None = setting(
         None, "chat: a Jinja template (or a path to a .jinja file); default: the tokenizer's own, else slimtune's."
     )
 
     def validate(self) -> None:
-        _positive("data.max_length", self.max_length)
+        positive("data.max_length", self.max_length)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise UserError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}.")
 
 
 @dataclass
 class LoraConfig:
-    rank: int = _f(16, "LoRA rank r.")
-    alpha: float = _f(32.0, "LoRA alpha; the update is scaled by alpha / rank.")
-    dropout: float = _f(0.0, "Dropout on the LoRA input.")
-    targets: str | list[str] = _f(
+    rank: int = setting(16, "LoRA rank r.")
+    alpha: float = setting(32.0, "LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = setting(0.0, "Dropout on the LoRA input.")
+    targets: str | list[str] = setting(
         "all-linear",
         "Linears to adapt: 'all-linear' (every linear in the blocks) or name patterns such as [q_proj, v_proj].",
     )
 
     def validate(self) -> None:
-        _positive("lora.rank", self.rank)
-        _positive("lora.alpha", self.alpha)
+        positive("lora.rank", self.rank)
+        positive("lora.alpha", self.alpha)
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}.")
         if isinstance(self.targets, list) and not self.targets:
@@ -76,80 +77,80 @@ class LoraConfig:
 
 @dataclass
 class QuantConfig:
-    scheme: Literal["none", "nf4", "int4"] = _f(
+    scheme: Literal["none", "nf4", "int4"] = setting(
         "none", "Frozen linear weights in 4 bits, dequantized just in time: nf4 (bitsandbytes) or symmetric int4."
     )
-    group_size: int = _f(64, "Weights per quantization scale (int4; nf4 uses bitsandbytes' block of 64).")
-    embeddings: bool = _f(False, "Also quantize a frozen embedding and LM head.")
+    group_size: int = setting(64, "Weights per quantization scale (int4; nf4 uses bitsandbytes' block of 64).")
+    embeddings: bool = setting(False, "Also quantize a frozen embedding and LM head.")
 
     def validate(self) -> None:
-        _positive("quant.group_size", self.group_size)
+        positive("quant.group_size", self.group_size)
 
 
 @dataclass
 class ActivationsConfig:
-    checkpoint: Literal["none", "recompute", "host", "disk"] = _f(
+    checkpoint: Literal["none", "recompute", "host", "disk"] = setting(
         "none", "Per-block checkpointing: keep block inputs on the device (recompute), in host RAM, or on disk."
     )
-    cache: Literal["none", "small", "last_k"] = _f(
+    cache: Literal["none", "small", "last_k"] = setting(
         "none", "Selective cache: nothing, small tensors (no recompute of them), or the last k block inputs on the device."
     )
-    last_k: int = _f(2, "cache=last_k: how many of the last blocks keep their input on the device.")
-    disk_dir: str | None = _f(None, "checkpoint=disk: where block files go (default: output_dir/activations).")
-    mlp_chunk: int = _f(
+    last_k: int = setting(2, "cache=last_k: how many of the last blocks keep their input on the device.")
+    disk_dir: str | None = setting(None, "checkpoint=disk: where block files go (default: output_dir/activations).")
+    mlp_chunk: int = setting(
         0,
         "Checkpointed blocks run their MLP in token chunks of this many tokens, forward and recompute (exact: the"
         " MLP is per token); 0 = auto (chunks whose MLP activations are about a quarter of a block input, >= 256 tokens).",
     )
 
     def validate(self) -> None:
-        _positive("activations.last_k", self.last_k)
+        positive("activations.last_k", self.last_k)
         if self.mlp_chunk < 0:
             raise UserError(f"activations.mlp_chunk must be 0 (auto) or a token count, got {self.mlp_chunk}.")
 
 
 @dataclass
 class LossConfig:
-    mode: Literal["exact", "subset"] = _f(
+    mode: Literal["exact", "subset"] = setting(
         "exact", "exact: chunked cross-entropy that never builds T x V logits; subset: softmax over top-k candidates."
     )
-    chunk_size: int = _f(0, "Tokens per loss chunk; 0 = auto (chunks whose fp32 logits are about 64 MiB).")
-    subset_k: int = _f(1000, "mode=subset: candidates per position (top-k of the frozen head, target included).")
-    masking: bool = _f(True, "Only trained (response) positions go through the final norm, head and loss.")
+    chunk_size: int = setting(0, "Tokens per loss chunk; 0 = auto (chunks whose fp32 logits are about 64 MiB).")
+    subset_k: int = setting(1000, "mode=subset: candidates per position (top-k of the frozen head, target included).")
+    masking: bool = setting(True, "Only trained (response) positions go through the final norm, head and loss.")
 
     def validate(self) -> None:
         if self.chunk_size < 0:
             raise UserError(f"loss.chunk_size must be 0 (auto) or a token count, got {self.chunk_size}.")
-        _positive("loss.subset_k", self.subset_k)
+        positive("loss.subset_k", self.subset_k)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(100, "Optimizer steps.")
-    batch_size: int = _f(4, "Rows per micro-batch.")
-    grad_accum: int = _f(1, "Micro-batches per optimizer step.")
-    lr: float = _f(2.0e-4, "Peak learning rate.")
-    weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
-    betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
-    eps: float = _f(1.0e-8, "AdamW epsilon.")
-    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
-    schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Learning-rate decay after warmup.")
-    warmup_steps: int = _f(0, "Linear warmup steps from 0 to lr.")
-    seed: int = _f(0, "Seed for initialisation, data order and dropout.")
-    log_every: int = _f(1, "Write metrics every N steps.")
-    eval_every: int = _f(0, "Evaluate every N steps (0: only at the end).")
-    eval_batches: int = _f(0, "Evaluation batches per evaluation (0: the whole eval split).")
-    save_every: int = _f(0, "Checkpoint every N steps (0: only at the end).")
-    keep_last: int = _f(2, "Checkpoints kept on disk.")
-    resume: bool = _f(True, "Resume from the newest checkpoint in output_dir when one exists.")
-    measure_memory: bool = _f(
+    steps: int = setting(100, "Optimizer steps.")
+    batch_size: int = setting(4, "Rows per micro-batch.")
+    grad_accum: int = setting(1, "Micro-batches per optimizer step.")
+    lr: float = setting(2.0e-4, "Peak learning rate.")
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay.")
+    betas: list[float] = setting([0.9, 0.999], "AdamW betas.")
+    eps: float = setting(1.0e-8, "AdamW epsilon.")
+    max_grad_norm: float = setting(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "Learning-rate decay after warmup.")
+    warmup_steps: int = setting(0, "Linear warmup steps from 0 to lr.")
+    seed: int = setting(0, "Seed for initialisation, data order and dropout.")
+    log_every: int = setting(1, "Write metrics every N steps.")
+    eval_every: int = setting(0, "Evaluate every N steps (0: only at the end).")
+    eval_batches: int = setting(0, "Evaluation batches per evaluation (0: the whole eval split).")
+    save_every: int = setting(0, "Checkpoint every N steps (0: only at the end).")
+    keep_last: int = setting(2, "Checkpoints kept on disk.")
+    resume: bool = setting(True, "Resume from the newest checkpoint in output_dir when one exists.")
+    measure_memory: bool = setting(
         True, "Measure each step's device peak (free on CUDA; the CPU meter adds about 15% to a step)."
     )
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_last"):
-            _positive(f"train.{name}", getattr(self, name))
-        _positive("train.lr", self.lr)
+            positive(f"train.{name}", getattr(self, name))
+        positive("train.lr", self.lr)
         for name in ("weight_decay", "max_grad_norm", "warmup_steps", "eval_every", "eval_batches", "save_every"):
             if getattr(self, name) < 0:
                 raise UserError(f"train.{name} must not be negative, got {getattr(self, name)}.")
@@ -160,81 +161,94 @@ class TrainConfig:
 
 
 @dataclass
-class SlideConfig:
-    slots: int = _f(2, "engine=slide: device slots, each the size of the largest block (2: one runs while the next loads).")
-    head_tile_mb: float = _f(64.0, "engine=slide: MiB of the LM head streamed to the device per vocabulary tile.")
-    moments: Literal["ram", "disk"] = _f(
-        "ram", "engine=slide: AdamW moments in host RAM, or in memory-mapped files (8 B a weight off the RAM)."
-    )
-    moments_dir: str | None = _f(None, "slide.moments=disk: where the moment files go (default: output_dir/moments).")
-
-    def validate(self) -> None:
-        if self.slots not in (2, 3):
-            raise UserError(f"slide.slots must be 2 or 3, got {self.slots}.")
-        _positive("slide.head_tile_mb", self.head_tile_mb)
-
-
-@dataclass
 class RunConfig:
-    model: str = _f(REQUIRED, "A local Hugging Face model folder (config.json, *.safetensors, tokenizer files).")
-    data: DataConfig = _f(REQUIRED, "The dataset; see data.* fields.")
-    method: Literal["lora", "full"] = _f("lora", "lora: train adapters on a frozen base; full: train every weight.")
+    model: str = setting(REQUIRED, "A local Hugging Face model folder (config.json, *.safetensors, tokenizer files).")
+    data: DataConfig = setting(REQUIRED, "The dataset; see data.* fields.")
+    method: Literal["lora", "full"] = setting("lora", "lora: train adapters on a frozen base; full: train every weight.")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA settings; see lora.* fields."})
-    freeze: list[str] = _f([], "full: parameter name patterns (fnmatch) to keep frozen, e.g. ['*embed_tokens*'].")
+    freeze: list[str] = setting([], "full: parameter name patterns (fnmatch) to keep frozen, e.g. ['*embed_tokens*'].")
     quant: QuantConfig = field(default_factory=QuantConfig, metadata={"help": "4-bit base; see quant.* fields."})
     activations: ActivationsConfig = field(
         default_factory=ActivationsConfig, metadata={"help": "Checkpointing; see activations.* fields."}
     )
     loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "The loss; see loss.* fields."})
-    engine: Literal["resident", "slide"] = _f(
-        "resident",
-        "How the step is run. resident: everything on the device. slide: weights, gradients and AdamW state on"
-        " the host, a window of blocks on the device (models far larger than the device).",
-    )
-    slide: SlideConfig = field(default_factory=SlideConfig, metadata={"help": "engine=slide; see slide.* fields."})
-    plan: Literal["manual", "auto"] = _f(
+    engine: str = setting("resident", "How the step is run: one of the registered engines (listed below with their sections).")
+    sections: dict[str, Any] = field(default_factory=dict, metadata={"help": "", "internal": True})
+    plan: Literal["manual", "auto"] = setting(
         "manual", "auto: let the planner choose engine and options for `gpu` (see `slimtune plan`)."
     )
-    gpu: str | None = _f(
+    gpu: str | None = setting(
         None, "plan=auto: the card to plan for: a name (rtx4090, a100-80gb, ...), a size (8GiB) or a probe JSON."
     )
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Optimisation; see train.* fields."})
-    output_dir: str = _f("runs/slimtune", "Where checkpoints, metrics, plots and the result go.")
-    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: CUDA when present, else the CPU.")
-    precision: Literal["auto", "fp32", "bf16", "fp64"] = _f(
+    output_dir: str = setting("runs/slimtune", "Where checkpoints, metrics, plots and the result go.")
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: CUDA when present, else the CPU.")
+    precision: Literal["auto", "fp32", "bf16", "fp64"] = setting(
         "auto",
         "auto: bf16 on CUDA, fp32 on the CPU. bf16: autocast, trained weights fp32, a frozen LoRA base stored"
         " in bf16. fp64 is for tests.",
     )
 
+    def __post_init__(self) -> None:
+        # Every registered engine's section exists (its defaults unless given), so a plan can switch engine.
+        self.sections = {name: self.sections.get(name) or entry.section() for name, entry in _ENGINES.items()
+                         if entry.section is not None}
+
+    def section(self, engine: str) -> Any:
+        """The settings section of `engine` (e.g. cfg.section("slide").slots)."""
+        return self.sections[engine]
+
     def validate(self) -> None:
-        for section in (self.data, self.lora, self.quant, self.activations, self.loss, self.train, self.slide):
-            section.validate()
-        if self.engine == "slide":
-            _check_slide(self)
+        for section in (self.data, self.lora, self.quant, self.activations, self.loss, self.train,
+                        *self.sections.values()):
+            section.validate()  # every section has one: an engine section is checked like the others
+        if self.engine not in _ENGINES:
+            close = difflib.get_close_matches(self.engine, _ENGINES, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(f"engine must be one of {', '.join(_ENGINES)}; got {self.engine!r}{hint}.")
         if self.quant.scheme != "none" and self.method == "full":
             raise UserError("quant.scheme quantizes frozen weights; with method=full every weight trains. Use method=lora.")
         if self.loss.mode == "subset" and self.method == "full":
             raise UserError("loss.mode=subset needs a frozen LM head; with method=full the head trains. Use loss.mode=exact.")
         if self.plan == "auto" and self.gpu is None and self.device == "cpu":
             raise UserError("plan=auto needs gpu (e.g. --gpu 8GiB) when training on the CPU.")
+        _ENGINES[self.engine].validate(self)
 
 
-def _check_slide(cfg: RunConfig) -> None:
-    """What engine=slide does not do, refused in one sentence each."""
-    if cfg.loss.mode != "exact":
-        raise UserError("engine=slide streams the LM head for the exact loss; set loss.mode=exact.")
-    if cfg.quant.embeddings:
-        raise UserError("engine=slide keeps the embedding and LM head on the host in full precision;"
-                        " set quant.embeddings=false.")
-    if cfg.activations.checkpoint == "recompute":
-        raise UserError("engine=slide keeps block inputs in host RAM or on disk; set activations.checkpoint=host"
-                        " (or disk).")
-    if cfg.activations.cache != "none":
-        raise UserError("engine=slide keeps only each block's input; set activations.cache=none.")
+# ---------------------------------------------------------------- engine settings
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the settings need to know of an engine: its section (a dataclass of fields made with
+    `setting`, read as cfg.section(name)), its one-line summary for the help, and its check of a
+    whole RunConfig (what it does not do, refused in one sentence)."""
+
+    summary: str
+    section: type | None
+    validate: Callable[[RunConfig], None]
 
 
-def _positive(name: str, value: float) -> None:
+# Filled by slimtune.engines.register when an engine module is imported; this module names no engine.
+_ENGINES: dict[str, EngineSettings] = {}
+
+
+def register_engine(name: str, settings: EngineSettings) -> None:
+    """Called by slimtune.engines.register (which checks that names are unique)."""
+    if name in {f.name for f in dataclasses.fields(RunConfig)}:
+        raise ValueError(f"engine name {name!r} collides with the setting of that name")
+    _ENGINES[name] = settings
+
+
+def engine_names() -> list[str]:
+    return list(_ENGINES)
+
+
+def _require_engines() -> None:
+    if not _ENGINES:
+        raise RuntimeError("no engine is registered: import slimtune.engines before loading a RunConfig.")
+
+
+def positive(name: str, value: float) -> None:
     if value <= 0:
         raise UserError(f"{name} must be positive, got {value}.")
 
@@ -251,6 +265,7 @@ def load(path: str | Path | None, overrides: list[str] = (), base: dict | None =
         source = str(path)
     for item in overrides:
         _apply_override(raw, item)
+    _require_engines()
     cfg = from_dict(RunConfig, raw, prefix="", source=source)
     cfg.validate()
     return cfg
@@ -295,20 +310,34 @@ def from_dict(cls: type, raw: Any, prefix: str, source: str) -> Any:
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(raw, dict):
         raise UserError(f"{where} in {source} must be a mapping, got {type(raw).__name__}.")
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
+    known = _keys_of(cls)
     for key in raw:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             raise UserError(f"unknown key '{prefix}{key}' in {source}{hint}.")
-    values = {}
-    for name, f in known.items():
+    values, sections = {}, {}
+    for name, (hint, required) in known.items():
         if name in raw:
-            values[name] = _coerce(hints[name], raw[name], prefix + name, source)
-        elif f.default is REQUIRED and f.default_factory is REQUIRED:
+            value = _coerce(hint, raw[name], prefix + name, source)
+            (sections if cls is RunConfig and name in _ENGINES else values)[name] = value
+        elif required:
             raise UserError(f"missing required key '{prefix}{name}' in {source}.")
-    return cls(**values)
+    return cls(**values, sections=sections) if cls is RunConfig else cls(**values)
+
+
+def _keys_of(cls: type) -> dict[str, tuple[Any, bool]]:
+    """key -> (type, required) of what `cls` reads: its fields, and for RunConfig every registered
+    engine's section, right after `engine`."""
+    hints = typing.get_type_hints(cls)
+    keys = {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        keys[f.name] = (hints[f.name], f.default is REQUIRED and f.default_factory is REQUIRED)
+        if cls is RunConfig and f.name == "engine":
+            keys.update((name, (e.section, False)) for name, e in _ENGINES.items() if e.section is not None)
+    return keys
 
 
 def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
@@ -366,23 +395,37 @@ def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
     raise UserError(f"{key} must be {names.get(hint, hint)}, got {value!r}.")
 
 
-def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: RunConfig) -> dict:
+    """The settings as a plain mapping, engine sections at the top level (as a YAML file holds them),
+    so `load(None, base=to_dict(cfg))` gives cfg back."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.name == "sections":
+            continue
+        value = getattr(cfg, f.name)
+        out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+        if f.name == "engine":
+            out.update((name, dataclasses.asdict(section)) for name, section in cfg.sections.items())
+    return out
 
 
 def help_text(cls: type = RunConfig, prefix: str = "") -> list[str]:
-    """One line per field: key, default, help. Nested sections are expanded."""
+    """One line per key: key, default, help. Sections (engine sections included) are expanded."""
+    _require_engines()
     lines = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            lines.extend(help_text(hints[f.name], prefix + f.name + "."))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name, (hint, _) in _keys_of(cls).items():
+        if dataclasses.is_dataclass(hint):
+            lines.extend(help_text(hint, prefix + name + "."))
             continue
+        f = fields[name]
         if f.default is not REQUIRED:
             default = repr(f.default)
         elif f.default_factory is not REQUIRED:
             default = repr(f.default_factory())
         else:
             default = "(required)"
-        lines.append(f"  {prefix + f.name:<22} {default:<18} {f.metadata.get('help', '')}")
+        lines.append(f"  {prefix + name:<22} {default:<18} {f.metadata.get('help', '')}")
+        if cls is RunConfig and name == "engine":
+            lines += [f"    {engine:<20} {'(an engine)':<18} {e.summary}" for engine, e in _ENGINES.items()]
     return lines

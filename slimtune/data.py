@@ -62,23 +62,23 @@ class Batch:
     # Trained positions (targets != IGNORE_INDEX): their flat indices into (B*T) and their count,
     # found once here so that engines never read a tensor value mid-step (fake tensors, used by
     # the planner's estimate, cannot answer, and data-dependent shapes cannot be traced).
-    rows: torch.Tensor | None = None  # (N,) long
+    trained_positions: torch.Tensor | None = None  # (N,) long
     num_targets: int = -1
     # Some row holds several examples (its position ids restart): attention needs a block-diagonal
     # mask, a (B, 1, T, T) tensor. Otherwise plain causal attention needs none (SDPA's is_causal).
     segmented: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.rows is None:
-            self.rows = (self.targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+        if self.trained_positions is None:
+            self.trained_positions = (self.targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
         if self.num_targets < 0:
-            self.num_targets = int(self.rows.numel())
+            self.num_targets = int(self.trained_positions.numel())
         if self.segmented is None:
             plain = torch.arange(self.position_ids.shape[-1], device=self.position_ids.device)
             self.segmented = bool((self.position_ids != plain).any())
 
     def to(self, device: Any) -> Batch:
-        moved = (t.to(device) for t in (self.input_ids, self.targets, self.position_ids, self.rows))
+        moved = (t.to(device) for t in (self.input_ids, self.targets, self.position_ids, self.trained_positions))
         return Batch(*moved, num_targets=self.num_targets, segmented=self.segmented)
 
 

@@ -1,8 +1,8 @@
-"""memory.estimate: the real training step of the real engine, run on fake tensors.
+"""estimate.estimate: the real training step of the real engine, run on fake tensors.
 
 The model is built on the meta device and given fake parameters (FakeTensorMode on the
-CPU device: fake `cuda` tensors cannot exist on a CPU-only torch), the run's method and
-engine are applied exactly as `train.build` applies them, and two steps run under the
+CPU device: fake `cuda` tensors cannot exist on a CPU-only torch), the run is assembled
+by assembly.assemble exactly as `train.build` assembles it, and two steps run under the
 same meter the training loop uses. Nothing is computed and no weight is allocated, so an
 8B model's step is measured in seconds. Step 2 is the one reported: from then on the
 optimizer state exists, as it does for every later step.
@@ -15,8 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from slimtune import assembly, memory
 from slimtune.config import RunConfig
 from slimtune.data import IGNORE_INDEX, Batch
+from slimtune.model import Stack
+from slimtune.speed import StepCounts
 
 STEPS = 2
 
@@ -30,6 +35,10 @@ class Estimate:
     host_link_bytes: int  # per optimizer step
     trainable_params: int
     total_params: int
+
+    def counts(self) -> StepCounts:
+        """What the time model needs of it."""
+        return StepCounts(self.trainable_params, self.host_link_bytes, self.disk_bytes)
 
 
 def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 0) -> Batch:
@@ -80,8 +89,6 @@ def fake_model(config, dtype: torch.dtype, mode) -> nn.Module:
 def _step(engine, micro_batches: list[Batch], metered: bool):
     """One engine step; the steps before the reported one only create state, so they go unmetered
     (the meter costs about a third of a fake step)."""
-    from slimtune import memory
-
     meter = engine.meter
     if not metered:
         engine.meter = memory.NullMeter()
@@ -94,20 +101,13 @@ def _step(engine, micro_batches: list[Batch], metered: bool):
 def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch | None = None) -> Estimate:
     """Device peak of one steady-state optimizer step of `cfg` on a model of `config`'s shape, on
     `batch` (real tensors; its shape wins) or else a synthetic_batch(batch_size, seq_len)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from slimtune import engines, train
-    from slimtune.model import Stack
-
-    precision = train.resolve_precision(cfg.precision, torch.device("cuda"))
+    precision = assembly.resolve_precision(cfg.precision, torch.device("cuda"))  # planned for a GPU
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    stack = Stack(fake_model(config, train.weight_dtype(precision, cfg.method), mode))
+    stack = Stack(fake_model(config, assembly.weight_dtype(precision, cfg.method), mode))
     real_batch = batch if batch is not None else synthetic_batch(batch_size, seq_len, config.vocab_size)
     with mode:
-        train.apply_method(cfg, stack)
-        stack.advance("engine")
-        engine = engines.build(cfg, stack, torch.device("cpu"), precision)
-        tensors = (real_batch.input_ids, real_batch.targets, real_batch.position_ids, real_batch.rows)
+        engine, _ = assembly.assemble(cfg, stack, assembly.HOST, precision)
+        tensors = (real_batch.input_ids, real_batch.targets, real_batch.position_ids, real_batch.trained_positions)
         batch = Batch(*(mode.from_tensor(t) for t in tensors), num_targets=real_batch.num_targets,
                       segmented=real_batch.segmented)
         results = [_step(engine, [batch] * cfg.train.grad_accum, metered=i == STEPS - 1) for i in range(STEPS)]

@@ -127,12 +127,10 @@ def merge(model: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------- PEFT format
 
 
-def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    state = {}
-    for name, module in adapters(model).items():
-        state[f"{PEFT_PREFIX}{name}.lora_A.weight"] = module.lora_A.weight.detach().contiguous()
-        state[f"{PEFT_PREFIX}{name}.lora_B.weight"] = module.lora_B.weight.detach().contiguous()
-    return state
+def peft_state_dict(trainable: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter weights among `trainable` (parameter name -> tensor) under PEFT's names."""
+    return {f"{PEFT_PREFIX}{name}": tensor.detach().contiguous() for name, tensor in trainable.items()
+            if name.endswith((".lora_A.weight", ".lora_B.weight"))}
 
 
 def peft_target_modules(model: nn.Module) -> list[str] | str:

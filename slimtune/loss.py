@@ -8,7 +8,7 @@ exactly the gradient of one large batch.
 Three memory measures (specs/peak-memory-lora.md 2.5, 2.6):
 - Logits masking (exact): only the trained rows of the final block output go through
   the final norm, the head and the loss. Their flat indices come from the caller
-  (`trained_rows`, computed when the batch is built), because finding them here would
+  (`trained_positions`, computed when the batch is built), because finding them here would
   read tensor values mid-step, which fake tensors (memory.estimate) cannot answer.
 - mode=exact: cross-entropy in token chunks that computes each chunk's gradients in the
   forward pass, so no (N, V) logits are ever kept; only the (N, D) hidden gradient (and
@@ -52,7 +52,7 @@ class LossOutput:
     excluded_mass_sum: torch.Tensor  # () detached sum of 1 - p(S_t) over trained positions; 0 in mode=exact
 
 
-def trained_rows(targets: torch.Tensor) -> torch.Tensor:
+def trained_positions(targets: torch.Tensor) -> torch.Tensor:
     """targets (B, T) -> (N,) long flat indices into B*T of the trained positions.
     Call it when the batch is built, on real tensors: its output shape depends on values."""
     return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
@@ -64,19 +64,19 @@ def causal_lm_loss(
     head: nn.Module,
     targets: torch.Tensor,
     cfg: LossConfig,
-    rows: torch.Tensor | None = None,
+    trained_positions: torch.Tensor | None = None,
     training: bool = True,
 ) -> LossOutput:
     """hidden (B, T, D), the last block's output before the final norm; targets (B, T) shifted;
-    rows (N,) = trained_rows(targets), required when cfg.masking. Returns sums, never means."""
+    trained_positions (N,) = trained_positions(targets), required when cfg.masking. Returns sums, never means."""
     source = _Head(head)
     chunk = chunk_tokens(cfg, source.shape[0])
     if not (training and torch.is_grad_enabled()):
         with torch.no_grad():  # evaluation: the exact loss and no graph
-            x, t = head_inputs(hidden, norm, targets, cfg, rows)
+            x, t = head_inputs(hidden, norm, targets, cfg, trained_positions)
             loss = _exact_pass(x, source, t, chunk, (False, False, False))[0]
         return LossOutput(loss, loss, torch.zeros_like(loss))
-    x, t = head_inputs(hidden, norm, targets, cfg, rows)
+    x, t = head_inputs(hidden, norm, targets, cfg, trained_positions)
     if cfg.mode == "subset":
         _refuse_trainable_head(head)
         loss, exact, excluded = _SubsetCE.apply(x, t, source, chunk, cfg.subset_k)
@@ -117,16 +117,17 @@ class _Head:
 
 
 def head_inputs(
-    hidden: torch.Tensor, norm: nn.Module, targets: torch.Tensor, cfg: LossConfig, rows: torch.Tensor | None
+    hidden: torch.Tensor, norm: nn.Module, targets: torch.Tensor, cfg: LossConfig,
+    trained_positions: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> normed rows x (N, D) and their targets (N,): the trained rows only when masking."""
     flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, D)
     flat_targets = targets.reshape(-1)  # (B*T,)
     if cfg.masking:
-        if rows is None:
-            raise ValueError("loss.masking needs rows=trained_rows(targets), computed when the batch is built.")
+        if trained_positions is None:
+            raise ValueError("loss.masking needs trained_positions(targets), computed when the batch is built.")
         # Gathered before the norm: the norm, head and loss then cost N rows, not B*T.
-        flat, flat_targets = flat.index_select(0, rows), flat_targets.index_select(0, rows)
+        flat, flat_targets = flat.index_select(0, trained_positions), flat_targets.index_select(0, trained_positions)
     return norm(flat), flat_targets
 
 

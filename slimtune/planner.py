@@ -1,8 +1,9 @@
 """The planner: every applicable plan (engine plus options), its measured-on-fake-tensors device
 peak, its modelled speed on a card, which fit, and the one to run.
 
-A plan is a set of RunConfig overrides. Engines list their own candidates in
-`engines.plan_options`, so each new engine plugs in by adding itself there.
+A plan is a set of RunConfig overrides. Each engine offers its own candidates and models its
+own step time in its registration (engines.EngineSpec.plans, .step_time), so the planner names no
+engine.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from slimtune import config as config_module
 from slimtune import engines, estimate, speed
-from slimtune.config import RunConfig
+from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
 from slimtune.metrics import human_bytes
 
@@ -68,13 +69,14 @@ class PlanResult:
 
 def _run_config(base: RunConfig, plan: dict) -> RunConfig:
     """`base` with the plan's dotted-key settings applied, validated like any run config."""
-    return config_module.load(None, [f"{k}={v}" for k, v in plan.items()], base=dataclasses.asdict(base))
+    return config_module.load(None, [f"{k}={v}" for k, v in plan.items()], base=to_dict(base))
 
 
-def evaluate(model_config, base: RunConfig, plan: dict, gpu, batch_size: int, seq_len: int) -> PlanResult:
+def weigh(model_config, base: RunConfig, plan: dict, gpu, batch_size: int, seq_len: int) -> PlanResult:
+    """One plan: its device peak and host bytes on fake tensors, its modelled time on `gpu`, whether it fits."""
     cfg = _run_config(base, plan)
     found = estimate.estimate(model_config, cfg, batch_size, seq_len)
-    time = _modelled_time(model_config, cfg, found, gpu, batch_size, seq_len)
+    time = engines.get(cfg.engine).step_time(model_config, cfg, found.counts(), gpu, batch_size, seq_len)
     tokens = batch_size * seq_len * cfg.train.grad_accum
     host_fits = found.host_bytes <= HOST_RAM_SHARE * host_ram_bytes()
     fits = host_fits and found.device_peak_bytes + CUDA_OVERHEAD_BYTES <= gpu.memory_bytes
@@ -82,50 +84,33 @@ def evaluate(model_config, base: RunConfig, plan: dict, gpu, batch_size: int, se
     return PlanResult(plan["engine"], options, found, time, time.tokens_per_s(tokens), fits, host_fits=host_fits)
 
 
-def _modelled_time(model_config, cfg: RunConfig, found: estimate.Estimate, gpu, batch_size: int,
-                   seq_len: int) -> speed.StepTime:
-    checkpoint = cfg.activations.checkpoint
-    recompute = checkpoint != "none"
-    flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len, recompute) * cfg.train.grad_accum
-    passes = (3 if recompute else 2) * cfg.train.grad_accum
-    dequant = speed.dequant_bytes(model_config, passes) if cfg.quant.scheme != "none" else 0.0
-    disk = found.host_link_bytes if checkpoint == "disk" else 0.0
-    if cfg.engine == "slide":
-        recompute_flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len, True) * cfg.train.grad_accum
-        return speed.slide_step_time(recompute_flops, found.trainable_params, gpu, cfg.precision,
-                                     found.host_link_bytes, 2 * found.disk_bytes if checkpoint == "disk" else 0.0,
-                                     updates_exposed=cfg.train.max_grad_norm > 0)
-    return speed.step_time(flops, found.trainable_params, gpu, cfg.precision, link_bytes=found.host_link_bytes,
-                           disk_bytes=disk, memory_bytes=dequant)
-
-
 # Below this many block-widths (layers x hidden) a plan is estimated faster than a worker process starts.
 PARALLEL_FROM = 16 * 1024
 
 
-def _evaluate_all(model_config, base: RunConfig, gpu, batch_size: int, seq_len: int) -> list[PlanResult]:
+def _weigh_all(model_config, base: RunConfig, gpu, batch_size: int, seq_len: int) -> list[PlanResult]:
     """Plans are independent: large models are estimated in worker processes, one per core
     (spawned, not forked: a forked torch can hang in its thread pool)."""
     import concurrent.futures
     import multiprocessing
     import os
 
-    jobs = [(model_config, base, p, gpu, batch_size, seq_len) for p in engines.plan_options(base.method)]
+    jobs = [(model_config, base, p, gpu, batch_size, seq_len) for p in engines.plans_for(base.method)]
     workers = min(len(jobs), os.cpu_count() or 1)
     if workers < 2 or model_config.num_hidden_layers * model_config.hidden_size < PARALLEL_FROM:
-        return [evaluate(*job) for job in jobs]
+        return [weigh(*job) for job in jobs]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        return list(pool.map(_evaluate_job, jobs))
+        return list(pool.map(_weigh_job, jobs))
 
 
-def _evaluate_job(job: tuple) -> PlanResult:
-    return evaluate(*job)
+def _weigh_job(job: tuple) -> PlanResult:
+    return weigh(*job)
 
 
 def plan(model_config, base: RunConfig, gpu, batch_size: int, seq_len: int) -> list[PlanResult]:
     """Every candidate plan for base.method, fastest first; the fastest that fits is recommended."""
-    results = _evaluate_all(model_config, base, gpu, batch_size, seq_len)
+    results = _weigh_all(model_config, base, gpu, batch_size, seq_len)
     results.sort(key=lambda r: (-r.tokens_per_s, r.estimate.device_peak_bytes))
     fitting = [r for r in results if r.fits]
     if fitting:

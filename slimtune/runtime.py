@@ -9,6 +9,9 @@ state off the device (slide; LSP-Offload and RoundPipe later).
   by events, so copies overlap compute. CPU: the same calls done synchronously (events are None).
 - `SlotPool`: `count` device buffers of fixed size (weights + gradients), allocated once and lent
   to units in turn; never reallocated, so device memory does not grow with depth.
+- `SlotBinding`: some modules' tensors laid out in a slot. `bind` copies them in and points the
+  modules' parameters and buffers at the copies (and, for training, their .grad at zeroed gradient
+  views), `unbind` points them back at their host tensors, `download_grads` sends the gradients down.
 - `HostWorker`: one thread running host work (optimizer updates) in submission order. torch's CPU
   kernels release the GIL, so the device loop keeps going while it runs; `barrier()` waits for all.
   The device meter (a thread-local dispatch mode) does not see host work, as it should not. Under
@@ -22,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from slimtune.memory import mark_host_resident
 
@@ -188,6 +192,120 @@ class SlotPool:
             slot.released = torch.cuda.current_stream(self.device).record_event()
         slot.holder = None
         self.free.append(slot)
+
+
+@dataclass
+class SlotTensor:
+    """One tensor of a binding: where it rests on the host and where it goes in a slot."""
+
+    owner: nn.Module
+    attr: str
+    param: nn.Parameter | None  # None: a buffer
+    host: torch.Tensor  # at rest: e.g. a view into a flat master, or the frozen host tensor
+    device_dtype: torch.dtype
+    trainable: bool
+    shadow: torch.Tensor | None = None  # the master in device_dtype, when that is narrower (what goes up)
+    offset: int = 0  # bytes into slot.weights
+    grad_offset: int = 0  # bytes into slot.grads (trainable only)
+
+    @property
+    def upload(self) -> torch.Tensor:
+        """What crosses the link: the narrow shadow of a master, else the host tensor itself."""
+        return self.shadow if self.shadow is not None else self.host
+
+    def weight_in(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This tensor's place in a slot's weight buffer."""
+        return view_bytes(buffer, self.offset, tuple(self.host.shape), self.device_dtype)
+
+    def grad_in(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Its gradient's place in a slot's gradient buffer or a host staging buffer (same layout)."""
+        return view_bytes(buffer, self.grad_offset, tuple(self.host.shape), self.device_dtype)
+
+
+def own_tensors(modules: list[nn.Module]):
+    """(owner, attr, tensor, is_param) of every parameter and buffer of `modules`, each tensor once."""
+    seen = set()
+    for module in modules:
+        for owner in module.modules():
+            for table, is_param in ((owner._parameters, True), (owner._buffers, False)):
+                for attr, tensor in table.items():
+                    if tensor is not None and id(tensor) not in seen:
+                        seen.add(id(tensor))
+                        yield owner, attr, tensor, is_param
+
+
+class SlotBinding:
+    """Tensors laid out in a slot (each view SLOT_ALIGN-aligned): `weight_bytes` and `grad_bytes` are
+    what a slot must hold for them."""
+
+    def __init__(self, tensors: list[SlotTensor]):
+        self.tensors = tensors
+        self.slot: Slot | None = None
+        self.grads_bound = False
+        self.weight_bytes = self.grad_bytes = 0
+        for t in tensors:
+            t.offset = self.weight_bytes
+            self.weight_bytes += aligned(nbytes_of(t.host.shape, t.device_dtype))
+            if t.trainable:
+                t.grad_offset = self.grad_bytes
+                self.grad_bytes += aligned(nbytes_of(t.host.shape, t.device_dtype))
+
+    def bind(self, slot: Slot, link: Link, with_grads: bool) -> object:
+        """Copy the tensors into `slot` and point their modules at the copies; zero and attach the
+        gradient views when `with_grads`. Returns the copies' event (None on the CPU). The caller
+        makes sure the host tensors are final (no host update of them still running)."""
+        self.slot = slot
+        after = slot.released
+        event = self._zero_grads(link, after) if with_grads else None  # after the last borrower's grads went down
+        for t in self.tensors:
+            view = t.weight_in(slot.weights)
+            event = link.copy_up(view, t.upload, after)
+            if t.param is not None:
+                t.param.data = view
+            else:
+                t.owner._buffers[t.attr] = view
+        if with_grads:
+            self._set_grads()
+        return event
+
+    def attach_grads(self, link: Link) -> object:
+        """For tensors bound without: zeroed gradient views become .grad; returns the zeroing's event."""
+        event = self._zero_grads(link)
+        self._set_grads()
+        return event
+
+    def _zero_grads(self, link: Link, after: object = None) -> object:
+        event = None
+        for t in self.tensors:
+            if t.trainable:
+                event = link.zero(t.grad_in(self.slot.grads), after)
+        return event
+
+    def _set_grads(self) -> None:
+        """The slot's gradient views become the trainable parameters' .grad (autograd adds into them)."""
+        for t in self.tensors:
+            if t.trainable:
+                t.param.grad = t.grad_in(self.slot.grads)
+        self.grads_bound = True
+
+    def unbind(self) -> Slot:
+        """Point the modules back at the host tensors; returns the slot."""
+        for t in self.tensors:
+            if t.param is not None:
+                t.param.data = t.host
+                t.param.grad = None
+            else:
+                t.owner._buffers[t.attr] = t.host
+        slot, self.slot, self.grads_bound = self.slot, None, False
+        return slot
+
+    def download_grads(self, link: Link, staging: torch.Tensor) -> object:
+        """The slot's gradients into the host `staging` buffer (same layout); returns the event."""
+        event = None
+        for t in self.tensors:
+            if t.trainable:
+                event = link.copy_down(t.grad_in(staging), t.grad_in(self.slot.grads))
+        return event
 
 
 class HostWorker:

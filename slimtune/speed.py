@@ -1,12 +1,12 @@
 """Modelled step time: FLOPs and bytes moved over a card's rates.
 
 Memory is measured (estimate.py); time is not, so everything here is labelled "modelled"
-wherever it is printed. The model: matmul FLOPs of the step over the card's dense peak
-times an assumed model-FLOPs utilisation, plus the optimizer's memory traffic over the
-device bandwidth, plus host-link bytes over the link bandwidth (the resident engine
-overlaps nothing, so the three add up). Engine slide overlaps its copies with compute and runs
-AdamW on the host: max(compute, link) plus the host AdamW, which is exposed when clipping makes
-every update wait for the last backward (`slide_step_time`).
+wherever it is printed. The parts: matmul FLOPs of the step over the card's dense peak times an
+assumed model-FLOPs utilisation; device memory traffic (a device optimizer, 4-bit dequantization)
+over the device bandwidth; host-link and disk bytes over their rates; a host AdamW over the host's
+memory bandwidth. Each engine composes its own step time from these parts in its registration
+(`EngineSpec.step_time`): `serial_step_time` when nothing overlaps, `overlapped_step_time` when
+copies run beside compute. The bytes that cross the link come from the estimate (`StepCounts`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,15 @@ ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: reads param, grad, m, v (16 B),
 DEQUANT_BYTES_PER_PARAM = 4.5  # 4-bit: read the codes (0.5 B), write and re-read the bf16 weight (2 x 2 B)
 HOST_ADAMW_GBPS = 20.0  # a desktop CPU's memory bandwidth as a vectorised AdamW sees it (assumed)
 DISK_GBPS = 2.0  # an NVMe SSD's sustained write/read rate (assumed; the card profiles carry no disk figure)
+
+
+@dataclass
+class StepCounts:
+    """What the estimate counted for one optimizer step: the inputs of the time model that are not FLOPs."""
+
+    trainable_params: int
+    host_link_bytes: int
+    disk_bytes: int  # held on disk at once (each byte is written once and read once a step)
 
 
 @dataclass
@@ -67,24 +76,35 @@ def dequant_bytes(config, passes: int) -> float:
     return config.num_hidden_layers * block_linear_params(config) * DEQUANT_BYTES_PER_PARAM * passes
 
 
-def step_time(flops: float, trainable_params: int, gpu, precision: str, link_bytes: float = 0.0,
-              disk_bytes: float = 0.0, memory_bytes: float = 0.0, mfu: float = ASSUMED_MFU) -> StepTime:
-    """Nothing overlaps in the model (the resident engine prefetches one block, which this ignores),
-    so the parts add up: a conservative figure."""
+def compute_seconds(flops: float, gpu, precision: str, memory_bytes: float = 0.0, mfu: float = ASSUMED_MFU) -> float:
+    """Matmuls at the card's peak times the MFU, plus device memory traffic at its bandwidth."""
     rate = (gpu.bf16_tflops if precision == "bf16" else gpu.fp32_tflops) * 1e12
-    compute = flops / (rate * mfu)
-    optimizer = (trainable_params * ADAMW_BYTES_PER_PARAM + memory_bytes) / (gpu.memory_gbps * 1e9)
-    link = link_bytes / (gpu.host_link_gbps * 1e9) + disk_bytes / (DISK_GBPS * 1e9)
+    return flops / (rate * mfu) + memory_bytes / (gpu.memory_gbps * 1e9)
+
+
+def link_seconds(link_bytes: float, disk_bytes: float, gpu) -> float:
+    return link_bytes / (gpu.host_link_gbps * 1e9) + disk_bytes / (DISK_GBPS * 1e9)
+
+
+def serial_step_time(flops: float, trainable_params: int, gpu, precision: str, link_bytes: float = 0.0,
+                     disk_bytes: float = 0.0, memory_bytes: float = 0.0, mfu: float = ASSUMED_MFU) -> StepTime:
+    """Nothing overlaps: compute (with its device memory traffic `memory_bytes`, e.g. 4-bit
+    dequantization), a device AdamW over the trainable weights, and the link add up (a conservative
+    figure: the resident engine prefetches one block, which this ignores)."""
+    compute = compute_seconds(flops, gpu, precision, memory_bytes, mfu)
+    optimizer = trainable_params * ADAMW_BYTES_PER_PARAM / (gpu.memory_gbps * 1e9)
+    link = link_seconds(link_bytes, disk_bytes, gpu)
     return StepTime(compute + optimizer + link, compute, optimizer, link, flops)
 
 
-def slide_step_time(flops: float, trainable_params: int, gpu, precision: str, link_bytes: float,
-                    disk_bytes: float, updates_exposed: bool, mfu: float = ASSUMED_MFU) -> StepTime:
-    """Engine slide: copies overlap compute (the slower of the two sets the pace); the host AdamW
-    adds its whole time when clipping holds every update until the last backward, else only the
-    last unit's share, taken here as nothing."""
-    rate = (gpu.bf16_tflops if precision == "bf16" else gpu.fp32_tflops) * 1e12
-    compute = flops / (rate * mfu)
-    link = link_bytes / (gpu.host_link_gbps * 1e9) + disk_bytes / (DISK_GBPS * 1e9)
+def overlapped_step_time(flops: float, trainable_params: int, gpu, precision: str, link_bytes: float,
+                         disk_bytes: float, updates_exposed: bool, memory_bytes: float = 0.0,
+                         mfu: float = ASSUMED_MFU) -> StepTime:
+    """Copies overlap compute (the slower of the two sets the pace), and AdamW runs on the host: its
+    whole time is added when every update waits for the last backward (clipping), else only the last
+    unit's share, taken here as nothing. `memory_bytes`: device memory traffic of the compute
+    (4-bit dequantization)."""
+    compute = compute_seconds(flops, gpu, precision, memory_bytes, mfu)
+    link = link_seconds(link_bytes, disk_bytes, gpu)
     optimizer = trainable_params * ADAMW_BYTES_PER_PARAM / (HOST_ADAMW_GBPS * 1e9) if updates_exposed else 0.0
     return StepTime(max(compute, link) + optimizer, compute, optimizer, link, flops)

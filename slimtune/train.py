@@ -3,7 +3,6 @@ log, evaluate, checkpoint, and write the result."""
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import sys
 import time
@@ -13,34 +12,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from slimtune import checkpoint, data, engines, export, lora
+from slimtune import assembly, checkpoint, data, export, planner, presets
 from slimtune.config import RunConfig, to_dict
+from slimtune.engines.base import Engine
 from slimtune.errors import UserError
 from slimtune.metrics import MetricsLog, format_table, human_bytes
-from slimtune.model import Stack, load_model, load_tokenizer, read_config
-
-def weight_dtype(precision: str, method: str) -> torch.dtype:
-    """Trained weights stay fp32 under bf16 autocast; a frozen LoRA base is stored in bf16."""
-    if precision == "fp64":
-        return torch.float64
-    if precision == "bf16" and method == "lora":
-        return torch.bfloat16
-    return torch.float32
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("device is 'cuda' but no CUDA device is available; use device=auto or device=cpu.")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_precision(name: str, device: torch.device) -> str:
-    """auto: bf16 autocast over fp32 weights on CUDA, plain fp32 on the CPU (bf16 is slow there)."""
-    if name == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return name
+from slimtune.model import Stack, load_tokenizer, read_config
 
 
 @dataclass
@@ -53,35 +30,15 @@ class Run:
     tokenizer: object
     stack: Stack
     splits: data.Splits
-    engine: engines.base.Engine
+    engine: Engine
     adapted: list[str] = field(default_factory=list)
 
     def trainable_count(self) -> int:
         return sum(p.numel() for p in self.stack.model.parameters() if p.requires_grad)
 
 
-def apply_method(cfg: RunConfig, stack: Stack, device: torch.device | None = None) -> list[str]:
-    """A 4-bit base (its codes placed on `device`), then LoRA adapters on the chosen linears, or
-    full fine-tuning minus the freeze patterns."""
-    if cfg.quant.scheme != "none":
-        from slimtune import quant
-
-        stack.advance("quant")
-        quant.apply(stack.model, cfg.quant, device=device)
-    stack.advance("adapters")
-    if cfg.method == "lora":
-        return lora.apply(stack.model, cfg.lora)
-    for name, param in stack.model.named_parameters():
-        param.requires_grad_(not any(fnmatch.fnmatchcase(name, p) for p in cfg.freeze))
-    if not any(p.requires_grad for p in stack.model.parameters()):
-        raise UserError(f"freeze patterns {cfg.freeze} freeze every parameter; nothing would train.")
-    return []
-
-
 def _auto_plan(cfg: RunConfig, device: torch.device) -> RunConfig:
     """plan=auto: the planner's recommended engine and options for the run's card."""
-    from slimtune import planner, presets
-
     gpu = presets.gpu_profile(cfg.gpu) if cfg.gpu else presets.device_profile(device)
     planned, chosen = planner.apply_recommended(cfg, presets.model_config(cfg.model), gpu)
     print(f"plan=auto on {gpu.name}: {chosen.engine} {chosen.label} "
@@ -91,26 +48,19 @@ def _auto_plan(cfg: RunConfig, device: torch.device) -> RunConfig:
 
 
 def build(cfg: RunConfig) -> Run:
-    device = resolve_device(cfg.device)
+    """Device, plan, precision, tokenizer and data, then the model and engine (assembly.py)."""
+    device = assembly.resolve_device(cfg.device)
     if cfg.plan == "auto":
         cfg = _auto_plan(cfg, device)
-    precision = resolve_precision(cfg.precision, device)
+    precision = assembly.resolve_precision(cfg.precision, device)
     torch.manual_seed(cfg.train.seed)
     read_config(cfg.model)  # a wrong folder is named before anything else is read
     tokenizer = load_tokenizer(cfg.model)
     splits = data.load_splits(cfg.data, tokenizer, cfg.train.seed)
     if not splits.train:
         raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
-    # A 4-bit base is loaded on the host and quantized onto the device, so the dense weights never
-    # sit on the device. Engine slide keeps the model on the host and moves blocks itself.
-    host_model = cfg.engine == "slide"
-    load_on = torch.device("cpu") if cfg.quant.scheme != "none" or host_model else device
-    stack = Stack(load_model(cfg.model, weight_dtype(precision, cfg.method), load_on))
-    adapted = apply_method(cfg, stack, torch.device("cpu") if host_model else device)
-    if not host_model:
-        stack.model.to(device)
-    stack.advance("engine")
-    engine = engines.build(cfg, stack, device, precision)
+    stack = assembly.load_stack(cfg, device, precision)
+    engine, adapted = assembly.assemble(cfg, stack, device, precision)
     return Run(cfg, device, precision, tokenizer, stack, splits, engine, adapted)
 
 
@@ -136,14 +86,16 @@ def evaluate(run: Run, batches: list[data.Batch]) -> dict:
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
 
-def _resume(run: Run, stream: data.BatchStream) -> int:
+def resume(run: Run, stream: data.BatchStream) -> int:
+    """Restore the newest checkpoint of the run's output_dir (train.resume): the engine's state, the
+    data stream's position and every RNG. Returns the step it was written after (0: none)."""
     found = checkpoint.latest(Path(run.cfg.output_dir)) if run.cfg.train.resume else None
     if found is None:
         return 0
     step, engine_state, stream_state, rng = checkpoint.load(found)
     run.engine.load_state_dict(engine_state)
     stream.load_state_dict(stream_state)
-    checkpoint.set_rng_state(rng)
+    checkpoint.set_process_rng_state(rng)
     return step
 
 
@@ -153,13 +105,13 @@ def _record(step: int, result, seconds: float) -> dict:
         "loss": result.loss,
         "lr": result.lr,
         "grad_norm": result.grad_norm,
-        "excluded_mass": result.excluded_mass,
         "tokens": result.tokens,
         "seen_tokens": result.seen_tokens,
         "tokens_per_s": result.seen_tokens / max(seconds, 1e-9),
         "device_peak_bytes": result.device_peak_bytes,
         "host_link_bytes": result.host_link_bytes,
         "step_s": seconds,
+        **result.extras,
     }
 
 
@@ -177,7 +129,7 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     stream = _stream(run)
-    start = _resume(run, stream)
+    start = resume(run, stream)
     log = MetricsLog(out, start)
     eval_data = _eval_batches(run)
     t = cfg.train
@@ -217,8 +169,6 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
 
 def out_of_memory_advice(run: Run, step: int) -> str:
     """One sentence for a step that ran out of device memory, naming a plan that fits this card."""
-    from slimtune import planner, presets
-
     cfg = run.cfg
     gpu = presets.device_profile(run.device)
     results, chosen = planner.plan_run(cfg, presets.model_config(cfg.model), gpu)

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import slimtune.engines  # noqa: F401  (registers every engine, as the CLI does: config.load needs them)
+
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "hello world, this is a tiny corpus for a tiny tokenizer",
@@ -80,3 +82,11 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def engine_config(train=None, **fields):
+    """A RunConfig for building an engine straight from a Stack in a test (no model folder or data
+    is read): `train` a TrainConfig, `fields` any other RunConfig field (sections={"slide": ...})."""
+    from slimtune.config import DataConfig, RunConfig, TrainConfig
+
+    return RunConfig(model="(test)", data=DataConfig(path="(test)"), train=train or TrainConfig(), **fields)

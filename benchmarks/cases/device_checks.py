@@ -25,10 +25,9 @@ import time
 import torch
 
 from slimtune import config as config_module
-from slimtune import engines, presets, train
+from slimtune import assembly, presets
 from slimtune.data import IGNORE_INDEX, Batch
 from slimtune.estimate import estimate
-from slimtune.model import Stack
 
 GIB = 2**30
 RESIDENT_PLANS = (
@@ -77,15 +76,10 @@ def run_config(overrides: dict, output_dir: str):
 
 
 def build_engine(model, cfg, where: torch.device):
-    """What train.build does after loading: the method, then the model placed, then the engine."""
-    precision = train.resolve_precision(cfg.precision, where)
-    stack = Stack(copy.deepcopy(model).to(train.weight_dtype(precision, cfg.method)))  # as load_model's dtype
-    slide = cfg.engine == "slide"
-    train.apply_method(cfg, stack, torch.device("cpu") if slide else where)
-    if not slide:
-        stack.model.to(where)
-    stack.advance("engine")
-    return engines.build(cfg, stack, where, precision)
+    """What train.build does after loading, on a copy of an in-memory model."""
+    precision = assembly.resolve_precision(cfg.precision, where)
+    stack = assembly.stack_of(copy.deepcopy(model), cfg, where, precision)
+    return assembly.assemble(cfg, stack, where, precision)[0]
 
 
 def measured_step2(engine, batch: Batch) -> tuple[int, list[float]]:

@@ -31,7 +31,7 @@ import time
 import torch
 
 from slimtune import config as config_module
-from slimtune import engines, presets, train
+from slimtune import assembly, presets
 from slimtune.data import IGNORE_INDEX, Batch
 from slimtune.estimate import STEPS, estimate
 from slimtune.model import Stack
@@ -143,9 +143,7 @@ def real_measure(base_model, cfg, batch: Batch) -> dict:
     began = time.perf_counter()
     torch.manual_seed(0)
     stack = Stack(copy.deepcopy(base_model))
-    train.apply_method(cfg, stack, torch.device("cpu"))
-    stack.advance("engine")
-    engine = engines.build(cfg, stack, torch.device("cpu"), "fp32")
+    engine, _ = assembly.assemble(cfg, stack, torch.device("cpu"), "fp32")
     results = [engine.step([batch]) for _ in range(STEPS)]
     trainable = sum(p.numel() for p in stack.model.parameters() if p.requires_grad)
     row = _result_row(results[-1], time.perf_counter() - began, trainable)

@@ -23,12 +23,9 @@ import time
 import torch
 
 from slimtune import config as config_module
-from slimtune import presets
+from slimtune import assembly, presets
 from slimtune.data import IGNORE_INDEX, Batch
-from slimtune.engines.resident import ResidentEngine
-from slimtune.engines.slide import SlideEngine
 from slimtune.estimate import estimate
-from slimtune.model import Stack
 
 GIB = 2**30
 MODELS = ("Llama-3.1-8B", "Qwen2.5-7B", "Qwen2.5-14B")
@@ -99,12 +96,11 @@ def part2(seq: int = 256) -> dict:
     model_config, model = scaled_model()
     batch = one_batch(model_config.vocab_size, seq)
     rows = {}
-    for engine_name, engine_class in (("slide", SlideEngine), ("resident", ResidentEngine)):
+    cpu = torch.device("cpu")
+    for engine_name in ("slide", "resident"):
         cfg = run_config(engine_name, "fp32")
         found = estimate(model_config, cfg, 1, seq, batch=batch)
-        stack = Stack(copy.deepcopy(model))
-        extra = (cfg.loss, cfg.activations, cfg.slide) if engine_class is SlideEngine else (cfg.loss, cfg.activations)
-        engine = engine_class(stack, cfg.train, torch.device("cpu"), "fp32", *extra)
+        engine, _ = assembly.assemble(cfg, assembly.stack_of(copy.deepcopy(model), cfg, cpu, "fp32"), cpu, "fp32")
         times, result = timed_steps(engine, batch)
         rows[engine_name] = {
             "measured_device_peak_bytes": result.device_peak_bytes, "estimate_device_peak_bytes": found.device_peak_bytes,

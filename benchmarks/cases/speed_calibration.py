@@ -1,7 +1,7 @@
 """Calibrating the planner's time model against measured CPU steps.
 
 For a few model shapes and both methods, a real resident step (fp32, CPU, memory meter off)
-is timed and set beside speed.step_time() on the CPU profile that `slimtune probe` measures
+is timed and set beside speed.serial_step_time() on the CPU profile that `slimtune probe` measures
 (its fp32 GEMM rate and memory bandwidth). The ratio modelled-at-100%-MFU / measured is
 the model-FLOPs utilisation the CPU reaches: the number the GPU figure (assumed) stands for.
 """
@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from slimtune import config, engines, presets, probe, speed, train
+from slimtune import assembly, config, presets, probe, speed
 from slimtune.estimate import synthetic_batch
 from slimtune.model import Stack
 
@@ -41,8 +41,7 @@ def measure(shape: dict, method: str, steps: int) -> dict:
     stack = real_stack(shape)
     cfg = config.load(None, [], base={"model": "-", "data": "-", "method": method, "precision": "fp32",
                                       "train": {"batch_size": BATCH, "measure_memory": False, "lr": 1e-5}})
-    train.apply_method(cfg, stack)
-    engine = engines.build(cfg, stack, torch.device("cpu"), "fp32")
+    engine, _ = assembly.assemble(cfg, stack, torch.device("cpu"), "fp32")
     batch = synthetic_batch(BATCH, SEQ, shape["vocab_size"])
     times = []
     for _ in range(steps + 1):  # the first step warms up
@@ -65,7 +64,7 @@ def run(quick: bool) -> dict:
         for method in ("lora", "full"):
             found = measure(shape, method, 2 if quick else 5)
             flops = speed.step_flops(model_config, method, BATCH, SEQ)
-            modelled = speed.step_time(flops, found["trainable_params"], profile, "fp32", mfu=1.0)
+            modelled = speed.serial_step_time(flops, found["trainable_params"], profile, "fp32", mfu=1.0)
             rows.append({"shape": name, "method": method, **found, "flops": flops,
                          "modelled_step_s_at_100pct": modelled.seconds,
                          "achieved_mfu": modelled.seconds / found["measured_step_s"]})

@@ -1,40 +1,21 @@
-"""Engines: one interface (engines.base.Engine), one file per engine."""
+"""Engines: how a training step runs on the device and the host, one module each.
+
+Each engine module registers itself (registry.register) when imported; importing this package
+imports every module in it, so the built-in engines are always known. The interface they implement
+is engines.base.Engine; train.py runs any of them through it.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import importlib
+import pkgutil
 
-import torch
+from slimtune.engines.registry import EngineSpec, get, names, plans_for, register
 
-from slimtune.config import RunConfig
-from slimtune.model import Stack
+__all__ = ["EngineSpec", "get", "names", "plans_for", "register"]
 
+_NOT_ENGINES = {"base", "registry"}
 
-def build(cfg: RunConfig, stack: Stack, device: torch.device, precision: str):
-    if cfg.engine == "resident":
-        from slimtune.engines.resident import ResidentEngine
-
-        return ResidentEngine(stack, cfg.train, device, precision, cfg.loss, cfg.activations,
-                              Path(cfg.output_dir) / "activations")
-    if cfg.engine == "slide":
-        from slimtune.engines.slide import SlideEngine
-
-        return SlideEngine(stack, cfg.train, device, precision, cfg.loss, cfg.activations, cfg.slide,
-                           Path(cfg.output_dir) / "activations")
-    raise AssertionError(f"engine {cfg.engine!r} passed validation but has no builder")
-
-
-def plan_options(method: str) -> list[dict]:
-    """Every engine-and-options combination the planner weighs for `method`, as dotted-key
-    RunConfig settings; each engine adds its own."""
-    plans = [{"engine": "resident", "precision": precision} for precision in ("bf16", "fp32")]
-    for store in ("recompute", "host", "disk"):
-        plans.append({"engine": "resident", "precision": "bf16", "activations.checkpoint": store})
-    if method == "lora":
-        nf4 = {"engine": "resident", "precision": "bf16", "quant.scheme": "nf4"}
-        plans += [nf4, *({**nf4, "activations.checkpoint": store} for store in ("recompute", "host", "disk"))]
-        plans.append({**nf4, "activations.checkpoint": "disk", "loss.mode": "subset"})
-        plans.append({"engine": "slide", "precision": "bf16", "quant.scheme": "nf4"})
-    else:
-        plans += [{"engine": "slide", "precision": "bf16", "activations.checkpoint": store} for store in ("host", "disk")]
-    return plans
+for _found in pkgutil.iter_modules(__path__):
+    if _found.name not in _NOT_ENGINES:
+        importlib.import_module(f"{__name__}.{_found.name}")

@@ -1,14 +1,19 @@
-"""The engine interface every engine implements, and what one step reports."""
+"""The engine interface the training loop relies on, what one step reports, and the helpers every
+engine shares (evaluation, loading trainable state, scalars that may be fake)."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
+from slimtune.checkpoint import EngineState
 from slimtune.data import Batch
+from slimtune.errors import UserError
 
 
 @dataclass
@@ -21,36 +26,49 @@ class StepResult:
     device_peak_bytes: int | None  # measured by the device meter; None when measuring is off
     host_link_bytes: int  # counted bytes moved between host and device
     device_peak_breakdown: dict[str, int] | None = None  # by memory.CATEGORIES, where the meter can tell
-    excluded_mass: float = 0.0  # loss.mode=subset: mean probability mass outside the candidates
-    host_peak_bytes: int = 0  # host RAM the step held for the device (offloaded activations, ...)
+    host_peak_bytes: int = 0  # host RAM the step held for the device (host state, offloaded activations)
     disk_peak_bytes: int = 0  # disk the step held (activations.checkpoint=disk)
+    extras: dict[str, float] = field(default_factory=dict)  # engine-specific figures; the loop logs them
 
 
 class Engine(Protocol):
-    name: str
+    """What train.fit, checkpoints, export and the planner's estimate use of an engine. Every engine
+    is built as `Engine(stack, cfg: RunConfig, device, precision)` (see registry.EngineSpec.build)."""
 
-    def step(self, micro_batches: list[Batch]) -> StepResult: ...
+    name: str
+    meter: object  # memory.meter_for(...): the device meter its steps read (the estimate swaps it)
+
+    def step(self, micro_batches: list[Batch]) -> StepResult:
+        """One optimizer step over `micro_batches` (gradient accumulation)."""
+        ...
 
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
-        """Summed loss and trained-token count over `batches`, without gradients."""
+        """Summed exact loss and trained-token count over `batches`, without gradients."""
         ...
 
-    def state_dict(self) -> dict:
-        """Everything exact resume needs: trainable weights, optimizer, scheduler."""
+    def state_dict(self) -> EngineState:
+        """Everything exact resume needs, in the format every engine shares."""
         ...
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: EngineState) -> None:
+        """Resume from a state this or another engine wrote; one sentence (UserError) if it cannot."""
+        ...
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """The trained weights by parameter name (what export writes)."""
+        """The trained weights by parameter name: what export writes (the model's own parameters may
+        point elsewhere, e.g. at device slots)."""
+        ...
+
+    def host_bytes(self) -> int:
+        """Host RAM the engine holds for the device (masters, moments, staging), for the planner."""
         ...
 
 
-def to_float(value: torch.Tensor) -> float:
-    """A step's scalar for the log; NaN for a fake tensor (memory.estimate runs steps without values)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return float("nan") if is_fake(value) else float(value)
+def to_float(value: torch.Tensor | float) -> float:
+    """A step's scalar for the log; NaN for a fake tensor (the estimate runs steps without values)."""
+    if isinstance(value, torch.Tensor) and is_fake(value):
+        return float("nan")
+    return float(value)
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -58,3 +76,35 @@ def autocast_for(device: torch.device, precision: str):
     if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def evaluate_batches(batches: list[Batch], exact_loss_sum: Callable[[Batch], torch.Tensor]) -> tuple[float, int]:
+    """(summed exact loss, trained tokens) over `batches`; `exact_loss_sum(batch)` is the engine's
+    loss of one batch, run without gradients."""
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            loss_sum += float(exact_loss_sum(batch))
+            tokens += batch.num_targets
+    return loss_sum, tokens
+
+
+def check_resumable(state: EngineState, names: list[str], engine: str) -> None:
+    """One sentence when a checkpoint trained other tensors than this run trains (another method,
+    other LoRA targets or freeze patterns): nothing could be resumed exactly."""
+    mine, theirs = set(names), set(state.trainable)
+    if mine == theirs:
+        return
+    only = sorted(theirs - mine) or sorted(mine - theirs)
+    side = "the checkpoint has" if theirs - mine else "this run trains"
+    raise UserError(
+        f"the checkpoint (written by engine {state.engine}) does not match this run (engine {engine}): {side} "
+        f"{len(only)} trained tensor(s) the other lacks, e.g. '{only[0]}'; the method, lora.* or freeze settings "
+        "differ. Restore them, or start afresh with train.resume=false or another output_dir.")
+
+
+def copy_named(targets: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    """Copy source[name] into targets[name] for every name (dtype and device converted on the way)."""
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(source[name])

@@ -2,48 +2,38 @@
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from pathlib import Path
 
-from slimtune import activations, memory, schedule
-from slimtune.config import ActivationsConfig, LossConfig, TrainConfig
+import torch
+
+from slimtune import activations, memory, speed
+from slimtune.checkpoint import EngineState
+from slimtune.config import RunConfig
 from slimtune.data import Batch
-from slimtune.engines.base import StepResult, autocast_for, to_float
+from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
+from slimtune.engines.registry import EngineSpec, register
 from slimtune.loss import LossOutput, causal_lm_loss
 from slimtune.model import Stack
-
-
-def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Decay matrices only: biases and norm gains (1-D) are left undecayed, as is usual."""
-    decay = [p for _, p in named if p.ndim >= 2]
-    plain = [p for _, p in named if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if plain:
-        groups.append({"params": plain, "weight_decay": 0.0})
-    return groups
+from slimtune.optim import rules
 
 
 class ResidentEngine:
     name = "resident"
 
-    def __init__(self, stack: Stack, cfg: TrainConfig, device: torch.device, precision: str,
-                 loss_cfg: LossConfig | None = None, activations_cfg: ActivationsConfig | None = None,
-                 store_dir: Path | None = None):
-        self.stack, self.cfg, self.device, self.precision = stack, cfg, device, precision
-        self.loss_cfg = loss_cfg or LossConfig()
-        self.activations_cfg = activations_cfg or ActivationsConfig()
-        self.store_dir = store_dir  # checkpoint=disk without activations.disk_dir
+    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str):
+        self.stack, self.device, self.precision = stack, device, precision
+        self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
+        self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         # Fused AdamW on every device: the fastest form and the leanest in temporaries, and one
         # op per step, so the fake-tensor estimate models the same optimizer a GPU runs.
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.named, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True
-        )
-        self.scheduler = schedule.build(self.optimizer, cfg.steps, cfg.warmup_steps, cfg.schedule)
-        self.meter = memory.meter_for(device, cfg.measure_memory)
+            [{"params": params, "weight_decay": decay} for params, decay in rules.decay_groups(
+                self.params, cfg.train.weight_decay)],
+            **rules.adamw_settings(cfg.train), fused=True)
+        self.step_count = 0  # optimizer steps taken: the learning-rate schedule's position
+        self.meter = memory.meter_for(device, cfg.train.measure_memory)
         self._reading = None  # the meter reading of the step in progress
         for param in self.params:  # a gradient made in backward is counted as a gradient
             param.register_post_accumulate_grad_hook(self._tag_gradient)
@@ -66,11 +56,12 @@ class ResidentEngine:
                 hidden = self.stack.body_hidden(batch.input_ids, batch.position_ids, blocks, batch.segmented)
             with reading.phase("loss"):
                 return causal_lm_loss(hidden, self.stack.norm, self.stack.head, batch.targets, self.loss_cfg,
-                                      rows=batch.rows, training=training)
+                                      trained_positions=batch.trained_positions, training=training)
 
     def step(self, micro_batches: list[Batch]) -> StepResult:
         self.stack.model.train()
         total = max(sum(b.num_targets for b in micro_batches), 1)
+        lr = rules.lr_at(self.train_cfg, self.step_count)
         with self.meter.measure(self._resident_tensors()) as reading:
             self._reading = reading
             exact_sum, excluded_sum = 0.0, 0.0
@@ -81,19 +72,19 @@ class ResidentEngine:
                     # The exact loss is what is logged: a subset objective is only a lower bound of it.
                     exact_sum, excluded_sum = exact_sum + out.exact_sum, excluded_sum + out.excluded_mass_sum
             grad_norm = self._clip()
-            lr = self.scheduler.get_last_lr()[0]
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             with reading.phase("optimizer"):
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
             self._reading = None
+        self.step_count += 1
+        extras = {"excluded_mass": to_float(excluded_sum) / total} if self.loss_cfg.mode == "subset" else {}
         return StepResult(
-            loss=to_float(exact_sum) / total,
-            excluded_mass=to_float(excluded_sum) / total,
-            tokens=sum(b.num_targets for b in micro_batches),
+            loss=to_float(exact_sum) / total, tokens=sum(b.num_targets for b in micro_batches),
             seen_tokens=sum(b.input_ids.numel() for b in micro_batches),
             lr=lr, grad_norm=to_float(grad_norm), device_peak_bytes=reading.peak, host_link_bytes=store.link_bytes,
-            device_peak_breakdown=reading.peak_breakdown, **self._offload_peaks(store),
+            device_peak_breakdown=reading.peak_breakdown, extras=extras, **self._offload_peaks(store),
         )
 
     def _offload_peaks(self, store) -> dict:
@@ -102,34 +93,71 @@ class ResidentEngine:
         return {where: store.peak_bytes} if where else {}
 
     def _clip(self) -> torch.Tensor:
-        grads = [p for p in self.params if p.grad is not None]
-        if self.cfg.max_grad_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(grads, self.cfg.max_grad_norm)
-        return torch.nn.utils.get_total_norm([p.grad for p in grads])
+        """The global gradient norm before clipping; the gradients clipped (rules.clip_coefficient)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if self.train_cfg.max_grad_norm > 0:
+            coefficient = rules.clip_coefficient(norm, self.train_cfg.max_grad_norm)
+            for grad in grads:
+                grad.mul_(coefficient)
+        return norm
 
-    @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
         self.stack.model.eval()
-        loss_sum, tokens = 0.0, 0
-        for batch in batches:
-            batch = batch.to(self.device)
-            loss_sum += float(self._loss(batch, training=False).exact_sum)
-            tokens += batch.num_targets
-        return loss_sum, tokens
+        return evaluate_batches(batches, lambda b: self._loss(b.to(self.device), training=False).exact_sum)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.named}
 
-    def state_dict(self) -> dict:
-        return {
-            "trainable": self.trainable_state(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
+    def host_bytes(self) -> int:
+        return 0  # nothing of its own: offloaded block inputs are the step's (StepResult.host_peak_bytes)
 
-    def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for name, param in self.named:
-                param.copy_(state["trainable"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+    def state_dict(self) -> EngineState:
+        kept = [(n, self.optimizer.state[p]) for n, p in self.named if p in self.optimizer.state]
+        return EngineState(
+            engine=self.name, step=self.step_count, trainable=self.trainable_state(),
+            exp_avg={n: s["exp_avg"] for n, s in kept}, exp_avg_sq={n: s["exp_avg_sq"] for n, s in kept},
+            adam_steps={n: float(s["step"]) for n, s in kept})
+
+    def load_state_dict(self, state: EngineState) -> None:
+        check_resumable(state, [n for n, _ in self.named], self.name)
+        copy_named(dict(self.trainable_state()), state.trainable)
+        for name, param in self.named:
+            if name in state.exp_avg:  # fused AdamW's state: a float32 step on the parameter's device
+                self.optimizer.state[param] = {
+                    "step": torch.tensor(state.adam_steps[name], dtype=torch.float32, device=param.device),
+                    "exp_avg": state.exp_avg[name].to(param, copy=True),
+                    "exp_avg_sq": state.exp_avg_sq[name].to(param, copy=True)}
+        self.step_count = state.step
+
+
+def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,
+              seq_len: int) -> speed.StepTime:
+    """Nothing overlaps: compute (a checkpointed step recomputes every block; a 4-bit base is
+    dequantized in every pass), the device AdamW, and link and disk traffic add up."""
+    checkpoint = cfg.activations.checkpoint
+    recompute = checkpoint != "none"
+    accum = cfg.train.grad_accum
+    flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len, recompute) * accum
+    passes = (3 if recompute else 2) * accum
+    dequant = speed.dequant_bytes(model_config, passes) if cfg.quant.scheme != "none" else 0.0
+    disk = counts.host_link_bytes if checkpoint == "disk" else 0.0
+    return speed.serial_step_time(flops, counts.trainable_params, gpu, cfg.precision, counts.host_link_bytes, disk,
+                                  dequant)
+
+
+def plans(method: str) -> list[dict]:
+    """bf16 and fp32, checkpointing in each store, and for LoRA a 4-bit base with and without them
+    and the whole LoRA peak-memory stack."""
+    options = [{"precision": precision} for precision in ("bf16", "fp32")]
+    options += [{"precision": "bf16", "activations.checkpoint": store} for store in ("recompute", "host", "disk")]
+    if method == "lora":
+        nf4 = {"precision": "bf16", "quant.scheme": "nf4"}
+        options += [nf4, *({**nf4, "activations.checkpoint": store} for store in ("recompute", "host", "disk"))]
+        options.append({**nf4, "activations.checkpoint": "disk", "loss.mode": "subset"})
+    return options
+
+
+register(EngineSpec(
+    name="resident", summary="everything on the device (the baseline every other engine is checked against).",
+    build=ResidentEngine, step_time=step_time, plans=plans))

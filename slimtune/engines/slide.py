@@ -42,97 +42,83 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
-import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import activations, memory, runtime, schedule
-from slimtune.config import ActivationsConfig, LossConfig, SlideConfig, TrainConfig
+from slimtune import activations, memory, runtime, speed
+from slimtune.checkpoint import EngineState
+from slimtune.config import RunConfig, positive, setting
 from slimtune.data import Batch
-from slimtune.engines.base import StepResult, autocast_for, to_float
+from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
+from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.loss import chunk_tokens, head_inputs
 from slimtune.model import Stack
+from slimtune.optim import rules
+from slimtune.optim.host_adam import Group, HostAdam, moments_folder
 from slimtune.streamed_ce import streamed_ce
 
 
 @dataclass
-class _Entry:
-    """One tensor of a unit: where it rests on the host and where it goes in a slot."""
+class SlideConfig:
+    slots: int = setting(2, "engine=slide: device slots, each the size of the largest block (2: one runs while the next loads).")
+    head_tile_mb: float = setting(64.0, "engine=slide: MiB of the LM head streamed to the device per vocabulary tile.")
+    moments: Literal["ram", "disk"] = setting(
+        "ram", "engine=slide: AdamW moments in host RAM, or in memory-mapped files (8 B a weight off the RAM)."
+    )
+    moments_dir: str | None = setting(
+        None, "slide.moments=disk: where the moment files go (default: output_dir/moments).")
 
-    owner: nn.Module
-    attr: str
-    param: nn.Parameter | None  # None: a buffer
-    host: torch.Tensor  # at rest: a view into a flat master, or the frozen host tensor
-    device_dtype: torch.dtype
-    offset: int = 0  # bytes into slot.weights
-    grad_offset: int = -1  # bytes into slot.grads; -1: frozen
-    master_grad: torch.Tensor | None = None  # host gradient accumulator (a view into a flat buffer)
-    shadow: torch.Tensor | None = None  # the master in device_dtype, when that is narrower (what goes up)
-
-    @property
-    def upload(self) -> torch.Tensor:
-        """What crosses the link: the narrow shadow of a master, else the host tensor itself."""
-        return self.shadow if self.shadow is not None else self.host
-
-    @property
-    def trainable(self) -> bool:
-        return self.grad_offset >= 0
-
-    def weight_in(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This tensor's place in a slot's weight buffer."""
-        return runtime.view_bytes(buffer, self.offset, tuple(self.host.shape), self.device_dtype)
-
-    def grad_in(self, buffer: torch.Tensor) -> torch.Tensor:
-        """Its gradient's place in a slot's gradient buffer or a staging buffer (same layout)."""
-        return runtime.view_bytes(buffer, self.grad_offset, tuple(self.host.shape), self.device_dtype)
+    def validate(self) -> None:
+        if self.slots not in (2, 3):
+            raise UserError(f"slide.slots must be 2 or 3, got {self.slots}.")
+        positive("slide.head_tile_mb", self.head_tile_mb)
 
 
-def _own_tensors(modules: list[nn.Module]):
-    """(owner, attr, tensor, is_param) of every parameter and buffer, each tensor once."""
-    seen = set()
-    for module in modules:
-        for owner in module.modules():
-            for table, is_param in ((owner._parameters, True), (owner._buffers, False)):
-                for attr, tensor in table.items():
-                    if tensor is not None and id(tensor) not in seen:
-                        seen.add(id(tensor))
-                        yield owner, attr, tensor, is_param
+def validate(cfg: RunConfig) -> None:
+    """What engine=slide does not do, refused in one sentence each."""
+    if cfg.loss.mode != "exact":
+        raise UserError("engine=slide streams the LM head for the exact loss; set loss.mode=exact.")
+    if cfg.quant.embeddings:
+        raise UserError("engine=slide keeps the embedding and LM head on the host in full precision;"
+                        " set quant.embeddings=false.")
+    if cfg.activations.checkpoint == "recompute":
+        raise UserError("engine=slide keeps block inputs in host RAM or on disk; set activations.checkpoint=host"
+                        " (or disk).")
+    if cfg.activations.cache != "none":
+        raise UserError("engine=slide keeps only each block's input; set activations.cache=none.")
 
 
 class _Unit:
-    """Modules whose tensors move together, with fp32 masters for the trainable ones (two flat host
-    buffers: decayed matrices and undecayed vectors, the resident engine's groups), gradient
-    accumulators in the same layout, and their own fused AdamW. Frozen tensors stay on the host
-    (pinned on CUDA) and go to the device as they are; trainable ones go in `weight_dtype`."""
+    """Modules whose tensors move together: their slot binding, and for the trainable ones a HostAdam
+    (fp32 masters in two flat groups, decayed matrices and undecayed vectors as in every engine,
+    gradient accumulators, bf16 shadows when computing in bf16, moments in RAM or files). Frozen
+    tensors stay on the host (pinned on CUDA) and go to the device as they are."""
 
     def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
-                 cfg: TrainConfig, moments_dir: Path | None = None):
-        self.name, self.device, self.cfg, self.moments_dir = name, device, cfg, moments_dir
-        self.weight_dtype = weight_dtype
-        self.entries: list[_Entry] = []
-        for owner, attr, tensor, is_param in _own_tensors(modules):
-            trainable = is_param and tensor.requires_grad
-            host = tensor.data if trainable else self._frozen_host(owner, attr, tensor, is_param)
-            dtype = (weight_dtype or tensor.dtype) if trainable else tensor.dtype
-            self.entries.append(_Entry(owner, attr, tensor if is_param else None, host, dtype,
-                                       grad_offset=0 if trainable else -1))
-        self.flats = self._make_masters()
-        self.shadows = self._make_shadows()
-        self.weight_bytes, self.grad_bytes = self._lay_out()
-        self.optimizer = self._make_optimizer() if self.flats else None
+                 cfg: RunConfig, moments_dir: Path | None):
+        self.name, self.device = name, device
+        tensors = []
+        for owner, attr, tensor, is_param in runtime.own_tensors(modules):
+            if is_param and tensor.requires_grad:
+                tensors.append(runtime.SlotTensor(owner, attr, tensor, tensor.data, weight_dtype or tensor.dtype, True))
+            else:
+                host = self._frozen_host(owner, attr, tensor, is_param)
+                tensors.append(runtime.SlotTensor(owner, attr, tensor if is_param else None, host, tensor.dtype, False))
+        self.accumulators: dict[int, torch.Tensor] = {}  # id(param) -> its host gradient accumulator
+        self.members: list[tuple[nn.Parameter, int, int]] = []  # (param, group, member) in the HostAdam
+        trainable = [t for t in tensors if t.trainable]
+        self.adam = self._adopt(trainable, cfg, moments_dir) if trainable else None
+        self.binding = runtime.SlotBinding(tensors)
         self.update_job = None  # the last AdamW submitted for this unit
         self.norms: list[torch.Tensor] = []  # its step gradients' norms, noted once they are complete
-        self.slot: runtime.Slot | None = None
         self.ready = None  # the event of its last copy into the slot (None on the CPU)
-        self.grads_bound = False
-
-    # ------------------------------------------------------------ host storage
 
     def _frozen_host(self, owner: nn.Module, attr: str, tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -144,172 +130,44 @@ class _Unit:
             owner._buffers[attr] = host
         return host
 
-    def _make_masters(self) -> list[tuple[nn.Parameter, float]]:
-        """Copy trainable tensors into flat master buffers; the parameters then point into them."""
-        trainable = [e for e in self.entries if e.trainable]
-        groups = [([e for e in trainable if e.param.ndim >= 2], self.cfg.weight_decay),
-                  ([e for e in trainable if e.param.ndim < 2], 0.0)]
-        flats, self.members = [], []
-        for members, decay in groups:
-            if not members:
-                continue
-            self.members.append(members)
-            dtype = torch.promote_types(members[0].param.dtype, torch.float32)  # fp32 masters; fp64 stays
-            numel = sum(e.param.numel() for e in members)
-            # Pinned only if it crosses the link itself (no narrower shadow goes up in its place).
-            crosses = self.weight_dtype is None or self.weight_dtype == dtype
-            master = runtime.host_empty((numel,), dtype, self.device, pinned=crosses)
-            grads = runtime.host_empty((numel,), dtype, self.device, pinned=False)
-            with torch.no_grad():
-                grads.zero_()
-                start = 0
-                for e in members:
-                    n, shape = e.param.numel(), e.param.shape
-                    view = master[start : start + n].view(shape)
-                    view.copy_(e.param.data)
-                    e.param.data, e.host = view, view
-                    e.master_grad = grads[start : start + n].view(shape)
-                    start += n
-            flat = nn.Parameter(master)
-            flat.grad = grads
-            flats.append((flat, decay))
-        return flats
-
-    def _make_shadows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(shadow, master) flat pairs: a bf16 copy of fp32 masters, refreshed after each update, so
-        uploads move 2 bytes a weight and the host casts once per step, not once per upload."""
-        pairs = []
-        for (flat, _), members in zip(self.flats, self.members):
-            dtype = members[0].device_dtype if members else flat.dtype
-            if dtype == flat.dtype:
-                continue
-            shadow = runtime.host_empty(flat.shape, dtype, self.device)
-            with torch.no_grad():
-                shadow.copy_(flat)
-            start = 0
-            for e in members:
-                n = e.host.numel()
-                e.shadow = shadow[start : start + n].view(e.host.shape)
-                start += n
-            pairs.append((shadow, flat))
-        return pairs
-
-    def _make_optimizer(self) -> torch.optim.AdamW:
-        cfg = self.cfg
-        optimizer = torch.optim.AdamW([{"params": [flat], "weight_decay": decay} for flat, decay in self.flats],
-                                      lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
-        for k, (flat, _) in enumerate(self.flats):  # made here, host-resident, not lazily on the worker
-            optimizer.state[flat] = {
-                "step": memory.mark_host_resident(torch.zeros((), dtype=torch.float32)),
-                "exp_avg": self._moment(flat, f"{k}-exp_avg"),
-                "exp_avg_sq": self._moment(flat, f"{k}-exp_avg_sq"),
-            }
-        return optimizer
-
-    def _moment(self, flat: torch.Tensor, tag: str) -> torch.Tensor:
-        """A zeroed AdamW moment: in host RAM, or (slide.moments=disk) a memory-mapped file the
-        page cache keeps as much of as RAM allows. Fake tensors (the estimate) never touch a disk."""
-        if self.moments_dir is None or _is_fake(flat):
-            return runtime.host_empty(flat.shape, flat.dtype, self.device, pinned=False).zero_()
-        path = self.moments_dir / f"{self.name.replace(' ', '-')}-{tag}.bin"
-        moment = torch.from_file(str(path), shared=True, size=flat.numel(), dtype=flat.dtype)  # a new file is zeros
-        return memory.mark_host_resident(moment.view(flat.shape))
-
-    def load_optimizer(self, saved: dict) -> None:
-        """Load a checkpoint's AdamW state into this unit's own moment tensors (RAM or mapped files)."""
-        own = {id(p): dict(self.optimizer.state[p]) for p, _ in self.flats}
-        self.optimizer.load_state_dict(saved)
+    def _adopt(self, trainable: list[runtime.SlotTensor], cfg: RunConfig, moments_dir: Path | None) -> HostAdam:
+        """The trainable tensors move into a HostAdam's flat masters; their parameters point there."""
+        groups = rules.decay_groups([t.param for t in trainable], cfg.train.weight_decay)
+        by_param = {id(t.param): t for t in trainable}
+        master_dtype = torch.promote_types(trainable[0].param.dtype, torch.float32)  # fp32 masters; fp64 stays
+        adam = HostAdam(self.name, [Group(tuple(p.shape for p in params), decay) for params, decay in groups],
+                        master_dtype, self.device, rules.adamw_settings(cfg.train),
+                        shadow_dtype=trainable[0].device_dtype, moments_dir=moments_dir)
         with torch.no_grad():
-            for flat, _ in self.flats:
-                state = self.optimizer.state[flat]
-                for key, mine in own[id(flat)].items():
-                    mine.copy_(state[key])
-                    state[key] = mine
+            for k, (params, _) in enumerate(groups):
+                for i, param in enumerate(params):
+                    views, t = adam.member(k, i), by_param[id(param)]
+                    views.master.copy_(param.data)
+                    param.data, t.host, t.shadow = views.master, views.master, views.shadow
+                    self.accumulators[id(param)] = views.grad
+                    self.members.append((param, k, i))
+        adam.refresh_shadows()
+        return adam
 
-    def _lay_out(self) -> tuple[int, int]:
-        weights = grads = 0
-        for e in self.entries:
-            e.offset = weights
-            weights += runtime.aligned(runtime.nbytes_of(e.host.shape, e.device_dtype))
-            if e.trainable:
-                e.grad_offset = grads
-                grads += runtime.aligned(runtime.nbytes_of(e.host.shape, e.device_dtype))
-        return weights, grads
+    @property
+    def slot(self) -> runtime.Slot | None:
+        return self.binding.slot
 
     def host_bytes(self) -> int:
-        """Host RAM this unit holds: masters, gradient accumulators, moments (unless on disk), frozen tensors."""
-        copies = 3 if self.moments_dir is None else 1
-        flat = sum(copies * p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size() for p, _ in self.flats)
-        flat += sum(shadow.numel() * shadow.element_size() for shadow, _ in self.shadows)
-        return flat + sum(e.host.numel() * e.host.element_size() for e in self.entries if not e.trainable)
+        """Host RAM this unit holds: its HostAdam's, and its frozen tensors."""
+        frozen = sum(t.host.numel() * t.host.element_size() for t in self.binding.tensors if not t.trainable)
+        return frozen + (self.adam.host_bytes() if self.adam is not None else 0)
 
-    def host_tensors(self) -> list[torch.Tensor]:
-        return [p for p, _ in self.flats] + [e.host for e in self.entries if not e.trainable]
+    def tensor_of(self, param: torch.Tensor) -> runtime.SlotTensor | None:
+        return next((t for t in self.binding.tensors if t.param is param), None)
 
     # ------------------------------------------------------------ device side
 
     def bind(self, slot: runtime.Slot, link: runtime.Link, with_grads: bool) -> object:
-        """Copy the unit into `slot` and point its modules at the copies; zero and attach the
-        gradient views when `with_grads`. Returns the copies' event (None on the CPU)."""
+        """Copy the unit into `slot` (after its last AdamW: never upload a unit mid-update)."""
         if self.update_job is not None:
-            self.update_job.result()  # never upload a unit before its last update finished
-        self.slot = slot
-        after = slot.released
-        event = None
-        if with_grads:  # zeroed on the copy stream: after the last borrower's gradients went down
-            event = self._zero_grads(link, after)
-        for e in self.entries:
-            view = e.weight_in(slot.weights)
-            event = link.copy_up(view, e.upload, after)
-            if e.param is not None:
-                e.param.data = view
-            else:
-                e.owner._buffers[e.attr] = view
-        if with_grads:
-            self._set_grads()
-        return event
-
-    def attach_grads(self, link: runtime.Link) -> object:
-        """For a unit loaded without: zeroed gradient views become .grad; returns the zeroing's event."""
-        event = self._zero_grads(link)
-        self._set_grads()
-        return event
-
-    def _grad_view(self, e: _Entry) -> torch.Tensor:
-        return e.grad_in(self.slot.grads)
-
-    def _zero_grads(self, link: runtime.Link, after: object = None) -> object:
-        event = None
-        for e in self.entries:
-            if e.trainable:
-                event = link.zero(self._grad_view(e), after)
-        return event
-
-    def _set_grads(self) -> None:
-        """The slot's gradient views become the trainable parameters' .grad (autograd adds into them)."""
-        for e in self.entries:
-            if e.trainable:
-                e.param.grad = self._grad_view(e)
-        self.grads_bound = True
-
-    def unbind(self) -> runtime.Slot:
-        """Point the modules back at the host tensors; returns the slot."""
-        for e in self.entries:
-            if e.param is not None:
-                e.param.data = e.host
-                e.param.grad = None
-            else:
-                e.owner._buffers[e.attr] = e.host
-        slot, self.slot, self.grads_bound = self.slot, None, False
-        return slot
-
-    def download_grads(self, link: runtime.Link, staging: torch.Tensor) -> object:
-        """The slot's gradients into the host `staging` buffer (same layout); returns the event."""
-        event = None
-        for e in self.entries:
-            if e.trainable:
-                event = link.copy_down(e.grad_in(staging), e.grad_in(self.slot.grads))
-        return event
+            self.update_job.result()
+        return self.binding.bind(slot, link, with_grads)
 
     # ------------------------------------------------------------ host work (on the worker)
 
@@ -318,100 +176,74 @@ class _Unit:
         worker, so the global norm for clipping costs the device loop nothing)."""
         if event is not None:
             event.synchronize()
-        self._add_staged(staging)
+        with torch.no_grad():
+            for t in self.binding.tensors:
+                if t.trainable:
+                    self.accumulators[id(t.param)].add_(t.grad_in(staging))
         if final:
             self.note_norms()
 
     def note_norms(self) -> None:
-        self.norms = self.grad_norms()
-
-    def _add_staged(self, staging: torch.Tensor) -> None:
-        with torch.no_grad():
-            for e in self.entries:
-                if e.trainable:
-                    e.master_grad.add_(e.grad_in(staging))
+        self.norms = self.adam.grad_norms() if self.adam is not None else []
 
     def update(self, lr: float, clip: float) -> None:
-        """AdamW on the masters with the accumulated gradients times `clip`; then zero them."""
-        with torch.no_grad():
-            for flat, _ in self.flats:
-                if clip != 1.0:
-                    flat.grad.mul_(clip)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            for flat, _ in self.flats:
-                flat.grad.zero_()
-            self.refresh_shadows()
-
-    def refresh_shadows(self) -> None:
-        with torch.no_grad():
-            for shadow, flat in self.shadows:
-                shadow.copy_(flat)
-
-    def grad_norms(self) -> list[torch.Tensor]:
-        return [torch.linalg.vector_norm(flat.grad) for flat, _ in self.flats]
+        self.adam.update(lr, clip)
 
 
 class SlideEngine:
     name = "slide"
 
-    def __init__(self, stack: Stack, cfg: TrainConfig, device: torch.device, precision: str,
-                 loss_cfg: LossConfig | None = None, activations_cfg: ActivationsConfig | None = None,
-                 slide_cfg: SlideConfig | None = None, store_dir: Path | None = None):
-        self.stack, self.cfg, self.device, self.precision = stack, cfg, device, precision
-        self.loss_cfg = loss_cfg or LossConfig()
-        self.activations_cfg = activations_cfg or ActivationsConfig()
-        self.slide_cfg = slide_cfg or SlideConfig()
-        self.store_dir = store_dir
+    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str):
+        self.stack, self.device, self.precision = stack, device, precision
+        self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
+        self.slide_cfg = cfg.section("slide")
+        self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
         if getattr(stack.head, "bias", None) is not None:
             raise NotImplementedError("engine=slide streams an LM head without bias")
         weight_dtype = torch.bfloat16 if precision == "bf16" else None  # None: the master's dtype
-        moments = self._moments_dir(store_dir)
+        moments = self._moments_dir(cfg)
         blocks, count = stack.blocks, len(stack.blocks)
         self.units = [_Unit(f"block {i}", [blocks[i]] + ([stack.norm] if i == count - 1 else []), device,
                             weight_dtype, cfg, moments) for i in range(count)]
-        self.edges = self._edge_units(weight_dtype, moments)
-        self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
+        self.edges = self._edge_units(cfg, weight_dtype, moments)
+        self.names = {id(p): n for n, p in stack.model.named_parameters() if p.requires_grad}
         stack.rotary.to(device)
         self.link = runtime.Link(device)
-        self.pool = runtime.SlotPool(device, self.slide_cfg.slots, max(u.weight_bytes for u in self.units),
-                                     max(u.grad_bytes for u in self.units))
-        grad_bytes = max(u.grad_bytes for u in self.units)
+        grad_bytes = max(u.binding.grad_bytes for u in self.units)
+        self.pool = runtime.SlotPool(device, self.slide_cfg.slots, max(u.binding.weight_bytes for u in self.units),
+                                     grad_bytes)
         self.staging = [runtime.host_empty((max(grad_bytes, 1),), torch.uint8, device) for _ in range(2)]
         self.staging_jobs: list = [None, None]
         self.staging_turn = 0
         self.head_tiles = self._make_head_tiles(weight_dtype)
         self.tiles_free: list = [None] * len(self.head_tiles)  # per tile buffer: its last reader is done
-        self.worker = runtime.HostWorker(inline=any(_is_fake(p) for p in stack.model.parameters()))
+        self.worker = runtime.HostWorker(inline=any(is_fake(p) for p in stack.model.parameters()))
         weakref.finalize(self, self.worker.close)  # its thread goes with the engine
         self.step_count = 0
-        self.meter = memory.meter_for(device, cfg.measure_memory)
+        self.meter = memory.meter_for(device, cfg.train.measure_memory)
 
-    def _edge_units(self, weight_dtype: torch.dtype | None, moments: Path | None) -> list[_Unit]:
+    def _edge_units(self, cfg: RunConfig, weight_dtype: torch.dtype | None, moments: Path | None) -> list[_Unit]:
         """The host-side units: the LM head (streamed up in tiles, so it gets a narrow shadow) and
         the embedding (never sent up: rows are gathered on the host, so no shadow); one unit when tied."""
-        stack, device, cfg = self.stack, self.device, self.cfg
+        stack, device = self.stack, self.device
         if stack.tied:
             return [_Unit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, cfg, moments)]
         return [_Unit("LM head", [stack.head], device, weight_dtype, cfg, moments),
                 _Unit("embedding", [stack.embed], device, None, cfg, moments)]
 
-    def _edge_entry(self, param: torch.Tensor) -> _Entry | None:
-        return next((e for unit in self.edges for e in unit.entries if e.param is param), None)
+    def _edge_tensor(self, param: torch.Tensor) -> tuple[_Unit, runtime.SlotTensor] | tuple[None, None]:
+        for unit in self.edges:
+            found = unit.tensor_of(param)
+            if found is not None:
+                return unit, found
+        return None, None
 
-    def _moments_dir(self, store_dir: Path | None) -> Path | None:
+    def _moments_dir(self, cfg: RunConfig) -> Path | None:
         """slide.moments=disk: a private folder for the moment files, removed with the engine."""
         if self.slide_cfg.moments != "disk":
             return None
-        root = Path(self.slide_cfg.moments_dir or (store_dir.parent / "moments" if store_dir else "moments"))
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            folder = Path(tempfile.mkdtemp(prefix="adam-", dir=root))
-        except OSError as err:
-            raise UserError(f"slide.moments_dir '{root}' is not a usable folder ({err}).") from None
-        weakref.finalize(self, shutil.rmtree, folder, True)
-        return folder
+        root = Path(self.slide_cfg.moments_dir or Path(cfg.output_dir) / "moments")
+        return moments_folder(self, root, "slide.moments_dir")
 
     # ------------------------------------------------------------ the pieces of a step
 
@@ -426,8 +258,8 @@ class SlideEngine:
     def edge_head_weight(self) -> torch.Tensor:
         """The LM head weight as it goes up: the narrow shadow of its master, or the host tensor."""
         weight = self.stack.head.weight
-        entry = self._edge_entry(weight)
-        return entry.upload if entry is not None else weight
+        _, found = self._edge_tensor(weight)
+        return found.upload if found is not None else weight
 
     def _resident_tensors(self):
         yield from ((t, "weights") for t in self.pool.tensors())
@@ -438,8 +270,8 @@ class SlideEngine:
         unit = self.units[index]
         if unit.slot is None:
             unit.ready = unit.bind(self.pool.acquire(unit.name), self.link, with_grads)
-        elif with_grads and not unit.grads_bound:
-            unit.ready = unit.attach_grads(self.link)
+        elif with_grads and not unit.binding.grads_bound:
+            unit.ready = unit.binding.attach_grads(self.link)
         self.link.wait(unit.ready)  # compute waits for the copies (a prefetch's too)
 
     def _prefetch(self, index: int, with_grads: bool) -> None:
@@ -462,7 +294,7 @@ class SlideEngine:
         return torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
 
     def _unload(self, index: int) -> None:
-        self.pool.release(self.units[index].unbind())
+        self.pool.release(self.units[index].binding.unbind())
 
     def _staging_buffer(self) -> int:
         """The next host staging buffer's index, once the host job that read it last has finished."""
@@ -476,9 +308,9 @@ class SlideEngine:
         `final`, and its AdamW when `update` = (lr, clip)); the slot goes back."""
         unit = self.units[index]
         turn = self._staging_buffer()
-        event = unit.download_grads(self.link, self.staging[turn])
+        event = unit.binding.download_grads(self.link, self.staging[turn])
         self.staging_jobs[turn] = self.worker.submit(unit.accumulate, self.staging[turn], event, final)
-        if update is not None and unit.optimizer is not None:
+        if update is not None and unit.adam is not None:
             unit.update_job = self.worker.submit(unit.update, *update)
         self._unload(index)
 
@@ -490,8 +322,8 @@ class SlideEngine:
 
     def _embed_backward(self, input_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Add d(loss)/d(embedding rows) into the embedding's host gradient (index_add, on the worker)."""
-        weight = self.stack.embed.weight
-        entry = self._edge_entry(weight)
+        unit, _ = self._edge_tensor(self.stack.embed.weight)
+        accumulator = unit.accumulators[id(self.stack.embed.weight)]
         host, event = self.link.to_host(grad.reshape(-1, grad.shape[-1]))
         ids = input_ids.reshape(-1).cpu()
         padding = getattr(self.stack.embed, "padding_idx", None)
@@ -499,10 +331,10 @@ class SlideEngine:
         def add() -> None:
             if event is not None:
                 event.synchronize()
-            rows = host.to(entry.master_grad.dtype)
+            rows = host.to(accumulator.dtype)
             if padding is not None:  # as nn.Embedding: the padding row gets no gradient
                 rows[ids == padding] = 0
-            entry.master_grad.index_add_(0, ids, rows)
+            accumulator.index_add_(0, ids, rows)
 
         self.worker.submit(add)
 
@@ -522,9 +354,10 @@ class SlideEngine:
     def _head_sink(self):
         """streamed_ce's sink for a trainable head: each tile's gradient goes to its host rows."""
         weight = self.stack.head.weight
-        entry = self._edge_entry(weight)
-        if entry is None or not entry.trainable:
+        unit, found = self._edge_tensor(weight)
+        if found is None or not found.trainable:
             return None
+        accumulator = unit.accumulators[id(weight)]
 
         def sink(start: int, stop: int, grad: torch.Tensor) -> None:
             host, event = self.link.to_host(grad)
@@ -532,7 +365,7 @@ class SlideEngine:
             def add() -> None:
                 if event is not None:
                     event.synchronize()
-                entry.master_grad[start:stop].add_(host)
+                accumulator[start:stop].add_(host)
 
             self.worker.submit(add)
 
@@ -560,7 +393,7 @@ class SlideEngine:
                 self._prefetch(index + ahead, keep_grads and index + ahead == last)
             if keep_grads:
                 keys.append(store.put(hidden))
-                states.append(activations.rng_state(self.device))
+                states.append(activations.dropout_rng_state(self.device))
             with torch.no_grad():
                 hidden = activations.block_forward(self.stack, index, hidden, inputs, chunk)
             if index < last:
@@ -571,14 +404,15 @@ class SlideEngine:
         with autocast_for(self.device, self.precision):
             device_batch, hidden, keys, states, inputs, chunk = self._forward(batch, store, keep_grads=True)
             out = hidden.detach().requires_grad_()
-            x, targets = head_inputs(out, self.stack.norm, device_batch.targets, self.loss_cfg, device_batch.rows)
+            x, targets = head_inputs(out, self.stack.norm, device_batch.targets, self.loss_cfg,
+                                        device_batch.trained_positions)
             loss_sum, grad_x = streamed_ce(x.detach(), targets, self._tiles, chunk_tokens(self.loss_cfg, self._vocab()),
                                            scale=1.0 / total, sink=self._head_sink())
         torch.autograd.backward(x, grad_x)  # the final norm's gradient lands in the last unit's slot
         grad = out.grad
         del hidden, out, x, grad_x  # only the gradient travels down the blocks
-        embed_entry = self._edge_entry(self.stack.embed.weight)
-        wants_embed_grad = embed_entry is not None and embed_entry.trainable
+        _, embedding = self._edge_tensor(self.stack.embed.weight)
+        wants_embed_grad = embedding is not None and embedding.trainable
         with torch.random.fork_rng([self.device] if self.device.type == "cuda" else []), \
                 autocast_for(self.device, self.precision):
             for index in range(len(self.units) - 1, -1, -1):
@@ -588,7 +422,7 @@ class SlideEngine:
                 x_in = store.take(keys[index]).detach().requires_grad_(index > 0 or wants_embed_grad)
                 if index > 0:
                     store.prefetch(keys[index - 1])  # the next input comes up while this block runs
-                activations.restore_rng(states[index], self.device)
+                activations.restore_dropout_rng(states[index], self.device)
                 activations.block_backward(self.stack, index, x_in, grad, inputs, chunk)
                 grad = x_in.grad if x_in.requires_grad else None
                 del x_in
@@ -596,7 +430,7 @@ class SlideEngine:
         if wants_embed_grad and grad is not None:
             self._embed_backward(batch.input_ids, grad)
         for unit in self.edges if final else ():
-            if unit.optimizer is not None:  # after its head-tile and embedding-row jobs, in order
+            if unit.adam is not None:  # after its head-tile and embedding-row jobs, in order
                 self.worker.submit(unit.note_norms)
                 if update is not None:
                     unit.update_job = self.worker.submit(unit.update, *update)
@@ -610,9 +444,8 @@ class SlideEngine:
     def step(self, micro_batches: list[Batch]) -> StepResult:
         self.stack.model.train()
         total = max(sum(b.num_targets for b in micro_batches), 1)
-        lr = self.cfg.lr * schedule.lr_factor(self.step_count, self.cfg.steps, self.cfg.warmup_steps,
-                                              self.cfg.schedule)
-        clipping = self.cfg.max_grad_norm > 0
+        lr = rules.lr_at(self.train_cfg, self.step_count)
+        clipping = self.train_cfg.max_grad_norm > 0
         link_before = self.link.bytes
         with self.meter.measure(self._resident_tensors()) as reading, self._store() as store, self._window():
             loss_sum = 0.0
@@ -623,10 +456,10 @@ class SlideEngine:
             self.worker.barrier()
             grad_norm = self._grad_norm()
             if clipping:
-                coef = float(torch.clamp(self.cfg.max_grad_norm / (grad_norm + 1e-6), max=1.0)) \
-                    if not _is_fake(grad_norm) else 1.0
+                coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
+                coef = 1.0 if is_fake(coefficient) else float(coefficient)
                 for unit in self._all_units():
-                    if unit.optimizer is not None:
+                    if unit.adam is not None:
                         unit.update_job = self.worker.submit(unit.update, lr, coef)
             self.worker.barrier()
         self.step_count += 1
@@ -642,7 +475,7 @@ class SlideEngine:
     def _grad_norm(self) -> torch.Tensor:
         """The global norm of this step's gradients, from the per-unit norms the host jobs noted
         when each unit's gradients were complete (before any update touched them)."""
-        norms = [n for u in self._all_units() if u.optimizer is not None for n in u.norms]
+        norms = [n for u in self._all_units() if u.adam is not None for n in u.norms]
         return torch.linalg.vector_norm(torch.stack(norms))
 
     def _all_units(self) -> list[_Unit]:
@@ -656,39 +489,70 @@ class SlideEngine:
         tensors, plus the staging buffers (block inputs are counted by the store)."""
         return sum(u.host_bytes() for u in self._all_units()) + sum(s.numel() for s in self.staging)
 
-    @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
         self.stack.model.eval()
-        loss_sum, tokens = 0.0, 0
-        for batch in batches:
-            with autocast_for(self.device, self.precision), self._window():
-                device_batch, hidden, *_ = self._forward(batch, None, keep_grads=False)
-                x, targets = head_inputs(hidden, self.stack.norm, device_batch.targets, self.loss_cfg,
-                                         device_batch.rows)
-                loss, _ = streamed_ce(x, targets, self._tiles, chunk_tokens(self.loss_cfg, self._vocab()))
-            loss_sum += float(loss)
-            tokens += batch.num_targets
-        return loss_sum, tokens
+        return evaluate_batches(batches, self._eval_loss)
+
+    def _eval_loss(self, batch: Batch) -> torch.Tensor:
+        with autocast_for(self.device, self.precision), self._window():
+            device_batch, hidden, *_ = self._forward(batch, None, keep_grads=False)
+            x, targets = head_inputs(hidden, self.stack.norm, device_batch.targets, self.loss_cfg,
+                                     device_batch.trained_positions)
+            return streamed_ce(x, targets, self._tiles, chunk_tokens(self.loss_cfg, self._vocab()))[0]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.named}  # at rest: the host masters
+        """The host masters by parameter name (what the modules point at between steps is not relied on)."""
+        return {self.names[id(param)]: unit.adam.member(k, i).master
+                for unit in self._all_units() for param, k, i in unit.members}
 
-    def state_dict(self) -> dict:
-        return {"trainable": self.trainable_state(), "step": self.step_count,
-                "optimizers": [u.optimizer.state_dict() if u.optimizer else None for u in self._all_units()]}
+    def state_dict(self) -> EngineState:
+        self.worker.barrier()
+        exp_avg, exp_avg_sq, steps = {}, {}, {}
+        for unit in self._all_units():
+            for param, k, i in unit.members:
+                name, views = self.names[id(param)], unit.adam.member(k, i)
+                exp_avg[name], exp_avg_sq[name] = views.exp_avg, views.exp_avg_sq
+                steps[name] = float(unit.adam.state(k)["step"])
+        return EngineState(engine=self.name, step=self.step_count, trainable=self.trainable_state(),
+                           exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, adam_steps=steps)
 
-    def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for name, param in self.named:
-                param.copy_(state["trainable"][name])
-        for unit, saved in zip(self._all_units(), state["optimizers"]):
-            if unit.optimizer is not None:
-                unit.load_optimizer(saved)
-            unit.refresh_shadows()  # what goes up must be the loaded weights
-        self.step_count = state["step"]
+    def load_state_dict(self, state: EngineState) -> None:
+        """Masters and moments by parameter name, into the units' own buffers (RAM or mapped files)."""
+        check_resumable(state, list(self.names.values()), self.name)
+        self.worker.barrier()
+        copy_named(self.trainable_state(), state.trainable)
+        for unit in self._all_units():
+            for param, k, i in unit.members:
+                name, views = self.names[id(param)], unit.adam.member(k, i)
+                if name in state.exp_avg:
+                    copy_named({"m": views.exp_avg, "v": views.exp_avg_sq},
+                               {"m": state.exp_avg[name], "v": state.exp_avg_sq[name]})
+                    unit.adam.state(k)["step"].fill_(state.adam_steps[name])  # one count per group: all equal
+            if unit.adam is not None:
+                unit.adam.refresh_shadows()  # what goes up must be the loaded weights
+        self.step_count = state.step
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
+def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,
+              seq_len: int) -> speed.StepTime:
+    """Copies overlap compute; every block is recomputed in backward; a 4-bit base is dequantized in
+    the forward, the recompute and the input-gradient pass; the host AdamW is exposed under clipping."""
+    accum = cfg.train.grad_accum
+    flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len, recompute=True) * accum
+    dequant = speed.dequant_bytes(model_config, 3 * accum) if cfg.quant.scheme != "none" else 0.0
+    disk = 2 * counts.disk_bytes if cfg.activations.checkpoint == "disk" else 0.0
+    return speed.overlapped_step_time(flops, counts.trainable_params, gpu, cfg.precision, counts.host_link_bytes,
+                                      disk, updates_exposed=cfg.train.max_grad_norm > 0, memory_bytes=dequant)
 
-    return is_fake(t)
+
+def plans(method: str) -> list[dict]:
+    """Full fine-tuning with block inputs in host RAM or on disk; LoRA over a 4-bit base."""
+    if method == "lora":
+        return [{"precision": "bf16", "quant.scheme": "nf4"}]
+    return [{"precision": "bf16", "activations.checkpoint": store} for store in ("host", "disk")]
+
+
+register(EngineSpec(
+    name="slide", summary="weights, gradients and AdamW state on the host, a window of blocks on the device"
+    " (models far larger than the device).",
+    build=SlideEngine, step_time=step_time, section=SlideConfig, validate=validate, plans=plans, model_on_host=True))

@@ -5,23 +5,21 @@ import pytest
 import torch
 
 from conftest import save_tiny_model, tiny_config
-from slimtune import config, engines, estimate, train
-from slimtune.model import Stack, load_model
+from slimtune import assembly, config, engines, estimate
+from slimtune.model import load_model
 
 SHAPES = {
     "llama-untied": ("llama", {}),
     "qwen2-tied-bias": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3-gqa1": ("qwen3", {"num_key_value_heads": 1}),
 }
-PLANS = [(method, plan) for method in ("lora", "full") for plan in engines.plan_options(method)]
+PLANS = [(method, plan) for method in ("lora", "full") for plan in engines.plans_for(method)]
 
 
 def measured_peak(folder, cfg, precision, batch) -> int:
     torch.manual_seed(0)
-    stack = Stack(load_model(folder, train.weight_dtype(precision, cfg.method), torch.device("cpu")))
-    train.apply_method(cfg, stack, torch.device("cpu"))
-    stack.advance("engine")
-    engine = engines.build(cfg, stack, torch.device("cpu"), precision)
+    cpu = torch.device("cpu")
+    engine, _ = assembly.assemble(cfg, assembly.load_stack(cfg, cpu, precision), cpu, precision)
     return [engine.step([batch] * cfg.train.grad_accum) for _ in range(estimate.STEPS)][-1].device_peak_bytes
 
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from slimtune import config, engines, lora, train
+from slimtune import assembly, config, lora
 from slimtune.model import Stack, load_model
 from test_oracle_step import TRAIN, HandLoRA, make_batches, oracle_steps
 
@@ -59,14 +59,12 @@ def test_every_rung_trains_like_plain_lora(tmp_path, tiny_model_dir, rung):
     cfg = rung_config(tmp_path, tiny_model_dir, RUNGS[rung])
     model = load_model(tiny_model_dir, torch.float64, torch.device("cpu"))
     reference = copy.deepcopy(model)
-    stack = Stack(model)
     torch.manual_seed(0)
-    train.apply_method(cfg, stack, torch.device("cpu"))
-    for module in lora.adapters(model).values():
-        torch.nn.init.normal_(module.lora_B.weight, std=0.02)
+    engine, _ = assembly.assemble(cfg, Stack(model), torch.device("cpu"), "fp64")
+    with torch.no_grad():  # in place: the engine's optimizer holds these very parameters
+        for module in lora.adapters(model).values():
+            torch.nn.init.normal_(module.lora_B.weight, std=0.02)
     params = dense_reference(model, reference)
-    stack.advance("engine")
-    engine = engines.build(cfg, stack, torch.device("cpu"), "fp64")
     steps = [make_batches(model.config.vocab_size, seed) for seed in range(3)]
     got = [engine.step(batches).loss for batches in steps]
     want = oracle_steps(reference, params, steps)

@@ -60,8 +60,8 @@ def _reference(hidden, norm, head, targets) -> torch.Tensor:
 
 def _ours(hidden, norm, head, targets, **cfg) -> L.LossOutput:
     config = LossConfig(**cfg)
-    rows = L.trained_rows(targets) if config.masking else None
-    return L.causal_lm_loss(hidden, norm, head, targets, config, rows=rows, training=True)
+    rows = L.trained_positions(targets) if config.masking else None
+    return L.causal_lm_loss(hidden, norm, head, targets, config, trained_positions=rows, training=True)
 
 
 def _check_against_reference(hidden, norm, head, targets, leaves, **cfg) -> L.LossOutput:
@@ -145,8 +145,8 @@ def test_4bit_head_is_dequantized_tile_by_tile(mode, scheme, monkeypatch):
 
 def test_masking_needs_rows():
     hidden, norm, head = _model(5, head_grad=False)
-    with pytest.raises(ValueError, match="trained_rows"):
-        L.causal_lm_loss(hidden, norm, head, _targets("all"), LossConfig(masking=True), rows=None)
+    with pytest.raises(ValueError, match="trained_positions"):
+        L.causal_lm_loss(hidden, norm, head, _targets("all"), LossConfig(masking=True), trained_positions=None)
 
 
 def test_masking_runs_norm_and_head_on_trained_rows_only():
@@ -190,7 +190,7 @@ def test_narrow_head_is_cast_in_tiles(mode, monkeypatch):
 def test_eval_is_exact_without_graph():
     hidden, norm, head = _model(9, head_grad=False)
     targets = _targets("segments")
-    rows = L.trained_rows(targets)
+    rows = L.trained_positions(targets)
     out = L.causal_lm_loss(hidden, norm, head, targets, LossConfig(mode="subset", subset_k=3), rows, training=False)
     assert not out.loss_sum.requires_grad
     torch.testing.assert_close(out.loss_sum, _reference(hidden, norm, head, targets).detach(), **TOL)
@@ -336,7 +336,7 @@ def test_runs_under_fake_tensors(mode, tied, masking):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     real_targets = _targets("segments")
-    real_rows = L.trained_rows(real_targets)  # built with the batch, on real tensors
+    real_rows = L.trained_positions(real_targets)  # built with the batch, on real tensors
     with FakeTensorMode() as fake:
         hidden = torch.empty(B, T, D, requires_grad=True)
         norm = nn.RMSNorm(D)

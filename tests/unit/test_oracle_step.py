@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import engine_config
 from slimtune import lora
 from slimtune.config import LoraConfig, TrainConfig
 from slimtune.data import IGNORE_INDEX, Batch
@@ -73,7 +74,7 @@ def oracle_steps(model: nn.Module, params: list[nn.Parameter], batches_per_step)
 
 
 def slimtune_steps(stack: Stack, batches_per_step) -> list[float]:
-    engine = ResidentEngine(stack, TRAIN, torch.device("cpu"), "fp64")
+    engine = ResidentEngine(stack, engine_config(TRAIN), torch.device("cpu"), "fp64")
     return [engine.step(batches).loss for batches in batches_per_step]
 
 

@@ -63,6 +63,41 @@ def test_int4_error_is_at_most_half_a_scale():
     assert q.min() >= -8 and q.max() <= 7 and (q.abs() == 7).any()
 
 
+@pytest.mark.parametrize("cols", [70, 37])  # a last group of 6 / of 5 inputs (37: odd, a padding nibble)
+@pytest.mark.parametrize("last", [100.0, 0.01])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)], ids=["f64", "f32"])
+def test_int4_partial_last_group_uses_its_own_scale(cols, last, dtype, tol, monkeypatch):
+    """Guards the partial last group (cols % group_size != 0): each element is within half of
+    its own group's stored scale in every int4 path (whole matrix, row tiles, gathered rows,
+    QuantLinear forward), so a last group that borrows the previous group's scale fails."""
+    group, rows = 16, 9
+    w = _linear(dtype, out=rows, inp=cols).weight.detach().clone()
+    w[:, cols // group * group:] *= last  # the last group 100x / 0.01x its neighbour
+    qw = quant.quantize_weight(w, QuantConfig(scheme="int4", group_size=group))
+    assert qw.scales.shape == (rows, -(-cols // group))
+    s = qw.scales.to(dtype).repeat_interleave(group, dim=1)[:, :cols]
+    bound = s / 2 * (1 + tol)
+
+    def within(deq, ref=w, half=bound):
+        err = (ref - deq).abs()
+        assert deq.dtype == dtype
+        assert torch.all(err <= half), f"max err / bound = {(err / half).max().item():.3g}"
+
+    within(qw.dequantize())
+    monkeypatch.setattr(quant, "DEQUANT_TILE_ELEMENTS", 4 * cols)  # tiles of 4 rows, a short last one
+    tiles = quant.row_tiles(qw.layout)
+    assert len(tiles) == 3
+    for start, stop in tiles:
+        within(quant.dequantize_row_range(qw.layout, qw.codes, qw.scales, start, stop, dtype),
+               w[start:stop], bound[start:stop])
+    index = torch.tensor([[8, 0, 3], [3, 5, 8]])
+    within(qw.rows(index), w[index], bound[index])
+    x = torch.randn(3, cols, dtype=dtype)
+    y = quant.QuantLinear(qw)(x)  # tiled forward
+    torch.testing.assert_close(y, F.linear(x, qw.dequantize()), rtol=tol, atol=tol)
+    assert torch.all((y - F.linear(x, w)).abs() <= x.abs() @ bound.T + tol)
+
+
 def test_nf4_matches_bitsandbytes_and_has_the_expected_error():
     bnb = quant._bitsandbytes()
     torch.manual_seed(0)

@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_config
+from conftest import engine_config, tiny_config
 from slimtune import config as config_module
-from slimtune import estimate, lora, quant
-from slimtune.config import LoraConfig, QuantConfig, SlideConfig, TrainConfig
+from slimtune import estimate, lora, quant, runtime
+from slimtune.config import LoraConfig, QuantConfig, TrainConfig
 from slimtune.data import IGNORE_INDEX, Batch
 from slimtune.engines.resident import ResidentEngine
-from slimtune.engines.slide import SlideEngine
+from slimtune.engines.slide import SlideConfig, SlideEngine
 from slimtune.errors import UserError
 from slimtune.model import Stack
 
@@ -48,21 +48,21 @@ def batches(vocab: int, seed: int, micro: int = 2, rows: int = 2, seq: int = 12)
     return out
 
 
-def train_cfg(**overrides) -> TrainConfig:
+def train_cfg(slide: SlideConfig | None = None, **overrides):
+    """The RunConfig every engine here is built with: these training settings, `slide` as its section."""
     base = dict(steps=4, batch_size=2, grad_accum=2, lr=1e-2, weight_decay=0.1, warmup_steps=1,
                 schedule="cosine", max_grad_norm=0.5)
-    return TrainConfig(**{**base, **overrides})
+    return engine_config(TrainConfig(**{**base, **overrides}), sections={"slide": slide} if slide else {})
 
 
-def run_both(model: nn.Module, cfg: TrainConfig, steps: int = 3, slide_cfg=None, precision="fp64"):
+def run_both(model: nn.Module, cfg, steps: int = 3, precision="fp64"):
     """The same steps through resident and slide on copies of `model`: (losses, grad norms, params) each."""
     results = []
     for engine_class in (ResidentEngine, SlideEngine):
         stack = Stack(copy.deepcopy(model))
-        kwargs = {"slide_cfg": slide_cfg} if engine_class is SlideEngine and slide_cfg else {}
-        engine = engine_class(stack, cfg, CPU, precision, **kwargs)
+        engine = engine_class(stack, cfg, CPU, precision)
         torch.manual_seed(123)  # the same dropout masks for both
-        out = [engine.step(batches(model.config.vocab_size, seed, cfg.grad_accum)) for seed in range(steps)]
+        out = [engine.step(batches(model.config.vocab_size, seed, cfg.train.grad_accum)) for seed in range(steps)]
         params = {n: p.detach().clone() for n, p in stack.model.named_parameters()}
         results.append(([r.loss for r in out], [r.grad_norm for r in out], params, engine))
     return results
@@ -90,7 +90,7 @@ def test_full_fine_tuning_equals_resident(clip, tied):
 
 def test_one_micro_batch_three_slots_and_small_head_tiles():
     model = model_of(layers=4)
-    resident, slide = run_both(model, train_cfg(grad_accum=1), slide_cfg=SlideConfig(slots=3, head_tile_mb=0.01))
+    resident, slide = run_both(model, train_cfg(grad_accum=1, slide=SlideConfig(slots=3, head_tile_mb=0.01)))
     assert_same(resident, slide)
     tiles = slide[3].head_tiles[0].shape[0]
     assert tiles < model.config.vocab_size  # the head really went up in several tiles
@@ -105,7 +105,7 @@ def test_lora_on_a_4bit_base_equals_resident():
         nn.init.normal_(adapter.lora_B.weight, std=0.2)
     resident, slide = run_both(model, train_cfg())
     assert_same(resident, slide)
-    assert all(u.optimizer is None for u in slide[3].edges)  # the frozen embedding and head have none
+    assert all(u.adam is None for u in slide[3].edges)  # the frozen embedding and head have none
     trained = [n for n in slide[2] if "lora_" in n]
     assert trained and all(n in slide[3].trainable_state() for n in trained)
 
@@ -114,15 +114,15 @@ def test_bf16_compute_keeps_fp32_masters_and_tracks_resident():
     model = model_of(dtype=torch.float32)
     resident, slide = run_both(model, train_cfg(), precision="bf16")
     engine = slide[3]
-    assert all(flat.dtype == torch.float32 for unit in engine.units for flat, _ in unit.flats)
+    assert all(master.dtype == torch.float32 for unit in engine.units for master in unit.adam.masters)
     head, embedding = engine.edges  # untied: the head gets a bf16 shadow to stream, the embedding none
-    assert head.shadows and not embedding.shadows
+    assert all(s is not None for s in head.adam.shadows) and all(s is None for s in embedding.adam.shadows)
     assert engine.pool.slots[0].weights.numel() < sum(  # the slot holds bf16 copies: half of fp32
         p.numel() * 4 for p in engine.stack.blocks[0].parameters())
     assert slide[0] == pytest.approx(resident[0], rel=2e-2)
     for unit in engine.units:  # what goes up is the updated master, rounded once to bf16
-        assert unit.shadows and all(torch.equal(shadow, flat.detach().to(torch.bfloat16))
-                                    for shadow, flat in unit.shadows)
+        assert all(shadow is not None and torch.equal(shadow, master.to(torch.bfloat16))
+                   for shadow, master in zip(unit.adam.shadows, unit.adam.masters))
 
 
 def peak_of(layers: int) -> tuple[int, object]:
@@ -198,17 +198,17 @@ def test_uploads_wait_for_updates_and_staging_for_its_reader(monkeypatch):
             violations.append(f"{unit.name} uploaded during its update")
         return bind(unit, *args)
 
-    def checked_download(unit, link, staging):
+    def checked_download(binding, link, staging):
         if staging.data_ptr() in reading:
-            violations.append(f"staging refilled while read ({unit.name})")
-        return download(unit, link, staging)
+            violations.append(f"staging refilled while read ({binding.slot.holder})")
+        return download(binding, link, staging)
 
     update, accumulate = slide_module._Unit.update, slide_module._Unit.accumulate
-    bind, download = slide_module._Unit.bind, slide_module._Unit.download_grads
+    bind, download = slide_module._Unit.bind, runtime.SlotBinding.download_grads
     monkeypatch.setattr(slide_module._Unit, "update", slow_update)
     monkeypatch.setattr(slide_module._Unit, "accumulate", slow_accumulate)
     monkeypatch.setattr(slide_module._Unit, "bind", checked_bind)
-    monkeypatch.setattr(slide_module._Unit, "download_grads", checked_download)
+    monkeypatch.setattr(runtime.SlotBinding, "download_grads", checked_download)
     engine = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
     got = [engine.step(batches(300, seed, 2)).loss for seed in range(2)]
     assert got == want and not violations
@@ -222,7 +222,7 @@ def test_estimate_equals_the_cpu_meter():
     batch = batches(model_config.vocab_size, 0, 1)[0]
     found = estimate.estimate(model_config, cfg, 2, 12, batch=batch)
     model = model_of(layers=3, dtype=torch.float32)
-    engine = SlideEngine(Stack(model), cfg.train, CPU, "fp32", cfg.loss, cfg.activations, cfg.slide)
+    engine = SlideEngine(Stack(model), cfg, CPU, "fp32")
     real = [engine.step([batch]) for _ in range(2)][-1]
     assert found.device_peak_bytes == real.device_peak_bytes
     assert found.host_bytes == real.host_peak_bytes > 16 * sum(p.numel() for p in model.parameters())
@@ -245,17 +245,16 @@ def test_moments_on_disk_train_exactly_like_moments_in_ram(tmp_path):
     model = model_of()
     cfg = train_cfg()
     ram = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
-    disk = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64",
-                       slide_cfg=SlideConfig(moments="disk", moments_dir=str(tmp_path)))
+    on_disk = train_cfg(slide=SlideConfig(moments="disk", moments_dir=str(tmp_path)))
+    disk = SlideEngine(Stack(copy.deepcopy(model)), on_disk, CPU, "fp64")
     for seed in range(3):
         assert ram.step(batches(300, seed, 2)).loss == disk.step(batches(300, seed, 2)).loss
     files = list(tmp_path.rglob("*.bin"))
-    assert len(files) == 2 * sum(len(u.flats) for u in disk._all_units())  # exp_avg, exp_avg_sq per flat
+    assert len(files) == 2 * sum(len(u.adam.masters) for u in disk._all_units() if u.adam)  # m, v per group
     assert disk.host_bytes() < ram.host_bytes()
     for (name, a), (_, b) in zip(ram.trainable_state().items(), disk.trainable_state().items()):
         assert torch.equal(a, b), name
-    resumed = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64",
-                          slide_cfg=SlideConfig(moments="disk", moments_dir=str(tmp_path)))
+    resumed = SlideEngine(Stack(copy.deepcopy(model)), on_disk, CPU, "fp64")
     resumed.load_state_dict(copy.deepcopy(disk.state_dict()))
     assert resumed.step(batches(300, 3, 2)).loss == disk.step(batches(300, 3, 2)).loss
     del disk, resumed
@@ -275,7 +274,7 @@ def test_bf16_resume_uploads_the_loaded_weights_and_frozen_blocks_need_no_optimi
         cfg = train_cfg(max_grad_norm=clip)
         straight = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "bf16")
         losses = [straight.step(batches(300, seed, 2)).loss for seed in range(3)]
-        assert straight.units[0].optimizer is None
+        assert straight.units[0].adam is None
         first = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "bf16")
         for seed in range(2):
             first.step(batches(300, seed, 2))

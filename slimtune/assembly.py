@@ -1,0 +1,101 @@
+"""A run's model and engine, put together in one place and one order.
+
+    precision      auto -> bf16 on CUDA, fp32 on the CPU
+    weight dtype   what the weights are loaded in (a frozen LoRA base in bf16 under bf16)
+    load device    the host when a 4-bit base is quantized from there or the engine keeps the model
+                   on the host; else the device
+    method         4-bit base (quant), then LoRA adapters, or full fine-tuning minus freeze patterns
+    placement      the model moved to the device, unless the engine keeps it on the host
+    engine         the registered engine's constructor: Engine(stack, cfg, device, precision)
+
+train.build, the planner's estimate (on fake tensors), the tests and the benchmarks all assemble a
+run here; `Stack.advance` asserts the order.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+
+from slimtune import engines, lora, quant
+from slimtune.config import RunConfig
+from slimtune.errors import UserError
+from slimtune.model import Stack, load_model
+
+HOST = torch.device("cpu")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("device is 'cuda' but no CUDA device is available; use device=auto or device=cpu.")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """auto: bf16 autocast over fp32 weights on CUDA, plain fp32 on the CPU (bf16 is slow there)."""
+    if name == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return name
+
+
+def weight_dtype(precision: str, method: str) -> torch.dtype:
+    """Trained weights stay fp32 under bf16 autocast; a frozen LoRA base is stored in bf16."""
+    if precision == "fp64":
+        return torch.float64
+    if precision == "bf16" and method == "lora":
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_device(cfg: RunConfig, device: torch.device) -> torch.device:
+    """Where the weights are loaded: a 4-bit base is loaded on the host and quantized onto the device,
+    so the dense weights never sit there; an engine that keeps the model on the host gets it there."""
+    return HOST if cfg.quant.scheme != "none" or engines.get(cfg.engine).model_on_host else device
+
+
+def load_stack(cfg: RunConfig, device: torch.device, precision: str) -> Stack:
+    """The model folder cfg.model, loaded in the run's weight dtype where it belongs."""
+    return Stack(load_model(cfg.model, weight_dtype(precision, cfg.method), load_device(cfg, device)))
+
+
+def stack_of(model: nn.Module, cfg: RunConfig, device: torch.device, precision: str) -> Stack:
+    """An in-memory model (tests, benchmarks) as load_stack would have given it: dtype and place."""
+    return Stack(model.to(dtype=weight_dtype(precision, cfg.method), device=load_device(cfg, device)))
+
+
+def apply_method(cfg: RunConfig, stack: Stack, codes_device: torch.device | None = None) -> list[str]:
+    """A 4-bit base (its codes on `codes_device`), then LoRA adapters on the chosen linears, or full
+    fine-tuning minus the freeze patterns. Returns the adapted linears' names."""
+    if cfg.quant.scheme != "none":
+        stack.advance("quant")
+        quant.apply(stack.model, cfg.quant, device=codes_device)
+    stack.advance("adapters")
+    if cfg.method == "lora":
+        return lora.apply(stack.model, cfg.lora)
+    for name, param in stack.model.named_parameters():
+        param.requires_grad_(not any(fnmatch.fnmatchcase(name, p) for p in cfg.freeze))
+    if not any(p.requires_grad for p in stack.model.parameters()):
+        raise UserError(f"freeze patterns {cfg.freeze} freeze every parameter; nothing would train.")
+    return []
+
+
+def assemble(cfg: RunConfig, stack: Stack, device: torch.device, precision: str):
+    """Method, placement and engine for a loaded stack; returns (engine, adapted linear names)."""
+    spec = engines.get(cfg.engine)
+    adapted = apply_method(cfg, stack, HOST if spec.model_on_host else device)
+    if not spec.model_on_host:
+        place(stack.model, device)
+    stack.advance("engine")
+    return spec.build(stack, cfg, device, precision), adapted
+
+
+def place(model: nn.Module, device: torch.device) -> None:
+    """Move the model to `device` unless every tensor is there already (fake tensors, which the
+    estimate uses, cannot be moved by Module.to and are already on the CPU device)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.device != device for t in tensors):
+        model.to(device)

@@ -1,0 +1,70 @@
+"""The engine registry: an engine is one module that declares itself here, once.
+
+`register(EngineSpec(...))`, called at the engine module's import, puts in one place everything the
+rest of slimtune needs to know of an engine: its settings section and their check (handed on to
+config), the plans the planner weighs for it, where the model is placed before it is built, its
+modelled step time, and its constructor. config, train, planner and speed name no engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from slimtune import config
+
+
+def _accepts_everything(cfg: config.RunConfig) -> None:
+    del cfg
+
+
+def _no_plans(method: str) -> list[dict]:
+    del method
+    return []
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    summary: str  # one line, for `slimtune train --help`
+    # (stack, cfg: RunConfig, device, precision) -> an engines.base.Engine; every engine takes these four.
+    build: Callable
+    # (model_config, cfg, counts: speed.StepCounts, gpu, batch_size, seq_len) -> speed.StepTime, modelled.
+    step_time: Callable
+    section: type | None = None  # its settings: a dataclass of config.setting fields, read as cfg.section(name)
+    validate: Callable[[config.RunConfig], None] = _accepts_everything  # refuses what it does not do, in a sentence
+    plans: Callable[[str], list[dict]] = _no_plans  # method -> option sets (dotted keys) the planner weighs
+    model_on_host: bool = False  # True: the model stays on the host and the engine moves what it needs
+    module: str = field(default="", compare=False)  # who registered it (set by register)
+
+
+_SPECS: dict[str, EngineSpec] = {}
+
+
+def register(spec: EngineSpec) -> EngineSpec:
+    """Declare an engine. A second registration under the same name must come from the same module
+    (a re-import), never from another engine."""
+    import inspect
+
+    caller = inspect.getmodule(inspect.stack()[1][0])
+    module = caller.__name__ if caller is not None else ""
+    known = _SPECS.get(spec.name)
+    if known is not None and known.module != module:
+        raise ValueError(f"engine {spec.name!r} is already registered by {known.module}")
+    spec = EngineSpec(**{**spec.__dict__, "module": module})
+    config.register_engine(spec.name, config.EngineSettings(spec.summary, spec.section, spec.validate))
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def get(name: str) -> EngineSpec:
+    return _SPECS[name]
+
+
+def names() -> list[str]:
+    return list(_SPECS)
+
+
+def plans_for(method: str) -> list[dict]:
+    """Every engine-and-options combination the planner weighs for `method`, as dotted-key settings."""
+    return [{"engine": spec.name, **options} for spec in _SPECS.values() for options in spec.plans(method)]

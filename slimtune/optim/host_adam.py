@@ -1,0 +1,162 @@
+"""AdamW on the host over flat tensors: the optimizer of every engine that keeps its trainable state
+off the device (slide's units today; lsp's d x d coordinates, chunk's slices and roundpipe's stages
+are flat tensors too).
+
+A HostAdam owns, for each group (a flat run of numbers with one weight decay, cut into members of
+given shapes):
+- the master, fp32 (fp64 stays fp64), pinned on CUDA when it crosses the link itself;
+- a gradient accumulator of the same size, which callers add into;
+- optionally a shadow in a narrower dtype (bf16): what goes up to the device, refreshed after each
+  update, so uploads move 2 bytes a number and the host casts once per step, not once per upload;
+- the AdamW moments, in host RAM or in memory-mapped files (`moments_dir`: the page cache keeps as
+  much of them as RAM allows; the files go with the optimizer).
+`update(lr, clip)` runs torch's fused CPU AdamW (one kernel per group; it releases the GIL, so a
+worker thread runs it beside the device loop) on the accumulated gradients times `clip`, then zeroes
+them and refreshes the shadows. `member(k, i)` gives every per-member view, so module parameters can
+live in the flat buffers. Host storage is marked host-resident, so the device meter leaves it out.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from slimtune import memory, runtime
+from slimtune.errors import UserError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Group:
+    """Members (their shapes, laid out one after another) sharing one weight decay."""
+
+    shapes: tuple[torch.Size, ...]
+    weight_decay: float
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel() for s in self.shapes)
+
+    def spans(self) -> list[tuple[int, int, torch.Size]]:
+        """(start, numel, shape) of each member in the flat run."""
+        out, start = [], 0
+        for shape in self.shapes:
+            out.append((start, shape.numel(), shape))
+            start += shape.numel()
+        return out
+
+
+@dataclass
+class MemberViews:
+    """One member's place in each flat tensor of its group."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    shadow: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+class HostAdam:
+    def __init__(self, name: str, groups: list[Group], dtype: torch.dtype, device: torch.device,
+                 settings: dict, shadow_dtype: torch.dtype | None = None, moments_dir: Path | None = None):
+        """`dtype`: the masters'; `device`: the device they feed (pinning on CUDA); `settings`:
+        AdamW's lr, betas, eps (rules.adamw_settings); `shadow_dtype`: a narrower dtype to upload in,
+        or None; `moments_dir`: a folder for memory-mapped moments, or None for RAM."""
+        self.name, self.groups, self.device = name, groups, device
+        self.shadow_dtype = shadow_dtype if shadow_dtype not in (None, dtype) else None
+        # Pinned only where the master itself crosses the link (no narrower shadow goes up in its place).
+        self.masters = [runtime.host_empty((g.numel,), dtype, device, pinned=self.shadow_dtype is None)
+                        for g in groups]
+        self.grads = [runtime.host_empty((g.numel,), dtype, device, pinned=False).zero_() for g in groups]
+        self.shadows = [runtime.host_empty((g.numel,), self.shadow_dtype, device) if self.shadow_dtype else None
+                        for g in groups]
+        self.moments_dir = moments_dir
+        self.flats = [nn.Parameter(master) for master in self.masters]
+        for flat, grad in zip(self.flats, self.grads):
+            flat.grad = grad
+        self.optimizer = torch.optim.AdamW([{"params": [flat], "weight_decay": g.weight_decay}
+                                            for flat, g in zip(self.flats, groups)], **settings, fused=True)
+        for k, flat in enumerate(self.flats):  # made here, host-resident, not lazily on a worker thread
+            self.optimizer.state[flat] = {
+                "step": memory.mark_host_resident(torch.zeros((), dtype=torch.float32)),
+                **{moment: self._moment(flat, f"{k}-{moment}") for moment in MOMENTS},
+            }
+
+    def _moment(self, flat: torch.Tensor, tag: str) -> torch.Tensor:
+        """A zeroed moment: in host RAM, or a memory-mapped file (a new file reads as zeros). Fake
+        tensors (the planner's estimate) never touch a disk."""
+        if self.moments_dir is None or is_fake(flat):
+            return runtime.host_empty(flat.shape, flat.dtype, self.device, pinned=False).zero_()
+        path = self.moments_dir / f"{self.name.replace(' ', '-')}-{tag}.bin"
+        moment = torch.from_file(str(path), shared=True, size=flat.numel(), dtype=flat.dtype)
+        return memory.mark_host_resident(moment.view(flat.shape))
+
+    # ------------------------------------------------------------ views
+
+    def state(self, k: int) -> dict[str, torch.Tensor]:
+        """Group k's live AdamW state: step (a 0-dim tensor), exp_avg, exp_avg_sq."""
+        return self.optimizer.state[self.flats[k]]
+
+    def member(self, k: int, i: int) -> MemberViews:
+        start, numel, shape = self.groups[k].spans()[i]
+
+        def cut(flat: torch.Tensor | None) -> torch.Tensor | None:
+            return None if flat is None else flat[start : start + numel].view(shape)
+
+        state = self.state(k)
+        return MemberViews(cut(self.masters[k]), cut(self.grads[k]), cut(self.shadows[k]),
+                           cut(state["exp_avg"]), cut(state["exp_avg_sq"]))
+
+    # ------------------------------------------------------------ host work
+
+    def update(self, lr: float, clip: float = 1.0) -> None:
+        """AdamW on the masters with the accumulated gradients times `clip`; then zero them."""
+        with torch.no_grad():
+            if clip != 1.0:
+                for grad in self.grads:
+                    grad.mul_(clip)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            for grad in self.grads:
+                grad.zero_()
+            self.refresh_shadows()
+
+    def refresh_shadows(self) -> None:
+        """The shadows become the masters rounded once (after an update, or after loading masters)."""
+        with torch.no_grad():
+            for shadow, master in zip(self.shadows, self.masters):
+                if shadow is not None:
+                    shadow.copy_(master)
+
+    def grad_norms(self) -> list[torch.Tensor]:
+        return [torch.linalg.vector_norm(grad) for grad in self.grads]
+
+    def host_bytes(self) -> int:
+        """Host RAM held: masters, accumulators, shadows, and the moments unless they are files."""
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+        moments = 0 if self.moments_dir is not None else 2 * nbytes(self.masters)
+        return nbytes(self.masters) + nbytes(self.grads) + nbytes(self.shadows) + moments
+
+
+def moments_folder(owner: object, root: Path, setting: str) -> Path:
+    """A private folder under `root` for memory-mapped moments, deleted when `owner` is collected or
+    at exit. `setting`: the key that named `root`, for the sentence if it is not usable."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="adam-", dir=root))
+    except OSError as err:
+        raise UserError(f"{setting} '{root}' is not a usable folder ({err}).") from None
+    weakref.finalize(owner, shutil.rmtree, folder, True)
+    return folder
