@@ -64,7 +64,8 @@ def build(cfg: RunConfig) -> Run:
     return Run(cfg, device, precision, tokenizer, stack, splits, engine, adapted)
 
 
-def _stream(run: Run) -> data.BatchStream:
+def batch_stream(run: Run) -> data.BatchStream:
+    """The run's training batches, from the start of its data (resume moves it on)."""
     d = run.cfg.data
     return data.BatchStream(
         run.splits.train, run.cfg.train.batch_size, d.max_length, d.packing, run.tokenizer.pad_token_id,
@@ -128,7 +129,7 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    stream = _stream(run)
+    stream = batch_stream(run)
     start = resume(run, stream)
     log = MetricsLog(out, start)
     eval_data = _eval_batches(run)

@@ -291,3 +291,29 @@ def test_a_failed_step_gives_every_slot_back(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         engine.step(batches(300, 0, 2))
     assert len(engine.pool.free) == len(engine.pool.slots) and all(u.slot is None for u in engine.units)
+
+
+def test_a_unit_is_uploaded_only_after_its_pending_update():
+    """The guard in _Unit.bind where it is the only one (no step-end barrier in between): a host
+    AdamW still running when its unit is bound finishes before the copy, so the slot holds the
+    updated weights, not the ones before the update."""
+    engine = SlideEngine(Stack(model_of()), train_cfg(), CPU, "fp64")
+    engine.step(batches(300, 0, 2))
+    unit, go = engine.units[1], threading.Event()
+
+    def late_update():
+        go.wait(10)
+        with torch.no_grad():
+            for master in unit.adam.masters:
+                master.add_(1.0)
+
+    unit.update_job = engine.worker.submit(late_update)
+    threading.Timer(0.2, go.set).start()  # the update ends only after bind has had time to copy
+    engine._load(1, with_grads=False)
+    unit.update_job.result()
+    try:
+        for param, k, i in unit.members:
+            assert param.data.data_ptr() != unit.adam.member(k, i).master.data_ptr()  # a slot view, not the host
+            assert torch.equal(param.data, unit.adam.member(k, i).master)
+    finally:
+        engine._unload(1)

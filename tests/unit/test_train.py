@@ -36,3 +36,21 @@ def test_fit_logs_every_step_and_reports_measured_peak(tmp_path, tiny_model_dir)
     # the peak holds at least the weights, and the summary names the meter that measured it
     assert summary["device_peak_bytes"] > params
     assert "CPU meter" in summary["meter"]
+
+
+def test_resume_restores_the_data_stream_position(tmp_path, tiny_model_dir):
+    """train.resume puts the stream where the checkpoint left it: the next batch is the one an
+    uninterrupted stream gives after the steps already taken, not the first one again."""
+    cfg = small_run(tmp_path, tiny_model_dir, **{"train.steps": 3, "train.grad_accum": 2, "train.save_every": 2})
+    run, _ = train.fit(cfg, progress=False)
+    straight = train.batch_stream(run)
+    first = straight.next_batch()
+    for _ in range(3 * 2 - 1):  # every micro-batch of the 3 steps the checkpoint holds
+        straight.next_batch()
+    resumed_run = train.build(cfg)
+    resumed = train.batch_stream(resumed_run)
+    assert train.resume(resumed_run, resumed) == 3
+    after = resumed.next_batch()
+    want = straight.next_batch()
+    assert torch.equal(after.input_ids, want.input_ids) and torch.equal(after.targets, want.targets)
+    assert not torch.equal(after.input_ids, first.input_ids)
