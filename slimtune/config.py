@@ -239,8 +239,8 @@ def register_engine(name: str, settings: EngineSettings) -> None:
     _ENGINES[name] = settings
 
 
-def engine_names() -> list[str]:
-    return list(_ENGINES)
+def unregister_engine(name: str) -> None:
+    _ENGINES.pop(name, None)
 
 
 def _require_engines() -> None:
@@ -258,7 +258,7 @@ def positive(name: str, value: float) -> None:
 
 def load(path: str | Path | None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
     """Read YAML (or start from `base`), apply `a.b=value` overrides, build and validate."""
-    raw = dict(base or {})
+    raw = copy.deepcopy(base or {})  # overrides write into nested sections: never into the caller's
     source = "the command line"
     if path is not None:
         raw = _read_yaml(Path(path))

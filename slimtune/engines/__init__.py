@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from slimtune.engines.registry import EngineSpec, get, names, plans_for, register
+from slimtune.engines.registry import EngineSpec, get, names, plans_for, register, unregister
 
-__all__ = ["EngineSpec", "get", "names", "plans_for", "register"]
+__all__ = ["EngineSpec", "get", "names", "plans_for", "register", "unregister"]
 
 _NOT_ENGINES = {"base", "registry"}
 

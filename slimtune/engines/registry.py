@@ -57,6 +57,12 @@ def register(spec: EngineSpec) -> EngineSpec:
     return spec
 
 
+def unregister(name: str) -> None:
+    """Forget an engine (a test's own, or a notebook's that is about to be redefined)."""
+    _SPECS.pop(name, None)
+    config.unregister_engine(name)
+
+
 def get(name: str) -> EngineSpec:
     return _SPECS[name]
 

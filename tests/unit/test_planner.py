@@ -90,3 +90,23 @@ def test_probe_writes_a_profile_the_planner_reads(tmp_path):
     assert profile["fp32_tflops"] > 0 and profile["memory_gbps"] > 0
     card = presets.gpu_profile(str(tmp_path / "me.json"))
     assert card.memory_bytes == profile["memory_bytes"]
+
+
+def test_every_plan_with_a_4bit_base_pays_for_its_dequantization_in_the_modelled_time():
+    """Each engine's modelled step time: the same plan and the same counted bytes take longer over a
+    4-bit base than over a bf16 one, by at least the dequantization traffic over the card's bandwidth."""
+    from slimtune import engines, speed
+
+    model_config, gpu = presets.model_config("Llama-3.2-1B"), presets.gpu_profile("rtx4090")
+    counts = speed.StepCounts(trainable_params=10**7, host_link_bytes=0, disk_bytes=0)
+    base = config.to_dict(planner.planning_config("lora"))
+    quantized = [plan for plan in engines.plans_for("lora") if plan.get("quant.scheme", "none") != "none"]
+    assert {plan["engine"] for plan in quantized} == {"resident", "slide"}
+    for plan in quantized:
+        times = {}
+        for scheme in ("nf4", "none"):
+            cfg = config.load(None, [f"{k}={v}" for k, v in {**plan, "quant.scheme": scheme}.items()], base=base)
+            times[scheme] = engines.get(cfg.engine).step_time(model_config, cfg, counts, gpu, 1, 1024).seconds
+        passes = 3 if plan["engine"] == "slide" or plan.get("activations.checkpoint", "none") != "none" else 2
+        floor = speed.dequant_bytes(model_config, passes) / (gpu.memory_gbps * 1e9)
+        assert times["nf4"] - times["none"] == pytest.approx(floor, rel=1e-9), plan

@@ -2,9 +2,10 @@
 
 import json
 
+import pytest
 import torch
 
-from conftest import write_jsonl
+from conftest import save_tiny_model, write_jsonl
 from slimtune import config, lora, train
 
 
@@ -54,3 +55,30 @@ def test_resume_restores_the_data_stream_position(tmp_path, tiny_model_dir):
     want = straight.next_batch()
     assert torch.equal(after.input_ids, want.input_ids) and torch.equal(after.targets, want.targets)
     assert not torch.equal(after.input_ids, first.input_ids)
+
+
+@pytest.mark.parametrize("engine, method", [("resident", "lora"), ("resident", "full"), ("slide", "lora"),
+                                            ("slide", "full")])
+def test_the_export_holds_the_engines_trainable_state(tmp_path, tokenizer, engine, method):
+    """What export writes is engine.trainable_state(), weight for weight, and it loads back: an adapter
+    under PEFT's names, a full model with a tied embedding and head through transformers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_tiny_model(tmp_path / "model", tokenizer, tie_word_embeddings=True)
+    run, _ = train.fit(small_run(tmp_path, model_dir, engine=engine, method=method, **{"train.lr": 0.05}),
+                       progress=False)
+    trained = run.engine.trainable_state()
+    if method == "lora":
+        saved = load_file(str(tmp_path / "out" / "adapter" / "adapter_model.safetensors"))
+        assert saved.keys() == {lora.PEFT_PREFIX + name for name in trained}
+        assert all(torch.equal(saved[lora.PEFT_PREFIX + name], t) for name, t in trained.items())
+        assert any(t.abs().sum() > 0 for name, t in trained.items() if "lora_B" in name)  # it trained
+        return
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "model"), local_files_only=True)
+    state = loaded.state_dict()
+    assert all(torch.equal(state[name], t) for name, t in trained.items())
+    assert loaded.config.tie_word_embeddings and "lm_head.weight" not in trained
+    assert torch.equal(state["lm_head.weight"], trained["model.embed_tokens.weight"])
+    start = load_file(str(model_dir / "model.safetensors"))
+    assert all(not torch.equal(start[name], t) for name, t in trained.items())  # every weight trained
