@@ -1,12 +1,11 @@
 """Engine `slide`: fine-tuning a model far larger than the device, with a sliding window of blocks
-(SlideFormer, specs/slide-window.md), on the offload runtime (runtime.py).
+(SlideFormer; the team's spec is slide-window.md), on the offload runtime (runtime.py).
 
-Where things live. Host: the fp32 master of every trainable tensor, in flat buffers per unit (a
-block; the last block with the final norm; the LM head; the embedding, or one unit for a tied
-pair), the gradient
-accumulators in the same layout, the AdamW moments (torch's fused CPU AdamW, one optimizer per
-unit), frozen tensors (a LoRA base, 4-bit codes), the embedding and LM head, and each block's input
-(the activations store: host RAM, or disk). Device: a SlotPool of `slide.slots` slots sized to the
+Where things live. Host: host units (host_unit.py), one per block (the last block with the final
+norm), the LM head and the embedding (one unit for a tied pair), each with the fp32 masters of its
+trainable tensors, their gradient accumulators and AdamW moments (a HostAdam: torch's fused CPU
+AdamW), its frozen tensors (a LoRA base, 4-bit codes); and each block's input (the activations
+store: host RAM, or disk). Device: a SlotPool of `slide.slots` slots sized to the
 largest block (its weights in the compute dtype and their gradients), rotary tables, one block's
 activations, and one LM-head tile at a time.
 
@@ -32,7 +31,7 @@ last backward (the host AdamW time is then not hidden behind the device; each un
 by its last host job, so only the sum of squares waits); with clipping off, each unit's update
 overlaps the backward of the blocks below it.
 
-Ordering is explicit: a unit's next upload waits for its last update (`_Unit.update_job`), a
+Ordering is explicit: a unit's next upload waits for its last update (`HostUnit.update_job`), a
 staging buffer is refilled only after the host job that read it finished, and a slot is refilled
 only after the device work on it (an event on CUDA). On the CPU every copy is synchronous and the
 same code runs; host tensors are marked host-resident, so the meter counts what a GPU would hold.
@@ -48,7 +47,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from slimtune import activations, memory, runtime, speed
@@ -58,10 +56,11 @@ from slimtune.data import Batch
 from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
+from slimtune.host_unit import HostUnit
 from slimtune.loss import chunk_tokens, head_inputs
 from slimtune.model import Stack
 from slimtune.optim import rules
-from slimtune.optim.host_adam import Group, HostAdam, moments_folder
+from slimtune.optim.host_adam import moments_folder
 from slimtune.streamed_ce import streamed_ce
 
 
@@ -95,101 +94,6 @@ def validate(cfg: RunConfig) -> None:
         raise UserError("engine=slide keeps only each block's input; set activations.cache=none.")
 
 
-class _Unit:
-    """Modules whose tensors move together: their slot binding, and for the trainable ones a HostAdam
-    (fp32 masters in two flat groups, decayed matrices and undecayed vectors as in every engine,
-    gradient accumulators, bf16 shadows when computing in bf16, moments in RAM or files). Frozen
-    tensors stay on the host (pinned on CUDA) and go to the device as they are."""
-
-    def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
-                 cfg: RunConfig, moments_dir: Path | None):
-        self.name, self.device = name, device
-        tensors = []
-        for owner, attr, tensor, is_param in runtime.own_tensors(modules):
-            if is_param and tensor.requires_grad:
-                tensors.append(runtime.SlotTensor(owner, attr, tensor, tensor.data, weight_dtype or tensor.dtype, True))
-            else:
-                host = self._frozen_host(owner, attr, tensor, is_param)
-                tensors.append(runtime.SlotTensor(owner, attr, tensor if is_param else None, host, tensor.dtype, False))
-        self.accumulators: dict[int, torch.Tensor] = {}  # id(param) -> its host gradient accumulator
-        self.members: list[tuple[nn.Parameter, int, int]] = []  # (param, group, member) in the HostAdam
-        trainable = [t for t in tensors if t.trainable]
-        self.adam = self._adopt(trainable, cfg, moments_dir) if trainable else None
-        self.binding = runtime.SlotBinding(tensors)
-        self.update_job = None  # the last AdamW submitted for this unit
-        self.norms: list[torch.Tensor] = []  # its step gradients' norms, noted once they are complete
-        self.ready = None  # the event of its last copy into the slot (None on the CPU)
-
-    def _frozen_host(self, owner: nn.Module, attr: str, tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return memory.mark_host_resident(tensor.data)
-        host = runtime.to_host_storage(tensor.data, self.device)  # pinned, so uploads are DMA
-        if is_param:
-            tensor.data = host
-        else:
-            owner._buffers[attr] = host
-        return host
-
-    def _adopt(self, trainable: list[runtime.SlotTensor], cfg: RunConfig, moments_dir: Path | None) -> HostAdam:
-        """The trainable tensors move into a HostAdam's flat masters; their parameters point there."""
-        groups = rules.decay_groups([t.param for t in trainable], cfg.train.weight_decay)
-        by_param = {id(t.param): t for t in trainable}
-        master_dtype = torch.promote_types(trainable[0].param.dtype, torch.float32)  # fp32 masters; fp64 stays
-        adam = HostAdam(self.name, [Group(tuple(p.shape for p in params), decay) for params, decay in groups],
-                        master_dtype, self.device, rules.adamw_settings(cfg.train),
-                        shadow_dtype=trainable[0].device_dtype, moments_dir=moments_dir)
-        with torch.no_grad():
-            for k, (params, _) in enumerate(groups):
-                for i, param in enumerate(params):
-                    views, t = adam.member(k, i), by_param[id(param)]
-                    views.master.copy_(param.data)
-                    param.data, t.host, t.shadow = views.master, views.master, views.shadow
-                    self.accumulators[id(param)] = views.grad
-                    self.members.append((param, k, i))
-        adam.refresh_shadows()
-        return adam
-
-    @property
-    def slot(self) -> runtime.Slot | None:
-        return self.binding.slot
-
-    def host_bytes(self) -> int:
-        """Host RAM this unit holds: its HostAdam's, and its frozen tensors."""
-        frozen = sum(t.host.numel() * t.host.element_size() for t in self.binding.tensors if not t.trainable)
-        return frozen + (self.adam.host_bytes() if self.adam is not None else 0)
-
-    def tensor_of(self, param: torch.Tensor) -> runtime.SlotTensor | None:
-        return next((t for t in self.binding.tensors if t.param is param), None)
-
-    # ------------------------------------------------------------ device side
-
-    def bind(self, slot: runtime.Slot, link: runtime.Link, with_grads: bool) -> object:
-        """Copy the unit into `slot` (after its last AdamW: never upload a unit mid-update)."""
-        if self.update_job is not None:
-            self.update_job.result()
-        return self.binding.bind(slot, link, with_grads)
-
-    # ------------------------------------------------------------ host work (on the worker)
-
-    def accumulate(self, staging: torch.Tensor, event: object, final: bool = False) -> None:
-        """Add the staged gradients; on the step's last micro-batch also note their norms (on the
-        worker, so the global norm for clipping costs the device loop nothing)."""
-        if event is not None:
-            event.synchronize()
-        with torch.no_grad():
-            for t in self.binding.tensors:
-                if t.trainable:
-                    self.accumulators[id(t.param)].add_(t.grad_in(staging))
-        if final:
-            self.note_norms()
-
-    def note_norms(self) -> None:
-        self.norms = self.adam.grad_norms() if self.adam is not None else []
-
-    def update(self, lr: float, clip: float) -> None:
-        self.adam.update(lr, clip)
-
-
 class SlideEngine:
     name = "slide"
 
@@ -203,7 +107,7 @@ class SlideEngine:
         weight_dtype = torch.bfloat16 if precision == "bf16" else None  # None: the master's dtype
         moments = self._moments_dir(cfg)
         blocks, count = stack.blocks, len(stack.blocks)
-        self.units = [_Unit(f"block {i}", [blocks[i]] + ([stack.norm] if i == count - 1 else []), device,
+        self.units = [HostUnit(f"block {i}", [blocks[i]] + ([stack.norm] if i == count - 1 else []), device,
                             weight_dtype, cfg, moments) for i in range(count)]
         self.edges = self._edge_units(cfg, weight_dtype, moments)
         self.names = {id(p): n for n, p in stack.model.named_parameters() if p.requires_grad}
@@ -222,16 +126,16 @@ class SlideEngine:
         self.step_count = 0
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
 
-    def _edge_units(self, cfg: RunConfig, weight_dtype: torch.dtype | None, moments: Path | None) -> list[_Unit]:
+    def _edge_units(self, cfg: RunConfig, weight_dtype: torch.dtype | None, moments: Path | None) -> list[HostUnit]:
         """The host-side units: the LM head (streamed up in tiles, so it gets a narrow shadow) and
         the embedding (never sent up: rows are gathered on the host, so no shadow); one unit when tied."""
         stack, device = self.stack, self.device
         if stack.tied:
-            return [_Unit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, cfg, moments)]
-        return [_Unit("LM head", [stack.head], device, weight_dtype, cfg, moments),
-                _Unit("embedding", [stack.embed], device, None, cfg, moments)]
+            return [HostUnit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, cfg, moments)]
+        return [HostUnit("LM head", [stack.head], device, weight_dtype, cfg, moments),
+                HostUnit("embedding", [stack.embed], device, None, cfg, moments)]
 
-    def _edge_tensor(self, param: torch.Tensor) -> tuple[_Unit, runtime.SlotTensor] | tuple[None, None]:
+    def _edge_tensor(self, param: torch.Tensor) -> tuple[HostUnit, runtime.SlotTensor] | tuple[None, None]:
         for unit in self.edges:
             found = unit.tensor_of(param)
             if found is not None:
@@ -478,7 +382,7 @@ class SlideEngine:
         norms = [n for u in self._all_units() if u.adam is not None for n in u.norms]
         return torch.linalg.vector_norm(torch.stack(norms))
 
-    def _all_units(self) -> list[_Unit]:
+    def _all_units(self) -> list[HostUnit]:
         return [*self.units, *self.edges]
 
     def _store_kind(self) -> str:

@@ -165,7 +165,7 @@ def test_resume_is_exact():
 def test_uploads_wait_for_updates_and_staging_for_its_reader(monkeypatch):
     """Random sleeps in every host job: results stay equal to a run without them, no unit is
     uploaded while its AdamW runs, and no staging buffer is refilled while a host job reads it."""
-    from slimtune.engines import slide as slide_module
+    from slimtune.host_unit import HostUnit
 
     model = model_of()
     cfg = train_cfg(max_grad_norm=0.0)  # updates overlap the backward: the racy case
@@ -203,11 +203,11 @@ def test_uploads_wait_for_updates_and_staging_for_its_reader(monkeypatch):
             violations.append(f"staging refilled while read ({binding.slot.holder})")
         return download(binding, link, staging)
 
-    update, accumulate = slide_module._Unit.update, slide_module._Unit.accumulate
-    bind, download = slide_module._Unit.bind, runtime.SlotBinding.download_grads
-    monkeypatch.setattr(slide_module._Unit, "update", slow_update)
-    monkeypatch.setattr(slide_module._Unit, "accumulate", slow_accumulate)
-    monkeypatch.setattr(slide_module._Unit, "bind", checked_bind)
+    update, accumulate = HostUnit.update, HostUnit.accumulate
+    bind, download = HostUnit.bind, runtime.SlotBinding.download_grads
+    monkeypatch.setattr(HostUnit, "update", slow_update)
+    monkeypatch.setattr(HostUnit, "accumulate", slow_accumulate)
+    monkeypatch.setattr(HostUnit, "bind", checked_bind)
     monkeypatch.setattr(runtime.SlotBinding, "download_grads", checked_download)
     engine = SlideEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
     got = [engine.step(batches(300, seed, 2)).loss for seed in range(2)]

@@ -1,0 +1,118 @@
+"""Host units: modules that rest on the host and visit the device a slot at a time, with their own
+AdamW on the host. Engines that keep a model's state off the device (slide's blocks; a pipeline's
+stages) are built from them.
+
+A unit's parameters point into its HostAdam's flat masters at rest and at slot views while it is
+bound (`bind`). Two orderings are the unit's to keep: it is never uploaded while its last host update
+is still running (`bind` waits for `update_job`), and its gradients reach the accumulators through a
+host staging buffer (`accumulate`, run on the engine's host worker). Host storage is marked
+host-resident, so the device meter counts only what a GPU would hold.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from slimtune import memory, runtime
+from slimtune.config import RunConfig
+from slimtune.optim import rules
+from slimtune.optim.host_adam import Group, HostAdam
+
+
+class HostUnit:
+    """Modules whose tensors live on the host and move to a device slot together: their slot binding,
+    and for the trainable ones a HostAdam (fp32 masters in two flat groups, decayed matrices and
+    undecayed vectors as in every engine, gradient accumulators, bf16 shadows when computing in bf16,
+    moments in RAM or files). Frozen tensors stay on the host (pinned on CUDA) and go up as they are.
+    `weight_dtype`: what trainable tensors go up in (None: their masters' dtype)."""
+
+    def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
+                 cfg: RunConfig, moments_dir: Path | None):
+        self.name, self.device = name, device
+        tensors = []
+        for owner, attr, tensor, is_param in runtime.own_tensors(modules):
+            if is_param and tensor.requires_grad:
+                tensors.append(runtime.SlotTensor(owner, attr, tensor, tensor.data, weight_dtype or tensor.dtype, True))
+            else:
+                host = self._frozen_host(owner, attr, tensor, is_param)
+                tensors.append(runtime.SlotTensor(owner, attr, tensor if is_param else None, host, tensor.dtype, False))
+        self.accumulators: dict[int, torch.Tensor] = {}  # id(param) -> its host gradient accumulator
+        self.members: list[tuple[nn.Parameter, int, int]] = []  # (param, group, member) in the HostAdam
+        trainable = [t for t in tensors if t.trainable]
+        self.adam = self._adopt(trainable, cfg, moments_dir) if trainable else None
+        self.binding = runtime.SlotBinding(tensors)
+        self.update_job = None  # the last AdamW submitted for this unit
+        self.norms: list[torch.Tensor] = []  # its step gradients' norms, noted once they are complete
+        self.ready = None  # the event of its last copy into the slot (None on the CPU)
+
+    def _frozen_host(self, owner: nn.Module, attr: str, tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return memory.mark_host_resident(tensor.data)
+        host = runtime.to_host_storage(tensor.data, self.device)  # pinned, so uploads are DMA
+        if is_param:
+            tensor.data = host
+        else:
+            owner._buffers[attr] = host
+        return host
+
+    def _adopt(self, trainable: list[runtime.SlotTensor], cfg: RunConfig, moments_dir: Path | None) -> HostAdam:
+        """The trainable tensors move into a HostAdam's flat masters; their parameters point there."""
+        groups = rules.decay_groups([t.param for t in trainable], cfg.train.weight_decay)
+        by_param = {id(t.param): t for t in trainable}
+        master_dtype = torch.promote_types(trainable[0].param.dtype, torch.float32)  # fp32 masters; fp64 stays
+        adam = HostAdam(self.name, [Group(tuple(p.shape for p in params), decay) for params, decay in groups],
+                        master_dtype, self.device, rules.adamw_settings(cfg.train),
+                        shadow_dtype=trainable[0].device_dtype, moments_dir=moments_dir)
+        with torch.no_grad():
+            for k, (params, _) in enumerate(groups):
+                for i, param in enumerate(params):
+                    views, t = adam.member(k, i), by_param[id(param)]
+                    views.master.copy_(param.data)
+                    param.data, t.host, t.shadow = views.master, views.master, views.shadow
+                    self.accumulators[id(param)] = views.grad
+                    self.members.append((param, k, i))
+        adam.refresh_shadows()
+        return adam
+
+    @property
+    def slot(self) -> runtime.Slot | None:
+        return self.binding.slot
+
+    def host_bytes(self) -> int:
+        """Host RAM this unit holds: its HostAdam's, and its frozen tensors."""
+        frozen = sum(t.host.numel() * t.host.element_size() for t in self.binding.tensors if not t.trainable)
+        return frozen + (self.adam.host_bytes() if self.adam is not None else 0)
+
+    def tensor_of(self, param: torch.Tensor) -> runtime.SlotTensor | None:
+        return next((t for t in self.binding.tensors if t.param is param), None)
+
+    # ------------------------------------------------------------ device side
+
+    def bind(self, slot: runtime.Slot, link: runtime.Link, with_grads: bool) -> object:
+        """Copy the unit into `slot` (after its last AdamW: never upload a unit mid-update)."""
+        if self.update_job is not None:
+            self.update_job.result()
+        return self.binding.bind(slot, link, with_grads)
+
+    # ------------------------------------------------------------ host work (on the worker)
+
+    def accumulate(self, staging: torch.Tensor, event: object, final: bool = False) -> None:
+        """Add the staged gradients; on the step's last micro-batch also note their norms (on the
+        worker, so the global norm for clipping costs the device loop nothing)."""
+        if event is not None:
+            event.synchronize()
+        with torch.no_grad():
+            for t in self.binding.tensors:
+                if t.trainable:
+                    self.accumulators[id(t.param)].add_(t.grad_in(staging))
+        if final:
+            self.note_norms()
+
+    def note_norms(self) -> None:
+        self.norms = self.adam.grad_norms() if self.adam is not None else []
+
+    def update(self, lr: float, clip: float) -> None:
+        self.adam.update(lr, clip)
