@@ -53,9 +53,9 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from slimtune import runtime
 from slimtune.config import ActivationsConfig
 from slimtune.errors import UserError
-from slimtune import runtime
 from slimtune.memory import mark_host_resident
 from slimtune.model import BlockInputs, Stack
 
@@ -268,10 +268,6 @@ def restore_dropout_rng(state: tuple, device: torch.device) -> None:
 # ---------------------------------------------------------------- stores
 
 
-def _nbytes(x: torch.Tensor) -> int:
-    return x.numel() * x.element_size()
-
-
 @dataclass
 class _StoredInput:
     nbytes: int
@@ -342,8 +338,8 @@ class HostStore(BlockStore):
     def put(self, x: torch.Tensor) -> int:
         key = next(self._ids)
         host, ready = self.link.to_host(x)
-        self.entries[key] = _StoredInput(_nbytes(x), host=host, ready=ready)
-        self._count_in(_nbytes(x))
+        self.entries[key] = _StoredInput(runtime.nbytes(x), host=host, ready=ready)
+        self._count_in(runtime.nbytes(x))
         return key
 
     def prefetch(self, key: int) -> None:
@@ -382,7 +378,7 @@ class DiskStore(HostStore):
     def reserve(self, example: torch.Tensor, count: int) -> None:
         if count <= 0 or is_fake(example):
             return
-        need, free = _nbytes(example) * count, shutil.disk_usage(self._ensure_folder()).free
+        need, free = runtime.nbytes(example) * count, shutil.disk_usage(self._ensure_folder()).free
         if need + DISK_MARGIN > free:
             raise UserError(
                 f"activations.checkpoint=disk needs {need / 2**30:.2f} GiB for block inputs in '{self.root}',"
@@ -398,8 +394,8 @@ class DiskStore(HostStore):
         host, ready = self.link.to_host(x)
         path = self._ensure_folder() / f"block-{key}.bin"
         self.writes.append(self.worker.submit(_write_file, path, host, ready))
-        self.entries[key] = _StoredInput(_nbytes(x), path=path, layout=(x.shape, host.stride(), x.dtype))
-        self._count_in(_nbytes(x))
+        self.entries[key] = _StoredInput(runtime.nbytes(x), path=path, layout=(x.shape, host.stride(), x.dtype))
+        self._count_in(runtime.nbytes(x))
         while len(self.writes) > WRITES_IN_FLIGHT or (self.writes and self.writes[0].done()):
             self._wait(self.writes.popleft())  # back-pressure; write errors surface here
         return key
@@ -440,7 +436,7 @@ class DiskStore(HostStore):
 
 def _byte_view(t: torch.Tensor):
     """The bytes of t's (fresh, dense) storage as a numpy array: any dtype, bf16 included."""
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), 0, (_nbytes(t),), (1,)).numpy()
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), 0, (runtime.nbytes(t),), (1,)).numpy()
 
 
 def _write_file(path: Path, host: torch.Tensor, ready) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from slimtune import engines, lora, quant
 from slimtune.config import RunConfig
+from slimtune.engines.base import Engine
 from slimtune.errors import UserError
 from slimtune.model import Stack, load_model
 
@@ -67,30 +68,30 @@ def stack_of(model: nn.Module, cfg: RunConfig, device: torch.device, precision: 
     return Stack(model.to(dtype=weight_dtype(precision, cfg.method), device=load_device(cfg, device)))
 
 
-def apply_method(cfg: RunConfig, stack: Stack, codes_device: torch.device | None = None) -> list[str]:
+def apply_method(cfg: RunConfig, stack: Stack, codes_device: torch.device | None = None) -> None:
     """A 4-bit base (its codes on `codes_device`), then LoRA adapters on the chosen linears, or full
-    fine-tuning minus the freeze patterns. Returns the adapted linears' names."""
+    fine-tuning minus the freeze patterns."""
     if cfg.quant.scheme != "none":
         stack.advance("quant")
         quant.apply(stack.model, cfg.quant, device=codes_device)
     stack.advance("adapters")
     if cfg.method == "lora":
-        return lora.apply(stack.model, cfg.lora)
+        lora.apply(stack.model, cfg.lora)
+        return
     for name, param in stack.model.named_parameters():
         param.requires_grad_(not any(fnmatch.fnmatchcase(name, p) for p in cfg.freeze))
     if not any(p.requires_grad for p in stack.model.parameters()):
         raise UserError(f"freeze patterns {cfg.freeze} freeze every parameter; nothing would train.")
-    return []
 
 
-def assemble(cfg: RunConfig, stack: Stack, device: torch.device, precision: str):
-    """Method, placement and engine for a loaded stack; returns (engine, adapted linear names)."""
+def assemble(cfg: RunConfig, stack: Stack, device: torch.device, precision: str) -> Engine:
+    """Method, placement and engine for a loaded stack."""
     spec = engines.get(cfg.engine)
-    adapted = apply_method(cfg, stack, HOST if spec.model_on_host else device)
+    apply_method(cfg, stack, HOST if spec.model_on_host else device)
     if not spec.model_on_host:
         place(stack.model, device)
     stack.advance("engine")
-    return spec.build(stack, cfg, device, precision), adapted
+    return spec.build(stack, cfg, device, precision)
 
 
 def place(model: nn.Module, device: torch.device) -> None:

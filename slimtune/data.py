@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from slimtune.chat import DEFAULT_CHAT_TEMPLATE, assistant_spans, render, resolve_template  # noqa: F401 (re-exported)
+from slimtune.chat import assistant_spans, render, resolve_template
 from slimtune.config import DataConfig
 from slimtune.errors import UserError
 
@@ -52,6 +52,12 @@ _LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parqu
 class Example:
     input_ids: list[int]
     targets: list[int]  # same length; shifted; IGNORE_INDEX where the next token is not trained
+
+
+def trained_positions(targets: torch.Tensor) -> torch.Tensor:
+    """targets (B, T) -> (N,) long flat indices into B*T of the trained positions. Found when a
+    batch is built, on real tensors: the output's shape depends on values."""
+    return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 @dataclass
@@ -70,7 +76,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         if self.trained_positions is None:
-            self.trained_positions = (self.targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+            self.trained_positions = trained_positions(self.targets)
         if self.num_targets < 0:
             self.num_targets = int(self.trained_positions.numel())
         if self.segmented is None:

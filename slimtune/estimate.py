@@ -106,7 +106,7 @@ def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch
     stack = Stack(fake_model(config, assembly.weight_dtype(precision, cfg.method), mode))
     real_batch = batch if batch is not None else synthetic_batch(batch_size, seq_len, config.vocab_size)
     with mode:
-        engine, _ = assembly.assemble(cfg, stack, assembly.HOST, precision)
+        engine = assembly.assemble(cfg, stack, assembly.HOST, precision)
         tensors = (real_batch.input_ids, real_batch.targets, real_batch.position_ids, real_batch.trained_positions)
         batch = Batch(*(mode.from_tensor(t) for t in tensors), num_targets=real_batch.num_targets,
                       segmented=real_batch.segmented)

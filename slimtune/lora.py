@@ -29,7 +29,6 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
         weight = getattr(base, "weight", None)
         # A 4-bit base keeps its dense dtype beside the codes; adapters follow that, not uint8.

@@ -8,7 +8,7 @@ exactly the gradient of one large batch.
 Three memory measures (specs/peak-memory-lora.md 2.5, 2.6):
 - Logits masking (exact): only the trained rows of the final block output go through
   the final norm, the head and the loss. Their flat indices come from the caller
-  (`trained_positions`, computed when the batch is built), because finding them here would
+  (`data.Batch.trained_positions`, found when the batch is built), because finding them here would
   read tensor values mid-step, which fake tensors (memory.estimate) cannot answer.
 - mode=exact: cross-entropy in token chunks that computes each chunk's gradients in the
   forward pass, so no (N, V) logits are ever kept; only the (N, D) hidden gradient (and
@@ -52,12 +52,6 @@ class LossOutput:
     excluded_mass_sum: torch.Tensor  # () detached sum of 1 - p(S_t) over trained positions; 0 in mode=exact
 
 
-def trained_positions(targets: torch.Tensor) -> torch.Tensor:
-    """targets (B, T) -> (N,) long flat indices into B*T of the trained positions.
-    Call it when the batch is built, on real tensors: its output shape depends on values."""
-    return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
-
-
 def causal_lm_loss(
     hidden: torch.Tensor,
     norm: nn.Module,
@@ -68,7 +62,7 @@ def causal_lm_loss(
     training: bool = True,
 ) -> LossOutput:
     """hidden (B, T, D), the last block's output before the final norm; targets (B, T) shifted;
-    trained_positions (N,) = trained_positions(targets), required when cfg.masking. Returns sums, never means."""
+    trained_positions (N,): data.trained_positions(targets), required when cfg.masking. Returns sums, never means."""
     source = _Head(head)
     chunk = chunk_tokens(cfg, source.shape[0])
     if not (training and torch.is_grad_enabled()):
@@ -125,7 +119,7 @@ def head_inputs(
     flat_targets = targets.reshape(-1)  # (B*T,)
     if cfg.masking:
         if trained_positions is None:
-            raise ValueError("loss.masking needs trained_positions(targets), computed when the batch is built.")
+            raise ValueError("loss.masking needs data.trained_positions(targets), found when the batch is built.")
         # Gathered before the norm: the norm, head and loss then cost N rows, not B*T.
         flat, flat_targets = flat.index_select(0, trained_positions), flat_targets.index_select(0, trained_positions)
     return norm(flat), flat_targets
@@ -141,7 +135,7 @@ def _refuse_trainable_head(head: nn.Module) -> None:
         )
 
 
-def _compute_dtype(x: torch.Tensor, head: _Head) -> torch.dtype:
+def _logits_dtype(x: torch.Tensor, head: _Head) -> torch.dtype:
     # Softmax over a large vocabulary in half precision loses the small probabilities.
     return torch.promote_types(torch.promote_types(x.dtype, head.dtype), torch.float32)
 
@@ -193,7 +187,7 @@ def _exact_pass(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Loss sum and, as `need` (x, weight, bias) asks, gradients for an upstream gradient of 1.
     x (N, D), head (V, D), targets (N,) -> (), (N, D), (V, D), (V,). One (c, V) buffer at a time."""
-    dtype = _compute_dtype(x, head)
+    dtype = _logits_dtype(x, head)
     loss = x.new_zeros((), dtype=dtype)
     grad_x = torch.empty_like(x) if need[0] else None
     grad_w = x.new_zeros(head.shape, dtype=dtype) if need[1] else None
@@ -278,7 +272,7 @@ class _SubsetCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, targets, head: _Head, chunk: int, k: int):
-        dtype = _compute_dtype(x, head)
+        dtype = _logits_dtype(x, head)
         k = min(k, head.shape[0])
         # (N, k) each: about 12 k bytes per trained token, vocabulary-wide only if k >= V.
         ids = targets.new_empty((x.shape[0], k))  # (N, k)

@@ -84,10 +84,6 @@ class LiveBytesMeter(TorchDispatchMode):
             self.by_category[category] += entry[0]
             entry[2] = category
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
-        self.peak_breakdown = dict(self.by_category)
-
     def _track_one(self, t: torch.Tensor, category: str) -> None:
         if t.device.type != self.device_type or t.is_sparse:
             return
@@ -176,8 +172,7 @@ NO_READING = _TotalsOnly()  # for code paths that are not measured (evaluation)
 
 
 class _CudaReading(_TotalsOnly):
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self):
         self.peak = 0
 
 
@@ -193,7 +188,7 @@ class CudaMeter:
     def measure(self, resident: Iterable[tuple[torch.Tensor | None, str]]) -> Iterator[_CudaReading]:
         del resident  # the allocator already knows every live tensor
         torch.cuda.reset_peak_memory_stats(self.device)
-        reading = _CudaReading(self.device)
+        reading = _CudaReading()
         try:
             yield reading
         finally:

@@ -22,7 +22,7 @@ from slimtune.errors import UserError
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 # The fixed order in which a run transforms its model (ARCHITECTURE.md, "The flow of one run").
-BUILD_ORDER = ("loaded", "quant", "adapters", "activations", "engine")
+BUILD_ORDER = ("loaded", "quant", "adapters", "engine")
 
 
 def read_config(folder: str | Path) -> dict:

@@ -335,10 +335,6 @@ class QuantLinear(nn.Module):
         for start, stop in row_tiles(q.layout):
             yield start, stop, dequantize_row_range(q.layout, q.codes, q.scales, start, stop, dtype or q.dtype)
 
-    def rows(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rows of W (e.g. the head rows a subset softmax needs), without dequantizing the rest."""
-        return self.qweight.rows(index, dtype)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 

@@ -72,7 +72,7 @@ class Link:
     def to_device(self, host: torch.Tensor, after: object = None) -> tuple[torch.Tensor, object]:
         """A new device copy of host tensor `host` (after event `after`), and its ready event."""
         if not self.cuda:
-            self.bytes_up += _nbytes(host)
+            self.bytes_up += nbytes(host)
             return host.clone(), None  # clone keeps dense strides; the meter counts it as device memory
         with torch.cuda.stream(self.stream):  # allocated on the side stream: see ready()
             x = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
@@ -80,7 +80,7 @@ class Link:
 
     def copy_up(self, dst: torch.Tensor, src: torch.Tensor, after: object = None) -> object:
         """Host src into the existing device tensor dst (a dtype cast on the way is allowed)."""
-        self.bytes_up += _nbytes(src)
+        self.bytes_up += nbytes(src)
         if not self.cuda:
             with torch.no_grad():
                 dst.copy_(src)
@@ -106,7 +106,7 @@ class Link:
 
     def copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> object:
         """Device src into the existing host tensor dst, after the compute that made src."""
-        self.bytes_down += _nbytes(src)
+        self.bytes_down += nbytes(src)
         if not self.cuda:
             with torch.no_grad():
                 dst.copy_(src)
@@ -133,7 +133,8 @@ class Link:
         return x
 
 
-def _nbytes(x: torch.Tensor) -> int:
+def nbytes(x: torch.Tensor) -> int:
+    """Bytes of x's elements (not of its storage)."""
     return x.numel() * x.element_size()
 
 
@@ -153,7 +154,6 @@ def view_bytes(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype:
 
 @dataclass
 class Slot:
-    index: int
     weights: torch.Tensor  # uint8 device buffer: a unit's weights (and frozen buffers)
     grads: torch.Tensor | None  # uint8 device buffer: its trainable weights' gradients
     released: object = None  # event: the previous borrower's device work on it is done
@@ -165,9 +165,9 @@ class SlotPool:
 
     def __init__(self, device: torch.device, count: int, weight_bytes: int, grad_bytes: int):
         self.device = device
-        self.slots = [Slot(i, torch.empty(aligned(weight_bytes), dtype=torch.uint8, device=device),
+        self.slots = [Slot(torch.empty(aligned(weight_bytes), dtype=torch.uint8, device=device),
                            torch.empty(aligned(grad_bytes), dtype=torch.uint8, device=device) if grad_bytes else None)
-                      for i in range(count)]
+                      for _ in range(count)]
         self.free = list(self.slots)
         self.allocations = count  # buffers ever made: stays `count` for the pool's life
 
@@ -313,7 +313,7 @@ class HostWorker:
 
     def __init__(self, inline: bool = False):
         self.inline = inline
-        self.pool = None if inline else ThreadPoolExecutor(1, thread_name_prefix="slimtune-host")
+        self.executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix="slimtune-host")
         self.pending: list[Future] = []
 
     def submit(self, fn, *args) -> Future:
@@ -324,7 +324,7 @@ class HostWorker:
             with _disable_current_modes():
                 job.set_result(fn(*args))
             return job
-        job = self.pool.submit(fn, *args)
+        job = self.executor.submit(fn, *args)
         self.pending.append(job)
         return job
 
@@ -334,5 +334,5 @@ class HostWorker:
             job.result()
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +31,6 @@ class Run:
     stack: Stack
     splits: data.Splits
     engine: Engine
-    adapted: list[str] = field(default_factory=list)
 
     def trainable_count(self) -> int:
         return sum(p.numel() for p in self.stack.model.parameters() if p.requires_grad)
@@ -60,8 +59,8 @@ def build(cfg: RunConfig) -> Run:
     if not splits.train:
         raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
     stack = assembly.load_stack(cfg, device, precision)
-    engine, adapted = assembly.assemble(cfg, stack, device, precision)
-    return Run(cfg, device, precision, tokenizer, stack, splits, engine, adapted)
+    engine = assembly.assemble(cfg, stack, device, precision)
+    return Run(cfg, device, precision, tokenizer, stack, splits, engine)
 
 
 def batch_stream(run: Run) -> data.BatchStream:

@@ -79,7 +79,7 @@ def build_engine(model, cfg, where: torch.device):
     """What train.build does after loading, on a copy of an in-memory model."""
     precision = assembly.resolve_precision(cfg.precision, where)
     stack = assembly.stack_of(copy.deepcopy(model), cfg, where, precision)
-    return assembly.assemble(cfg, stack, where, precision)[0]
+    return assembly.assemble(cfg, stack, where, precision)
 
 
 def measured_step2(engine, batch: Batch) -> tuple[int, list[float]]:

@@ -143,7 +143,7 @@ def real_measure(base_model, cfg, batch: Batch) -> dict:
     began = time.perf_counter()
     torch.manual_seed(0)
     stack = Stack(copy.deepcopy(base_model))
-    engine, _ = assembly.assemble(cfg, stack, torch.device("cpu"), "fp32")
+    engine = assembly.assemble(cfg, stack, torch.device("cpu"), "fp32")
     results = [engine.step([batch]) for _ in range(STEPS)]
     trainable = sum(p.numel() for p in stack.model.parameters() if p.requires_grad)
     row = _result_row(results[-1], time.perf_counter() - began, trainable)

@@ -100,7 +100,7 @@ def part2(seq: int = 256) -> dict:
     for engine_name in ("slide", "resident"):
         cfg = run_config(engine_name, "fp32")
         found = estimate(model_config, cfg, 1, seq, batch=batch)
-        engine, _ = assembly.assemble(cfg, assembly.stack_of(copy.deepcopy(model), cfg, cpu, "fp32"), cpu, "fp32")
+        engine = assembly.assemble(cfg, assembly.stack_of(copy.deepcopy(model), cfg, cpu, "fp32"), cpu, "fp32")
         times, result = timed_steps(engine, batch)
         rows[engine_name] = {
             "measured_device_peak_bytes": result.device_peak_bytes, "estimate_device_peak_bytes": found.device_peak_bytes,

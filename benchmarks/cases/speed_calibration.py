@@ -41,7 +41,7 @@ def measure(shape: dict, method: str, steps: int) -> dict:
     stack = real_stack(shape)
     cfg = config.load(None, [], base={"model": "-", "data": "-", "method": method, "precision": "fp32",
                                       "train": {"batch_size": BATCH, "measure_memory": False, "lr": 1e-5}})
-    engine, _ = assembly.assemble(cfg, stack, torch.device("cpu"), "fp32")
+    engine = assembly.assemble(cfg, stack, torch.device("cpu"), "fp32")
     batch = synthetic_batch(BATCH, SEQ, shape["vocab_size"])
     times = []
     for _ in range(steps + 1):  # the first step warms up

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import write_jsonl
 
+from slimtune.chat import DEFAULT_CHAT_TEMPLATE
 from slimtune.config import DataConfig
 from slimtune.data import (
-    DEFAULT_CHAT_TEMPLATE,
     IGNORE_INDEX,
     Batch,
     BatchStream,

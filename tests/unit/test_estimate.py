@@ -23,7 +23,7 @@ def measured_step(folder, cfg, precision, batch):
     """Step estimate.STEPS of the real engine on the CPU meter, and the run's trained bytes."""
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    engine, _ = assembly.assemble(cfg, assembly.load_stack(cfg, cpu, precision), cpu, precision)
+    engine = assembly.assemble(cfg, assembly.load_stack(cfg, cpu, precision), cpu, precision)
     result = [engine.step([batch] * cfg.train.grad_accum) for _ in range(estimate.STEPS)][-1]
     return result, sum(t.numel() * t.element_size() for t in engine.trainable_state().values())
 

@@ -60,7 +60,7 @@ def test_every_rung_trains_like_plain_lora(tmp_path, tiny_model_dir, rung):
     model = load_model(tiny_model_dir, torch.float64, torch.device("cpu"))
     reference = copy.deepcopy(model)
     torch.manual_seed(0)
-    engine, _ = assembly.assemble(cfg, Stack(model), torch.device("cpu"), "fp64")
+    engine = assembly.assemble(cfg, Stack(model), torch.device("cpu"), "fp64")
     with torch.no_grad():  # in place: the engine's optimizer holds these very parameters
         for module in lora.adapters(model).values():
             torch.nn.init.normal_(module.lora_B.weight, std=0.02)

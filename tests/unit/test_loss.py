@@ -12,7 +12,7 @@ from torch import nn
 from slimtune import loss as L
 from slimtune import quant
 from slimtune.config import LossConfig, QuantConfig
-from slimtune.data import IGNORE_INDEX
+from slimtune.data import IGNORE_INDEX, trained_positions
 from slimtune.errors import UserError
 
 B, T, D, V = 3, 7, 8, 37
@@ -60,7 +60,7 @@ def _reference(hidden, norm, head, targets) -> torch.Tensor:
 
 def _ours(hidden, norm, head, targets, **cfg) -> L.LossOutput:
     config = LossConfig(**cfg)
-    rows = L.trained_positions(targets) if config.masking else None
+    rows = trained_positions(targets) if config.masking else None
     return L.causal_lm_loss(hidden, norm, head, targets, config, trained_positions=rows, training=True)
 
 
@@ -190,7 +190,7 @@ def test_narrow_head_is_cast_in_tiles(mode, monkeypatch):
 def test_eval_is_exact_without_graph():
     hidden, norm, head = _model(9, head_grad=False)
     targets = _targets("segments")
-    rows = L.trained_positions(targets)
+    rows = trained_positions(targets)
     out = L.causal_lm_loss(hidden, norm, head, targets, LossConfig(mode="subset", subset_k=3), rows, training=False)
     assert not out.loss_sum.requires_grad
     torch.testing.assert_close(out.loss_sum, _reference(hidden, norm, head, targets).detach(), **TOL)
@@ -336,7 +336,7 @@ def test_runs_under_fake_tensors(mode, tied, masking):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     real_targets = _targets("segments")
-    real_rows = L.trained_positions(real_targets)  # built with the batch, on real tensors
+    real_rows = trained_positions(real_targets)  # built with the batch, on real tensors
     with FakeTensorMode() as fake:
         hidden = torch.empty(B, T, D, requires_grad=True)
         norm = nn.RMSNorm(D)
