@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -230,7 +229,7 @@ def completion_accuracy(model, tokenizer, pairs: list[tuple[str, str]]) -> float
 # 4. task data
 # ----------------------------------------------------------------------------
 
-def task_examples(world: dict, seed: int) -> tuple[list[dict], list[dict]]:
+def task_examples(seed: int) -> tuple[list[dict], list[dict]]:
     rng = random.Random(seed + 1)
     pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
     rng.shuffle(pairs)
@@ -283,7 +282,7 @@ def main() -> None:
     model.save_pretrained(base, safe_serialization=True)
     tokenizer.save_pretrained(base)
 
-    train, heldout = task_examples(world, SEED)
+    train, heldout = task_examples(SEED)
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("heldout", heldout)):

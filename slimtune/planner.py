@@ -19,7 +19,7 @@ from slimtune.errors import UserError
 from slimtune.metrics import human_bytes
 
 # CUDA context and allocator slack a process holds beyond its tensors (PLATFORM.md: 0.5-1 GiB).
-# Assumed, not measured here: no GPU was available when it was set.
+# Assumed: benchmarks/cases/device_checks.py measures it on a GPU (context bytes beside this figure).
 CUDA_OVERHEAD_BYTES = 768 * 2**20
 # Host RAM a plan may hold for the device (masters, moments, offloaded activations): this share of
 # the planning machine's RAM, checked before the device (a plan the host cannot hold never fits).
@@ -63,6 +63,10 @@ class PlanResult:
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_s_kind": "modelled",
             "step_s_modelled": self.time.seconds,
+            "step_parts_s_modelled": {"compute": self.time.compute_s, "optimizer": self.time.optimizer_s,
+                                      "link": self.time.link_s},
+            "trainable_params": e.trainable_params,
+            "total_params": e.total_params,
             "recommended": self.recommended,
         }
 

@@ -156,7 +156,7 @@ def _nf4_dequantize(codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int,
     out_dtype = dtype if dtype in BNB_DTYPES else torch.float32  # fp32 -> fp64 is exact
     # A flat shape: bitsandbytes 0.50's CPU kernel, given (rows, cols) with cols % 64 != 0,
     # scales each row as if blocks restarted per row, while quantize_4bit blocks the flattened
-    # weight. Flat is what quantize_4bit did, on every backend, at the same speed.
+    # weight. A flat shape dequantizes the blocks quantize_4bit made, on every backend, at the same speed.
     w = torch.ops.bitsandbytes.dequantize_4bit(codes, absmax, NF4_BLOCK, "nf4", [shape[0] * shape[1]], out_dtype)
     return w.view(shape).to(dtype)
 

@@ -1,6 +1,6 @@
 """The offload runtime: host storage kept for the device, the host <-> device link, a fixed pool of
 device slots, and a host worker. Shared by activations' host/disk stores and the engines that keep
-state off the device (slide; LSP-Offload and RoundPipe later).
+state off the device (slide today).
 
 - `host_empty` / `to_host_storage`: host tensors made for the device: pinned on CUDA (so copies are
   asynchronous DMA); on a CPU-only run, marked host-resident so the device meter leaves them out,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Model-FLOPs utilisation a well-fed training step reaches on a GPU (assumed, not measured
-# here: no GPU was available when it was set). benchmarks/README.md holds the CPU calibration.
+# Model-FLOPs utilisation a well-fed training step reaches on a GPU: assumed (no GPU figure is
+# measured yet); benchmarks/README.md holds the CPU calibration.
 ASSUMED_MFU = 0.5
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: reads param, grad, m, v (16 B), writes param, m, v (12 B)
 DEQUANT_BYTES_PER_PARAM = 4.5  # 4-bit: read the codes (0.5 B), write and re-read the bf16 weight (2 x 2 B)

@@ -1,4 +1,5 @@
-"""The device checks of issues 3-5 in one prepared run, for the session that gets a GPU.
+"""Every check that needs a GPU, in one prepared run: the planner's estimate against the CUDA allocator,
+the CUDA context bytes, slide's parity and its copy/compute overlap.
 
     python benchmarks/run.py device_checks            # on a CUDA machine: ~5 minutes on one GPU
     python benchmarks/run.py device_checks --quick    # the same on the CPU (small shapes): exercises the script

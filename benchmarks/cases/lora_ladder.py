@@ -41,7 +41,7 @@ MODELS = ("Llama-3.2-3B", "Qwen2.5-3B")
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 TRAINABLE_SHARE = 0.30
 MEASURED_RUNGS = ("LoRA", "+quant", "+checkpointing", "+subset", "+masking")
-GOAL_FRACTION = 0.5  # the issue: every "all four" figure at most half the paper's
+GOAL_FRACTION = 0.5  # the goal: every "all four" figure at most half the paper's
 
 # The paper's Table 1 (arXiv 2606.19528), printed as "GB", behaving like GiB (spec 3(a)); None = OOM.
 PAPER_TABLE1 = {

@@ -1,4 +1,4 @@
-"""Engine slide (issue 5): what it needs on the device and the host, and what its machinery costs.
+"""Engine slide: what it needs on the device and the host, and what its machinery costs.
 
 Part 1: the device peak of the real slide step run on fake tensors (slimtune.estimate, the
 training meter) for Llama-3.1-8B, Qwen2.5-7B and Qwen2.5-14B at 1K and 4K tokens, batch 1, full

@@ -3,7 +3,7 @@
 The planner builds a preset's model on the meta device to count bytes, and times a plan
 against a GPU profile's spec-sheet rates, so every time derived from these is modelled.
 Values, and where each was checked, live in models.json and gpus.json beside this file.
-`MODEL_PRESETS` and `GPU_PROFILES` are read on first use, so importing costs no file I/O.
+`MODEL_PRESETS` is read on first use, so importing costs no file I/O.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ def __getattr__(name: str):
     # PEP 562: the module-level dicts exist on first access, not at import.
     if name == "MODEL_PRESETS":
         return _load("models.json")
-    if name == "GPU_PROFILES":
-        return _load("gpus.json")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -1,4 +1,4 @@
-"""Config: the issue's contract config loads as written; mistakes are refused by key."""
+"""Config: the README's example config loads as written; mistakes are refused by key."""
 
 import pytest
 
