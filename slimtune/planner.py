@@ -8,7 +8,6 @@ engine.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 

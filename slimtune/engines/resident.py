@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from slimtune import activations, memory, speed
+from slimtune import activations, block_stores, memory, speed
 from slimtune.checkpoint import EngineState
 from slimtune.config import RunConfig
 from slimtune.data import Batch
@@ -65,7 +65,7 @@ class ResidentEngine:
         with self.meter.measure(self._resident_tensors()) as reading:
             self._reading = reading
             exact_sum, excluded_sum = 0.0, 0.0
-            with activations.open_store(self.activations_cfg, self.device, self.store_dir) as store:
+            with block_stores.open_store(self.activations_cfg, self.device, self.store_dir) as store:
                 for batch in micro_batches:
                     out = self._loss(batch.to(self.device), reading, store=store)
                     (out.loss_sum / total).backward()

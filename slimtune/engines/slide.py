@@ -49,7 +49,7 @@ from typing import Literal
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import activations, memory, runtime, speed
+from slimtune import activations, block_stores, memory, runtime, speed
 from slimtune.checkpoint import EngineState
 from slimtune.config import RunConfig, positive, setting
 from slimtune.data import Batch
@@ -278,7 +278,7 @@ class SlideEngine:
     def _store(self):
         checkpoint = self.activations_cfg.checkpoint
         cfg = dataclasses.replace(self.activations_cfg, checkpoint="host" if checkpoint == "none" else checkpoint)
-        return activations.open_store(cfg, self.device, self.store_dir)
+        return block_stores.open_store(cfg, self.device, self.store_dir)
 
     # ------------------------------------------------------------ one micro-batch
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import save_tiny_model, tiny_config
-from slimtune import activations, estimate, lora
+from slimtune import activations, block_stores, estimate, lora
 from slimtune.config import ActivationsConfig, LoraConfig
 from slimtune.errors import UserError
 from slimtune.memory import LiveBytesMeter
@@ -87,7 +87,7 @@ def test_lora_loss_and_grads_equal_plain_autograd_with_dropout(model_dir, tmp_pa
     stack = lora_stack(model_dir, dropout=0.1)
     expected = step(stack, None, seed=7)
     cfg = ActivationsConfig(checkpoint=store_kind, cache=cache, last_k=2)
-    with activations.open_store(cfg, CPU, tmp_path / "act") as store:
+    with block_stores.open_store(cfg, CPU, tmp_path / "act") as store:
         got = step(stack, cfg, store, seed=7)
         assert not block_files(tmp_path)
     assert max_diff(got, expected) <= 1e-12
@@ -126,7 +126,7 @@ def test_mlp_chunks_give_plain_autograd_grads(model_dir, tmp_path, store_kind, c
     for dropout in (0.0, 0.1):
         stack = lora_stack(model_dir, dropout=dropout)
         expected = step(stack, None, seed=7) if dropout == 0 else chunked_reference(stack, 5, seed=7)
-        with activations.open_store(cfg, CPU, tmp_path / "act") as store:
+        with block_stores.open_store(cfg, CPU, tmp_path / "act") as store:
             got = step(stack, cfg, store, seed=7)
         assert max_diff(got, expected) <= 1e-12
         assert max(g.abs().max().item() for g in got[1]) > 1e-3
@@ -151,7 +151,7 @@ def test_full_fine_tuning_grads_of_every_weight_equal_plain_autograd(model_dir, 
     stack = Stack(model)
     expected = step(stack, None)
     cfg = ActivationsConfig(checkpoint=store_kind)
-    with activations.open_store(cfg, CPU, tmp_path) as store:
+    with block_stores.open_store(cfg, CPU, tmp_path) as store:
         got = step(stack, cfg, store)
     assert len(got[1]) == len(list(model.parameters()))  # embedding (the blocks' input grad) included
     assert max_diff(got, expected) <= 1e-12
@@ -205,7 +205,7 @@ def test_small_cache_out_of_step_recompute_stays_exact(model_dir):
     # An extra op in the recompute only (x * 1.0 is exact) puts block 0's op log out of step.
     stack.blocks[0].mlp.register_forward_pre_hook(lambda m, args: (args[0] * 1.0,) if torch.is_grad_enabled() else None)
     cfg = ActivationsConfig(checkpoint="recompute", cache="small")
-    with activations.open_store(cfg, CPU) as store:
+    with block_stores.open_store(cfg, CPU) as store:
         got = step(stack, cfg, store)
     assert max_diff(got, expected) <= 1e-12
     assert store.cache_kept - 13 < store.cache_hits < store.cache_kept  # block 0 stopped substituting midway
@@ -215,7 +215,7 @@ def test_no_grad_runs_the_blocks_plainly_and_stores_nothing(model_dir, tmp_path)
     stack = lora_stack(model_dir)
     ids, positions = batch(stack.config.vocab_size)
     cfg = ActivationsConfig(checkpoint="disk")
-    with torch.no_grad(), activations.open_store(cfg, CPU, tmp_path) as store:
+    with torch.no_grad(), block_stores.open_store(cfg, CPU, tmp_path) as store:
         out = stack.norm(stack.body_hidden(ids, positions, activations.runner(cfg, store)))
         assert torch.equal(out, stack.final_hidden(ids, positions))
     assert store.bytes_written == 0 and not list(tmp_path.iterdir())
@@ -231,7 +231,7 @@ def test_one_backward_per_forward(model_dir):
 
 
 def test_an_input_changed_in_place_after_forward_is_refused():
-    store = activations.BlockStore(CPU)
+    store = block_stores.BlockStore(CPU)
     x = torch.ones(2, 3)
     key = store.put(x)
     x.add_(1)
@@ -251,7 +251,7 @@ def test_an_input_changed_in_place_after_forward_is_refused():
 ], ids=["fp32", "bf16", "transposed", "strided", "T1"])
 def test_disk_round_trip_is_exact(tmp_path, make):
     x = make()
-    with activations.DiskStore(CPU, tmp_path) as store:
+    with block_stores.DiskStore(CPU, tmp_path) as store:
         key = store.put(x)
         store.prefetch(key)
         y = store.take(key)
@@ -266,7 +266,7 @@ def test_disk_round_trip_is_exact(tmp_path, make):
 def test_disk_with_one_token_equals_plain_autograd(model_dir, tmp_path):
     stack = lora_stack(model_dir)
     cfg = ActivationsConfig(checkpoint="disk")
-    with activations.open_store(cfg, CPU, tmp_path) as store:
+    with block_stores.open_store(cfg, CPU, tmp_path) as store:
         got = step(stack, cfg, store, seq=1)
     assert max_diff(got, step(stack, None, seq=1)) <= 1e-12
     assert store.bytes_written == BLOCKS * 2 * 1 * D * 8
@@ -276,7 +276,7 @@ def test_disk_with_one_token_equals_plain_autograd(model_dir, tmp_path):
 def test_disk_bytes_written_are_l_b_t_d_element_size(model_dir, tmp_path, dtype):
     stack = lora_stack(model_dir, dtype=dtype)
     cfg = ActivationsConfig(checkpoint="disk", disk_dir=str(tmp_path / "own"))
-    with activations.open_store(cfg, CPU, tmp_path / "default") as store:
+    with block_stores.open_store(cfg, CPU, tmp_path / "default") as store:
         step(stack, cfg, store)
     size = torch.tensor([], dtype=dtype).element_size()
     assert store.bytes_written == store.peak_bytes == BLOCKS * 2 * 12 * D * size
@@ -298,7 +298,7 @@ def test_no_files_after_a_block_raises_mid_forward(model_dir, tmp_path, hook):
     stack.blocks[2].register_forward_hook(hook)  # blocks 0 and 1 are already on disk
     cfg = ActivationsConfig(checkpoint="disk")
     with pytest.raises((RuntimeError, KeyboardInterrupt)):
-        with activations.open_store(cfg, CPU, tmp_path) as store:
+        with block_stores.open_store(cfg, CPU, tmp_path) as store:
             step(stack, cfg, store)
     assert store.bytes_written > 0 and not list(tmp_path.iterdir())
 
@@ -307,7 +307,7 @@ def test_no_files_after_a_failed_forward_even_before_the_store_closes(model_dir,
     stack = lora_stack(model_dir)
     stack.blocks[2].register_forward_hook(_raise)
     cfg = ActivationsConfig(checkpoint="disk")
-    store = activations.open_store(cfg, CPU, tmp_path)
+    store = block_stores.open_store(cfg, CPU, tmp_path)
     with pytest.raises(RuntimeError, match="boom"):
         step(stack, cfg, store)
     store.worker.submit(lambda: None).result()  # every queued write and removal has run
@@ -321,7 +321,7 @@ def test_no_files_after_the_loss_raises(model_dir, tmp_path):
     ids, positions = batch(stack.config.vocab_size)
     cfg = ActivationsConfig(checkpoint="disk")
     with pytest.raises(ValueError, match="loss"):
-        with activations.open_store(cfg, CPU, tmp_path) as store:
+        with block_stores.open_store(cfg, CPU, tmp_path) as store:
             hidden = stack.norm(stack.body_hidden(ids, positions, activations.runner(cfg, store)))
             store.worker.submit(lambda: None).result()
             assert len(block_files(tmp_path)) == BLOCKS  # on disk, waiting for a backward
@@ -333,7 +333,7 @@ def test_no_files_when_the_graph_is_dropped_without_backward(model_dir, tmp_path
     stack = lora_stack(model_dir)
     ids, positions = batch(stack.config.vocab_size)
     cfg = ActivationsConfig(checkpoint="disk")
-    with activations.open_store(cfg, CPU, tmp_path) as store:
+    with block_stores.open_store(cfg, CPU, tmp_path) as store:
         hidden = stack.norm(stack.body_hidden(ids, positions, activations.runner(cfg, store)))
         store.worker.submit(lambda: None).result()
         assert len(block_files(tmp_path)) == BLOCKS
@@ -346,11 +346,11 @@ def test_no_files_when_the_graph_is_dropped_without_backward(model_dir, tmp_path
 
 def test_disk_without_room_is_refused_naming_the_folder(model_dir, tmp_path, monkeypatch):
     stack = lora_stack(model_dir)
-    real = activations.shutil.disk_usage
-    monkeypatch.setattr(activations.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    real = block_stores.shutil.disk_usage
+    monkeypatch.setattr(block_stores.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
     cfg = ActivationsConfig(checkpoint="disk")
     with pytest.raises(UserError, match=str(tmp_path)):
-        with activations.open_store(cfg, CPU, tmp_path) as store:
+        with block_stores.open_store(cfg, CPU, tmp_path) as store:
             step(stack, cfg, store)
     assert store.bytes_written == 0 and not list(tmp_path.iterdir())
 
@@ -368,7 +368,7 @@ def activation_peak(folder, cfg: ActivationsConfig, disk_dir) -> int:
     meter.track(list(stack.model.parameters()) + [p.grad for p in params])
     start = meter.current
     ids, positions = batch(stack.config.vocab_size, seq=64)
-    with activations.open_store(cfg, CPU, disk_dir) as store, meter:
+    with block_stores.open_store(cfg, CPU, disk_dir) as store, meter:
         hidden = stack.norm(stack.body_hidden(ids, positions, activations.runner(cfg, store)))
         next_token_loss(stack, hidden, ids).backward()
     meter.close()
@@ -389,11 +389,11 @@ def test_device_peak_is_flat_as_blocks_double(tmp_path, tokenizer):
 # ---------------------------------------------------------------- fake tensors (the planner)
 
 
-def measured_peak(stack: Stack, cfg, disk_dir, tensors) -> tuple[int, activations.BlockStore]:
+def measured_peak(stack: Stack, cfg, disk_dir, tensors) -> tuple[int, block_stores.BlockStore]:
     ids, positions = tensors
     meter = LiveBytesMeter("cpu")
     meter.track(stack.model.parameters())
-    with activations.open_store(cfg, CPU, disk_dir) as store, meter:
+    with block_stores.open_store(cfg, CPU, disk_dir) as store, meter:
         hidden = stack.norm(stack.body_hidden(ids, positions, activations.runner(cfg, store)))
         next_token_loss(stack, hidden, ids).backward()
     meter.close()
