@@ -3,6 +3,7 @@ log, evaluate, checkpoint, and write the result."""
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -34,6 +35,14 @@ class Run:
 
     def trainable_count(self) -> int:
         return sum(p.numel() for p in self.stack.model.parameters() if p.requires_grad)
+
+    @functools.cached_property
+    def eval_batches(self) -> list[data.Batch]:
+        """The evaluation split as batches (train.eval_batches of them when set), made once."""
+        d, t = self.cfg.data, self.cfg.train
+        batches = data.eval_batches(self.splits.eval, t.batch_size, d.max_length, d.packing,
+                                    self.tokenizer.pad_token_id)
+        return batches[: t.eval_batches] if t.eval_batches else batches
 
 
 def _auto_plan(cfg: RunConfig, device: torch.device) -> RunConfig:
@@ -70,12 +79,6 @@ def batch_stream(run: Run) -> data.BatchStream:
         run.splits.train, run.cfg.train.batch_size, d.max_length, d.packing, run.tokenizer.pad_token_id,
         run.cfg.train.seed,
     )
-
-
-def _eval_batches(run: Run) -> list[data.Batch]:
-    d, t = run.cfg.data, run.cfg.train
-    batches = data.eval_batches(run.splits.eval, t.batch_size, d.max_length, d.packing, run.tokenizer.pad_token_id)
-    return batches[: t.eval_batches] if t.eval_batches else batches
 
 
 def evaluate(run: Run, batches: list[data.Batch]) -> dict:
@@ -131,33 +134,15 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     stream = batch_stream(run)
     start = resume(run, stream)
     log = MetricsLog(out, start)
-    eval_data = _eval_batches(run)
-    t = cfg.train
     if progress:
         tqdm.write(f"data: {run.splits.report.summary()}" + (f"; resuming after step {start}" if start else ""))
     # A log file or pipe gets a refresh every 30 s instead of every step.
-    refresh = 0.1 if sys.stderr.isatty() else 30.0
-    bar = tqdm(total=t.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
-               mininterval=refresh)
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
+               mininterval=0.1 if sys.stderr.isatty() else 30.0)
     began = time.perf_counter()
     try:
-        for step in range(start + 1, t.steps + 1):
-            micro_batches = [stream.next_batch() for _ in range(t.grad_accum)]
-            tick = time.perf_counter()
-            try:
-                result = run.engine.step(micro_batches)
-            except torch.OutOfMemoryError:
-                raise UserError(out_of_memory_advice(run, step)) from None
-            record = _record(step, result, time.perf_counter() - tick)
-            if _due(step, t.eval_every, t.steps):
-                record.update(evaluate(run, eval_data))
-            if _due(step, t.log_every, t.steps):
-                log.log(record)
-            if _due(step, t.save_every, t.steps):
-                checkpoint.save(out, step, run.engine.state_dict(), stream.state_dict(), t.keep_last)
-            bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            mem=_peak_text(result.device_peak_bytes))
-            bar.update(1)
+        for step in range(start + 1, cfg.train.steps + 1):
+            _train_step(run, step, stream, log, bar)
     finally:
         bar.close()
         log.close()
@@ -165,6 +150,27 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     summary = _summary(run, log, time.perf_counter() - began, start, result_dir)
     log.plot(out / "metrics.png")
     return run, summary
+
+
+def _train_step(run: Run, step: int, stream: data.BatchStream, log: MetricsLog, bar) -> None:
+    """One optimizer step, then what is due after it: evaluation, the log, a checkpoint."""
+    t = run.cfg.train
+    micro_batches = [stream.next_batch() for _ in range(t.grad_accum)]
+    tick = time.perf_counter()
+    try:
+        result = run.engine.step(micro_batches)
+    except torch.OutOfMemoryError:
+        raise UserError(out_of_memory_advice(run, step)) from None
+    record = _record(step, result, time.perf_counter() - tick)
+    if _due(step, t.eval_every, t.steps):
+        record.update(evaluate(run, run.eval_batches))
+    if _due(step, t.log_every, t.steps):
+        log.log(record)
+    if _due(step, t.save_every, t.steps):
+        checkpoint.save(Path(run.cfg.output_dir), step, run.engine.state_dict(), stream.state_dict(), t.keep_last)
+    bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                    mem=_peak_text(result.device_peak_bytes))
+    bar.update(1)
 
 
 def out_of_memory_advice(run: Run, step: int) -> str:
