@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (first run only) and run the test suite (CPU; GPU tests are marked and skip without CUDA).
+# Set up (first run only) and run the test suite (CPU; the GPU checks are benchmarks/run.py device_checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
