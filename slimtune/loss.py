@@ -9,7 +9,7 @@ Three memory measures (specs/peak-memory-lora.md 2.5, 2.6):
 - Logits masking (exact): only the trained rows of the final block output go through
   the final norm, the head and the loss. Their flat indices come from the caller
   (`data.Batch.trained_positions`, found when the batch is built), because finding them here would
-  read tensor values mid-step, which fake tensors (memory.estimate) cannot answer.
+  read tensor values mid-step, which fake tensors (the planner's estimate) cannot answer.
 - mode=exact: cross-entropy in token chunks that computes each chunk's gradients in the
   forward pass, so no (N, V) logits are ever kept; only the (N, D) hidden gradient (and
   the (V, D) head gradient when the head trains) waits for backward.

@@ -1,5 +1,5 @@
 """Run metrics: metrics.jsonl (one object per logged step), TensorBoard when installed,
-a PNG plot of loss and device memory, and the final summary table."""
+a PNG plot of loss and device memory, and the layout of the final summary table."""
 
 from __future__ import annotations
 

@@ -138,6 +138,22 @@ class HostAdam:
                 if shadow is not None:
                     shadow.copy_(master)
 
+    def state_dict(self) -> dict:
+        """Per group: the master, the moments and AdamW's step count (the live tensors, not copies)."""
+        return {"masters": list(self.masters),
+                **{moment: [self.state(k)[moment] for k in range(len(self.groups))] for moment in MOMENTS},
+                "steps": [float(self.state(k)["step"]) for k in range(len(self.groups))]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Copy a state_dict() into this optimizer's own tensors (RAM or its memory-mapped files)."""
+        with torch.no_grad():
+            for k in range(len(self.groups)):
+                self.masters[k].copy_(state["masters"][k])
+                for moment in MOMENTS:
+                    self.state(k)[moment].copy_(state[moment][k])
+                self.state(k)["step"].fill_(state["steps"][k])
+        self.refresh_shadows()
+
     def grad_norms(self) -> list[torch.Tensor]:
         return [torch.linalg.vector_norm(grad) for grad in self.grads]
 

@@ -1,6 +1,6 @@
 """slimtune.loss against plain PyTorch: F.cross_entropy on materialised logits (float64, 1e-12),
 the subset-softmax identities of specs/peak-memory-lora.md 2.5, what is saved for backward,
-and a run under fake tensors (memory.estimate)."""
+and a run under fake tensors (the planner's estimate)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,104 @@
+"""HostAdam over flat tensors that belong to no module (as a projector's coordinates or a chunk's
+slices would): its updates equal torch.optim.AdamW on the same members in float64, with weight
+decay per group, clipping and a changing lr; moments in memory-mapped files train bit-identically
+to moments in RAM; its state_dict resumes exactly; bf16 shadows are the masters rounded once."""
+
+import copy
+
+import pytest
+import torch
+
+from slimtune.optim.host_adam import Group, HostAdam
+
+CPU = torch.device("cpu")
+SETTINGS = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8}
+GROUPS = [Group((torch.Size([3, 4]), torch.Size([5])), 0.1), Group((torch.Size([7]),), 0.0)]
+SCHEDULE = [(1e-2, 1.0), (2e-2, 0.5), (5e-3, 1.0), (1e-2, 0.25), (1e-2, 1.0)]  # (lr, clip) per step
+
+
+def gradients(step: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(step)
+    return [[torch.randn(shape, generator=g, dtype=torch.float64) for shape in group.shapes] for group in GROUPS]
+
+
+def start_values() -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(99)
+    return [[torch.randn(shape, generator=g, dtype=torch.float64) for shape in group.shapes] for group in GROUPS]
+
+
+def host_adam(**kw) -> HostAdam:
+    adam = HostAdam("test", GROUPS, torch.float64, CPU, SETTINGS, **kw)
+    for k, members in enumerate(start_values()):
+        for i, value in enumerate(members):
+            adam.member(k, i).master.copy_(value)
+    adam.refresh_shadows()
+    return adam
+
+
+def run(adam: HostAdam, steps: range) -> None:
+    for step in steps:
+        lr, clip = SCHEDULE[step]
+        for k, members in enumerate(gradients(step)):
+            for i, grad in enumerate(members):
+                adam.member(k, i).grad.add_(grad)
+        adam.update(lr, clip)
+
+
+def test_updates_equal_torch_adamw_on_the_same_members():
+    adam = host_adam()
+    run(adam, range(len(SCHEDULE)))
+    params = [[torch.nn.Parameter(v.clone()) for v in members] for members in start_values()]
+    reference = torch.optim.AdamW([{"params": ps, "weight_decay": g.weight_decay} for ps, g in zip(params, GROUPS)],
+                                  **SETTINGS, foreach=False)
+    for step, (lr, clip) in enumerate(SCHEDULE):
+        for ps, grads in zip(params, gradients(step)):
+            for p, grad in zip(ps, grads):
+                p.grad = grad * clip
+        for group in reference.param_groups:
+            group["lr"] = lr
+        reference.step()
+    for k, ps in enumerate(params):
+        for i, p in enumerate(ps):
+            torch.testing.assert_close(adam.member(k, i).master, p.detach(), atol=1e-12, rtol=0)
+            assert torch.count_nonzero(adam.member(k, i).grad) == 0  # accumulators emptied by the update
+
+
+def test_moments_in_files_train_bit_identically_and_leave_with_the_folder(tmp_path):
+    ram, disk = host_adam(), host_adam(moments_dir=tmp_path)
+    run(ram, range(3))
+    run(disk, range(3))
+    assert all(torch.equal(a, b) for a, b in zip(ram.masters, disk.masters))
+    assert len(list(tmp_path.glob("*.bin"))) == 2 * len(GROUPS)
+    assert disk.host_bytes() == ram.host_bytes() - 2 * sum(m.numel() * 8 for m in ram.masters)
+
+
+@pytest.mark.parametrize("moments_on_disk", [False, True])
+def test_state_dict_resumes_exactly(tmp_path, moments_on_disk):
+    where = {"moments_dir": tmp_path} if moments_on_disk else {}
+    straight = host_adam()
+    run(straight, range(len(SCHEDULE)))
+    first = host_adam()
+    run(first, range(2))
+    saved = copy.deepcopy(first.state_dict())
+    resumed = HostAdam("resumed", GROUPS, torch.float64, CPU, SETTINGS, **where)
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict()["steps"] == [2.0, 2.0]
+    run(resumed, range(2, len(SCHEDULE)))
+    assert all(torch.equal(a, b) for a, b in zip(straight.masters, resumed.masters))
+
+
+def test_shadows_are_the_masters_rounded_once():
+    adam = HostAdam("bf16", GROUPS, torch.float32, CPU, SETTINGS, shadow_dtype=torch.bfloat16)
+    for master in adam.masters:
+        master.uniform_(-1, 1)
+    adam.refresh_shadows()
+    for step in range(2):
+        for k, members in enumerate(gradients(step)):
+            for i, grad in enumerate(members):
+                adam.member(k, i).grad.add_(grad.float())
+        adam.update(1e-2)
+    for shadow, master in zip(adam.shadows, adam.masters):
+        assert shadow.dtype == torch.bfloat16 and torch.equal(shadow, master.to(torch.bfloat16))
+    assert adam.member(0, 1).shadow.shape == (5,)
+    same = HostAdam("fp32", GROUPS, torch.float32, CPU, SETTINGS, shadow_dtype=torch.float32)
+    assert all(s is None for s in same.shadows)  # no narrower dtype: the master itself goes up
