@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from slimtune import memory, runtime
-from slimtune.config import RunConfig
+from slimtune.config import TrainConfig
 from slimtune.optim import rules
 from slimtune.optim.host_adam import Group, HostAdam
 
@@ -30,7 +30,7 @@ class HostUnit:
     `weight_dtype`: what trainable tensors go up in (None: their masters' dtype)."""
 
     def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
-                 cfg: RunConfig, moments_dir: Path | None):
+                 train: TrainConfig, moments_dir: Path | None):
         self.name, self.device = name, device
         tensors = []
         for owner, attr, tensor, is_param in runtime.own_tensors(modules):
@@ -42,7 +42,7 @@ class HostUnit:
         self.accumulators: dict[int, torch.Tensor] = {}  # id(param) -> its host gradient accumulator
         self.members: list[tuple[nn.Parameter, int, int]] = []  # (param, group, member) in the HostAdam
         trainable = [t for t in tensors if t.trainable]
-        self.adam = self._adopt(trainable, cfg, moments_dir) if trainable else None
+        self.adam = self._adopt(trainable, train, moments_dir) if trainable else None
         self.binding = runtime.SlotBinding(tensors)
         self.update_job = None  # the last AdamW submitted for this unit
         self.norms: list[torch.Tensor] = []  # its step gradients' norms, noted once they are complete
@@ -58,13 +58,13 @@ class HostUnit:
             owner._buffers[attr] = host
         return host
 
-    def _adopt(self, trainable: list[runtime.SlotTensor], cfg: RunConfig, moments_dir: Path | None) -> HostAdam:
+    def _adopt(self, trainable: list[runtime.SlotTensor], train: TrainConfig, moments_dir: Path | None) -> HostAdam:
         """The trainable tensors move into a HostAdam's flat masters; their parameters point there."""
-        groups = rules.decay_groups([t.param for t in trainable], cfg.train.weight_decay)
+        groups = rules.decay_groups([t.param for t in trainable], train.weight_decay)
         by_param = {id(t.param): t for t in trainable}
         master_dtype = torch.promote_types(trainable[0].param.dtype, torch.float32)  # fp32 masters; fp64 stays
         adam = HostAdam(self.name, [Group(tuple(p.shape for p in params), decay) for params, decay in groups],
-                        master_dtype, self.device, rules.adamw_settings(cfg.train),
+                        master_dtype, self.device, rules.adamw_settings(train),
                         shadow_dtype=trainable[0].device_dtype, moments_dir=moments_dir)
         with torch.no_grad():
             for k, (params, _) in enumerate(groups):

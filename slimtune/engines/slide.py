@@ -51,7 +51,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from slimtune import activations, block_stores, memory, runtime, speed
 from slimtune.checkpoint import EngineState
-from slimtune.config import RunConfig, positive, setting
+from slimtune.config import RunConfig, TrainConfig, positive, setting
 from slimtune.data import Batch
 from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
 from slimtune.engines.registry import EngineSpec, register
@@ -108,8 +108,8 @@ class SlideEngine:
         moments = self._moments_dir(cfg)
         blocks, count = stack.blocks, len(stack.blocks)
         self.units = [HostUnit(f"block {i}", [blocks[i]] + ([stack.norm] if i == count - 1 else []), device,
-                            weight_dtype, cfg, moments) for i in range(count)]
-        self.edges = self._edge_units(cfg, weight_dtype, moments)
+                               weight_dtype, cfg.train, moments) for i in range(count)]
+        self.edges = self._edge_units(cfg.train, weight_dtype, moments)
         self.names = {id(p): n for n, p in stack.model.named_parameters() if p.requires_grad}
         stack.rotary.to(device)
         self.link = runtime.Link(device)
@@ -126,14 +126,15 @@ class SlideEngine:
         self.step_count = 0
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
 
-    def _edge_units(self, cfg: RunConfig, weight_dtype: torch.dtype | None, moments: Path | None) -> list[HostUnit]:
+    def _edge_units(self, train: TrainConfig, weight_dtype: torch.dtype | None,
+                    moments: Path | None) -> list[HostUnit]:
         """The host-side units: the LM head (streamed up in tiles, so it gets a narrow shadow) and
         the embedding (never sent up: rows are gathered on the host, so no shadow); one unit when tied."""
         stack, device = self.stack, self.device
         if stack.tied:
-            return [HostUnit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, cfg, moments)]
-        return [HostUnit("LM head", [stack.head], device, weight_dtype, cfg, moments),
-                HostUnit("embedding", [stack.embed], device, None, cfg, moments)]
+            return [HostUnit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, train, moments)]
+        return [HostUnit("LM head", [stack.head], device, weight_dtype, train, moments),
+                HostUnit("embedding", [stack.embed], device, None, train, moments)]
 
     def _edge_tensor(self, param: torch.Tensor) -> tuple[HostUnit, runtime.SlotTensor] | tuple[None, None]:
         for unit in self.edges:
