@@ -96,7 +96,10 @@ def resume(run: Run, stream: data.BatchStream) -> int:
     if found is None:
         return 0
     step, engine_state, stream_state, rng = checkpoint.load(found)
-    run.engine.load_state_dict(engine_state)
+    try:
+        run.engine.load_state_dict(engine_state)
+    except UserError as err:
+        raise UserError(f"cannot resume from '{found}': {err}") from None
     stream.load_state_dict(stream_state)
     checkpoint.set_process_rng_state(rng)
     return step
@@ -130,9 +133,9 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     cfg = run.cfg  # plan=auto may have chosen the engine and options
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     stream = batch_stream(run)
-    start = resume(run, stream)
+    start = resume(run, stream)  # before config.yaml: a refused resume leaves the folder's settings as they were
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     log = MetricsLog(out, start)
     if progress:
         tqdm.write(f"data: {run.splits.report.summary()}" + (f"; resuming after step {start}" if start else ""))

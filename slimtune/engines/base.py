@@ -100,7 +100,7 @@ def check_resumable(state: EngineState, names: list[str], engine: str) -> None:
     raise UserError(
         f"the checkpoint (written by engine {state.engine}) does not match this run (engine {engine}): {side} "
         f"{len(only)} trained tensor(s) the other lacks, e.g. '{only[0]}'; the method, lora.* or freeze settings "
-        "differ. Restore them, or start afresh with train.resume=false or another output_dir.")
+        "differ: restore them, or start afresh with train.resume=false or another output_dir.")
 
 
 def copy_named(targets: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:

@@ -127,3 +127,12 @@ def test_slide_trains_resumes_exactly_and_exports(workdir):
     assert losses(workdir / "mixed") == pytest.approx(losses(workdir / "resident"), rel=1e-4)
     model = AutoModelForCausalLM.from_pretrained(str(workdir / "straight" / "model"), local_files_only=True)
     assert model.config.model_type == "llama"
+
+
+def test_resuming_with_other_trained_weights_is_one_sentence_and_changes_nothing(workdir):
+    slimtune("train", "run.yaml", "train.steps=2", "--no-progress", cwd=workdir)
+    settings = (workdir / "out" / "config.yaml").read_text()
+    proc = slimtune("train", "run.yaml", "method=full", "train.steps=4", "--no-progress", cwd=workdir, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "does not match this run" in proc.stderr
+    assert (workdir / "out" / "config.yaml").read_text() == settings
