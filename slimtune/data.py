@@ -84,7 +84,10 @@ class Batch:
             self.segmented = bool((self.position_ids != plain).any())
 
     def to(self, device: Any) -> Batch:
-        moved = (t.to(device) for t in (self.input_ids, self.targets, self.position_ids, self.trained_positions))
+        """The batch on `device`: always a copy, as a host-to-GPU copy is, so the device meter counts
+        these tensors alike on the CPU, under fake tensors (the estimate) and on a GPU."""
+        moved = (t.to(device, copy=True)
+                 for t in (self.input_ids, self.targets, self.position_ids, self.trained_positions))
         return Batch(*moved, num_targets=self.num_targets, segmented=self.segmented)
 
 

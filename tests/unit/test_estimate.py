@@ -1,5 +1,6 @@
 """The planner's estimate against the training meter: the same step, run on fake tensors and for
-real on the CPU, gives the same device peak to the byte, for every plan every engine offers. Both
+real on the CPU, gives the same device peak and breakdown to the byte, for every plan every engine
+offers (and with logits masking off, where a batch tensor goes unused). Both
 share the meter and the engine's code, so the breakdown is also held to absolute figures: weights at
 least their dtype's bytes, and on an engine that keeps AdamW on the device, its state at least two
 moments of every trained weight."""
@@ -17,6 +18,8 @@ SHAPES = {
     "qwen3-gqa1": ("qwen3", {"num_key_value_heads": 1}),
 }
 PLANS = [(method, plan) for method in ("lora", "full") for plan in engines.plans_for(method)]
+PLANS += [("lora", {"engine": "resident", "precision": "fp32", "loss.masking": "false"}),
+          ("full", {"engine": "slide", "precision": "bf16", "activations.checkpoint": "host", "loss.masking": "false"})]
 
 
 def measured_step(folder, cfg, precision, batch):
@@ -40,6 +43,7 @@ def test_estimate_matches_the_measured_peak(tmp_path, tokenizer, shape, method, 
     batch = estimate.synthetic_batch(2, 48, len(tokenizer))
     measured, trained_bytes = measured_step(folder, cfg, plan["precision"], batch)
     assert predicted.device_peak_bytes == measured.device_peak_bytes
+    assert predicted.breakdown == measured.device_peak_breakdown
     for breakdown in (predicted.breakdown, measured.device_peak_breakdown):
         assert sum(breakdown.values()) == predicted.device_peak_bytes
         if not engines.get(cfg.engine).model_on_host:  # AdamW on the device: exp_avg and exp_avg_sq of each
