@@ -23,7 +23,8 @@ With no config at all, `slimtune train` runs the built-in demo (tiny model, CPU,
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and each command's own parser by name."""
     from slimtune import engines  # noqa: F401  (registers every engine: their settings are in the help)
     from slimtune.config import help_text
 
@@ -52,7 +53,23 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", help="the run's output_dir")
     export.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
     export.add_argument("--out", help="destination folder (default: RUN_DIR/merged)")
-    return parser
+    return parser, sub.choices
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Positionals may come before, between or after flags (`train run.yaml --no-progress a.b=1`). Plain
+    parsing takes positionals in one run, so a later one is refused; argparse can intermix them only
+    on a parser without subcommands, so the command's own parser reads everything after its name."""
+    parser, commands = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in commands:  # no command, --help or an unknown one: the top level answers
+        return parser.parse_args(argv)
+    command = commands[argv[0]]
+    args, extras = command.parse_known_intermixed_args(argv[1:])
+    if extras:  # an unknown flag also leaves the positionals after it unread: name only the flag
+        command.error(f"unrecognized arguments: {' '.join([a for a in extras if a.startswith('-')] or extras)}")
+    args.command = argv[0]
+    return args
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -110,7 +127,7 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     try:
         {"train": _train, "plan": _plan, "probe": _probe, "export": _export}[args.command](args)
     except UserError as err:

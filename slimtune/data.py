@@ -1,9 +1,10 @@
 """Datasets -> token examples -> training batches.
 
 Records come from a .jsonl/.json/.csv/.parquet file or a `save_to_disk` folder, read
-through Hugging Face `datasets`. Each becomes an `Example` whose targets are already
-shifted (`targets[t]` is token t+1 when that token is trained, else IGNORE_INDEX), so a
-packed row never asks one example to predict the first token of the next.
+through Hugging Face `datasets`; CSV cells are text exactly as written (an empty cell is "").
+Each becomes an `Example` whose targets are already shifted (`targets[t]` is token t+1
+when that token is trained, else IGNORE_INDEX), so a packed row never asks one example to
+predict the first token of the next.
 
 Trained tokens: prompt_response trains the response and eos after encode_prompt(prompt);
 text trains everything after the bos; chat trains each assistant turn's content and the
@@ -98,10 +99,12 @@ class DataReport:
     truncated: int
     dropped: int  # examples with no trainable token left after truncation
     max_length: int | None = None
+    empty: int = 0  # examples with no token to train at any length (e.g. an empty text without a bos)
 
     def summary(self) -> str:
         limit = f" to {self.max_length} tokens" if self.max_length else ""
-        counts = f"{self.truncated} truncated{limit}; {self.dropped} dropped (no trainable token)"
+        counts = f"{self.truncated} truncated{limit}; {self.dropped} dropped (truncation left no trainable token)"
+        counts += f"; {self.empty} dropped (empty: no token to train)" if self.empty else ""
         return f"{self.train_examples} train / {self.eval_examples} eval examples; {counts}"
 
 
@@ -115,16 +118,25 @@ class Splits:
 def load_splits(cfg: DataConfig, tokenizer: Any, seed: int) -> Splits:
     """Read, tokenize, truncate and split the data named by `cfg`."""
     encoder = _Encoder(cfg, tokenizer)
-    counts = {"truncated": 0, "dropped": 0}
+    counts = {"truncated": 0, "dropped": 0, "empty": 0}
     train = _load_examples(cfg.path, encoder, cfg.max_length, counts)
     if not train:
-        raise UserError(f"no record in {cfg.path} keeps a trainable token within data.max_length={cfg.max_length}.")
+        raise UserError(_nothing_to_train(cfg, counts))
     if cfg.eval_path:
         held_out = _load_examples(cfg.eval_path, encoder, cfg.max_length, counts)
     else:
         train, held_out = _hold_out(train, cfg.eval_fraction, seed)
-    report = DataReport(len(train), len(held_out), counts["truncated"], counts["dropped"], cfg.max_length)
+    report = DataReport(len(train), len(held_out), counts["truncated"], counts["dropped"], cfg.max_length,
+                        counts["empty"])
     return Splits(train, held_out, report)
+
+
+def _nothing_to_train(cfg: DataConfig, counts: dict) -> str:
+    """Why no record of cfg.path is usable: truncation, records with nothing to train, or both."""
+    if not counts["dropped"]:
+        return f"no record in {cfg.path} has a token to train: every one is empty."
+    empty = f" ({counts['empty']} had none to begin with)" if counts["empty"] else ""
+    return f"no record in {cfg.path} keeps a trainable token within data.max_length={cfg.max_length}{empty}."
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
@@ -253,10 +265,24 @@ def _load_file(kind: str, p: Path, label: str) -> list[Any]:
     # A throwaway cache dir keeps datasets from writing arrow files into the user's home.
     with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="slimtune-data-") as cache:
         try:
-            ds = datasets.load_dataset(kind, data_files=str(p), split="train", cache_dir=cache, keep_in_memory=True)
+            options = _csv_as_text(p) if kind == "csv" else {}
+            ds = datasets.load_dataset(kind, data_files=str(p), split="train", cache_dir=cache, keep_in_memory=True,
+                                       **options)
             return ds.to_list()
         except Exception as err:  # noqa: BLE001 - any reader failure is a property of the user's file
             raise UserError(f"data file '{label}' could not be read as {kind} ({_cause(err)}).") from None
+
+
+def _csv_as_text(p: Path) -> dict:
+    """load_dataset options that read every CSV cell as the text written there. Left alone, pandas
+    guesses a type per column and chunk ("007" -> 7, " 4" -> 4, and "12" -> 12.0 in a column with an
+    empty cell) and reads empty cells and words like NA, null or None as missing values. An empty
+    cell is the empty string, as "" is in JSON."""
+    import datasets
+    import pandas as pd
+
+    names = pd.read_csv(p, nrows=0).columns  # pandas' own header reading: the builder's column names
+    return {"features": datasets.Features({str(n): datasets.Value("string") for n in names}), "na_filter": False}
 
 
 def _load_folder(p: Path, label: str) -> list[Any]:
@@ -286,7 +312,8 @@ def _load_examples(path: str, encoder: _Encoder, max_length: int, counts: dict) 
         ids, trained = encoder.encode(row, functools.partial(where, i))
         counts["truncated"] += len(ids) > max_length
         example = _shifted(ids[:max_length], trained[:max_length])
-        counts["dropped"] += example is None
+        if example is None:  # the first token is never a target, so trained[0] alone trains nothing
+            counts["dropped" if any(trained[1:]) else "empty"] += 1
         examples += [example] if example is not None else []
     return examples
 
@@ -345,7 +372,7 @@ class _Encoder:
 
 def _present(row: dict, name: str, where) -> Any:
     value = row.get(name)
-    if value is None or (isinstance(value, float) and math.isnan(value)):  # NaN: an empty CSV cell
+    if value is None or (isinstance(value, float) and math.isnan(value)):  # NaN: pandas' missing value
         raise UserError(f"{where()}: missing field '{name}'.")
     return value
 
@@ -374,6 +401,9 @@ def _messages_field(row: dict, name: str, where) -> list[dict]:
         if not isinstance(content, str):
             raise UserError(f"{where()}: message {j} needs a string 'content', got {type(content).__name__}.")
         messages.append({"role": role, "content": content})
+    # Only assistant turns are trained: such a record is malformed, as a prompt without a response is.
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where()}: the conversation in '{name}' has no assistant turn, so it has nothing to train.")
     return messages
 
 

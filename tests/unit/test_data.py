@@ -208,13 +208,63 @@ def test_truncation_and_dropped_counts(tmp_path, tokenizer):
     assert max(len(e.input_ids) for e in splits.train) == 16
     for ex in splits.train:
         check_shift(ex)
-    assert report.summary() == "2 train / 0 eval examples; 2 truncated to 16 tokens; 1 dropped (no trainable token)"
+    assert report.summary() == (
+        "2 train / 0 eval examples; 2 truncated to 16 tokens; 1 dropped (truncation left no trainable token)"
+    )
 
 
 def test_all_dropped_is_a_user_error(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "the quick brown fox jumps", "response": "x"}])
     with pytest.raises(UserError, match="max_length=3"):
         load_splits(cfg(path, max_length=3), tokenizer, 0)
+
+
+def test_records_with_nothing_to_train_are_counted_apart_from_truncation(tmp_path, tokenizer):
+    # The fixture tokenizer adds no bos, so an empty text is only the eos, which nothing predicts.
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world"}, {"text": ""}, {"text": ""}])
+    report = load_splits(cfg(path, format="text", max_length=64), tokenizer, 0).report
+    assert (report.train_examples, report.truncated, report.dropped, report.empty) == (1, 0, 0, 2)
+    assert report.summary() == (
+        "1 train / 0 eval examples; 0 truncated to 64 tokens; 0 dropped (truncation left no trainable token); "
+        "2 dropped (empty: no token to train)"
+    )
+    # When no record is usable, the error names the real cause, not data.max_length.
+    path = write_jsonl(tmp_path / "e.jsonl", [{"text": ""}, {"text": ""}])
+    msg = _error(tmp_path, tokenizer, "e.jsonl", format="text", max_length=64)
+    assert msg.endswith("e.jsonl has a token to train: every one is empty.") and "max_length" not in msg
+    write_jsonl(tmp_path / "m.jsonl", [{"text": ""}, {"text": "hello world"}])
+    msg = _error(tmp_path, tokenizer, "m.jsonl", format="text", max_length=1)
+    assert msg.endswith("m.jsonl keeps a trainable token within data.max_length=1 (1 had none to begin with).")
+
+
+def test_chat_record_without_an_assistant_turn_names_its_line(tmp_path, tokenizer):
+    user_only = {"messages": [{"role": "system", "content": "says hi"}, {"role": "user", "content": "hello"}]}
+    msg = _error(tmp_path, tokenizer, "c.jsonl", _jsonl([CHAT[1], user_only, CHAT[0]]), format="chat")
+    assert msg.endswith("c.jsonl line 2: the conversation in 'messages' has no assistant turn, so it has nothing "
+                        "to train.")
+    # Every record without one: the same sentence, not a complaint about max_length.
+    msg = _error(tmp_path, tokenizer, "c.jsonl", _jsonl([user_only, user_only]), format="chat", max_length=512)
+    assert "c.jsonl line 1: the conversation in 'messages' has no assistant turn" in msg
+    assert "max_length" not in msg
+
+
+def test_csv_cells_are_text_exactly_as_written(tmp_path, tokenizer):
+    # Columns pandas would read as numbers (per 10k-row chunk), with NaN for an empty cell, or as missing
+    # for NA-like words: all stay the text in the file, and an empty cell is "" as in JSON.
+    for records in (
+        [{"prompt": "12", "response": " 4"}, {"prompt": "7", "response": " 0.50"},
+         {"prompt": "007", "response": " 1e3"}],
+        [{"prompt": "12", "response": " 4"}, {"prompt": "3", "response": ""}],
+        [{"prompt": "NA", "response": " None"}, {"prompt": "null", "response": " n/a"},
+         {"prompt": "", "response": " x"}],
+    ):
+        _write_csv(tmp_path / "n.csv", records)
+        expected = load_splits(cfg(write_jsonl(tmp_path / "n.jsonl", records)), tokenizer, 0).train
+        assert len(expected) == len(records)
+        assert load_splits(cfg(tmp_path / "n.csv"), tokenizer, 0).train == expected
+    _write_csv(tmp_path / "t.csv", [{"text": "12"}, {"text": "3.0"}])
+    ex = load_splits(cfg(tmp_path / "t.csv", format="text"), tokenizer, 0).train
+    assert [tokenizer.decode(e.input_ids) for e in ex] == ["12</s>", "3.0</s>"]
 
 
 def _numbered(n):
@@ -408,8 +458,14 @@ def test_missing_and_mistyped_fields_name_the_line(tmp_path, tokenizer):
     assert "t.jsonl line 2: field 'response' must be a string" in msg
     _write_json_array(tmp_path / "a.json", [PR[0], {"prompt": "x"}])
     assert "a.json line 6: missing field 'response'" in _error(tmp_path, tokenizer, "a.json")
-    (tmp_path / "t.csv").write_text('prompt,response\na,b\n"multi\nline",c\nd,\n')
-    assert "t.csv line 5: missing field 'response'" in _error(tmp_path, tokenizer, "t.csv")
+    (tmp_path / "t.csv").write_text('prompt,answer\na,b\n')  # no response column
+    assert "t.csv line 2: missing field 'response'" in _error(tmp_path, tokenizer, "t.csv")
+    # A record is named by the line it starts on, past a quoted cell that spans two lines.
+    turns = json.dumps(CHAT[1]["messages"])
+    _write_csv(tmp_path / "c.csv", [{"messages": turns}, {"messages": turns.replace("}, {", "},\n{")},
+                                    {"messages": "hello"}])
+    assert "c.csv line 5: field 'messages' must be a non-empty list" in _error(tmp_path, tokenizer, "c.csv",
+                                                                                format="chat")
     _write_parquet(tmp_path / "t.parquet", [PR[0], {"prompt": "x", "response": None}])
     assert "t.parquet record 2: missing field 'response'" in _error(tmp_path, tokenizer, "t.parquet")
     assert "missing field 'text'" in _error(tmp_path, tokenizer, "t.jsonl", _jsonl(PR), format="text")
