@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import shutil
-import tempfile
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +32,7 @@ from slimtune.config import ActivationsConfig
 from slimtune.errors import UserError
 from slimtune.memory import mark_host_resident
 
+SCRATCH_KIND = "blocks"  # runtime.scratch_folder's name for a store's folder of block files
 WRITES_IN_FLIGHT = 2  # disk writes queued at once: bounds the host buffers waiting for the disk
 DISK_MARGIN = 64 << 20  # free space left on the disk after every block file is written
 
@@ -147,11 +147,7 @@ class DiskStore(HostStore):
 
     def _ensure_folder(self) -> Path:
         if self.folder is None:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                self.folder = Path(tempfile.mkdtemp(prefix="blocks-", dir=self.root))
-            except OSError as err:
-                raise UserError(f"activations.disk_dir '{self.root}' is not a usable folder ({err}).") from None
+            self.folder = runtime.scratch_folder(self.root, SCRATCH_KIND, "activations.disk_dir")
             # Also runs at interpreter exit and when the store is dropped unclosed.
             self._cleanup = weakref.finalize(self, _shut_down, self.worker, self.folder)
         return self.folder

@@ -4,7 +4,7 @@ A checkpoint is a folder `checkpoints/step-<N>/`:
   trainable.safetensors  the trained weights by parameter name
   moments.safetensors    AdamW's moments by parameter name (`exp_avg/<name>`, `exp_avg_sq/<name>`)
   state.pt               the engine's name, AdamW's step count per parameter, engine extras, every RNG
-  meta.json              format, step, engine, the data stream's position
+  meta.json              format, step, engine, the data stream's position, each file's size and CRC-32
 Every engine writes this one format (`EngineState`): the optimizer state is kept by parameter name,
 not in an engine's own layout, so a checkpoint resumes under another engine (plan=auto on another
 card), or ends in one sentence. The folder is written under a temporary name, each file fsynced,
@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from slimtune.errors import UserError
 PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
 FORMAT = 2  # meta.json "format"; checkpoints without one kept engine-specific optimizer state
+FILES = ("trainable.safetensors", "moments.safetensors", "state.pt")  # sized and checksummed in meta.json
 
 
 @dataclass
@@ -116,8 +118,9 @@ def save(root: Path, step: int, state: EngineState, stream_state: dict, keep_las
                   str(tmp / "moments.safetensors"))
         torch.save({"engine": state.engine, "step": state.step, "adam_steps": state.adam_steps,
                     "extra": state.extra, "rng": process_rng_state()}, tmp / "state.pt")
+        files = {name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)} for name in FILES}
         (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, "engine": state.engine,
-                                                   "stream": stream_state}))
+                                                   "stream": stream_state, "files": files}))
     prune(Path(root) / "checkpoints", keep_last)
     return folder
 
@@ -140,12 +143,52 @@ def latest(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def latest_intact(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint whose files are whole, and a sentence for each newer one that is not."""
+    damaged = []
+    for folder in reversed(list_checkpoints(Path(root) / "checkpoints")):
+        reason = damage(folder)
+        if reason is None:
+            return folder, damaged
+        damaged.append(f"checkpoint '{folder}' is damaged ({reason})")
+    return None, damaged
+
+
+def damage(folder: Path) -> str | None:
+    """Why a checkpoint cannot be trusted (a file missing, cut short or changed since it was
+    written: sizes and CRC-32s are in meta.json), or None when it is whole."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return "meta.json is missing or torn"
+    if meta.get("format") != FORMAT:
+        return None  # load() names an older format in a sentence of its own
+    for name, want in meta.get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {want['bytes']} were written"
+        if _crc32(path) != want["crc32"]:
+            return f"{name} has changed since it was written (CRC-32)"
+    return None if "files" in meta else "meta.json lists no files"
+
+
+def _crc32(path: Path) -> int:
+    """CRC-32 of a file, read in 16 MiB pieces: it tells damage, not tampering, at several GB/s."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while piece := handle.read(16 << 20):
+            crc = zlib.crc32(piece, crc)
+    return crc
+
+
 def load(folder: Path) -> tuple[int, EngineState, dict, dict]:
     """(step, engine state, stream state, rng) of a checkpoint folder."""
     meta = json.loads((folder / "meta.json").read_text())
     if meta.get("format") != FORMAT:
         raise UserError(f"checkpoint '{folder}' is in an older format than this slimtune reads; resume it with the"
-                        " slimtune that wrote it, or start afresh with train.resume=false or another output_dir.")
+                        " slimtune that wrote it, or start afresh with train.overwrite=true or another output_dir.")
     blob = torch.load(folder / "state.pt", weights_only=True)  # tensors and plain values only: no code runs
     moments = load_file(str(folder / "moments.safetensors"))
     state = EngineState(

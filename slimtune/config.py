@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -143,14 +144,21 @@ class TrainConfig:
     save_every: int = setting(0, "Checkpoint every N steps (0: only at the end).")
     keep_last: int = setting(2, "Checkpoints kept on disk.")
     resume: bool = setting(True, "Resume from the newest checkpoint in output_dir when one exists.")
+    overwrite: bool = setting(
+        False, "Start afresh in an output_dir that holds a run: its checkpoints, metrics and result are removed first.")
+    on_nonfinite: Literal["stop", "skip"] = setting(
+        "stop", "A non-finite loss or gradient norm never updates the weights. stop: end the run, naming the last good"
+                " checkpoint; skip: leave that step's update out (counted in metrics.jsonl) and go on.")
+    nonfinite_patience: int = setting(3, "on_nonfinite=skip: stop after this many skipped steps in a row.")
     measure_memory: bool = setting(
         True, "Measure each step's device peak (free on CUDA; the CPU meter adds about 15% to a step)."
     )
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_last"):
+        for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_last", "nonfinite_patience"):
             positive(f"train.{name}", getattr(self, name))
         positive("train.lr", self.lr)
+        positive("train.eps", self.eps)
         for name in ("weight_decay", "max_grad_norm", "warmup_steps", "eval_every", "eval_batches", "save_every"):
             if getattr(self, name) < 0:
                 raise UserError(f"train.{name} must not be negative, got {getattr(self, name)}.")
@@ -381,13 +389,18 @@ def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "2e-4" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "2e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # nan and inf pass every comparison check below them
+                raise UserError(f"{key} must be a finite number, got {value!r}.")
+            return number
     elif hint is str:
         if isinstance(value, str):
             return value

@@ -114,5 +114,24 @@ class HostUnit:
     def note_norms(self) -> None:
         self.norms = self.adam.grad_norms() if self.adam is not None else []
 
-    def update(self, lr: float, clip: float) -> None:
+    def update(self, lr: float, clip: float, guard: StepGuard | None = None) -> None:
+        """This unit's AdamW, unless `guard` says the step may not update: then, or when its own
+        gradients are not finite, its accumulators are emptied and the guard trips for the units after."""
+        if guard is not None and (guard.tripped or not all(rules.is_finite(n) for n in self.norms)):
+            guard.tripped = True
+            self.adam.discard()
+            return
         self.adam.update(lr, clip)
+
+    def discard(self) -> None:
+        """The step's gradients dropped without an update (its loss or gradient norm was not finite)."""
+        self.adam.discard()
+
+
+class StepGuard:
+    """Shared by the units whose updates run while backward still goes on: once one finds its
+    gradients non-finite, it and every unit after it skip their update (units before it already
+    updated, with finite gradients)."""
+
+    def __init__(self):
+        self.tripped = False

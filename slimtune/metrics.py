@@ -19,9 +19,18 @@ class MetricsLog:
         self._tensorboard = _tensorboard_writer(Path(output_dir) / "tensorboard")
 
     def _kept_records(self, resume_step: int) -> list[dict]:
+        """What the run logged up to its checkpoint; a line torn by a kill (or damaged) ends what is kept."""
         if resume_step == 0 or not self.path.is_file():
             return []
-        records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        records = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                break
+            records.append(record)
         return [r for r in records if r["step"] <= resume_step]
 
     def log(self, record: dict) -> None:

@@ -12,6 +12,9 @@ state off the device (slide today).
 - `SlotBinding`: some modules' tensors laid out in a slot. `bind` copies them in and points the
   modules' parameters and buffers at the copies (and, for training, their .grad at zeroed gradient
   views), `unbind` points them back at their host tensors, `download_grads` sends the gradients down.
+- `scratch_folder` / `remove_orphans`: private folders on disk for state kept off the device (block
+  inputs, memory-mapped moments), named after their process, so a later run removes those a killed
+  process left behind.
 - `HostWorker`: one thread running host work (optimizer updates) in submission order. torch's CPU
   kernels release the GIL, so the device loop keeps going while it runs; `barrier()` waits for all.
   The device meter (a thread-local dispatch mode) does not see host work, as it should not. Under
@@ -21,12 +24,18 @@ state off the device (slide today).
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from slimtune.errors import UserError
 from slimtune.memory import mark_host_resident
 
 SLOT_ALIGN = 256  # bytes: every tensor view in a slot starts on this boundary
@@ -336,3 +345,36 @@ class HostWorker:
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def scratch_folder(root: Path, kind: str, setting: str) -> Path:
+    """A new private folder `<kind>-<pid>-<random>` under `root` for this process's files. `setting`:
+    the key that named `root`, for the sentence when it is not usable."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}-", dir=root))
+    except OSError as err:
+        raise UserError(f"{setting} '{root}' is not a usable folder ({err}).") from None
+
+
+def remove_orphans(root: Path, kind: str) -> list[Path]:
+    """Delete the `<kind>-<pid>-*` folders under `root` whose process is gone (a kill -9 runs no
+    clean-up); those of live processes, e.g. another run sharing the folder, stay. Returns the removed."""
+    removed = []
+    for folder in sorted(root.glob(f"{kind}-*")) if root.is_dir() else []:
+        found = re.fullmatch(rf"{re.escape(kind)}-(\d+)-.+", folder.name)
+        if folder.is_dir() and found and not _alive(int(found.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+

@@ -19,6 +19,7 @@ from slimtune.engines.base import Engine
 from slimtune.errors import UserError
 from slimtune.metrics import MetricsLog, format_table, human_bytes
 from slimtune.model import Stack, load_tokenizer, read_config
+from slimtune.run_folder import RunFolder
 
 
 @dataclass
@@ -89,10 +90,18 @@ def evaluate(run: Run, batches: list[data.Batch]) -> dict:
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
 
-def resume(run: Run, stream: data.BatchStream) -> int:
-    """Restore the newest checkpoint of the run's output_dir (train.resume): the engine's state, the
-    data stream's position and every RNG. Returns the step it was written after (0: none)."""
-    found = checkpoint.latest(Path(run.cfg.output_dir)) if run.cfg.train.resume else None
+def resume(run: Run, stream: data.BatchStream, say=print) -> int:
+    """Restore the newest intact checkpoint of the run's output_dir (train.resume): the engine's state,
+    the data stream's position and every RNG; damaged newer ones are named (`say`) and passed over.
+    Returns the step it was written after (0: none)."""
+    if not run.cfg.train.resume:
+        return 0
+    found, damaged = checkpoint.latest_intact(Path(run.cfg.output_dir))
+    if damaged and found is None:
+        raise UserError(f"{'; '.join(damaged)}: no intact checkpoint is left to resume from; start afresh with"
+                        " train.overwrite=true or another output_dir.")
+    for reason in damaged:
+        say(f"{reason}; resuming from '{found}' instead")
     if found is None:
         return 0
     step, engine_state, stream_state, rng = checkpoint.load(found)
@@ -126,37 +135,62 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[Run, dict]:
-    """Train `cfg` to its last step (resuming when a checkpoint exists); returns the run and its summary."""
+    """Train `cfg` to its last step (resuming when a checkpoint exists); returns the run and its summary.
+    The run folder is inspected before anything loads and held (locked) until the end (run_folder.py)."""
     from tqdm.auto import tqdm
 
-    run = run or build(cfg)
-    cfg = run.cfg  # plan=auto may have chosen the engine and options
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stream = batch_stream(run)
-    start = resume(run, stream)  # before config.yaml: a refused resume leaves the folder's settings as they were
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    log = MetricsLog(out, start)
-    if progress:
-        tqdm.write(f"data: {run.splits.report.summary()}" + (f"; resuming after step {start}" if start else ""))
-    # A log file or pipe gets a refresh every 30 s instead of every step.
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
-               mininterval=0.1 if sys.stderr.isatty() else 30.0)
-    began = time.perf_counter()
-    try:
-        for step in range(start + 1, cfg.train.steps + 1):
-            _train_step(run, step, stream, log, bar)
-    finally:
-        bar.close()
-        log.close()
-    result_dir = export.save_result(run, out)
+    say = tqdm.write if progress else print
+    with RunFolder(cfg) as folder:
+        folder.inspect()
+        run = run or build(cfg)
+        out = Path(run.cfg.output_dir)
+        stream, start = _begin(run, folder, say)
+        log = MetricsLog(out, start)
+        # A log file or pipe gets a refresh every 30 s instead of every step.
+        bar = tqdm(total=run.cfg.train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
+                   mininterval=0.1 if sys.stderr.isatty() else 30.0)
+        began, skips = time.perf_counter(), Skips()
+        try:
+            for step in range(start + 1, run.cfg.train.steps + 1):
+                _train_step(run, step, stream, log, bar, skips)
+        finally:
+            bar.close()
+            log.close()
+        result_dir = export.save_result(run, out)
+        folder.finished(run.cfg.train.steps, result_dir)
     summary = _summary(run, log, time.perf_counter() - began, start, result_dir)
     log.plot(out / "metrics.png")
     return run, summary
 
 
-def _train_step(run: Run, step: int, stream: data.BatchStream, log: MetricsLog, bar) -> None:
-    """One optimizer step, then what is due after it: evaluation, the log, a checkpoint."""
+def _begin(run: Run, folder: RunFolder, say) -> tuple[data.BatchStream, int]:
+    """Claim the folder, resume, say what changed since the run's last start, record the settings."""
+    folder.claim(run.cfg)
+    stream = batch_stream(run)
+    start = resume(run, stream, say)  # before config.yaml: a refused resume leaves the folder's settings as they were
+    changed = folder.settled(run.cfg)
+    if start and changed:
+        say(f"resuming with changed settings: {', '.join(changed)}")
+    (Path(run.cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(to_dict(run.cfg), sort_keys=False))
+    say(f"data: {run.splits.report.summary()}" + (f"; resuming after step {start}" if start else ""))
+    return stream, start
+
+
+@dataclass
+class Skips:
+    """Steps whose update was left out because their loss or gradient norm was not finite."""
+
+    in_a_row: int = 0
+    total: int = 0
+
+    def note(self, applied: bool) -> None:
+        self.in_a_row = 0 if applied else self.in_a_row + 1
+        self.total += not applied
+
+
+def _train_step(run: Run, step: int, stream: data.BatchStream, log: MetricsLog, bar, skips: Skips) -> None:
+    """One optimizer step, then what is due after it: evaluation, the log, a checkpoint. A step that
+    could not update (non-finite) is logged, then ends the run or is skipped (train.on_nonfinite)."""
     t = run.cfg.train
     micro_batches = [stream.next_batch() for _ in range(t.grad_accum)]
     tick = time.perf_counter()
@@ -164,16 +198,36 @@ def _train_step(run: Run, step: int, stream: data.BatchStream, log: MetricsLog, 
         result = run.engine.step(micro_batches)
     except torch.OutOfMemoryError:
         raise UserError(out_of_memory_advice(run, step)) from None
-    record = _record(step, result, time.perf_counter() - tick)
+    skips.note(result.applied)
+    record = {**_record(step, result, time.perf_counter() - tick), "skipped_updates": skips.total}
     if _due(step, t.eval_every, t.steps):
         record.update(evaluate(run, run.eval_batches))
-    if _due(step, t.log_every, t.steps):
+    if _due(step, t.log_every, t.steps) or not result.applied:
         log.log(record)
+    if not result.applied:
+        _refuse_nonfinite(run, step, result, skips)
     if _due(step, t.save_every, t.steps):
         checkpoint.save(Path(run.cfg.output_dir), step, run.engine.state_dict(), stream.state_dict(), t.keep_last)
     bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                     mem=_peak_text(result.device_peak_bytes))
     bar.update(1)
+
+
+def _refuse_nonfinite(run: Run, step: int, result, skips: Skips) -> None:
+    """train.on_nonfinite=stop, or skip past its patience: the run ends, naming the last good checkpoint."""
+    t = run.cfg.train
+    if t.on_nonfinite == "skip" and skips.in_a_row < t.nonfinite_patience:
+        return
+    latest, _ = checkpoint.latest_intact(Path(run.cfg.output_dir))
+    resume_from = f"the last good checkpoint is '{latest}'" if latest else "no checkpoint was written yet"
+    if t.on_nonfinite == "skip":
+        streak, option = f" ({skips.in_a_row} steps in a row)", "raise train.nonfinite_patience"
+    else:
+        streak, option = "", "set train.on_nonfinite=skip to go past such steps"
+    raise UserError(
+        f"step {step}: the loss ({result.loss}) or gradient norm ({result.grad_norm}) is not finite{streak}, so no "
+        f"update was applied and the run stopped; {resume_from}. Lower train.lr or raise train.warmup_steps, or "
+        f"{option}.")
 
 
 def out_of_memory_advice(run: Run, step: int) -> str:

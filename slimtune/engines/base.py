@@ -29,6 +29,10 @@ class StepResult:
     host_peak_bytes: int = 0  # host RAM the step held for the device (host state, offloaded activations)
     disk_peak_bytes: int = 0  # disk the step held (activations.checkpoint=disk)
     extras: dict[str, float] = field(default_factory=dict)  # engine-specific figures; the loop logs them
+    # False: the loss or gradient norm was not finite (rules.is_finite) and no update was applied.
+    # An engine that updates while backward still runs may have updated some weights (finite ones)
+    # first: its config check then refuses train.on_nonfinite=skip, and the run stops.
+    applied: bool = True
 
 
 class Engine(Protocol):

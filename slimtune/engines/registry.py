@@ -23,6 +23,11 @@ def _no_plans(method: str) -> list[dict]:
     return []
 
 
+def _no_scratch(cfg: config.RunConfig) -> dict[str, str]:
+    del cfg
+    return {}
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     name: str
@@ -35,6 +40,9 @@ class EngineSpec:
     validate: Callable[[config.RunConfig], None] = _accepts_everything  # refuses what it does not do, in a sentence
     plans: Callable[[str], list[dict]] = _no_plans  # method -> option sets (dotted keys) the planner weighs
     model_on_host: bool = False  # True: the model stays on the host and the engine moves what it needs
+    # cfg -> {setting: folder} where it keeps scratch files of its own (checked writable before a run
+    # loads anything; folders a killed run left there are removed at the next start).
+    scratch: Callable[[config.RunConfig], dict[str, str]] = _no_scratch
     module: str = field(default="", compare=False)  # who registered it (set by register)
 
 

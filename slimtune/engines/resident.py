@@ -72,10 +72,12 @@ class ResidentEngine:
                     # The exact loss is what is logged: a subset objective is only a lower bound of it.
                     exact_sum, excluded_sum = exact_sum + out.exact_sum, excluded_sum + out.excluded_mass_sum
             grad_norm = self._clip()
+            applied = rules.is_finite(grad_norm) and rules.is_finite(exact_sum)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            with reading.phase("optimizer"):
-                self.optimizer.step()
+            if applied:
+                with reading.phase("optimizer"):
+                    self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._reading = None
         self.step_count += 1
@@ -84,7 +86,7 @@ class ResidentEngine:
             loss=to_float(exact_sum) / total, tokens=sum(b.num_targets for b in micro_batches),
             seen_tokens=sum(b.input_ids.numel() for b in micro_batches),
             lr=lr, grad_norm=to_float(grad_norm), device_peak_bytes=reading.peak, host_link_bytes=store.link_bytes,
-            device_peak_breakdown=reading.peak_breakdown, extras=extras, **self._offload_peaks(store),
+            device_peak_breakdown=reading.peak_breakdown, extras=extras, applied=applied, **self._offload_peaks(store),
         )
 
     def _offload_peaks(self, store) -> dict:

@@ -56,7 +56,7 @@ from slimtune.data import Batch
 from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
-from slimtune.host_unit import HostUnit
+from slimtune.host_unit import HostUnit, StepGuard
 from slimtune.loss import chunk_tokens, head_inputs
 from slimtune.model import Stack
 from slimtune.optim import rules
@@ -92,6 +92,9 @@ def validate(cfg: RunConfig) -> None:
                         " (or disk).")
     if cfg.activations.cache != "none":
         raise UserError("engine=slide keeps only each block's input; set activations.cache=none.")
+    if cfg.train.on_nonfinite == "skip" and cfg.train.max_grad_norm == 0:
+        raise UserError("engine=slide updates each block while backward runs when clipping is off, so a step cannot"
+                        " be skipped whole; set train.max_grad_norm > 0 or train.on_nonfinite=stop.")
 
 
 class SlideEngine:
@@ -145,10 +148,8 @@ class SlideEngine:
 
     def _moments_dir(self, cfg: RunConfig) -> Path | None:
         """slide.moments=disk: a private folder for the moment files, removed with the engine."""
-        if self.slide_cfg.moments != "disk":
-            return None
-        root = Path(self.slide_cfg.moments_dir or Path(cfg.output_dir) / "moments")
-        return moments_folder(self, root, "slide.moments_dir")
+        folders = scratch(cfg)
+        return moments_folder(self, Path(folders["slide.moments_dir"]), "slide.moments_dir") if folders else None
 
     # ------------------------------------------------------------ the pieces of a step
 
@@ -352,20 +353,23 @@ class SlideEngine:
         lr = rules.lr_at(self.train_cfg, self.step_count)
         clipping = self.train_cfg.max_grad_norm > 0
         link_before = self.link.bytes
+        guard = StepGuard()
         with self.meter.measure(self._resident_tensors()) as reading, self._store() as store, self._window():
             loss_sum = 0.0
             for k, batch in enumerate(micro_batches):
-                update_now = (lr, 1.0) if k == len(micro_batches) - 1 and not clipping else None
                 final = k == len(micro_batches) - 1
+                update_now = (lr, 1.0, guard) if final and not clipping else None
                 loss_sum = loss_sum + self._micro_step(batch, total, store, update_now, final)
             self.worker.barrier()
             grad_norm = self._grad_norm()
+            applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm) and not guard.tripped
             if clipping:
                 coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
                 coef = 1.0 if is_fake(coefficient) else float(coefficient)
                 for unit in self._all_units():
-                    if unit.adam is not None:
-                        unit.update_job = self.worker.submit(unit.update, lr, coef)
+                    if unit.adam is not None:  # a step that may not update only empties the accumulators
+                        job = (unit.update, lr, coef) if applied else (unit.discard,)
+                        unit.update_job = self.worker.submit(*job)
             self.worker.barrier()
         self.step_count += 1
         return StepResult(
@@ -374,7 +378,7 @@ class SlideEngine:
             device_peak_bytes=reading.peak, device_peak_breakdown=reading.peak_breakdown,
             host_link_bytes=self.link.bytes - link_before + store.link_bytes,
             host_peak_bytes=self.host_bytes() + (store.peak_bytes if self._store_kind() == "host" else 0),
-            disk_peak_bytes=store.peak_bytes if self._store_kind() == "disk" else 0,
+            disk_peak_bytes=store.peak_bytes if self._store_kind() == "disk" else 0, applied=applied,
         )
 
     def _grad_norm(self) -> torch.Tensor:
@@ -438,6 +442,14 @@ class SlideEngine:
         self.step_count = state.step
 
 
+def scratch(cfg: RunConfig) -> dict[str, str]:
+    """slide.moments=disk keeps the AdamW moments in files under slide.moments_dir."""
+    section = cfg.section("slide")
+    if section.moments != "disk":
+        return {}
+    return {"slide.moments_dir": str(section.moments_dir or Path(cfg.output_dir) / "moments")}
+
+
 def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,
               seq_len: int) -> speed.StepTime:
     """Copies overlap compute; every block is recomputed in backward; a 4-bit base is dequantized in
@@ -460,4 +472,5 @@ def plans(method: str) -> list[dict]:
 register(EngineSpec(
     name="slide", summary="weights, gradients and AdamW state on the host, a window of blocks on the device"
     " (models far larger than the device).",
-    build=SlideEngine, step_time=step_time, section=SlideConfig, validate=validate, plans=plans, model_on_host=True))
+    build=SlideEngine, step_time=step_time, section=SlideConfig, validate=validate, plans=plans, model_on_host=True,
+    scratch=scratch))

@@ -19,7 +19,6 @@ live in the flat buffers. Host storage is marked host-resident, so the device me
 from __future__ import annotations
 
 import shutil
-import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from slimtune import memory, runtime
-from slimtune.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -131,6 +129,12 @@ class HostAdam:
                 grad.zero_()
             self.refresh_shadows()
 
+    def discard(self) -> None:
+        """Empty the accumulators without an update (a step that may not update the weights)."""
+        with torch.no_grad():
+            for grad in self.grads:
+                grad.zero_()
+
     def refresh_shadows(self) -> None:
         """The shadows become the masters rounded once (after an update, or after loading masters)."""
         with torch.no_grad():
@@ -166,13 +170,13 @@ class HostAdam:
         return nbytes(self.masters) + nbytes(self.grads) + nbytes(self.shadows) + moments
 
 
+SCRATCH_KIND = "adam"  # runtime.scratch_folder's name for a folder of memory-mapped moments
+
+
 def moments_folder(owner: object, root: Path, setting: str) -> Path:
     """A private folder under `root` for memory-mapped moments, deleted when `owner` is collected or
-    at exit. `setting`: the key that named `root`, for the sentence if it is not usable."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix="adam-", dir=root))
-    except OSError as err:
-        raise UserError(f"{setting} '{root}' is not a usable folder ({err}).") from None
+    at exit (a killed run's is removed by the next run: runtime.remove_orphans). `setting`: the key
+    that named `root`."""
+    folder = runtime.scratch_folder(root, SCRATCH_KIND, setting)
     weakref.finalize(owner, shutil.rmtree, folder, True)
     return folder

@@ -1,5 +1,6 @@
 """The optimisation rules every engine follows, one helper each, so engines share their rules and
 not their step bodies: which weights decay, the learning rate at a step, the clipping coefficient,
+whether a step may update at all (a non-finite loss or gradient norm never reaches the weights),
 and AdamW's settings. An engine's step is then the same optimizer step whatever the engine.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from slimtune.config import TrainConfig
 
@@ -51,6 +53,14 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     if max_norm <= 0:
         return torch.ones((), dtype=total_norm.dtype, device=total_norm.device)
     return torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
+
+
+def is_finite(value: torch.Tensor | float) -> bool:
+    """Whether a step's loss or gradient norm may update the weights: finite (a fake tensor, which
+    the planner's estimate steps with, counts as finite: it has no value and must update)."""
+    if isinstance(value, torch.Tensor):
+        return is_fake(value) or bool(torch.isfinite(value).all())
+    return math.isfinite(value)
 
 
 def adamw_settings(train: TrainConfig) -> dict:

@@ -134,5 +134,5 @@ def test_resuming_with_other_trained_weights_is_one_sentence_and_changes_nothing
     settings = (workdir / "out" / "config.yaml").read_text()
     proc = slimtune("train", "run.yaml", "method=full", "train.steps=4", "--no-progress", cwd=workdir, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and "does not match this run" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "holds a run this one cannot continue: method was" in proc.stderr
     assert (workdir / "out" / "config.yaml").read_text() == settings

@@ -1,0 +1,232 @@
+"""A run's folder (output_dir), kept safe for the run's life: what is checked before anything is
+loaded or written, what a run records of itself, what resume verifies, and one run at a time.
+
+    inspect(cfg)   before the model or data load; writes nothing. The settings' folders can be
+                   written; no live run holds the folder; a folder that holds a run is resumed only
+                   with train.resume and only by the same run (its identity: the base model's
+                   fingerprint, the method, the adapter's shape and targets, the freeze patterns),
+                   and is replaced only with train.overwrite. Each refusal is one sentence.
+    claim()        after the run is built, before its first write: makes the folder, takes the lock
+                   (flock: released when the process dies, so a kill -9 leaves no stale lock),
+                   removes an overwritten run and the scratch folders of killed runs, and records
+                   run.json for a new run.
+    settled(cfg)   after resume: the settings that changed since the run's last start are said
+                   once and recorded (steps, cadences and the like may change; identity may not).
+    finished(step) the result (adapter/ or model/) holds step `step`: export compares it with the
+                   newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import struct
+import time
+from pathlib import Path
+
+from slimtune import checkpoint, engines, runtime
+from slimtune.block_stores import SCRATCH_KIND as BLOCKS
+from slimtune.config import RunConfig, to_dict
+from slimtune.errors import UserError
+from slimtune.optim.host_adam import SCRATCH_KIND as MOMENTS
+
+RECORD = "run.json"
+LOCK = ".lock"
+# What a run writes in its folder: train.overwrite removes these and nothing else.
+RUN_FILES = (RECORD, "config.yaml", "metrics.jsonl", "metrics.png", "checkpoints", "adapter", "model", "merged",
+             "tensorboard", "activations", "moments")
+SAMPLES = 16  # model fingerprint: bytes sampled from this many places of each weights file
+SAMPLE_BYTES = 4096
+
+
+class RunFolder:
+    def __init__(self, cfg: RunConfig):
+        self.cfg, self.root = cfg, Path(cfg.output_dir)
+        self.lock = None  # the open, flock'd lock file while this run holds the folder
+        self.record: dict | None = None  # run.json as found (None: the folder holds no run)
+
+    # ------------------------------------------------------------ before anything loads
+
+    def inspect(self) -> None:
+        _check_writable(self.root, "output_dir")
+        for setting, folder in _scratch_roots(self.cfg).items():
+            _check_writable(folder, setting)
+        if not self.root.is_dir():
+            return
+        self._lock()
+        self.record = self._read_record()
+        if self._holds_run() and not self.cfg.train.overwrite:
+            if not self.cfg.train.resume:
+                raise UserError(
+                    f"output_dir '{self.root}' holds a run and train.resume=false would start another over it; set"
+                    " train.overwrite=true to remove the old run first, or use another output_dir.")
+            if self.record is not None:
+                self._check_identity()
+
+    def _holds_run(self) -> bool:
+        return self.record is not None or bool(checkpoint.list_checkpoints(self.root / "checkpoints"))
+
+    def _read_record(self) -> dict | None:
+        path = self.root / RECORD
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise UserError(f"{path} is damaged ({err}); restore it, or start afresh with train.overwrite=true.") from None
+
+    def _check_identity(self) -> None:
+        before, now = self.record["identity"], identity(self.cfg)
+        changed = [key for key in now if before.get(key) != now[key]]
+        if "method" in changed:  # the adapter and freeze settings follow the method: naming it is enough
+            changed = ["model", "method"] if "model" in changed else ["method"]
+        if not changed:
+            return
+        what = "; ".join(_describe_change(key, before.get(key), now[key]) for key in changed)
+        raise UserError(
+            f"output_dir '{self.root}' holds a run this one cannot continue: {what}. Resume it with the settings it "
+            "began with, or start afresh with train.overwrite=true or another output_dir.")
+
+    # ------------------------------------------------------------ before the first write
+
+    def claim(self, cfg: RunConfig) -> None:
+        """`cfg`: the run as built (plan=auto may have chosen its engine and options)."""
+        self.cfg = cfg
+        for setting, folder in _scratch_roots(cfg).items():
+            _check_writable(folder, setting)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        if self.cfg.train.overwrite:
+            for name in RUN_FILES:
+                path = self.root / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            self.record = None
+        for setting, folder in _scratch_roots(self.cfg).items():
+            for kind in (BLOCKS, MOMENTS):
+                runtime.remove_orphans(folder, kind)
+        if self.record is None:
+            self.record = {"format": 1, "identity": identity(self.cfg), "settings": to_dict(self.cfg),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "result": None}
+            self._write_record()
+
+    def settled(self, cfg: RunConfig) -> list[str]:
+        """The settings that changed since the run's last start ("key: old -> new"), recorded now."""
+        before, now = _flat(self.record.get("settings", {})), _flat(to_dict(cfg))
+        changed = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
+        self.record["settings"] = to_dict(cfg)
+        self._write_record()
+        return changed
+
+    def finished(self, step: int, result: Path) -> None:
+        self.record["result"] = {"step": step, "path": result.name}
+        self._write_record()
+
+    def _write_record(self) -> None:
+        checkpoint.atomic_write_text(self.root / RECORD, json.dumps(self.record, indent=2) + "\n")
+
+    # ------------------------------------------------------------ one run at a time
+
+    def _lock(self) -> None:
+        if self.lock is not None:
+            return
+        handle = open(self.root / LOCK, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise UserError(f"output_dir '{self.root}' is in use by another run ({holder}); wait for it to end,"
+                            " or use another output_dir.") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}")
+        handle.flush()
+        self.lock = handle
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.close()  # closing the file drops the flock
+            self.lock = None
+
+    def __enter__(self) -> RunFolder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ---------------------------------------------------------------- identity
+
+
+def identity(cfg: RunConfig) -> dict:
+    """What a run's checkpoints mean only together with: the base model's weights, and which tensors
+    train (method, the adapter's shape and targets, or the freeze patterns)."""
+    lora = cfg.method == "lora"
+    return {"model": model_fingerprint(Path(cfg.model)), "method": cfg.method,
+            "lora.rank": cfg.lora.rank if lora else None, "lora.alpha": cfg.lora.alpha if lora else None,
+            "lora.targets": cfg.lora.targets if lora else None, "freeze": None if lora else cfg.freeze}
+
+
+def model_fingerprint(folder: Path) -> str:
+    """A hash of a model folder's config.json and, for every *.safetensors file, its size, its header
+    (names, shapes, dtypes, offsets) and bytes sampled across its data: another model of the same
+    shape differs in the samples. Reads a few hundred KiB whatever the model's size."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("config.json")) + sorted(folder.glob("*.safetensors")):
+        digest.update(path.name.encode())
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            digest.update(struct.pack("<Q", size))
+            if path.suffix != ".safetensors":
+                digest.update(handle.read())
+                continue
+            for offset in sorted({0, *(size * k // SAMPLES for k in range(SAMPLES)), max(size - SAMPLE_BYTES, 0)}):
+                handle.seek(offset)
+                digest.update(handle.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:32]
+
+
+def _describe_change(key: str, before, now) -> str:
+    if key == "model":
+        return "the base model's weights differ from those it began with"
+    return f"{key} was {before!r}, now {now!r}"
+
+
+def _flat(settings: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+# ---------------------------------------------------------------- folders the run writes
+
+
+def _scratch_roots(cfg: RunConfig) -> dict[str, Path]:
+    """Setting -> folder of every place the run keeps scratch files: block inputs on disk, and what
+    the engine names (e.g. slide's memory-mapped moments)."""
+    roots = {}
+    if cfg.activations.checkpoint == "disk":
+        roots["activations.disk_dir"] = Path(cfg.activations.disk_dir or Path(cfg.output_dir) / "activations")
+    for setting, folder in engines.get(cfg.engine).scratch(cfg).items():
+        roots[setting] = Path(folder)
+    return roots
+
+
+def _check_writable(folder: Path, setting: str) -> None:
+    """`folder` is, or can be made as, a folder this process may write; one sentence if not."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"{setting} '{folder}' cannot be a folder: '{probe}' is a file.")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"{setting} '{folder}' is not writable ('{probe}' does not let this user write).")
