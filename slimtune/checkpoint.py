@@ -135,7 +135,12 @@ def list_checkpoints(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(TMP_SUFFIX)]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(found, key=step_of)
+
+
+def step_of(folder: Path) -> int:
+    """The step a checkpoint folder holds, from its name."""
+    return int(folder.name[len(PREFIX):])
 
 
 def latest(root: Path) -> Path | None:

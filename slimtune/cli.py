@@ -122,8 +122,9 @@ def _probe(args: argparse.Namespace) -> None:
 def _export(args: argparse.Namespace) -> None:
     from slimtune import export
 
-    folder = export.merge_run(args.run_dir, args.out)
-    print(f"merged model written to {folder}")
+    merged = export.merge_run(args.run_dir, args.out)
+    step = f"step {merged.step}" if merged.step is not None else "the result"
+    print(f"merged model ({step}, adapter from {merged.source}) written to {merged.folder}")
 
 
 def main(argv: list[str] | None = None) -> int:

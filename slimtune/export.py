@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from slimtune import lora
+from slimtune import checkpoint, lora
 from slimtune.checkpoint import atomic_folder
+from slimtune.config import LoraConfig
 from slimtune.errors import UserError
 
 
@@ -57,8 +59,17 @@ def save_result(run, out: Path) -> Path:
     return save_model(run.stack.model, run.tokenizer, out / "model", trainable)
 
 
-def merge_run(run_dir: Path, out: Path | None = None) -> Path:
-    """Base model + the run's adapter, merged into one HF folder (default: run_dir/merged)."""
+@dataclass
+class Merged:
+    folder: Path  # the merged HF model folder
+    step: int | None  # the training step its adapter holds (None: a run folder from before steps were recorded)
+    source: Path  # where the adapter came from: the result (adapter/) or a newer checkpoint
+
+
+def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
+    """Base model + the run's newest adapter, merged into one HF folder (default: run_dir/merged). The
+    newest is the result (adapter/) unless a checkpoint holds a later step (a run stopped or killed
+    after it resumed): then the checkpoint's adapter weights are merged, and the return says so."""
     from slimtune.model import load_model, load_tokenizer
 
     run_dir = Path(run_dir)
@@ -69,7 +80,28 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Path:
     out = Path(out) if out is not None else run_dir / "merged"
     if cfg["method"] == "full":
         raise UserError(f"'{run_dir}' was full fine-tuning; its model is already whole in {run_dir / 'model'}.")
+    step, source = _newest_adapter(run_dir)
     model = load_model(cfg["model"], torch.float32, torch.device("cpu"))
-    lora.load_peft_adapter(model, run_dir / "adapter")
+    if source.name == "adapter":
+        lora.load_peft_adapter(model, source)
+    else:  # a checkpoint: its trained tensors are the adapter's, by parameter name
+        lora.apply(model, LoraConfig(**cfg["lora"]))
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in load_file(str(source / "trainable.safetensors")).items():
+                params[name].copy_(tensor)
     lora.merge(model)
-    return save_model(model, load_tokenizer(cfg["model"]), out)
+    return Merged(save_model(model, load_tokenizer(cfg["model"]), out), step, source)
+
+
+def _newest_adapter(run_dir: Path) -> tuple[int | None, Path]:
+    """(step, folder) of the newest trained adapter: the result's, or a later intact checkpoint's."""
+    record = run_dir / "run.json"
+    result = json.loads(record.read_text()).get("result") if record.is_file() else None
+    found, _ = checkpoint.latest_intact(run_dir)
+    newest = checkpoint.step_of(found) if found is not None else None
+    if newest is not None and (result is None or newest > result["step"]):
+        return newest, found
+    if not (run_dir / "adapter").is_dir():
+        raise UserError(f"'{run_dir}' holds no adapter and no intact checkpoint to export.")
+    return (result["step"] if result else None), run_dir / "adapter"
