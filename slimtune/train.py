@@ -171,7 +171,7 @@ def _begin(run: Run, folder: RunFolder, say) -> tuple[data.BatchStream, int]:
     changed = folder.settled(run.cfg)
     if start and changed:
         say(f"resuming with changed settings: {', '.join(changed)}")
-    (Path(run.cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(to_dict(run.cfg), sort_keys=False))
+    checkpoint.atomic_write_text(Path(run.cfg.output_dir) / "config.yaml", yaml.safe_dump(to_dict(run.cfg), sort_keys=False))
     say(f"data: {run.splits.report.summary()}" + (f"; resuming after step {start}" if start else ""))
     return stream, start
 
