@@ -11,6 +11,7 @@ bias, rope scaling and sliding-window layers are all handled by the family's own
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,26 +46,204 @@ def read_config(folder: str | Path) -> dict:
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Weights from safetensors only (never pickle), memory-mapped and loaded once onto `device`."""
+    """Weights from safetensors only (never pickle), memory-mapped and loaded once onto `device`.
+    check_weights refuses damaged or foreign files from their headers first; a weight transformers
+    still could not load (it would initialise it randomly) is refused after loading too."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    read_config(folder)
+    check_weights(folder, read_config(folder))
     hf_logging.disable_progress_bar()  # our own progress bar is the one the user watches
-    if not any(Path(folder).glob("*.safetensors")):
-        found = sorted(p.name for p in Path(folder).glob("*.bin"))
-        extra = f" (found {', '.join(found)}; slimtune loads safetensors only)" if found else ""
-        raise UserError(f"model folder '{folder}' has no *.safetensors weights{extra}.")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder),
-        local_files_only=True,
-        use_safetensors=True,
-        dtype=dtype,
-        device_map={"": device},
-        attn_implementation="sdpa",
-    )
+    # transformers logs a table of the weights it could not load: _refuse_partial_load says it in one sentence
+    drop_report = lambda record: "LOAD REPORT" not in str(record.msg)  # noqa: E731
+    logger = hf_logging.get_logger("transformers.modeling_utils")
+    logger.addFilter(drop_report)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(folder),
+            local_files_only=True,
+            use_safetensors=True,
+            dtype=dtype,
+            device_map={"": device},
+            attn_implementation="sdpa",
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported by _refuse_partial_load instead of a RuntimeError
+        )
+    finally:
+        logger.removeFilter(drop_report)
+    _refuse_partial_load(folder, info)
     model.config.use_cache = False
     return model
+
+
+SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+# from_pretrained loads these instead of SAFE_WEIGHTS whenever one exists (transformers.distributed).
+DISTRIBUTED_SHARD = re.compile(r"^shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
+
+
+def check_weights(folder: str | Path, config: dict) -> None:
+    """Refuse, in one sentence naming the file, what from_pretrained would load wrongly or not at
+    all: a damaged safetensors file, a missing shard, a pickle, an adapter it would apply, weights
+    that are not those of the model config.json describes (it initialises missing ones randomly).
+    Reads only the files' headers: a 16 GB folder's weights are still read once, by the load."""
+    folder = Path(folder)
+    _refuse_foreign_files(folder)
+    files = weight_files(folder, config)
+    found = read_headers(folder, files)
+    where = files[0] if len(files) == 1 else f"the {len(files)} shards {SAFE_INDEX} names"
+    _compare_weights(folder, where, found, *_described_weights(folder))
+
+
+def _refuse_foreign_files(folder: Path) -> None:
+    if (folder / "adapter_config.json").exists():
+        raise UserError(
+            f"model folder '{folder}' holds adapter_config.json, which transformers would apply over the base "
+            "weights; point model at the base model's folder (slimtune export --merge writes a merged one)."
+        )
+    shards = sorted(p.name for p in folder.iterdir() if DISTRIBUTED_SHARD.match(p.name))
+    if shards:
+        raise UserError(
+            f"model folder '{folder}' holds distributed-checkpoint shards ({shards[0]}, ...), which transformers "
+            f"would load instead of {SAFE_WEIGHTS}; slimtune loads {SAFE_WEIGHTS} or {SAFE_INDEX} only."
+        )
+
+
+def weight_files(folder: Path, config: dict) -> list[str]:
+    """The files from_pretrained(use_safetensors=True) reads: model.safetensors, else every shard
+    model.safetensors.index.json names (config.json's transformers_weights picks one itself)."""
+    entry = config.get("transformers_weights")
+    if entry is None:
+        entry = next((name for name in (SAFE_WEIGHTS, SAFE_INDEX) if (folder / name).is_file()), None)
+    if entry is None:
+        found = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+        if any(name.endswith(".safetensors") for name in found):
+            raise UserError(f"model folder '{folder}' has no {SAFE_WEIGHTS} or {SAFE_INDEX} "
+                            f"(found {', '.join(found)}).")
+        extra = f" (found {', '.join(found)}; slimtune loads safetensors only)" if found else ""
+        raise UserError(f"model folder '{folder}' has no *.safetensors weights{extra}.")
+    if entry not in (SAFE_WEIGHTS, SAFE_INDEX):
+        raise UserError(f"{folder / 'config.json'} names transformers_weights {entry!r}; slimtune loads only "
+                        f"{SAFE_WEIGHTS} or {SAFE_INDEX}.")
+    if not (folder / entry).is_file():
+        raise UserError(f"model folder '{folder}' has no {entry}, which its config.json names as its weights.")
+    return _index_shards(folder) if entry == SAFE_INDEX else [entry]
+
+
+def _index_shards(folder: Path) -> list[str]:
+    path = folder / SAFE_INDEX
+    try:
+        index = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"model folder '{folder}': {SAFE_INDEX} is not valid JSON ({err}).") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not (isinstance(weight_map, dict) and weight_map and isinstance(index.get("metadata"), dict)
+            and all(isinstance(shard, str) for shard in weight_map.values())):
+        raise UserError(f"model folder '{folder}': {SAFE_INDEX} is not a safetensors index (it needs a "
+                        "'weight_map' from weight names to shard files and a 'metadata' mapping).")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if not shard.endswith(".safetensors") or Path(shard).name != shard or shard.startswith("."):
+            raise UserError(f"model folder '{folder}': {SAFE_INDEX} names shard {shard!r}, which is not a "
+                            ".safetensors file in the folder; slimtune loads safetensors only.")
+        if not (folder / shard).is_file():
+            raise UserError(f"model folder '{folder}': {SAFE_INDEX} names shard {shard!r}, which is missing.")
+    return shards
+
+
+def read_headers(folder: Path, files: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every weight's shape and file, from the safetensors headers alone (no tensor data is read);
+    safe_open also checks that the header's offsets cover the file exactly, so a truncated file fails."""
+    from safetensors import SafetensorError, safe_open
+
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name in files:
+        try:
+            with safe_open(str(folder / name), framework="pt") as f:
+                for key in f.keys():
+                    found.setdefault(key, (tuple(f.get_slice(key).get_shape()), name))
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"model folder '{folder}': {name} is not a readable safetensors file ({_last_line(err)}); "
+                            "it is damaged or incomplete: download or save it again.") from None
+    return found
+
+
+def _described_weights(folder: Path) -> tuple[dict, list[list[str]], re.Pattern, re.Pattern, str]:
+    """The model config.json describes, built on the meta device (no memory): every weight's shape,
+    the groups of names sharing one tensor (a tied head), and what transformers ignores when loading."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    except (ValueError, TypeError, ArithmeticError, RuntimeError, StrictDataclassError) as err:
+        raise UserError(f"{folder / 'config.json'} does not describe a model transformers can build "
+                        f"({_last_line(err)}).") from None
+    state = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        groups.setdefault(id(tensor), []).append(name)
+    # transformers.modeling_utils._adjust_missing_and_unexpected_keys, for our families
+    buffers = [name for name, _ in model.named_buffers()]
+    unexpected = set(model._keys_to_ignore_on_load_unexpected or ())
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        unexpected.add(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        unexpected.add(r"(^|\.)position_ids$")
+    missing = set(model._keys_to_ignore_on_load_missing or ())
+    pattern = lambda ps: re.compile("|".join(f"({p})" for p in ps) if ps else r"(?!)")  # noqa: E731
+    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    return shapes, list(groups.values()), pattern(missing), pattern(unexpected), model.base_model_prefix
+
+
+def _compare_weights(folder: Path, where: str, found: dict, shapes: dict, groups: list[list[str]],
+                     ignore_missing: re.Pattern, ignore_unexpected: re.Pattern, prefix: str) -> None:
+    """Missing (in any name a tied group shares), then differently shaped, then unexpected weights."""
+    found = {_model_key(key, shapes, prefix): value for key, value in found.items()}
+    missing = [group[0] for group in groups
+               if not any(name in found for name in group) and not ignore_missing.search(group[0])]
+    if missing:
+        raise UserError(f"model folder '{folder}': no weight {missing[0]!r} of the model its config.json "
+                        f"describes is in {where} (missing: {len(missing)} of {len(groups)} weights).")
+    mismatched = [key for key in shapes if key in found and found[key][0] != shapes[key]]
+    if mismatched:
+        key = mismatched[0]
+        shape, name = found[key]
+        raise UserError(f"model folder '{folder}': config.json does not match {name}: weight {key!r} has shape "
+                        f"{list(shape)} there but {list(shapes[key])} by config.json "
+                        f"(differing: {len(mismatched)} of {len(groups)} weights).")
+    unexpected = [key for key in found if key not in shapes and not ignore_unexpected.search(key)]
+    if unexpected:
+        key = unexpected[0]
+        raise UserError(f"model folder '{folder}': {found[key][1]} holds weight {key!r}, which the model its "
+                        f"config.json describes does not have (unexpected: {len(unexpected)} weights).")
+
+
+def _model_key(key: str, shapes: dict, prefix: str) -> str:
+    """A checkpoint key as transformers maps it (core_model_loading.rename_source_key): a base
+    model's keys gain the prefix, a key with a spurious prefix loses it."""
+    bare = key.removeprefix(f"{prefix}.")
+    if bare != key and bare in shapes:
+        return bare
+    return key if key in shapes or f"{prefix}.{key}" not in shapes else f"{prefix}.{key}"
+
+
+def _refuse_partial_load(folder: str | Path, info: dict) -> None:
+    """What check_weights did not foresee but transformers reports: never keep a random weight."""
+    for kind in ("missing", "mismatched", "unexpected"):
+        keys = sorted(map(str, info.get(f"{kind}_keys") or ()))
+        if keys:
+            raise UserError(f"model folder '{folder}': its weights do not match its config.json (transformers "
+                            f"found {kind} weights loading it: {len(keys)}, first {keys[0]}).")
+    if info.get("error_msgs"):
+        raise UserError(f"model folder '{folder}': its weights could not be loaded "
+                        f"({_last_line(info['error_msgs'][0])}).")
+
+
+def _last_line(err) -> str:
+    """The informative line of a multi-line library message."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 def load_tokenizer(folder: str | Path):
