@@ -32,6 +32,7 @@ from slimtune import checkpoint, engines, runtime
 from slimtune.block_stores import SCRATCH_KIND as BLOCKS
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
+from slimtune.model import read_config
 from slimtune.optim.host_adam import SCRATCH_KIND as MOMENTS
 
 RECORD = "run.json"
@@ -80,6 +81,7 @@ class RunFolder:
             raise UserError(f"{path} is damaged ({err}); restore it, or start afresh with train.overwrite=true.") from None
 
     def _check_identity(self) -> None:
+        read_config(self.cfg.model)  # a model folder that is not there is named as such, not as another model
         before, now = self.record["identity"], identity(self.cfg)
         changed = [key for key in now if before.get(key) != now[key]]
         if "method" in changed:  # the adapter and freeze settings follow the method: naming it is enough
