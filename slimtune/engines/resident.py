@@ -32,6 +32,7 @@ class ResidentEngine:
             [{"params": params, "weight_decay": decay} for params, decay in rules.decay_groups(
                 self.params, cfg.train.weight_decay)],
             **rules.adamw_settings(cfg.train), fused=True)
+        rules.init_adamw_state(self.optimizer)
         self.step_count = 0  # optimizer steps taken: the learning-rate schedule's position
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
         self._reading = None  # the meter reading of the step in progress

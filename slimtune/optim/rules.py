@@ -63,6 +63,20 @@ def is_finite(value: torch.Tensor | float) -> bool:
     return math.isfinite(value)
 
 
+def init_adamw_state(optimizer: torch.optim.AdamW) -> None:
+    """Create every parameter's AdamW state now, as torch would at the first step (zeros; a float32
+    step on the parameter's device for the fused kernel). Every step then holds the same state, the
+    first included, so one step (the planner's fake one too) shows the steady state's memory."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+
 def adamw_settings(train: TrainConfig) -> dict:
     """torch.optim.AdamW's hyper-parameters from the run (lr is set per step from lr_at)."""
     return {"lr": train.lr, "betas": tuple(train.betas), "eps": train.eps}
