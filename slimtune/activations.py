@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from slimtune import memory
 from slimtune.block_stores import BlockStore
 from slimtune.config import ActivationsConfig
 from slimtune.model import BlockInputs, Stack
@@ -145,6 +146,7 @@ def _forward_blocks(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
     count = len(run.stack.blocks)
     run.store.reserve(hidden, count - len(run.on_device))
     for index in range(count):
+        memory.mark("forward", index)
         run.put(index, hidden)
         with _SmallCache(run, index, hidden) if run.logs is not None else contextlib.nullcontext():
             hidden = block_forward(run.stack, index, hidden, run.inputs, run.chunk)
@@ -167,6 +169,7 @@ def _backward_blocks(run: _Run, grad: torch.Tensor, wants_input_grad: bool):
     last = len(run.stack.blocks) - 1
     run.prefetch(last)
     for index in range(last, -1, -1):
+        memory.mark("backward", index)
         x = run.take(index)
         run.prefetch(index - 1)  # overlaps the fetch with this block's recompute
         x = x.detach().requires_grad_(index > 0 or wants_input_grad)

@@ -10,6 +10,7 @@ step holds (tests/unit/test_estimate.py compares it with a real run's second ste
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from slimtune import assembly
+from slimtune import assembly, engines, memory
 from slimtune.config import RunConfig
 from slimtune.data import IGNORE_INDEX, Batch
 from slimtune.model import Stack
@@ -88,21 +89,37 @@ def fake_model(config, dtype: torch.dtype, mode) -> nn.Module:
     return make_fake(meta_model(config, dtype), mode)
 
 
-def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch | None = None) -> Estimate:
+def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch | None = None,
+             by_depth: bool = True) -> Estimate:
     """Device peak of one steady-state optimizer step of `cfg` on a model of `config`'s shape, on
-    `batch` (real tensors; its shape wins) or else a synthetic_batch(batch_size, seq_len)."""
+    `batch` (real tensors; its shape wins) or else a synthetic_batch(batch_size, seq_len). A deep
+    stack of identical blocks is estimated from two shallow ones (`by_depth`, see _by_depth): the
+    same bytes as the full-depth step, in the time of a few blocks."""
+    real_batch = batch if batch is not None else synthetic_batch(batch_size, seq_len, config.vocab_size)
+    margin = engines.get(cfg.engine).block_margin(cfg)
+    probes = (2 * margin + 1, 2 * margin + 2)
+    if by_depth and _repeats_one_block(config, cfg) and config.num_hidden_layers > probes[1]:
+        found = _by_depth(config, cfg, real_batch, margin, probes)
+        if found is not None:
+            return found
+    return _step(config, cfg, real_batch)[0]
+
+
+def _step(config, cfg: RunConfig, real_batch: Batch, segments: bool = False) -> tuple[Estimate, dict | None]:
+    """One fake step at `config`'s depth; with `segments`, the peak of each marked segment too."""
     precision = assembly.resolve_precision(cfg.precision, torch.device("cuda"))  # planned for a GPU
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     stack = Stack(fake_model(config, assembly.weight_dtype(precision, cfg.method), mode))
-    real_batch = batch if batch is not None else synthetic_batch(batch_size, seq_len, config.vocab_size)
     with mode:
         engine = assembly.assemble(cfg, stack, assembly.HOST, precision)
+        if segments:
+            engine.meter = memory.CpuMeter(segments=True)
         tensors = (real_batch.input_ids, real_batch.targets, real_batch.position_ids, real_batch.trained_positions)
         batch = Batch(*(mode.from_tensor(t) for t in tensors), num_targets=real_batch.num_targets,
                       segmented=real_batch.segmented)
         results = [engine.step([batch] * cfg.train.grad_accum) for _ in range(STEPS)]
     model = stack.model
-    return Estimate(
+    found = Estimate(
         device_peak_bytes=results[-1].device_peak_bytes,
         breakdown=results[-1].device_peak_breakdown,
         host_bytes=results[-1].host_peak_bytes,
@@ -111,3 +128,113 @@ def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         total_params=sum(p.numel() for p in model.parameters()),
     )
+    return found, (engine.meter.last_reading.segments if segments else None)
+
+
+# ---------------------------------------------------------------- the estimate by depth
+#
+# Why two shallow steps give the deep one's bytes. The engines run one loop over identical blocks,
+# marking where each block's forward and backward begins (memory.mark). Inside block i's segment the
+# memory is what was live when the segment began plus what the block's own ops hold, and the block's
+# ops are the same for every i and every depth. What was live is affine in the depth D (weights,
+# optimizer state, per-block host or device state of every block) and in i (activations or inputs
+# kept for the blocks before it, gradients of the blocks after it). So each segment's peak is affine
+# in (D, i), and the step's peak is the largest of them: at D, max over the non-block segments and the
+# blocks at each end (affine in D) and over the blocks between (affine in D and i, largest at one of
+# the two ends of the range). The `margin` blocks at each end behave unlike the others (the first
+# block's input needs no gradient, the last one feeds the loss, a slot prefetches `margin` ahead) and
+# are fitted one by one. Probes at depths 2m+1 and 2m+2 give every coefficient: the blocks between
+# have one member at the first depth and two at the second. The envelope is exact, so the peak may
+# sit in another segment at depth D than in the probes. Layers that differ (sliding-window mixes) or
+# caches tied to positions (activations.cache) are estimated at full depth instead.
+
+
+def _repeats_one_block(config, cfg: RunConfig) -> bool:
+    types = getattr(config, "layer_types", None)
+    return (not types or len(set(types)) == 1) and cfg.activations.cache == "none"
+
+
+def _at_depth(config, depth: int):
+    shallow = copy.deepcopy(config)
+    shallow.num_hidden_layers = depth
+    if getattr(shallow, "layer_types", None):
+        shallow.layer_types = shallow.layer_types[:depth]
+    if hasattr(shallow, "max_window_layers"):
+        shallow.max_window_layers = min(shallow.max_window_layers, depth)
+    return shallow
+
+
+def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tuple[int, int]) -> Estimate | None:
+    """The full-depth estimate from steps at the two probe depths; None when their segments do not
+    line up as the loop structure says they must (then the caller runs the full depth)."""
+    shallow, deep = (_step(_at_depth(config, d), cfg, real_batch, segments=True) for d in probes)
+    fits = _segment_fits(shallow[1], deep[1], probes, margin)
+    if fits is None:
+        return None
+    depth = config.num_hidden_layers
+    peak, breakdown = max((f(depth, i) for f, spans in fits for i in spans(depth)), key=lambda v: v[0])
+
+    def line(field: str) -> int:
+        low, high = getattr(shallow[0], field), getattr(deep[0], field)
+        return low + (high - low) * (depth - probes[0])
+
+    return Estimate(device_peak_bytes=peak, breakdown=breakdown, host_bytes=line("host_bytes"),
+                    disk_bytes=line("disk_bytes"), host_link_bytes=line("host_link_bytes"),
+                    trainable_params=line("trainable_params"), total_params=line("total_params"))
+
+
+def _segment_fits(low: dict, high: dict, probes: tuple[int, int], margin: int) -> list | None:
+    """[(f(D, i) -> (peak, breakdown), spans(D) -> the i to evaluate)] for every class of segment."""
+    low_classes, high_classes = _classes(low, probes[0], margin), _classes(high, probes[1], margin)
+    if set(low_classes) != set(high_classes):
+        return None
+    fits = []
+    for key, at_low in low_classes.items():
+        at_high = high_classes[key]
+        if key[1] != "between":
+            fits.append((_line(at_low[None], at_high[None], probes[0]), lambda depth: [None]))
+            continue
+        if set(at_low) != {margin} or set(at_high) != {margin, margin + 1}:
+            return None
+        fits.append((_plane(at_low[margin], at_high[margin], at_high[margin + 1], probes[0], margin),
+                     lambda depth: [margin, depth - margin - 1]))
+    return fits
+
+
+def _classes(segments: dict, depth: int, margin: int) -> dict:
+    """(kind, position, occurrence) -> {block index or None: (peak, breakdown)}. Positions: a
+    non-block segment (None), the `margin` blocks at either end ("first", k) / ("last", k), or
+    "between"."""
+    classes: dict = {}
+    for label, value in segments.items():
+        if len(label) == 3 and isinstance(label[1], int):
+            kind, index, occurrence = label
+            if index < margin:
+                position, key_index = ("first", index), None
+            elif index >= depth - margin:
+                position, key_index = ("last", depth - 1 - index), None
+            else:
+                position, key_index = "between", index
+        else:
+            kind, position, occurrence, key_index = label[0], None, label[-1], None
+        classes.setdefault((kind, position, occurrence), {})[key_index] = value
+    return classes
+
+
+def _line(at_low: tuple, at_high: tuple, low_depth: int):
+    """A segment's peak and breakdown, affine in the depth, through two probes."""
+    def at(depth: int, index=None) -> tuple[int, dict]:
+        step = depth - low_depth
+        return (at_low[0] + (at_high[0] - at_low[0]) * step,
+                {k: at_low[1][k] + (at_high[1][k] - at_low[1][k]) * step for k in at_low[1]})
+    return at
+
+
+def _plane(low: tuple, high: tuple, high_next: tuple, low_depth: int, margin: int):
+    """The blocks between the ends: affine in the depth and in the block index (three probes' worth)."""
+    def at(depth: int, index: int) -> tuple[int, dict]:
+        steps, later = depth - low_depth, index - margin
+        return (low[0] + (high[0] - low[0]) * steps + (high_next[0] - high[0]) * later,
+                {k: low[1][k] + (high[1][k] - low[1][k]) * steps + (high_next[1][k] - high[1][k]) * later
+                 for k in low[1]})
+    return at

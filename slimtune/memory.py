@@ -49,9 +49,11 @@ CATEGORIES = ("weights", "gradients", "optimizer", "activations", "loss", "tempo
 
 class LiveBytesMeter(TorchDispatchMode):
     """Counts live storage bytes on the metered device type; `peak` is the high-water mark and
-    `peak_breakdown` splits it by category at that moment."""
+    `peak_breakdown` splits it by category at that moment. With `segments`, it also keeps the
+    high-water mark (and its breakdown) of each segment of the step that `mark` starts, keyed by
+    (label..., occurrence): what the estimate's depth extrapolation is built from."""
 
-    def __init__(self, device_type: str = "cpu"):
+    def __init__(self, device_type: str = "cpu", segments: bool = False):
         super().__init__()
         self.device_type = device_type
         self.current = 0
@@ -60,6 +62,21 @@ class LiveBytesMeter(TorchDispatchMode):
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_breakdown = dict(self.by_category)
         self._live: dict[int, list] = {}  # key -> [nbytes, finalizer, category]
+        self.segments: dict[tuple, tuple[int, dict]] | None = {} if segments else None
+        self._segment: tuple = ("start", 0)
+        self._occurrences: dict[tuple, int] = {}
+
+    def enter_segment(self, label: tuple) -> None:
+        """The step enters segment `label` (its n-th occurrence this step: micro-batches repeat them)."""
+        n = self._occurrences.get(label, 0)
+        self._occurrences[label] = n + 1
+        self._segment = (*label, n)
+        self._note_segment()
+
+    def _note_segment(self) -> None:
+        best = self.segments.get(self._segment)
+        if best is None or self.current > best[0]:
+            self.segments[self._segment] = (self.current, dict(self.by_category))
 
     def track(self, tensors: Iterable[torch.Tensor | None], category: str | None = None) -> None:
         """Count tensors that already exist (parameters, gradients, optimizer state, inputs)."""
@@ -98,6 +115,8 @@ class LiveBytesMeter(TorchDispatchMode):
         if self.current > self.peak:
             self.peak = self.current
             self.peak_breakdown = dict(self.by_category)
+        if self.segments is not None:
+            self._note_segment()
 
     def _release(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -137,21 +156,46 @@ class LiveBytesMeter(TorchDispatchMode):
 
 
 class CpuMeter:
-    """Per-step device peak on the CPU: a LiveBytesMeter around the step."""
+    """Per-step device peak on the CPU: a LiveBytesMeter around the step. `segments`: also keep
+    each segment's peak (the estimate's depth extrapolation); the last step's reading stays in
+    `last_reading`."""
 
     kind = "measured: live tensor bytes (CPU meter)"
+
+    def __init__(self, segments: bool = False):
+        self.segments = segments
+        self.last_reading: LiveBytesMeter | None = None
 
     @contextlib.contextmanager
     def measure(self, resident: Iterable[tuple[torch.Tensor | None, str]]) -> Iterator[LiveBytesMeter]:
         """`resident`: (tensor, category) pairs alive when the step starts."""
-        meter = LiveBytesMeter("cpu")
+        meter = LiveBytesMeter("cpu", self.segments)
         for tensor, category in resident:
             meter.track([tensor], category)
+        if meter.segments is not None:
+            meter.enter_segment(("start",))
         try:
             with meter:
                 yield meter
         finally:
             meter.close()
+            self.last_reading = meter
+
+
+def mark(*label) -> None:
+    """The step enters segment `label` (e.g. ("forward", block index)): every segmenting meter
+    measuring now starts counting its peak apart. Engines and the Stack mark block boundaries; it
+    costs nothing when no meter keeps segments."""
+    for meter in list(_ACTIVE):
+        if meter.segments is not None:
+            meter.enter_segment(label)
+
+
+def mark_on_backward(tensor: torch.Tensor, *label) -> None:
+    """Mark segment `label` when autograd reaches `tensor`'s gradient (a block's backward begins),
+    for backward passes autograd runs itself. Registers nothing unless a segmenting meter measures."""
+    if tensor.requires_grad and any(m.segments is not None for m in list(_ACTIVE)):
+        tensor.register_hook(lambda grad: mark(*label))
 
 
 class _TotalsOnly:

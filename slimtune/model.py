@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slimtune import memory
 from slimtune.errors import UserError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -363,13 +364,17 @@ class Stack:
                     segmented: bool = True) -> torch.Tensor:
         """input_ids (B, T) -> the last block's output (B, T, D), before the final norm (the loss
         normalises only the rows it scores). `run_blocks(stack, hidden, inputs)` replaces the plain
-        loop, e.g. by a checkpointed one. segmented: as in `prepare`."""
+        loop, e.g. by a checkpointed one. segmented: as in `prepare`. Block boundaries are marked for
+        the memory meter, forward and (through gradient hooks) backward: memory.mark."""
+        memory.mark("embed")
         hidden = self.embed(input_ids)
         inputs = self.prepare(hidden, position_ids, segmented)
         if run_blocks is not None:
             return run_blocks(self, hidden, inputs)
         for index in range(len(self.blocks)):
+            memory.mark("forward", index)
             hidden = self.run_block(index, hidden, inputs)
+            memory.mark_on_backward(hidden, "backward", index)
         return hidden
 
     def final_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

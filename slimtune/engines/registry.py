@@ -28,6 +28,11 @@ def _no_scratch(cfg: config.RunConfig) -> dict[str, str]:
     return {}
 
 
+def _one_block(cfg: config.RunConfig) -> int:
+    del cfg
+    return 1
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     name: str
@@ -43,6 +48,9 @@ class EngineSpec:
     # cfg -> {setting: folder} where it keeps scratch files of its own (checked writable before a run
     # loads anything; folders a killed run left there are removed at the next start).
     scratch: Callable[[config.RunConfig], dict[str, str]] = _no_scratch
+    # cfg -> how many blocks at each end of the stack the engine treats unlike the blocks between
+    # (e.g. it prefetches that far ahead): the estimate by depth fits those blocks one by one.
+    block_margin: Callable[[config.RunConfig], int] = _one_block
     module: str = field(default="", compare=False)  # who registered it (set by register)
 
 

@@ -56,6 +56,7 @@ class ResidentEngine:
             with reading.phase("activations"):
                 hidden = self.stack.body_hidden(batch.input_ids, batch.position_ids, blocks, batch.segmented)
             with reading.phase("loss"):
+                memory.mark("loss")
                 return causal_lm_loss(hidden, self.stack.norm, self.stack.head, batch.targets, self.loss_cfg,
                                       trained_positions=batch.trained_positions, training=training)
 
@@ -72,6 +73,7 @@ class ResidentEngine:
                     (out.loss_sum / total).backward()
                     # The exact loss is what is logged: a subset objective is only a lower bound of it.
                     exact_sum, excluded_sum = exact_sum + out.exact_sum, excluded_sum + out.excluded_mass_sum
+            memory.mark("update")
             grad_norm = self._clip()
             applied = rules.is_finite(grad_norm) and rules.is_finite(exact_sum)
             for group in self.optimizer.param_groups:

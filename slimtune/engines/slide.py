@@ -287,6 +287,7 @@ class SlideEngine:
     def _forward(self, batch: Batch, store, keep_grads: bool):
         """The blocks without grad; returns the last block's output (its unit stays loaded), the
         block inputs' store keys, RNG states, BlockInputs and the MLP chunk."""
+        memory.mark("embed")
         device_batch = batch.to(self.device)
         hidden = self._embed(batch.input_ids)
         inputs = self.stack.prepare(hidden, device_batch.position_ids, batch.segmented)
@@ -294,6 +295,7 @@ class SlideEngine:
         last = len(self.units) - 1
         keys, states = [], []
         for index in range(len(self.units)):
+            memory.mark("forward", index)
             self._load(index, keep_grads and index == last)
             for ahead in range(1, self.slide_cfg.slots):
                 self._prefetch(index + ahead, keep_grads and index + ahead == last)
@@ -309,6 +311,7 @@ class SlideEngine:
     def _micro_step(self, batch: Batch, total: int, store, update: tuple | None, final: bool) -> torch.Tensor:
         with autocast_for(self.device, self.precision):
             device_batch, hidden, keys, states, inputs, chunk = self._forward(batch, store, keep_grads=True)
+            memory.mark("loss")
             out = hidden.detach().requires_grad_()
             x, targets = head_inputs(out, self.stack.norm, device_batch.targets, self.loss_cfg,
                                         device_batch.trained_positions)
@@ -322,6 +325,7 @@ class SlideEngine:
         with torch.random.fork_rng([self.device] if self.device.type == "cuda" else []), \
                 autocast_for(self.device, self.precision):
             for index in range(len(self.units) - 1, -1, -1):
+                memory.mark("backward", index)
                 self._load(index, with_grads=True)
                 for ahead in range(1, self.slide_cfg.slots):
                     self._prefetch(index - ahead, with_grads=True)
@@ -333,6 +337,7 @@ class SlideEngine:
                 grad = x_in.grad if x_in.requires_grad else None
                 del x_in
                 self._finish_block(index, update, final)
+        memory.mark("edges")
         if wants_embed_grad and grad is not None:
             self._embed_backward(batch.input_ids, grad)
         for unit in self.edges if final else ():
@@ -361,6 +366,7 @@ class SlideEngine:
                 update_now = (lr, 1.0, guard) if final and not clipping else None
                 loss_sum = loss_sum + self._micro_step(batch, total, store, update_now, final)
             self.worker.barrier()
+            memory.mark("update")
             grad_norm = self._grad_norm()
             applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm) and not guard.tripped
             if clipping:
@@ -473,4 +479,4 @@ register(EngineSpec(
     name="slide", summary="weights, gradients and AdamW state on the host, a window of blocks on the device"
     " (models far larger than the device).",
     build=SlideEngine, step_time=step_time, section=SlideConfig, validate=validate, plans=plans, model_on_host=True,
-    scratch=scratch))
+    scratch=scratch, block_margin=lambda cfg: cfg.section("slide").slots - 1))
