@@ -46,6 +46,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
     plan.add_argument("--method", choices=("lora", "full"), default="lora")
     plan.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    plan.add_argument("--host-ram", help="the host's RAM to plan for, e.g. 64GiB (default: this machine's)")
+    plan.add_argument("--disk", help="free disk to plan for, e.g. 500GB (default: free here)")
+    plan.add_argument("--max-seq", action="store_true", help="also find each plan's longest sequence that fits")
+    plan.add_argument("--detail", action="store_true", help="add the device peak's breakdown to the table")
     plan.add_argument("--json", action="store_true", help="print the plans as a JSON list")
     probe = sub.add_parser("probe", help="measure this machine's device and write a GPU profile")
     probe.add_argument("--out", help="write the profile here (JSON, usable as --gpu FILE)")
@@ -98,15 +102,14 @@ def _plan(args: argparse.Namespace) -> None:
     if args.seq <= 0 or args.batch <= 0 or args.rank <= 0:
         raise UserError("--seq, --batch and --rank must be positive.")
     model_config = presets.model_config(args.model)
-    gpu = presets.gpu_profile(args.gpu)
+    machine = planner.Machine.named(args.gpu, args.host_ram, args.disk)
     base = planner.planning_config(args.method, args.rank)
-    results = planner.plan(model_config, base, gpu, args.batch, args.seq)
+    results = planner.plan(model_config, base, machine, args.batch, args.seq, max_seq=args.max_seq)
     if args.json:
         print(planner.to_json(results))
         return
-    title = (f"slimtune plan: {args.model}, {args.method}, batch {args.batch} x seq {args.seq}, on {gpu.name} "
-             f"({gpu.memory_bytes / 2**30:.1f} GiB)")
-    print(planner.table(results, title, gpu))
+    title = f"slimtune plan: {args.model}, {args.method}, batch {args.batch} x seq {args.seq}, on {machine.describe()}"
+    print(planner.table(results, title, machine, detail=args.detail))
 
 
 def _probe(args: argparse.Namespace) -> None:

@@ -1,18 +1,20 @@
 """The planner: every applicable plan (engine plus options), its measured-on-fake-tensors device
-peak, its modelled speed on a card, which fit, and the one to run.
+peak, host RAM and disk, its modelled speed, which fit the machine the user names, the longest
+sequence each fits, and the one to run.
 
 A plan is a set of RunConfig overrides. Each engine offers its own candidates and models its
 own step time in its registration (engines.EngineSpec.plans, .step_time), so the planner names no
-engine.
+engine. The figures come from estimate.estimate (the estimate by depth: seconds for any preset).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, field
 
 from slimtune import config as config_module
-from slimtune import engines, estimate, speed
+from slimtune import engines, estimate, presets, speed
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
 from slimtune.metrics import human_bytes
@@ -21,14 +23,36 @@ from slimtune.metrics import human_bytes
 # Assumed: benchmarks/cases/device_checks.py measures it on a GPU (context bytes beside this figure).
 CUDA_OVERHEAD_BYTES = 768 * 2**20
 # Host RAM a plan may hold for the device (masters, moments, offloaded activations): this share of
-# the planning machine's RAM, checked before the device (a plan the host cannot hold never fits).
+# the machine's RAM, checked beside the device (a plan the host cannot hold never fits).
 HOST_RAM_SHARE = 0.9
 
 
-def host_ram_bytes() -> int:
-    import os
+@dataclass(frozen=True)
+class Machine:
+    """What a plan must fit: a card, the host's RAM and its free disk (defaults: this machine's)."""
 
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu: presets.GpuProfile
+    ram_bytes: int  # the host's RAM; plans may hold HOST_RAM_SHARE of it
+    disk_bytes: int  # free disk for scratch files (block inputs, memory-mapped moments)
+
+    @classmethod
+    def named(cls, gpu: str, host_ram: str | None = None, disk: str | None = None, folder: str = ".") -> Machine:
+        """`gpu` as presets.gpu_profile reads it; sizes such as 64GiB; unset: this machine's RAM and
+        the free disk under `folder`."""
+        ram = presets.memory_size(host_ram, "--host-ram") if host_ram else presets.physical_ram_bytes()
+        free = presets.memory_size(disk, "--disk") if disk else shutil.disk_usage(folder).free
+        return cls(presets.gpu_profile(gpu), ram, free)
+
+    def describe(self) -> str:
+        return (f"{self.gpu.name} ({human_bytes(self.gpu.memory_bytes)}), {human_bytes(self.ram_bytes)} host RAM, "
+                f"{human_bytes(self.disk_bytes)} free disk")
+
+    def shortfalls(self, found: estimate.Estimate) -> dict[str, tuple[int, int]]:
+        """What a plan lacks: {"device" | "host RAM" | "disk": (needed, available)}, empty when it fits."""
+        needs = {"device": (found.device_peak_bytes + CUDA_OVERHEAD_BYTES, self.gpu.memory_bytes),
+                 "host RAM": (found.host_bytes, int(HOST_RAM_SHARE * self.ram_bytes)),
+                 "disk": (found.disk_bytes, self.disk_bytes)}
+        return {what: (need, have) for what, (need, have) in needs.items() if need > have}
 
 
 @dataclass
@@ -38,9 +62,17 @@ class PlanResult:
     estimate: estimate.Estimate
     time: speed.StepTime
     tokens_per_s: float
-    fits: bool
+    short: dict[str, tuple[int, int]] = field(default_factory=dict)  # Machine.shortfalls
     recommended: bool = False
-    host_fits: bool = True  # the plan's host RAM fits this machine (fits needs it too)
+    max_seq: int | None = None  # --max-seq: the longest sequence that fits (0: none)
+
+    @property
+    def fits(self) -> bool:
+        return not self.short
+
+    @property
+    def host_fits(self) -> bool:
+        return "host RAM" not in self.short
 
     @property
     def label(self) -> str:
@@ -48,7 +80,7 @@ class PlanResult:
 
     def as_json(self) -> dict:
         e = self.estimate
-        return {
+        out = {
             "engine": self.engine,
             "options": self.options,
             "device_peak_bytes": e.device_peak_bytes,
@@ -68,6 +100,9 @@ class PlanResult:
             "total_params": e.total_params,
             "recommended": self.recommended,
         }
+        if self.max_seq is not None:
+            out["max_seq"] = self.max_seq
+        return out
 
 
 def _run_config(base: RunConfig, plan: dict) -> RunConfig:
@@ -75,45 +110,82 @@ def _run_config(base: RunConfig, plan: dict) -> RunConfig:
     return config_module.load(None, [f"{k}={v}" for k, v in plan.items()], base=to_dict(base))
 
 
-def weigh(model_config, base: RunConfig, plan: dict, gpu, batch_size: int, seq_len: int) -> PlanResult:
-    """One plan: its device peak and host bytes on fake tensors, its modelled time on `gpu`, whether it fits."""
+def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_size: int, seq_len: int,
+          max_seq: bool = False) -> PlanResult:
+    """One plan: its device peak, host RAM and disk on fake tensors, its modelled time on the card,
+    what it lacks on `machine`, and (`max_seq`) the longest sequence that fits."""
     cfg = _run_config(base, plan)
     found = estimate.estimate(model_config, cfg, batch_size, seq_len)
-    time = engines.get(cfg.engine).step_time(model_config, cfg, found.counts(), gpu, batch_size, seq_len)
+    time = engines.get(cfg.engine).step_time(model_config, cfg, found.counts(), machine.gpu, batch_size, seq_len)
     tokens = batch_size * seq_len * cfg.train.grad_accum
-    host_fits = found.host_bytes <= HOST_RAM_SHARE * host_ram_bytes()
-    fits = host_fits and found.device_peak_bytes + CUDA_OVERHEAD_BYTES <= gpu.memory_bytes
     options = {k: v for k, v in plan.items() if k != "engine"}
-    return PlanResult(plan["engine"], options, found, time, time.tokens_per_s(tokens), fits, host_fits=host_fits)
+    result = PlanResult(plan["engine"], options, found, time, time.tokens_per_s(tokens), machine.shortfalls(found))
+    if max_seq:
+        result.max_seq = longest_fitting_seq(model_config, cfg, machine, batch_size, seq_len, result.fits)
+    return result
 
 
-# Below this many block-widths (layers x hidden) a plan is estimated faster than a worker process starts.
+def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_size: int, known: int,
+                        known_fits: bool) -> int:
+    """The longest sequence, up to the model's positions, whose step fits `machine`: doubling from a
+    length already estimated (`known`, and whether it fit), then bisection on the estimate to the
+    token, so the answer fits and one token more does not (0: not even one token fits)."""
+    limit = getattr(model_config, "max_position_embeddings", None) or 2**20
+
+    def fits(seq: int) -> bool:
+        return not machine.shortfalls(estimate.estimate(model_config, cfg, batch_size, seq))
+
+    low, high = (min(known, limit), None) if known_fits else (0, known)  # low fits (or is 0); high does not
+    while high is None and low < limit:
+        probe = min(limit, max(1, 2 * low))
+        low, high = (probe, None) if fits(probe) else (low, probe)
+    while high is not None and high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+# Below this many block-widths (layers x hidden) plans are estimated faster than a worker process starts.
 PARALLEL_FROM = 16 * 1024
 
 
-def _weigh_all(model_config, base: RunConfig, gpu, batch_size: int, seq_len: int) -> list[PlanResult]:
-    """Plans are independent: large models are estimated in worker processes, one per core
-    (spawned, not forked: a forked torch can hang in its thread pool)."""
+def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int, seq_len: int,
+               max_seq: bool) -> list[PlanResult]:
+    """Plans are independent: beside this process, one spawned worker (a forked torch can hang in its
+    thread pool) takes the next plan whenever it is free; results keep the plans' order."""
     import concurrent.futures
     import multiprocessing
     import os
 
-    jobs = [(model_config, base, p, gpu, batch_size, seq_len) for p in engines.plans_for(base.method)]
-    workers = min(len(jobs), os.cpu_count() or 1)
-    if workers < 2 or model_config.num_hidden_layers * model_config.hidden_size < PARALLEL_FROM:
+    jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq) for p in engines.plans_for(base.method)]
+    small = model_config.num_hidden_layers * model_config.hidden_size < PARALLEL_FROM
+    if (os.cpu_count() or 1) < 2 or len(jobs) < 2 or small:
         return [weigh(*job) for job in jobs]
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        return list(pool.map(_weigh_job, jobs))
+    results: dict[int, PlanResult] = {}
+    order, running = list(range(len(jobs))), {}
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        while order:
+            while order and len(running) < 2:  # the worker takes from the end, with one job queued
+                index = order.pop()
+                running[pool.submit(_weigh_job, jobs[index])] = index
+            for future in [f for f in running if f.done()]:
+                results[running.pop(future)] = future.result()
+            if order:  # this process takes from the front
+                index = order.pop(0)
+                results[index] = weigh(*jobs[index])
+        for future, index in running.items():
+            results[index] = future.result()
+    return [results[i] for i in range(len(jobs))]
 
 
 def _weigh_job(job: tuple) -> PlanResult:
     return weigh(*job)
 
 
-def plan(model_config, base: RunConfig, gpu, batch_size: int, seq_len: int) -> list[PlanResult]:
+def plan(model_config, base: RunConfig, machine: Machine, batch_size: int, seq_len: int,
+         max_seq: bool = False) -> list[PlanResult]:
     """Every candidate plan for base.method, fastest first; the fastest that fits is recommended."""
-    results = _weigh_all(model_config, base, gpu, batch_size, seq_len)
+    results = _weigh_all(model_config, base, machine, batch_size, seq_len, max_seq)
     results.sort(key=lambda r: (-r.tokens_per_s, r.estimate.device_peak_bytes))
     fitting = [r for r in results if r.fits]
     if fitting:
@@ -126,6 +198,7 @@ def recommended(results: list[PlanResult]) -> PlanResult | None:
 
 
 def smallest(results: list[PlanResult]) -> PlanResult:
+    """The plan that needs the least device memory (the card is what a user can least change)."""
     return min(results, key=lambda r: r.estimate.device_peak_bytes)
 
 
@@ -136,64 +209,67 @@ def planning_config(method: str, rank: int = 16, **train) -> RunConfig:
     return config_module.load(None, [], base=base)
 
 
-def plan_run(cfg: RunConfig, model_config, gpu) -> tuple[list[PlanResult], PlanResult | None]:
-    """The run's own method, sequence length and batch, planned for `gpu`; and the recommended plan."""
-    results = plan(model_config, cfg, gpu, cfg.train.batch_size, cfg.data.max_length)
+def plan_run(cfg: RunConfig, model_config, machine: Machine) -> tuple[list[PlanResult], PlanResult | None]:
+    """The run's own method, sequence length and batch, planned for `machine`; and the recommended plan."""
+    results = plan(model_config, cfg, machine, cfg.train.batch_size, cfg.data.max_length)
     return results, recommended(results)
 
 
-def no_fit_sentence(results: list[PlanResult], gpu) -> str:
-    return f"no plan fits {gpu.name} ({human_bytes(gpu.memory_bytes)}): {_smallest_need(results)}."
+def no_fit_sentence(results: list[PlanResult], machine: Machine) -> str:
+    return f"no plan fits {machine.describe()}: {_smallest_need(results)}."
 
 
 def _smallest_need(results: list[PlanResult]) -> str:
-    """What the smallest plan needs: device memory, or the host RAM that keeps it from fitting."""
+    """What the plan that needs the least device memory lacks on the machine, and by how much."""
     need = smallest(results)
-    device = human_bytes(need.estimate.device_peak_bytes + CUDA_OVERHEAD_BYTES)
-    if not need.host_fits:
-        return (f"the smallest on the device, {need.engine} {need.label}, needs {device} there but "
-                f"{human_bytes(need.estimate.host_bytes)} of host RAM, and this machine has "
-                f"{human_bytes(host_ram_bytes())}")
-    return f"the smallest, {need.engine} {need.label}, needs {device}; lower train.batch_size or data.max_length"
+    lacks = "; ".join(f"{what}: needs {human_bytes(n)}, has {human_bytes(h)} ({human_bytes(n - h)} short)"
+                      for what, (n, h) in need.short.items())
+    advice = " lower train.batch_size or data.max_length," if "device" in need.short else ""
+    return f"the smallest on the device, {need.engine} {need.label}, lacks {lacks};{advice} or plan for a larger machine"
 
 
-def apply_recommended(cfg: RunConfig, model_config, gpu) -> tuple[RunConfig, PlanResult]:
+def apply_recommended(cfg: RunConfig, model_config, machine: Machine) -> tuple[RunConfig, PlanResult]:
     """plan=auto: the run's settings with the recommended plan's engine and options."""
-    results, chosen = plan_run(cfg, model_config, gpu)
+    results, chosen = plan_run(cfg, model_config, machine)
     if chosen is None:
-        raise UserError(no_fit_sentence(results, gpu))
+        raise UserError(no_fit_sentence(results, machine))
     return _run_config(cfg, {"engine": chosen.engine, **chosen.options}), chosen
 
 
 # ---------------------------------------------------------------- printing
 
-_COLUMNS = ("weights", "gradients", "optimizer", "activations", "loss", "temporaries")
+_DETAIL = ("weights", "gradients", "optimizer", "activations", "loss", "temporaries")
 
 
-def table(results: list[PlanResult], title: str, gpu) -> str:
-    lines = [title, ""]
-    head = ["engine", "options", "device peak", *_COLUMNS, "host RAM", "disk", "link/step", "tokens/s*", "fits"]
-    rows = [head]
+def table(results: list[PlanResult], title: str, machine: Machine, detail: bool = False) -> str:
+    """The plans as a table that fits a terminal; `detail` adds the breakdown of the device peak."""
+    head = ["engine", "options", "device peak", *(_DETAIL if detail else ()), "host RAM", "disk", "link/step",
+            "tokens/s*"]
+    with_seq = any(r.max_seq is not None for r in results)
+    head += ["max seq"] if with_seq else []
+    rows = [head + ["fits"]]
     for r in results:
         e = r.estimate
-        rows.append([
-            r.engine, r.label, human_bytes(e.device_peak_bytes),
-            *(human_bytes(e.breakdown.get(c, 0)) for c in _COLUMNS),
-            human_bytes(e.host_bytes), human_bytes(e.disk_bytes), human_bytes(e.host_link_bytes),
-            f"{r.tokens_per_s:,.0f}",
-            ("yes" if r.fits else "no" if r.host_fits else "no (host RAM)") + (" <- recommended" if r.recommended else ""),
-        ])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        row = [r.engine, r.label, human_bytes(e.device_peak_bytes),
+               *(human_bytes(e.breakdown.get(c, 0)) for c in (_DETAIL if detail else ())),
+               human_bytes(e.host_bytes), human_bytes(e.disk_bytes), human_bytes(e.host_link_bytes),
+               f"{r.tokens_per_s:,.0f}"]
+        row += [f"{r.max_seq:,}" if r.max_seq else "-"] if with_seq else []
+        rows.append(row + [("yes" if r.fits else "no (" + ", ".join(r.short) + ")")
+                           + (" <- recommended" if r.recommended else "")])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [title, ""] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines += [
         "",
-        "Device peak and its breakdown: the real training step run on fake tensors and counted by the training "
-        f"loop's meter. Fits: peak + {human_bytes(CUDA_OVERHEAD_BYTES)} CUDA context (assumed) <= "
-        f"{human_bytes(gpu.memory_bytes)}, and host RAM <= {HOST_RAM_SHARE:.0%} of this machine's "
-        f"{human_bytes(host_ram_bytes())}.",
-        f"* tokens/s is modelled: step FLOPs over {gpu.name}'s spec-sheet rate at {speed.ASSUMED_MFU:.0%} MFU "
+        "Device peak" + (" and its breakdown" if detail else "") + ": the real training step run on fake tensors and "
+        f"counted by the training loop's meter. Fits: peak + {human_bytes(CUDA_OVERHEAD_BYTES)} CUDA context "
+        f"(assumed) <= the card, host RAM <= {HOST_RAM_SHARE:.0%} of the host's, disk <= the free disk.",
+        f"* tokens/s is modelled: step FLOPs over {machine.gpu.name}'s spec-sheet rate at {speed.ASSUMED_MFU:.0%} MFU "
         "(assumed), plus optimizer and host-link traffic over its bandwidths.",
     ]
+    if with_seq:
+        lines.append("max seq: the longest sequence whose step fits (one token more does not), by bisection on the "
+                     "same estimate.")
     chosen = recommended(results)
     lines.append(f"recommended: {chosen.engine} {chosen.label}" if chosen else f"no plan fits: {_smallest_need(results)}.")
     return "\n".join(lines)

@@ -8,11 +8,12 @@ device and the host are one memory there), which is what the planner's CPU calib
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
+
+from slimtune import presets
 
 
 def _timed(fn, repeats: int) -> float:
@@ -62,7 +63,7 @@ def probe_cpu() -> dict:
     memory_gbps = 2 * copy_gbps(big, torch.empty_like(big), 10)
     return {
         "name": "cpu",
-        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "memory_bytes": presets.physical_ram_bytes(),
         "bf16_tflops": matmul_tflops(cpu, torch.bfloat16, 512, 3),
         "fp32_tflops": matmul_tflops(cpu, torch.float32, 2048, 5),
         "memory_gbps": memory_gbps,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -46,10 +47,18 @@ class Run:
         return batches[: t.eval_batches] if t.eval_batches else batches
 
 
+def _machine(cfg: RunConfig, gpu: presets.GpuProfile) -> planner.Machine:
+    """The card to plan for, with this machine's RAM and the free disk where the run writes."""
+    folder = Path(cfg.output_dir).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    return planner.Machine(gpu, presets.physical_ram_bytes(), shutil.disk_usage(folder).free)
+
+
 def _auto_plan(cfg: RunConfig, device: torch.device) -> RunConfig:
     """plan=auto: the planner's recommended engine and options for the run's card."""
     gpu = presets.gpu_profile(cfg.gpu) if cfg.gpu else presets.device_profile(device)
-    planned, chosen = planner.apply_recommended(cfg, presets.model_config(cfg.model), gpu)
+    planned, chosen = planner.apply_recommended(cfg, presets.model_config(cfg.model), _machine(cfg, gpu))
     print(f"plan=auto on {gpu.name}: {chosen.engine} {chosen.label} "
           f"(device peak {human_bytes(chosen.estimate.device_peak_bytes)}, measured on fake tensors; "
           f"{chosen.tokens_per_s:,.0f} tokens/s modelled)")
@@ -234,9 +243,10 @@ def out_of_memory_advice(run: Run, step: int) -> str:
     """One sentence for a step that ran out of device memory, naming a plan that fits this card."""
     cfg = run.cfg
     gpu = presets.device_profile(run.device)
-    results, chosen = planner.plan_run(cfg, presets.model_config(cfg.model), gpu)
+    machine = _machine(cfg, gpu)
+    results, chosen = planner.plan_run(cfg, presets.model_config(cfg.model), machine)
     if chosen is None:
-        return f"out of device memory at step {step}, and {planner.no_fit_sentence(results, gpu)}"
+        return f"out of device memory at step {step}, and {planner.no_fit_sentence(results, machine)}"
     options = " ".join(f"{k}={v}" for k, v in chosen.options.items())
     return (f"out of device memory at step {step} with engine={cfg.engine} precision={cfg.precision}; "
             f"a plan that fits {human_bytes(gpu.memory_bytes)}: engine={chosen.engine} {options} "

@@ -40,7 +40,7 @@ def preset_rows(names: list[str]) -> list[dict]:
         model_config = presets.model_config(name)
         for method in ("lora", "full"):
             began = time.perf_counter()
-            results = planner.plan(model_config, planner.planning_config(method), presets.gpu_profile(SIZES[0]),
+            results = planner.plan(model_config, planner.planning_config(method), planner.Machine.named(SIZES[0]),
                                    BATCH, SEQ)
             plans = [r.as_json() for r in results]
             rows.append({"preset": name, "method": method, "seconds": time.perf_counter() - began,
@@ -89,7 +89,7 @@ def hf_reference() -> dict:
     lora_peak = _hf_step(lora, [p for p in lora.parameters() if p.requires_grad], batch, mode)
     ours = {}
     for method in ("full", "lora"):
-        results = planner.plan(model_config, planner.planning_config(method), presets.gpu_profile("80GiB"),
+        results = planner.plan(model_config, planner.planning_config(method), planner.Machine.named("80GiB"),
                                REFERENCE["batch"], REFERENCE["seq"])
         ours[method] = [r.as_json() for r in results]
     return {**REFERENCE, "hf_full_bf16_fused_adamw_bytes": full_peak, "hf_peft_lora_r16_bf16_base_bytes": lora_peak,

@@ -21,7 +21,9 @@ _HERE = Path(__file__).parent
 _META_KEYS = ("hf_id", "source", "params")
 # The card whose rates a plain memory size borrows: a common, well-documented consumer GPU.
 GENERIC_RATES_FROM = "rtx4090"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(tib|tb|t|gib|gb|g|mib|mb|m)\s*$", re.IGNORECASE)
+# A user typing 24GB means the nominal 24 (GiB) size: GB and G count as GiB, TB as TiB, MB as MiB.
+_UNIT_BYTES = {"t": 2**40, "g": 2**30, "m": 2**20}
 
 
 @functools.cache
@@ -112,10 +114,23 @@ def _named(name: str) -> GpuProfile:
     return GpuProfile(name=name, description=card["description"], **{k: card[k] for k in _NUMBERS})
 
 
+def memory_size(text: str, what: str) -> int:
+    """Bytes of a size such as 64GiB, 64GB, 64G, 512MiB or 2TB; `what` names it in the sentence."""
+    size = _SIZE.match(str(text))
+    if not size or float(size.group(1)) <= 0:
+        raise UserError(f"{what} must be a size such as 64GiB, 64GB, 512MiB or 2TB, got '{text}'.")
+    return int(float(size.group(1)) * _UNIT_BYTES[size.group(2)[0].lower()])
+
+
+def physical_ram_bytes() -> int:
+    """This machine's RAM."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _sized(number: str, unit: str) -> GpuProfile:
-    # "GB" and "G" count as GiB: a user typing 24GB means the card's nominal 24 (GiB) size.
-    scale = 2**30 if unit.lower() in ("gib", "gb", "g") else 2**20
-    size = int(float(number) * scale)
+    size = memory_size(number + unit, "a GPU size")
     rates = _named(GENERIC_RATES_FROM)
     return GpuProfile(
         name=f"generic-{number}{unit}",
@@ -173,10 +188,8 @@ def device_profile(device) -> GpuProfile:
     import torch
 
     if device.type != "cuda":
-        import os
-
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return replace(_named(GENERIC_RATES_FROM), name="cpu", memory_bytes=ram, description="this machine's RAM")
+        return replace(_named(GENERIC_RATES_FROM), name="cpu", memory_bytes=physical_ram_bytes(),
+                       description="this machine's RAM")
     props = torch.cuda.get_device_properties(device)
     name = _card_index().get(_normal(props.name))
     base = _named(name or GENERIC_RATES_FROM)

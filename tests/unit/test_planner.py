@@ -33,19 +33,20 @@ def test_host_ram_is_checked_before_the_device(tiny_model_dir, monkeypatch):
     model_config = presets.model_config(str(tiny_model_dir))
     base, gpu = planner.planning_config("full"), presets.gpu_profile("0.4MiB")  # resident needs ~650 KiB
     monkeypatch.setattr(planner, "CUDA_OVERHEAD_BYTES", 0)
-    results = planner.plan(model_config, base, gpu, 1, 32)
+    results = planner.plan(model_config, base, planner.Machine(gpu, 2**40, 2**40), 1, 32)
     chosen = planner.recommended(results)
     assert chosen is not None and chosen.engine == "slide" and chosen.estimate.host_bytes > 0
-    monkeypatch.setattr(planner, "host_ram_bytes", lambda: chosen.estimate.host_bytes // 2)
-    results = planner.plan(model_config, base, gpu, 1, 32)
+    small_host = planner.Machine(gpu, chosen.estimate.host_bytes // 2, 2**40)
+    results = planner.plan(model_config, base, small_host, 1, 32)
     assert planner.recommended(results) is None
     assert all(not r.host_fits for r in results if r.engine == "slide")
-    assert "of host RAM" in planner.no_fit_sentence(results, gpu)
+    assert "host RAM: needs" in planner.no_fit_sentence(results, small_host)
 
 
 def test_nothing_fits_a_tiny_card(tiny_model_dir):
     base = planner.planning_config("full")
-    results = planner.plan(presets.model_config(str(tiny_model_dir)), base, presets.gpu_profile("1MiB"), 1, 32)
+    results = planner.plan(presets.model_config(str(tiny_model_dir)), base,
+                           planner.Machine(presets.gpu_profile("1MiB"), 2**40, 2**40), 1, 32)
     assert not any(r.fits for r in results) and planner.recommended(results) is None
 
 
@@ -69,7 +70,7 @@ def test_plan_auto_trains_with_the_recommended_plan(tmp_path, tiny_model_dir):
 
 
 def test_plan_auto_with_no_fitting_plan_names_the_need(tmp_path, tiny_model_dir):
-    with pytest.raises(UserError, match=r"no plan fits .*: the smallest, (resident|slide) precision=bf16 .*, needs \d"):
+    with pytest.raises(UserError, match=r"no plan fits .*: the smallest on the device, (resident|slide) precision=bf16 .*, lacks device: needs \d"):
         train.build(run_config(tmp_path, tiny_model_dir, "plan=auto", "gpu=1MiB"))
 
 
