@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from slimtune import config as config_module
 from slimtune import engines, estimate, presets, speed
+from slimtune.estimate_cache import cached_estimate, is_cached
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
 from slimtune.metrics import human_bytes
@@ -115,7 +116,7 @@ def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_siz
     """One plan: its device peak, host RAM and disk on fake tensors, its modelled time on the card,
     what it lacks on `machine`, and (`max_seq`) the longest sequence that fits."""
     cfg = _run_config(base, plan)
-    found = estimate.estimate(model_config, cfg, batch_size, seq_len)
+    found = cached_estimate(model_config, cfg, batch_size, seq_len)
     time = engines.get(cfg.engine).step_time(model_config, cfg, found.counts(), machine.gpu, batch_size, seq_len)
     tokens = batch_size * seq_len * cfg.train.grad_accum
     options = {k: v for k, v in plan.items() if k != "engine"}
@@ -133,7 +134,7 @@ def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_si
     limit = getattr(model_config, "max_position_embeddings", None) or 2**20
 
     def fits(seq: int) -> bool:
-        return not machine.shortfalls(estimate.estimate(model_config, cfg, batch_size, seq))
+        return not machine.shortfalls(cached_estimate(model_config, cfg, batch_size, seq))
 
     low, high = (min(known, limit), None) if known_fits else (0, known)  # low fits (or is 0); high does not
     while high is None and low < limit:
@@ -158,11 +159,15 @@ def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int,
     import os
 
     jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq) for p in engines.plans_for(base.method)]
+    # Answers already in the cache cost nothing: only the others are worth a worker.
+    results = {i: weigh(*job) for i, job in enumerate(jobs)
+               if not max_seq and is_cached(model_config, _run_config(base, job[2]), batch_size, seq_len)}
+    order = [i for i in range(len(jobs)) if i not in results]
     small = model_config.num_hidden_layers * model_config.hidden_size < PARALLEL_FROM
-    if (os.cpu_count() or 1) < 2 or len(jobs) < 2 or small:
-        return [weigh(*job) for job in jobs]
-    results: dict[int, PlanResult] = {}
-    order, running = list(range(len(jobs))), {}
+    if (os.cpu_count() or 1) < 2 or len(order) < 2 or small:
+        results.update((i, weigh(*jobs[i])) for i in order)
+        return [results[i] for i in range(len(jobs))]
+    running = {}
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         while order:
             while order and len(running) < 2:  # the worker takes from the end, with one job queued

@@ -10,6 +10,15 @@ import torch
 
 import slimtune.engines  # noqa: F401  (registers every engine, as the CLI does: config.load needs them)
 
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory):
+    """The planner's estimate cache goes to a folder of this session, not the user's ~/.cache: every
+    session estimates afresh, and leaves nothing behind."""
+    import os
+
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "hello world, this is a tiny corpus for a tiny tokenizer",

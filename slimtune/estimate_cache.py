@@ -1,0 +1,72 @@
+"""The planner's estimates, kept on disk: an estimate depends only on the model's shape, the plan's
+settings, the batch's shape and slimtune's own code, not on the card, so planning the same model for
+another card, or bisecting --max-seq over lengths already tried, costs nothing the second time.
+
+One JSON file per estimate under $XDG_CACHE_HOME/slimtune/estimates (default ~/.cache/...), named by
+a hash of: the model config, the settings that shape a step (every RunConfig field but paths, data
+and output), batch size and length, the versions of torch and transformers, and the bytes of every
+slimtune source file, so a code change never reads an old answer. A file that cannot be read or
+written is ignored: the cache only ever saves time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from slimtune import estimate
+from slimtune.config import RunConfig, to_dict
+
+# Settings that name files, not shapes: they never change an estimate.
+_NOT_SHAPE = ("model", "data", "output_dir", "plan", "gpu", "device")
+
+
+def cached_estimate(model_config, cfg: RunConfig, batch_size: int, seq_len: int) -> estimate.Estimate:
+    """estimate.estimate on a synthetic batch, read from the cache when this exact question was asked."""
+    path = _folder() / f"{_key(model_config, cfg, batch_size, seq_len)}.json"
+    try:
+        return estimate.Estimate(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    found = estimate.estimate(model_config, cfg, batch_size, seq_len)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(found)))
+        os.replace(tmp, path)  # whole or absent, also with two planners at once
+    except OSError:
+        pass
+    return found
+
+
+def is_cached(model_config, cfg: RunConfig, batch_size: int, seq_len: int) -> bool:
+    return (_folder() / f"{_key(model_config, cfg, batch_size, seq_len)}.json").is_file()
+
+
+def _folder() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "slimtune" / "estimates"
+
+
+def _key(model_config, cfg: RunConfig, batch_size: int, seq_len: int) -> str:
+    settings = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_SHAPE}
+    question = {"model": model_config.to_dict(), "settings": settings, "batch": [batch_size, seq_len],
+                "code": _code_version()}
+    return hashlib.sha256(json.dumps(question, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _code_version() -> str:
+    import torch
+    import transformers
+
+    digest = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
+    package = Path(__file__).parent
+    for path in sorted(package.rglob("*.py")) + sorted(package.rglob("*.json")):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
