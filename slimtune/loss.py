@@ -168,11 +168,27 @@ def _times_weight(g: torch.Tensor, head: _Head) -> torch.Tensor:
     return out
 
 
-def _chunk_terms(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """z (c, V), t (c,) -> lse (c,), target logit (c,), valid (c,) bool, safe target ids (c,)."""
+def _target_terms(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """z (c, V), t (c,) -> target logit (c,), valid (c,) bool, safe target ids (c,)."""
     valid = t != IGNORE_INDEX
     safe = torch.where(valid, t, 0)  # ignored rows read column 0 and are masked out after
-    return torch.logsumexp(z, dim=-1), z.gather(1, safe[:, None]).squeeze(1), valid, safe
+    return z.gather(1, safe[:, None]).squeeze(1), valid, safe
+
+
+# The loss allocates nothing inside an op: the CPU meter (a dispatch mode) sees op outputs only, so
+# a buffer an op makes and frees inside itself is device memory it would miss (torch.logsumexp's
+# own (c, V) copy of z - max was one: up to LOGITS_CHUNK_BYTES, at the loss's peak). Hence reductions,
+# elementwise ops and in-place updates below, never torch.logsumexp, softmax or cross_entropy.
+
+
+def exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """z (c, n) -> log-sum-exp of each row (c,) and the row sums of exp(z - max) (c, 1), computed
+    as torch.logsumexp computes them, in place: z is left holding exp(z - max), so z.div_(sums) is
+    the softmax, and no (c, n) buffer is made."""
+    m = z.amax(dim=-1, keepdim=True)  # (c, 1)
+    m.masked_fill_(m.isinf(), 0)  # a row with an infinite max keeps its infinity, as in torch.logsumexp
+    sums = z.sub_(m).exp_().sum(dim=-1, keepdim=True)  # (c, 1)
+    return sums.log().add_(m).squeeze(-1), sums
 
 
 # ---------------------------------------------------------------- mode=exact
@@ -195,11 +211,12 @@ def _exact_pass(
     for start in range(0, x.shape[0], chunk):
         x_c = x[start : start + chunk].to(dtype)  # (c, D)
         z = _logits(x_c, head, dtype)  # (c, V)
-        lse, z_y, valid, safe = _chunk_terms(z, targets[start : start + chunk])
+        z_y, valid, safe = _target_terms(z, targets[start : start + chunk])
+        lse, sums = exp_shifted_(z)  # z now holds exp(z - max)
         loss = loss + torch.where(valid, lse - z_y, 0).sum()
         if not any(need):
             continue
-        g = z.sub_(lse[:, None]).exp_()  # softmax, in place over the logits: (c, V)
+        g = z.div_(sums)  # softmax, in place over the logits: (c, V)
         g.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))  # minus one-hot(y)
         g.mul_(valid[:, None])  # ignored rows carry no gradient
         if grad_x is not None:
@@ -250,11 +267,12 @@ def select_subset(z: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tenso
 def _subset_chunk(z: torch.Tensor, t: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """z (c, V), t (c,) -> ids (c, k), dL_S/dz on S (c, k), and the chunk's sums of
     L_S, L_full and 1 - p(S)."""
-    lse, z_y, valid, safe = _chunk_terms(z, t)
+    z_y, valid, safe = _target_terms(z, t)
     ids = select_subset(z, safe, k)
     z_s = z.gather(1, ids)  # (c, k)
-    lse_s = torch.logsumexp(z_s, dim=-1)  # (c,)
-    g_s = (z_s - lse_s[:, None]).exp_() - (ids == safe[:, None]).to(z.dtype)  # q - one-hot(y)
+    lse = exp_shifted_(z)[0]  # z's last use: overwritten in place
+    lse_s, sums_s = exp_shifted_(z_s)  # z_s now holds exp(z_s - max)
+    g_s = z_s.div_(sums_s).sub_((ids == safe[:, None]).to(z.dtype))  # q - one-hot(y)
     g_s.mul_(valid[:, None])
     sums = (
         torch.where(valid, lse_s - z_y, 0).sum(),
