@@ -42,6 +42,7 @@ import torch
 from slimtune.chat import assistant_spans, render, resolve_template
 from slimtune.config import DataConfig
 from slimtune.errors import UserError
+from slimtune.memory import mark_host_resident
 
 IGNORE_INDEX = -100
 
@@ -85,9 +86,9 @@ class Batch:
             self.segmented = bool((self.position_ids != plain).any())
 
     def to(self, device: Any) -> Batch:
-        """The batch on `device`: always a copy, as a host-to-GPU copy is, so the device meter counts
-        these tensors alike on the CPU, under fake tensors (the estimate) and on a GPU."""
-        moved = (t.to(device, copy=True)
+        """The batch on `device`: always a copy, as a host-to-GPU copy is, of a batch in host memory
+        (marked so), so the device meter counts the copy alike on the CPU, under fake tensors and on a GPU."""
+        moved = (mark_host_resident(t).to(device, copy=True)
                  for t in (self.input_ids, self.targets, self.position_ids, self.trained_positions))
         return Batch(*moved, num_targets=self.num_targets, segmented=self.segmented)
 

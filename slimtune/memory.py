@@ -38,6 +38,20 @@ def mark_host_resident(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@contextlib.contextmanager
+def host_allocation() -> Iterator[None]:
+    """Storage made inside is host memory (pinned pools, host copies): no meter counts it, not even
+    for the moment before mark_host_resident declares it, which a GPU would never hold."""
+    meters = list(_ACTIVE)
+    for meter in meters:
+        meter.host_allocations += 1
+    try:
+        yield
+    finally:
+        for meter in meters:
+            meter.host_allocations -= 1
+
+
 def is_host_resident(tensor: torch.Tensor) -> bool:
     return _key(tensor.untyped_storage()) in _HOST_RESIDENT
 
@@ -63,6 +77,7 @@ class LiveBytesMeter(TorchDispatchMode):
         self.peak_breakdown = dict(self.by_category)
         self._live: dict[int, list] = {}  # key -> [nbytes, finalizer, category]
         self.segments: dict[tuple, tuple[int, dict]] | None = {} if segments else None
+        self.host_allocations = 0  # > 0 while host memory is being made: nothing is counted
         self._segment: tuple = ("start", 0)
         self._occurrences: dict[tuple, int] = {}
 
@@ -146,6 +161,8 @@ class LiveBytesMeter(TorchDispatchMode):
         self._live.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.host_allocations:  # host memory in the making (host_allocation): not the device's
+            return func(*args, **(kwargs or {}))
         # Inputs first: a tensor made before the meter started is live when it is used.
         inputs, _ = tree_flatten((args, kwargs or {}))
         self.track(inputs)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from slimtune.errors import UserError
-from slimtune.memory import mark_host_resident
+from slimtune.memory import host_allocation, mark_host_resident
 
 SLOT_ALIGN = 256  # bytes: every tensor view in a slot starts on this boundary
 
@@ -45,10 +45,11 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device | None, stride=No
     """An uninitialised host tensor made for traffic with `device`: pinned on CUDA unless told not
     to (host state that never crosses the link: pinned memory is scarce and allocated in powers of two)."""
     cuda = pinned and device is not None and device.type == "cuda"
-    if stride is None:
-        host = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=cuda)
-    else:
-        host = torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=cuda)
+    with host_allocation():
+        if stride is None:
+            host = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=cuda)
+        else:
+            host = torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=cuda)
     return mark_host_resident(host)
 
 
