@@ -149,17 +149,20 @@ def _forward_blocks(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
         memory.mark("forward", index)
         run.put(index, hidden)
         with _SmallCache(run, index, hidden) if run.logs is not None else contextlib.nullcontext():
-            hidden = block_forward(run.stack, index, hidden, run.inputs, run.chunk)
+            hidden = block_forward(run.stack, index, hidden, run.inputs, run.chunk, logged=run.logs is not None)
     return hidden
 
 
-def block_forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, chunk: int) -> torch.Tensor:
+def block_forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, chunk: int,
+                  logged: bool = False) -> torch.Tensor:
     """Block `index` without grad; its MLP in token chunks, in the order the recompute repeats
-    (so dropout draws the same masks), overwriting the attention half's output chunk by chunk."""
+    (so dropout draws the same masks), overwriting the attention half's output chunk by chunk.
+    `logged`: a small cache keeps outputs of every chunk, so every chunk must run."""
     if chunk >= x.shape[1]:
         return stack.run_block(index, x, inputs)
     h = stack.attention_half(index, x, inputs)
-    for start in range(0, h.shape[1], chunk):
+    starts = range(0, h.shape[1], chunk)
+    for start in starts if logged else memory.representative(starts, h):
         part = h[:, start : start + chunk]
         part.copy_(stack.mlp_half(index, part))
     return h
@@ -202,7 +205,8 @@ def _mlp_backward(stack: Stack, index: int, h: torch.Tensor, grad: torch.Tensor 
     """The MLP half of block `index`, chunk by chunk: recompute a chunk, back-propagate it, drop its
     graph, so one chunk's MLP activations exist at a time. Returns the gradient of its input h."""
     grad_h = torch.empty_like(h) if grad is not None and h.requires_grad else None
-    for start in range(0, h.shape[1], chunk):
+    starts = range(0, h.shape[1], chunk)
+    for start in starts if isinstance(cache, _SmallCache) else memory.representative(starts, h):
         with torch.enable_grad(), cache:  # the slice too: forward's cache log has it
             part = h.detach()[:, start : start + chunk].requires_grad_(grad_h is not None)
             y = stack.mlp_half(index, part)

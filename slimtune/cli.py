@@ -131,6 +131,10 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["plan"]:  # the command line itself, not a caller in-process
+        from slimtune import planning_worker
+
+        planning_worker.start()  # it imports slimtune while this process parses and loads
     args = _parse(argv)
     try:
         {"train": _train, "plan": _plan, "probe": _probe, "export": _export}[args.command](args)

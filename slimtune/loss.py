@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slimtune import memory
 from slimtune.config import LossConfig
 from slimtune.data import IGNORE_INDEX
 from slimtune.errors import UserError
@@ -105,7 +106,7 @@ class _Head:
         elif self.weight.dtype == dtype:
             yield 0, self.shape[0], self.weight
         else:
-            for start in range(0, self.shape[0], CAST_TILE_ROWS):
+            for start in memory.representative(range(0, self.shape[0], CAST_TILE_ROWS), self.weight):
                 stop = min(start + CAST_TILE_ROWS, self.shape[0])
                 yield start, stop, self.weight[start:stop].to(dtype)
 
@@ -208,7 +209,7 @@ def _exact_pass(
     grad_x = torch.empty_like(x) if need[0] else None
     grad_w = x.new_zeros(head.shape, dtype=dtype) if need[1] else None
     grad_b = x.new_zeros(head.shape[:1], dtype=dtype) if need[2] else None
-    for start in range(0, x.shape[0], chunk):
+    for start in memory.representative(range(0, x.shape[0], chunk), x):
         x_c = x[start : start + chunk].to(dtype)  # (c, D)
         z = _logits(x_c, head, dtype)  # (c, V)
         z_y, valid, safe = _target_terms(z, targets[start : start + chunk])
@@ -297,7 +298,7 @@ class _SubsetCE(torch.autograd.Function):
         g_s = x.new_empty((x.shape[0], k), dtype=dtype)  # (N, k)
         sums = [x.new_zeros((), dtype=dtype) for _ in range(3)]  # L_S, L_full, excluded mass
         with torch.autocast(x.device.type, enabled=False):
-            for start in range(0, x.shape[0], chunk):
+            for start in memory.representative(range(0, x.shape[0], chunk), x):
                 z = _logits(x[start : start + chunk].to(dtype), head, dtype)  # (c, V)
                 ids_c, g_c, *parts = _subset_chunk(z, targets[start : start + chunk], k)
                 ids[start : start + chunk], g_s[start : start + chunk] = ids_c, g_c
@@ -313,7 +314,7 @@ class _SubsetCE(torch.autograd.Function):
         head, ctx.head = ctx.head, None
         grad_x = g_s.new_empty((ids.shape[0], head.shape[1]), dtype=ctx.x_dtype)  # (N, D)
         with torch.autocast(grad_x.device.type, enabled=False):
-            for start in range(0, ids.shape[0], ctx.chunk):
+            for start in memory.representative(range(0, ids.shape[0], ctx.chunk), g_s):
                 g_c = g_s[start : start + ctx.chunk] * grad_out.to(g_s.dtype)  # (c, k)
                 dense = g_c.new_zeros((g_c.shape[0], head.shape[0]))  # (c, V), transient
                 dense.scatter_(1, ids[start : start + ctx.chunk], g_c)  # ids are distinct per row

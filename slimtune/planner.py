@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 
 from slimtune import config as config_module
-from slimtune import engines, estimate, presets, speed
+from slimtune import engines, estimate, planning_worker, presets, speed
 from slimtune.estimate_cache import cached_estimate, is_cached
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
@@ -153,9 +153,7 @@ PARALLEL_FROM = 16 * 1024
 def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int, seq_len: int,
                max_seq: bool) -> list[PlanResult]:
     """Plans are independent: beside this process, one spawned worker (a forked torch can hang in its
-    thread pool) takes the next plan whenever it is free; results keep the plans' order."""
-    import concurrent.futures
-    import multiprocessing
+    thread pool) takes the next plan the moment it is free; results keep the plans' order."""
     import os
 
     jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq) for p in engines.plans_for(base.method)]
@@ -165,22 +163,35 @@ def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int,
     order = [i for i in range(len(jobs)) if i not in results]
     small = model_config.num_hidden_layers * model_config.hidden_size < PARALLEL_FROM
     if (os.cpu_count() or 1) < 2 or len(order) < 2 or small:
+        planning_worker.discard()
         results.update((i, weigh(*jobs[i])) for i in order)
         return [results[i] for i in range(len(jobs))]
-    running = {}
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        while order:
-            while order and len(running) < 2:  # the worker takes from the end, with one job queued
-                index = order.pop()
-                running[pool.submit(_weigh_job, jobs[index])] = index
-            for future in [f for f in running if f.done()]:
-                results[running.pop(future)] = future.result()
-            if order:  # this process takes from the front
-                index = order.pop(0)
-                results[index] = weigh(*jobs[index])
-        for future, index in running.items():
-            results[index] = future.result()
+    with planning_worker.take() as pool:
+        results.update(_share_with_a_worker(pool, jobs, order))
     return [results[i] for i in range(len(jobs))]
+
+
+def _share_with_a_worker(pool, jobs: list[tuple], order: list[int]) -> dict[int, PlanResult]:
+    """Weigh jobs[i] for i in `order`: this process takes them from the front, the worker `pool` (fed
+    by a thread that waits for it, so it never idles) from the back, until none is left."""
+    import threading
+
+    lock, results = threading.Lock(), {}
+
+    def take(front: bool) -> int | None:
+        with lock:
+            return (order.pop(0) if front else order.pop()) if order else None
+
+    def feed(pool) -> None:
+        while (index := take(front=False)) is not None:
+            results[index] = pool.submit(_weigh_job, jobs[index]).result()
+
+    feeder = threading.Thread(target=feed, args=(pool,), daemon=True)
+    feeder.start()
+    while (index := take(front=True)) is not None:
+        results[index] = weigh(*jobs[index])
+    feeder.join()
+    return results
 
 
 def _weigh_job(job: tuple) -> PlanResult:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slimtune import memory
 from slimtune.config import QuantConfig
 from slimtune.errors import UserError
 
@@ -269,7 +270,7 @@ class _DequantLinear(torch.autograd.Function):
         if len(tiles) == 1:
             return F.linear(x, dequantize(layout, codes, scales, x.dtype))
         y = x.new_empty((*x.shape[:-1], layout.shape[0]))
-        for start, stop in tiles:
+        for start, stop in memory.representative(tiles, codes):
             y[..., start:stop] = F.linear(x, dequantize_row_range(layout, codes, scales, start, stop, x.dtype))
         return y
 
@@ -283,7 +284,7 @@ class _DequantLinear(torch.autograd.Function):
             return dy @ dequantize(ctx.layout, codes, scales, dy.dtype), None, None, None
         flat = dy.reshape(-1, dy.shape[-1])  # (n, out)
         dx = flat.new_zeros((flat.shape[0], ctx.layout.shape[1]))  # (n, in)
-        for start, stop in tiles:
+        for start, stop in memory.representative(tiles, codes):
             dx.addmm_(flat[:, start:stop], dequantize_row_range(ctx.layout, codes, scales, start, stop, dy.dtype))
         return dx.view(*dy.shape[:-1], -1), None, None, None  # no weight gradient: the base is frozen
 
@@ -332,7 +333,7 @@ class QuantLinear(nn.Module):
         """Yields (start, stop, rows [start, stop) of W dense in `dtype`), one tile at a time
         (the LM head of the loss: never the whole (V, D) weight at once)."""
         q = self.qweight
-        for start, stop in row_tiles(q.layout):
+        for start, stop in memory.representative(row_tiles(q.layout), q.codes):
             yield start, stop, dequantize_row_range(q.layout, q.codes, q.scales, start, stop, dtype or q.dtype)
 
     def extra_repr(self) -> str:

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from slimtune import memory
 from slimtune.data import IGNORE_INDEX
 
 Tiles = Callable[[], Iterator[tuple[int, int, torch.Tensor]]]
@@ -45,7 +46,7 @@ def _streamed_ce(x, targets, tiles, chunk, scale, sink):
     for start, stop, w in tiles():
         w = w.to(dtype)  # (tile, D)
         grad_w = torch.zeros_like(w) if sink is not None else None
-        for first in range(0, x.shape[0], chunk):
+        for first in memory.representative(range(0, x.shape[0], chunk), x):
             rows = slice(first, first + chunk)
             x_c = x[rows].to(dtype)
             g = (x_c @ w.T).sub_(lse[rows, None]).exp_()  # softmax on this tile: (c, tile)
@@ -67,7 +68,7 @@ def _log_sum_exp(x: torch.Tensor, safe: torch.Tensor, tiles: Tiles, chunk: int, 
     target_logit = torch.zeros(n, dtype=dtype, device=x.device)
     for start, stop, w in tiles():
         w = w.to(dtype)
-        for first in range(0, n, chunk):
+        for first in memory.representative(range(0, n, chunk), x):
             rows = slice(first, first + chunk)
             z = x[rows].to(dtype) @ w.T  # (c, tile)
             new_max = torch.maximum(running_max[rows], z.amax(dim=1))

@@ -60,3 +60,22 @@ def test_synthetic_batch_is_packed_and_masked():
     batch = estimate.synthetic_batch(2, 16, 100)
     assert batch.position_ids[0].tolist() == list(range(8)) * 2
     assert 0 < batch.num_targets < 2 * 16
+
+
+@pytest.mark.parametrize("method, plan", PLANS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+def test_the_estimate_runs_few_loop_steps_and_still_equals_the_meter(tmp_path, tokenizer, monkeypatch, method, plan):
+    """Under fake tensors a loop over token chunks or weight tiles runs its first two steps and its
+    last (memory.representative); the real run runs them all. With every such loop many steps long
+    (loss chunks, MLP chunks, head cast tiles, 4-bit dequantization tiles), the bytes still agree."""
+    from slimtune import loss, quant
+
+    monkeypatch.setattr(quant, "DEQUANT_TILE_ELEMENTS", 256)  # 8 rows of a 32-wide weight: 4-8 tiles
+    monkeypatch.setattr(loss, "CAST_TILE_ROWS", 64)  # 5 tiles of the 300-row head
+    folder = save_tiny_model(tmp_path, tokenizer)
+    cfg = config.load(None, [f"{k}={v}" for k, v in plan.items()] + ["loss.chunk_size=6", "activations.mlp_chunk=8"],
+                      base={"model": str(folder), "data": "x.jsonl", "method": method, "lora": {"rank": 4},
+                            "train": {"batch_size": 2}, "slide": {"head_tile_mb": 0.005}})
+    predicted = estimate.estimate(tiny_config("llama", len(tokenizer)), cfg, 2, 48)
+    measured, _ = measured_step(folder, cfg, plan["precision"], estimate.synthetic_batch(2, 48, len(tokenizer)))
+    assert predicted.device_peak_bytes == measured.device_peak_bytes
+    assert predicted.breakdown == measured.device_peak_breakdown
