@@ -1,5 +1,7 @@
-"""The planner on every preset at 24 GiB and 8 GiB, and an outside reference: the plain
-Hugging Face step for Llama-3-8B at seq 1024, batch 1, counted by the same meter.
+"""The planner on every preset: how long `slimtune plan` takes a user (cold: the CLI in a fresh
+process with an empty estimate cache, every plan of the method), whether its bytes equal the fake
+step at full depth (every plan, by_depth=False), and what fits at 24 GiB and 8 GiB; and an outside
+reference: the plain Hugging Face step for Llama-3-8B at seq 1024, batch 1, counted by the same meter.
 
 Every device figure is the real step run on fake tensors (slimtune.estimate) and counted by
 the training loop's meter; every tokens/s is modelled (slimtune.speed) on the generic card
@@ -8,13 +10,18 @@ of each size (the RTX 4090's spec-sheet rates).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
 from torch import nn
 
-from slimtune import planner, presets
-from slimtune.estimate import STEPS, fake_model, make_fake, meta_model, synthetic_batch
+from slimtune import config, estimate, planner, presets
+from slimtune.estimate import fake_model, make_fake, meta_model, synthetic_batch
 from slimtune.memory import LiveBytesMeter
 
 SEQ, BATCH = 2048, 1
@@ -37,15 +44,44 @@ def _at_size(results: list[dict], size: str) -> list[dict]:
 def preset_rows(names: list[str]) -> list[dict]:
     rows = []
     for name in names:
-        model_config = presets.model_config(name)
         for method in ("lora", "full"):
-            began = time.perf_counter()
-            results = planner.plan(model_config, planner.planning_config(method), planner.Machine.named(SIZES[0]),
-                                   BATCH, SEQ)
-            plans = [r.as_json() for r in results]
-            rows.append({"preset": name, "method": method, "seconds": time.perf_counter() - began,
+            seconds, plans = cold_plan(name, method)
+            checks = full_depth_checks(name, method, plans)
+            rows.append({"preset": name, "method": method, "cold_plan_seconds": seconds,
+                         "equal_to_full_depth": all(c["equal"] for c in checks), "full_depth": checks,
                          **{size: _at_size(plans, size) for size in SIZES}})
+            print(f"{name} {method}: plan {seconds:.1f} s cold; full depth equal: {rows[-1]['equal_to_full_depth']} "
+                  f"({sum(c['full_depth_seconds'] for c in checks):.0f} s)", flush=True)
     return rows
+
+
+def cold_plan(name: str, method: str) -> tuple[float, list[dict]]:
+    """`slimtune plan --json` as a user runs it: a new process, no cached estimate. Returns its wall
+    time and its plans."""
+    with tempfile.TemporaryDirectory(prefix="slimtune-cache-") as cache:
+        began = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "slimtune.cli", "plan", "--model", name, "--gpu", SIZES[0],
+                               "--seq", str(SEQ), "--batch", str(BATCH), "--method", method, "--json"],
+                              capture_output=True, text=True, check=True, env={**os.environ, "XDG_CACHE_HOME": cache})
+        return time.perf_counter() - began, json.loads(done.stdout)
+
+
+def full_depth_checks(name: str, method: str, plans: list[dict]) -> list[dict]:
+    """Each plan's figures against the fake step at full depth (no extrapolation)."""
+    model_config, base = presets.model_config(name), config.to_dict(planner.planning_config(method))
+    checks = []
+    for found in plans:
+        cfg = config.load(None, [f"{k}={v}" for k, v in {"engine": found["engine"], **found["options"]}.items()],
+                          base=base)
+        began = time.perf_counter()
+        full = estimate.estimate(model_config, cfg, BATCH, SEQ, by_depth=False)
+        same = (full.device_peak_bytes, full.breakdown, full.host_bytes, full.disk_bytes, full.host_link_bytes) == (
+            found["device_peak_bytes"], found["breakdown"], found["host_bytes"], found["disk_bytes"],
+            found["host_link_bytes"])
+        checks.append({"engine": found["engine"], "options": found["options"], "equal": same,
+                       "full_depth_peak_bytes": full.device_peak_bytes,
+                       "full_depth_seconds": time.perf_counter() - began})
+    return checks
 
 
 def _hf_step(model: nn.Module, params: list[nn.Parameter], batch, mode) -> int:
@@ -54,7 +90,7 @@ def _hf_step(model: nn.Module, params: list[nn.Parameter], batch, mode) -> int:
         optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
         ids = mode.from_tensor(batch.input_ids)
         peak = 0
-        for _ in range(STEPS):
+        for _ in range(2):  # the second step: torch's AdamW makes its state in the first
             meter = LiveBytesMeter("cpu")
             meter.track(model.parameters(), "weights")
             meter.track((p.grad for p in params), "gradients")
@@ -98,4 +134,8 @@ def hf_reference() -> dict:
 
 def run(quick: bool) -> dict:
     names = ["Qwen2.5-0.5B", "Llama-3.2-1B"] if quick else sorted(presets.preset_names())
-    return {"seq": SEQ, "batch": BATCH, "sizes": SIZES, "presets": preset_rows(names), "reference": hf_reference()}
+    rows = preset_rows(names)
+    return {"seq": SEQ, "batch": BATCH, "sizes": SIZES, "cold_plan_goal_seconds": 10,
+            "slowest_cold_plan_seconds": max(r["cold_plan_seconds"] for r in rows),
+            "every_plan_equal_to_full_depth": all(r["equal_to_full_depth"] for r in rows),
+            "presets": rows, "reference": hf_reference()}

@@ -22,6 +22,7 @@ _META_KEYS = ("hf_id", "source", "params")
 # The card whose rates a plain memory size borrows: a common, well-documented consumer GPU.
 GENERIC_RATES_FROM = "rtx4090"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(tib|tb|t|gib|gb|g|mib|mb|m)\s*$", re.IGNORECASE)
+_CARD_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)\s*$", re.IGNORECASE)  # no card holds a TB
 # A user typing 24GB means the nominal 24 (GiB) size: GB and G count as GiB, TB as TiB, MB as MiB.
 _UNIT_BYTES = {"t": 2**40, "g": 2**30, "m": 2**20}
 
@@ -173,7 +174,7 @@ def gpu_profile(spec: str) -> GpuProfile:
     name = _card_index().get(_normal(text)) if text else None
     if name:
         return _named(name)
-    size = _SIZE.match(text)
+    size = _CARD_SIZE.match(text)
     if size and float(size.group(1)) > 0:
         return _sized(size.group(1), size.group(2))
     if text and Path(text).is_file():
