@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from slimtune.errors import UserError
@@ -134,8 +135,26 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["plan"]:  # the command line itself, not a caller in-process
         from slimtune import planning_worker
 
-        planning_worker.start()  # it imports slimtune while this process parses and loads
+        planning_worker.start(_option("--model"))  # it imports slimtune while this process parses and loads
     args = _parse(argv)
+    code = _run(args)
+    if argv is None and args.command == "plan":
+        _exit_without_teardown(code)
+    return code
+
+
+def _option(flag: str) -> str | None:
+    """`flag`'s value on the command line, read before argparse (which waits for heavy imports)."""
+    argv = sys.argv[1:]
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith(flag + "="):
+            return word[len(flag) + 1:]
+    return None
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         {"train": _train, "plan": _plan, "probe": _probe, "export": _export}[args.command](args)
     except UserError as err:
@@ -145,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         print("slimtune: interrupted; the last checkpoint is intact.", file=sys.stderr)
         return 130
     return 0
+
+
+def _exit_without_teardown(code: int) -> None:
+    """End a finished `slimtune plan` at once: it has written its answer (and any cache file, by
+    rename), and the interpreter's teardown after torch and transformers takes over a second."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def _repeats_one_block(config, cfg: RunConfig) -> bool:
     return (not types or len(set(types)) == 1) and cfg.activations.cache == "none"
 
 
-def _at_depth(config, depth: int):
+def at_depth(config, depth: int):
     shallow = copy.deepcopy(config)
     shallow.num_hidden_layers = depth
     if getattr(shallow, "layer_types", None):
@@ -167,7 +167,7 @@ def _at_depth(config, depth: int):
 def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tuple[int, int]) -> Estimate | None:
     """The full-depth estimate from steps at the two probe depths; None when their segments do not
     line up as the loop structure says they must (then the caller runs the full depth)."""
-    shallow, deep = (_step(_at_depth(config, d), cfg, real_batch, segments=True) for d in probes)
+    shallow, deep = (_step(at_depth(config, d), cfg, real_batch, segments=True) for d in probes)
     fits = _segment_fits(shallow[1], deep[1], probes, margin)
     if fits is None:
         return None

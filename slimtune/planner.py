@@ -13,6 +13,8 @@ import json
 import shutil
 from dataclasses import dataclass, field
 
+import torch
+
 from slimtune import config as config_module
 from slimtune import engines, estimate, planning_worker, presets, speed
 from slimtune.estimate_cache import cached_estimate, is_cached
@@ -106,6 +108,15 @@ class PlanResult:
         return out
 
 
+def warm_up(model: str | None) -> None:
+    """A planning worker's first deed, while the command line's process imports the same: the code
+    that reads `model`'s config and builds its modules (about two seconds, no longer paid by its first plan)."""
+    if model is None:
+        return
+    model_config = presets.model_config(model)
+    estimate.meta_model(estimate.at_depth(model_config, 1), torch.float32)
+
+
 def _run_config(base: RunConfig, plan: dict) -> RunConfig:
     """`base` with the plan's dotted-key settings applied, validated like any run config."""
     return config_module.load(None, [f"{k}={v}" for k, v in plan.items()], base=to_dict(base))
@@ -166,36 +177,39 @@ def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int,
         planning_worker.discard()
         results.update((i, weigh(*jobs[i])) for i in order)
         return [results[i] for i in range(len(jobs))]
-    with planning_worker.take() as pool:
-        results.update(_share_with_a_worker(pool, jobs, order))
+    with planning_worker.take() as worker:
+        results.update(_share_with_a_worker(worker, jobs, order))
     return [results[i] for i in range(len(jobs))]
 
 
-def _share_with_a_worker(pool, jobs: list[tuple], order: list[int]) -> dict[int, PlanResult]:
-    """Weigh jobs[i] for i in `order`: this process takes them from the front, the worker `pool` (fed
-    by a thread that waits for it, so it never idles) from the back, until none is left."""
+def _share_with_a_worker(worker, jobs: list[tuple], order: list[int]) -> dict[int, PlanResult]:
+    """Weigh jobs[i] for i in `order`: this process and the worker (fed by a thread that waits for it,
+    so it never idles) each take the next one left until none is. Engines list their plans plain to
+    elaborate, and an elaborate plan's fake step has more ops: taking them from the end, the longest
+    go first and the last ones, which decide when both are done, are short."""
     import threading
 
-    lock, results = threading.Lock(), {}
+    lock, results, failures = threading.Lock(), {}, []
 
-    def take(front: bool) -> int | None:
+    def take() -> int | None:
         with lock:
-            return (order.pop(0) if front else order.pop()) if order else None
+            return order.pop() if order else None
 
-    def feed(pool) -> None:
-        while (index := take(front=False)) is not None:
-            results[index] = pool.submit(_weigh_job, jobs[index]).result()
+    def feed() -> None:
+        try:
+            while (index := take()) is not None:
+                results[index] = worker.run(weigh, *jobs[index])
+        except BaseException as err:  # noqa: BLE001  (raised again in this process's thread)
+            failures.append(err)
 
-    feeder = threading.Thread(target=feed, args=(pool,), daemon=True)
+    feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
-    while (index := take(front=True)) is not None:
+    while (index := take()) is not None:
         results[index] = weigh(*jobs[index])
     feeder.join()
+    if failures:
+        raise failures[0]
     return results
-
-
-def _weigh_job(job: tuple) -> PlanResult:
-    return weigh(*job)
 
 
 def plan(model_config, base: RunConfig, machine: Machine, batch_size: int, seq_len: int,

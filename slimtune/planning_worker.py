@@ -1,40 +1,92 @@
 """The planner's worker process, started as early as possible: spawning imports slimtune afresh
 (about two seconds of torch and transformers), so `slimtune plan` starts it before importing anything
-heavy itself, and both processes import at once. This module imports nothing heavy for that reason."""
+heavy itself, and both processes import at once. This module imports nothing heavy for that reason.
+
+The worker holds no state worth saving, so it is killed once its last answer is in: an interpreter
+that imported torch takes over a second to tear itself down on two cores, and nobody waits for it."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib
 import multiprocessing
+from typing import Any, Callable
 
-_EARLY = None  # started by start(), handed to the next take()
+_EARLY: Worker | None = None  # started by start(), handed to the next take()
 
 
-def start() -> None:
-    """Spawn the worker now (the CLI calls this first thing for `slimtune plan`)."""
+class Worker:
+    """One spawned process (a forked torch can hang in its thread pool) running one call at a time;
+    `run` blocks until the answer is back, so one thread may feed it."""
+
+    def __init__(self, warm_up: tuple[str, str, tuple] = ("slimtune.planner", "warm_up", ())):
+        """`warm_up`: (module, function, args) the worker calls before anything is asked of it (its
+        imports, while the asking process does its own); it answers nothing, and a failure is ignored
+        (the asking process meets the same problem itself and reports it)."""
+        context = multiprocessing.get_context("spawn")
+        self._connection, child_end = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child_end, warm_up), daemon=True)
+        self._process.start()
+        child_end.close()
+
+    def run(self, function: Callable, *args) -> Any:
+        """function(*args) in the worker (function must be importable by module and name)."""
+        self._connection.send((function.__module__, function.__qualname__, args))
+        try:
+            ok, value = self._connection.recv()
+        except EOFError:
+            raise RuntimeError(f"the planning worker died (exit code {self._process.exitcode})") from None
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        """Kill the worker: between calls it holds nothing, and its own teardown is slow."""
+        self._process.kill()
+        self._process.join()
+        self._connection.close()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _serve(connection, warm_up: tuple[str, str, tuple]) -> None:
+    module, name, args = warm_up
+    try:
+        getattr(importlib.import_module(module), name)(*args)
+    except Exception:  # noqa: BLE001  (only ever saves time)
+        pass
+    while True:
+        try:
+            module, name, args = connection.recv()
+        except EOFError:  # the parent is gone
+            return
+        try:
+            connection.send((True, getattr(importlib.import_module(module), name)(*args)))
+        except Exception as err:  # noqa: BLE001  (handed to the caller, who raises it)
+            connection.send((False, err))
+
+
+def start(model: str | None = None) -> None:
+    """Spawn the worker now (the CLI calls this first thing for `slimtune plan`); `model` (the
+    command line's --model, if any) is what it warms up for."""
     global _EARLY
     if _EARLY is None:
-        _EARLY = _spawn()
+        _EARLY = Worker(("slimtune.planner", "warm_up", (model,)))
 
 
-def take() -> concurrent.futures.ProcessPoolExecutor:
-    """The early worker if one was started, else a new one: a one-process pool, to use in `with`."""
+def take() -> Worker:
+    """The early worker if one was started, else a new one; use it in `with` (stopped at the end)."""
     global _EARLY
-    pool, _EARLY = _EARLY or _spawn(), None
-    return pool
+    worker, _EARLY = _EARLY or Worker(), None
+    return worker
 
 
 def discard() -> None:
-    """Let an early worker go unused (a plan too small to share): it ends after its imports."""
+    """Let an early worker go unused (a plan too small to share)."""
     global _EARLY
     if _EARLY is not None:
-        _EARLY.shutdown(wait=False, cancel_futures=True)
+        _EARLY.stop()
         _EARLY = None
-
-
-def _spawn() -> concurrent.futures.ProcessPoolExecutor:
-    # Spawned, not forked: a forked torch can hang in its thread pool.
-    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    pool.submit(importlib.import_module, "slimtune.planner")  # its imports, before its first plan
-    return pool

@@ -9,8 +9,8 @@ Two schemes share one storage module, QuantWeight, whose state is two registered
         scales (out, ceil(in/g)) fp16.
   nf4   bitsandbytes' NF4 codebook in blocks of 64 over the flattened weight, fp32 absmax,
         no double quantization. codes (ceil(n/2), 1) uint8, scales (ceil(n/64),) fp32.
-        Quantization and matrix dequantization are bitsandbytes' own ops; they have fake
-        kernels, so the planner's FakeTensorMode step runs them unchanged. Row gathers (the
+        Quantization and matrix dequantization are bitsandbytes' own ops; on fake tensors the
+        planner makes the empty result their fake kernel would, without importing bitsandbytes. Row gathers (the
         embedding) use a plain-torch codebook lookup that matches bitsandbytes bit for bit.
 
 Autograd saves the codes and scales, never a dequantized weight (spec pitfall 4): backward
@@ -153,13 +153,21 @@ def nf4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _nf4_dequantize(codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int],
                     dtype: torch.dtype) -> torch.Tensor:
-    _bitsandbytes()
-    out_dtype = dtype if dtype in BNB_DTYPES else torch.float32  # fp32 -> fp64 is exact
     # A flat shape: bitsandbytes 0.50's CPU kernel, given (rows, cols) with cols % 64 != 0,
     # scales each row as if blocks restarted per row, while quantize_4bit blocks the flattened
     # weight. A flat shape dequantizes the blocks quantize_4bit made, on every backend, at the same speed.
-    w = torch.ops.bitsandbytes.dequantize_4bit(codes, absmax, NF4_BLOCK, "nf4", [shape[0] * shape[1]], out_dtype)
-    return w.view(shape).to(dtype)
+    return _nf4_dequantize_flat(codes, absmax, shape[0] * shape[1], dtype).view(shape).to(dtype)
+
+
+def _nf4_dequantize_flat(codes: torch.Tensor, absmax: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes' dequantize_4bit of `n` elements, in `dtype` where its kernels support it (else fp32:
+    fp32 -> fp64 is exact). On fake tensors (the planner's step) this is the empty tensor that
+    bitsandbytes' own fake kernel returns, made without importing bitsandbytes (0.8 s a process)."""
+    out_dtype = dtype if dtype in BNB_DTYPES else torch.float32
+    if _is_placeholder(codes):
+        return torch.empty(n, dtype=out_dtype, device=codes.device)
+    _bitsandbytes()
+    return torch.ops.bitsandbytes.dequantize_4bit(codes, absmax, NF4_BLOCK, "nf4", [n], out_dtype)
 
 
 def _nf4_rows(codes: torch.Tensor, absmax: torch.Tensor, index: torch.Tensor, cols: int,
@@ -208,11 +216,8 @@ def dequantize_row_range(layout: Layout, codes: torch.Tensor, scales: torch.Tens
         return _int4_dequantize(codes[start:stop], scales[start:stop], cols, layout.group_size, dtype)
     first, last = start * cols, stop * cols  # flat element range
     assert first % NF4_BLOCK == 0, "an nf4 tile must start on a block"
-    _bitsandbytes()
-    out_dtype = dtype if dtype in BNB_DTYPES else torch.float32
-    w = torch.ops.bitsandbytes.dequantize_4bit(
-        codes[first // 2 : (last + 1) // 2], scales[first // NF4_BLOCK : -(-last // NF4_BLOCK)], NF4_BLOCK, "nf4",
-        [last - first], out_dtype)
+    w = _nf4_dequantize_flat(codes[first // 2 : (last + 1) // 2], scales[first // NF4_BLOCK : -(-last // NF4_BLOCK)],
+                             last - first, dtype)
     return w.view(stop - start, cols).to(dtype)
 
 
