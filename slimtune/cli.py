@@ -161,7 +161,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"slimtune: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("slimtune: interrupted; the last checkpoint is intact.", file=sys.stderr)
+        after = "; the last checkpoint is intact" if args.command == "train" else ""
+        print(f"slimtune: interrupted{after}.", file=sys.stderr)
         return 130
     return 0
 
@@ -169,8 +170,11 @@ def _run(args: argparse.Namespace) -> int:
 def _exit_without_teardown(code: int) -> None:
     """End a finished `slimtune plan` at once: it has written its answer (and any cache file, by
     rename), and the interpreter's teardown after torch and transformers takes over a second."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            pass
     os._exit(code)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import signal
 from typing import Any, Callable
 
 _EARLY: Worker | None = None  # started by start(), handed to the next take()
@@ -53,6 +54,9 @@ class Worker:
 
 
 def _serve(connection, warm_up: tuple[str, str, tuple]) -> None:
+    # Ctrl-C reaches the whole process group: the parent answers it (and kills this worker), so
+    # the worker prints no traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     module, name, args = warm_up
     try:
         getattr(importlib.import_module(module), name)(*args)
@@ -64,9 +68,13 @@ def _serve(connection, warm_up: tuple[str, str, tuple]) -> None:
         except EOFError:  # the parent is gone
             return
         try:
-            connection.send((True, getattr(importlib.import_module(module), name)(*args)))
+            answer = (True, getattr(importlib.import_module(module), name)(*args))
         except Exception as err:  # noqa: BLE001  (handed to the caller, who raises it)
-            connection.send((False, err))
+            answer = (False, err)
+        try:
+            connection.send(answer)
+        except OSError:  # the parent is gone
+            return
 
 
 def start(model: str | None = None) -> None:
