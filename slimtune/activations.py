@@ -53,9 +53,7 @@ def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: Act
     count = len(stack.blocks)
     # Without grad (evaluation) nothing runs backward, so storing inputs would be wasted traffic.
     if cfg.checkpoint == "none" or count == 0 or not torch.is_grad_enabled():
-        for index in range(count):
-            hidden = stack.run_block(index, hidden, inputs)
-        return hidden
+        return stack.run_blocks(hidden, inputs)
     if store is None and cfg.checkpoint != "recompute":
         raise ValueError(f"checkpoint={cfg.checkpoint} needs a store from open_store().")
     store = store or BlockStore(hidden.device)

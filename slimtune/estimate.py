@@ -146,7 +146,12 @@ def _step(config, cfg: RunConfig, real_batch: Batch, segments: bool = False) -> 
 # are fitted one by one. Probes at depths 2m+1 and 2m+2 give every coefficient: the blocks between
 # have one member at the first depth and two at the second. The envelope is exact, so the peak may
 # sit in another segment at depth D than in the probes. Layers that differ (sliding-window mixes) or
-# caches tied to positions (activations.cache) are estimated at full depth instead.
+# caches tied to positions (activations.cache) are estimated at full depth instead. What the argument
+# needs of the code: no segment holds two phases whose live bytes grow with D at different rates (the
+# loss forward, with every block's activations; the tied embedding's backward, with every block's
+# gradients), or its peak is the larger of two lines, which two probes cannot see. Every loop over the
+# blocks marks each one (Stack.run_blocks, activations, slide), which keeps such phases apart; the
+# plans benchmark checks every preset's plans against the full depth.
 
 
 def _repeats_one_block(config, cfg: RunConfig) -> bool:

@@ -371,6 +371,12 @@ class Stack:
         inputs = self.prepare(hidden, position_ids, segmented)
         if run_blocks is not None:
             return run_blocks(self, hidden, inputs)
+        return self.run_blocks(hidden, inputs)
+
+    def run_blocks(self, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+        """hidden (B, T, D) through every block in turn, each block's forward and backward marked as a
+        segment of its own (memory.mark): the estimate by depth needs every block's work apart from
+        the loss's and the embedding's, whose peaks grow with depth at other rates."""
         for index in range(len(self.blocks)):
             memory.mark("forward", index)
             hidden = self.run_block(index, hidden, inputs)

@@ -1,6 +1,6 @@
 """The planner on every preset: how long `slimtune plan` takes a user (cold: the CLI in a fresh
 process with an empty estimate cache, every plan of the method), whether its bytes equal the fake
-step at full depth (every plan, by_depth=False), and what fits at 24 GiB and 8 GiB; and an outside
+step at full depth (every plan, by_depth=False; two processes, after the timings), and what fits at 24 GiB and 8 GiB; and an outside
 reference: the plain Hugging Face step for Llama-3-8B at seq 1024, batch 1, counted by the same meter.
 
 Every device figure is the real step run on fake tensors (slimtune.estimate) and counted by
@@ -10,12 +10,16 @@ of each size (the RTX 4090's spec-sheet rates).
 
 from __future__ import annotations
 
+import concurrent.futures
+import importlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -42,17 +46,37 @@ def _at_size(results: list[dict], size: str) -> list[dict]:
 
 
 def preset_rows(names: list[str]) -> list[dict]:
-    rows = []
+    """Cold plan times first, one at a time with the machine to themselves (they are timings); then
+    the full-depth checks, which are not timed against a goal, on both cores."""
+    methods = ("lora", "full")
+    cold = {}
     for name in names:
-        for method in ("lora", "full"):
-            seconds, plans = cold_plan(name, method)
-            checks = full_depth_checks(name, method, plans)
-            rows.append({"preset": name, "method": method, "cold_plan_seconds": seconds,
-                         "equal_to_full_depth": all(c["equal"] for c in checks), "full_depth": checks,
-                         **{size: _at_size(plans, size) for size in SIZES}})
-            print(f"{name} {method}: plan {seconds:.1f} s cold; full depth equal: {rows[-1]['equal_to_full_depth']} "
-                  f"({sum(c['full_depth_seconds'] for c in checks):.0f} s)", flush=True)
+        for method in methods:
+            cold[name, method] = cold_plan(name, method)
+            print(f"{name} {method}: plan {cold[name, method][0]:.1f} s cold", flush=True)
+    jobs = [(name, method, found) for (name, method), (_, plans) in cold.items() for found in plans]
+    checker = _importable_self()
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        deepest_first = sorted(range(len(jobs)), key=lambda i: -presets.model_config(jobs[i][0]).num_hidden_layers)
+        futures = {i: pool.submit(checker.full_depth_check, *jobs[i]) for i in deepest_first}
+        checks = [futures[i].result() for i in range(len(jobs))]
+    rows = []
+    for (name, method), (seconds, plans) in cold.items():
+        mine = [c for (n, m, _), c in zip(jobs, checks) if (n, m) == (name, method)]
+        rows.append({"preset": name, "method": method, "cold_plan_seconds": seconds,
+                     "equal_to_full_depth": all(c["equal"] for c in mine), "full_depth": mine,
+                     **{size: _at_size(plans, size) for size in SIZES}})
+        print(f"{name} {method}: full depth equal: {rows[-1]['equal_to_full_depth']} "
+              f"({sum(c['full_depth_seconds'] for c in mine):.0f} s)", flush=True)
     return rows
+
+
+def _importable_self():
+    """This module under a name a spawned process can import (run.py loads cases by file path)."""
+    benchmarks = str(Path(__file__).resolve().parent.parent)
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)  # a spawned process starts with this sys.path
+    return importlib.import_module("cases.plans")
 
 
 def cold_plan(name: str, method: str) -> tuple[float, list[dict]]:
@@ -66,22 +90,19 @@ def cold_plan(name: str, method: str) -> tuple[float, list[dict]]:
         return time.perf_counter() - began, json.loads(done.stdout)
 
 
-def full_depth_checks(name: str, method: str, plans: list[dict]) -> list[dict]:
-    """Each plan's figures against the fake step at full depth (no extrapolation)."""
+def full_depth_check(name: str, method: str, found: dict) -> dict:
+    """One plan's figures against the fake step at full depth (no extrapolation)."""
     model_config, base = presets.model_config(name), config.to_dict(planner.planning_config(method))
-    checks = []
-    for found in plans:
-        cfg = config.load(None, [f"{k}={v}" for k, v in {"engine": found["engine"], **found["options"]}.items()],
-                          base=base)
-        began = time.perf_counter()
-        full = estimate.estimate(model_config, cfg, BATCH, SEQ, by_depth=False)
-        same = (full.device_peak_bytes, full.breakdown, full.host_bytes, full.disk_bytes, full.host_link_bytes) == (
-            found["device_peak_bytes"], found["breakdown"], found["host_bytes"], found["disk_bytes"],
-            found["host_link_bytes"])
-        checks.append({"engine": found["engine"], "options": found["options"], "equal": same,
-                       "full_depth_peak_bytes": full.device_peak_bytes,
-                       "full_depth_seconds": time.perf_counter() - began})
-    return checks
+    cfg = config.load(None, [f"{k}={v}" for k, v in {"engine": found["engine"], **found["options"]}.items()],
+                      base=base)
+    began = time.perf_counter()
+    full = estimate.estimate(model_config, cfg, BATCH, SEQ, by_depth=False)
+    same = (full.device_peak_bytes, full.breakdown, full.host_bytes, full.disk_bytes, full.host_link_bytes) == (
+        found["device_peak_bytes"], found["breakdown"], found["host_bytes"], found["disk_bytes"],
+        found["host_link_bytes"])
+    return {"engine": found["engine"], "options": found["options"], "equal": same,
+            "full_depth_peak_bytes": full.device_peak_bytes,
+            "full_depth_seconds": time.perf_counter() - began}
 
 
 def _hf_step(model: nn.Module, params: list[nn.Parameter], batch, mode) -> int:

@@ -55,6 +55,20 @@ def test_the_peak_may_move_to_another_segment_as_the_stack_deepens():
         estimate.estimate(deep, cfg, 1, 48, by_depth=False).device_peak_bytes
 
 
+@pytest.mark.parametrize("method, plan", PLANS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+def test_a_small_loss_chunk_and_a_large_tied_vocabulary(method, plan):
+    """The loss forward (all activations live: grows by a block's activations per block) and the
+    tied embedding's backward (fp32 gradient of the whole table: grows by a block's gradients per
+    block) hold the peak in turn as the stack deepens; the estimate must see them as segments
+    apart (it once saw one segment from the loss to the end of backward, and fell short by the
+    difference at depth 12)."""
+    cfg = run_config(method, {**plan, "loss.chunk_size": 4})
+    model_config = tiny_config("qwen2", 8000, num_hidden_layers=12, tie_word_embeddings=True)
+    fast = estimate.estimate(model_config, cfg, 2, 48)
+    full = estimate.estimate(model_config, cfg, 2, 48, by_depth=False)
+    assert {f: getattr(fast, f) for f in FIELDS} == {f: getattr(full, f) for f in FIELDS}
+
+
 def test_mixed_layers_are_estimated_at_full_depth(monkeypatch):
     calls = []
     monkeypatch.setattr(estimate, "_by_depth", lambda *a: calls.append(a))
