@@ -52,16 +52,18 @@ def host_allocation() -> Iterator[None]:
             meter.host_allocations -= 1
 
 
-def representative(steps: Sequence, like: torch.Tensor) -> Sequence:
-    """The steps to run of a loop in which every step after the second holds the same memory as the
-    second (it frees what it makes, or adds in place into what an earlier step made; the last may be
-    smaller): all of them, but under fake tensors (the planner's estimate, which computes no value)
-    only the first two and the last, which reach the same peak in a fraction of the ops. Callers are
-    loops over token chunks and weight tiles; the estimate is tested equal to a real run's meter on
-    shapes where each of them has many steps."""
-    if len(steps) <= 3 or not is_fake(like):
+def representative(steps: Sequence, like: torch.Tensor, alike_from: int = 1) -> Sequence:
+    """The steps to run of a loop in which every step after step `alike_from` holds the same memory
+    as that one (it frees what it makes, or adds in place into what an earlier step made; the last
+    may be smaller): all of them, but under fake tensors (the planner's estimate, which computes no
+    value) only steps 0..alike_from and the last, which reach the same peak in a fraction of the
+    ops. alike_from=0: a loop that keeps nothing from one step to the next (weight tiles dequantized
+    and dropped); 1 (default): the first step may leave something the later ones reuse (an
+    accumulator made on first use). Callers are loops over token chunks and weight tiles; the
+    estimate is tested equal to a real run's meter on shapes where each of them has many steps."""
+    if len(steps) <= alike_from + 2 or not is_fake(like):
         return steps
-    return [steps[0], steps[1], steps[-1]]
+    return [*steps[:alike_from + 1], steps[-1]]
 
 
 def is_host_resident(tensor: torch.Tensor) -> bool:

@@ -275,7 +275,7 @@ class _DequantLinear(torch.autograd.Function):
         if len(tiles) == 1:
             return F.linear(x, dequantize(layout, codes, scales, x.dtype))
         y = x.new_empty((*x.shape[:-1], layout.shape[0]))
-        for start, stop in memory.representative(tiles, codes):
+        for start, stop in memory.representative(tiles, codes, alike_from=0):  # each tile dropped after use
             y[..., start:stop] = F.linear(x, dequantize_row_range(layout, codes, scales, start, stop, x.dtype))
         return y
 
@@ -289,7 +289,7 @@ class _DequantLinear(torch.autograd.Function):
             return dy @ dequantize(ctx.layout, codes, scales, dy.dtype), None, None, None
         flat = dy.reshape(-1, dy.shape[-1])  # (n, out)
         dx = flat.new_zeros((flat.shape[0], ctx.layout.shape[1]))  # (n, in)
-        for start, stop in memory.representative(tiles, codes):
+        for start, stop in memory.representative(tiles, codes, alike_from=0):  # each tile dropped after use
             dx.addmm_(flat[:, start:stop], dequantize_row_range(ctx.layout, codes, scales, start, stop, dy.dtype))
         return dx.view(*dy.shape[:-1], -1), None, None, None  # no weight gradient: the base is frozen
 

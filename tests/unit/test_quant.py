@@ -376,6 +376,43 @@ def test_planner_path_runs_on_fake_tensors_and_counts_real_bytes(tiny_llama, sch
     assert grads and all(g is not None and is_fake(g) for g in grads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_4bit_matmul_on_fake_tensors_runs_two_tiles_and_peaks_where_all_tiles_do(scheme, dtype, monkeypatch):
+    """Under fake tensors the tile loops of forward and backward run the first tile and the last
+    (memory.representative, alike_from=0): every tile is dropped before the next, so the step's
+    peak is the same as the real run's over all nine tiles (the last one partial)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from slimtune import estimate, memory
+
+    monkeypatch.setattr(quant, "DEQUANT_TILE_ELEMENTS", 8 * 64)  # 8 rows a tile
+    layer = quant.QuantLinear(quant.quantize_weight(_linear(torch.float32, out=70, inp=64, bias=False).weight,
+                                                    QuantConfig(scheme=scheme, group_size=16)))
+    assert len(quant.row_tiles(layer.qweight.layout)) == 9
+    tiles = []
+    monkeypatch.setattr(quant, "dequantize_row_range", lambda *a, _f=quant.dequantize_row_range: tiles.append(a[3]) or _f(*a))
+
+    def peak(x: torch.Tensor) -> int:
+        meter = memory.LiveBytesMeter("cpu")
+        meter.track([x, *layer.buffers()])
+        with meter:
+            layer(x).sum().backward()
+        meter.close()
+        return meter.peak
+
+    x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
+    real = peak(x)
+    assert len(tiles) == 18
+    tiles.clear()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    estimate.make_fake(layer, mode)
+    with mode:
+        fake = peak(mode.from_tensor(x.detach()).requires_grad_())
+    assert tiles == [0, 64, 0, 64]  # first and last tile, forward then backward
+    assert fake == real
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_state_dict_loads_into_a_module_built_on_the_meta_device(scheme):
     cfg = QuantConfig(scheme=scheme, group_size=16)
