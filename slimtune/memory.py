@@ -132,11 +132,11 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def _track_one(self, t: torch.Tensor, category: str) -> None:
         # Called for every tensor of every op: the common case (already counted) returns first.
-        if t.is_sparse or t.device.type != self.device_type:
+        if t.is_sparse:
             return
         storage = t.untyped_storage()
         key = _key(storage)
-        if key in self._live or key in _HOST_RESIDENT:
+        if key in self._live or key in _HOST_RESIDENT or t.device.type != self.device_type:
             return
         nbytes = storage.nbytes()
         self._live[key] = [nbytes, weakref.finalize(storage, self._release, key), category]

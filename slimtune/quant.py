@@ -156,18 +156,21 @@ def _nf4_dequantize(codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int,
     # A flat shape: bitsandbytes 0.50's CPU kernel, given (rows, cols) with cols % 64 != 0,
     # scales each row as if blocks restarted per row, while quantize_4bit blocks the flattened
     # weight. A flat shape dequantizes the blocks quantize_4bit made, on every backend, at the same speed.
-    return _nf4_dequantize_flat(codes, absmax, shape[0] * shape[1], dtype).view(shape).to(dtype)
+    return _nf4_dequantize_flat(codes, absmax, 0, shape[0] * shape[1], dtype).view(shape).to(dtype)
 
 
-def _nf4_dequantize_flat(codes: torch.Tensor, absmax: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """bitsandbytes' dequantize_4bit of `n` elements, in `dtype` where its kernels support it (else fp32:
-    fp32 -> fp64 is exact). On fake tensors (the planner's step) this is the empty tensor that
-    bitsandbytes' own fake kernel returns, made without importing bitsandbytes (0.8 s a process)."""
+def _nf4_dequantize_flat(codes: torch.Tensor, absmax: torch.Tensor, first: int, last: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes' dequantize_4bit of flat elements [first, last) (first on a block), in `dtype`
+    where its kernels support it (else fp32: fp32 -> fp64 is exact). On fake tensors (the planner's
+    step) this is the empty tensor that bitsandbytes' own fake kernel returns, made without importing
+    bitsandbytes (0.8 s a process) or slicing the codes (views: no bytes, but ops)."""
     out_dtype = dtype if dtype in BNB_DTYPES else torch.float32
     if _is_placeholder(codes):
-        return torch.empty(n, dtype=out_dtype, device=codes.device)
+        return torch.empty(last - first, dtype=out_dtype, device=codes.device)
     _bitsandbytes()
-    return torch.ops.bitsandbytes.dequantize_4bit(codes, absmax, NF4_BLOCK, "nf4", [n], out_dtype)
+    codes, absmax = codes[first // 2 : (last + 1) // 2], absmax[first // NF4_BLOCK : -(-last // NF4_BLOCK)]
+    return torch.ops.bitsandbytes.dequantize_4bit(codes, absmax, NF4_BLOCK, "nf4", [last - first], out_dtype)
 
 
 def _nf4_rows(codes: torch.Tensor, absmax: torch.Tensor, index: torch.Tensor, cols: int,
@@ -216,8 +219,7 @@ def dequantize_row_range(layout: Layout, codes: torch.Tensor, scales: torch.Tens
         return _int4_dequantize(codes[start:stop], scales[start:stop], cols, layout.group_size, dtype)
     first, last = start * cols, stop * cols  # flat element range
     assert first % NF4_BLOCK == 0, "an nf4 tile must start on a block"
-    w = _nf4_dequantize_flat(codes[first // 2 : (last + 1) // 2], scales[first // NF4_BLOCK : -(-last // NF4_BLOCK)],
-                             last - first, dtype)
+    w = _nf4_dequantize_flat(codes, scales, first, last, dtype)
     return w.view(stop - start, cols).to(dtype)
 
 
@@ -275,8 +277,9 @@ class _DequantLinear(torch.autograd.Function):
         if len(tiles) == 1:
             return F.linear(x, dequantize(layout, codes, scales, x.dtype))
         y = x.new_empty((*x.shape[:-1], layout.shape[0]))
+        rows, out = x.reshape(-1, x.shape[-1]), y.view(-1, layout.shape[0])  # 2-D once, not per tile
         for start, stop in memory.representative(tiles, codes, alike_from=0):  # each tile dropped after use
-            y[..., start:stop] = F.linear(x, dequantize_row_range(layout, codes, scales, start, stop, x.dtype))
+            out[:, start:stop] = rows @ dequantize_row_range(layout, codes, scales, start, stop, x.dtype).T
         return y
 
     @staticmethod

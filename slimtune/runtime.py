@@ -154,7 +154,7 @@ def aligned(nbytes: int) -> int:
 
 def nbytes_of(shape, dtype: torch.dtype) -> int:
     """Bytes of a dense tensor of `shape` and `dtype`."""
-    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype, device="meta").element_size()
+    return int(torch.Size(shape).numel()) * dtype.itemsize
 
 
 def view_bytes(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
