@@ -19,7 +19,7 @@ class Worker:
     """One spawned process (a forked torch can hang in its thread pool) running one call at a time;
     `run` blocks until the answer is back, so one thread may feed it."""
 
-    def __init__(self, warm_up: tuple[str, str, tuple] = ("slimtune.planner", "warm_up", ())):
+    def __init__(self, warm_up: tuple[str, str, tuple] = ("slimtune.planner", "warm_up", (None,))):
         """`warm_up`: (module, function, args) the worker calls before anything is asked of it (its
         imports, while the asking process does its own); it answers nothing, and a failure is ignored
         (the asking process meets the same problem itself and reports it)."""
