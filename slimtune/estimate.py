@@ -150,8 +150,9 @@ def _step(config, cfg: RunConfig, real_batch: Batch, segments: bool = False) -> 
 # needs of the code: no segment holds two phases whose live bytes grow with D at different rates (the
 # loss forward, with every block's activations; the tied embedding's backward, with every block's
 # gradients), or its peak is the larger of two lines, which two probes cannot see. Every loop over the
-# blocks marks each one (Stack.run_blocks, activations, slide), which keeps such phases apart; the
-# plans benchmark checks every preset's plans against the full depth.
+# blocks marks each one (Stack.run_blocks, activations, slide), and the loss's and the embedding's
+# backward are marked apart from what precedes them (loss.causal_lm_loss, Stack.body_hidden), which
+# keeps such phases apart; the plans benchmark checks every preset's plans against the full depth.
 
 
 def _repeats_one_block(config, cfg: RunConfig) -> bool:

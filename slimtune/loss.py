@@ -75,9 +75,14 @@ def causal_lm_loss(
     if cfg.mode == "subset":
         _refuse_trainable_head(head)
         loss, exact, excluded = _SubsetCE.apply(x, t, source, chunk, cfg.subset_k)
-        return LossOutput(loss, exact, excluded)
-    loss = _ExactCE.apply(x, source.weight, source.bias, t, chunk, source)
-    return LossOutput(loss, loss.detach(), torch.zeros_like(loss.detach()))
+        out = LossOutput(loss, exact, excluded)
+    else:
+        loss = _ExactCE.apply(x, source.weight, source.bias, t, chunk, source)
+        out = LossOutput(loss, loss.detach(), torch.zeros_like(loss.detach()))
+    # The loss's backward is a segment apart from its forward (memory.mark): what each holds grows
+    # with depth at its own rate, and the estimate by depth needs every segment's peak to be a line.
+    memory.mark_on_backward(out.loss_sum, "loss backward")
+    return out
 
 
 def chunk_tokens(cfg: LossConfig, vocab: int) -> int:

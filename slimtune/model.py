@@ -365,9 +365,13 @@ class Stack:
         """input_ids (B, T) -> the last block's output (B, T, D), before the final norm (the loss
         normalises only the rows it scores). `run_blocks(stack, hidden, inputs)` replaces the plain
         loop, e.g. by a checkpointed one. segmented: as in `prepare`. Block boundaries are marked for
-        the memory meter, forward and (through gradient hooks) backward: memory.mark."""
+        the memory meter, forward and (through gradient hooks) backward: memory.mark. So is the
+        embedding's backward (a trained embedding), apart from block 0's: its peak (the table's
+        gradient) does not grow with depth as block 0's does (with checkpointing, the bf16 copies
+        autocast keeps of every block recomputed so far)."""
         memory.mark("embed")
         hidden = self.embed(input_ids)
+        memory.mark_on_backward(hidden, "embed backward")
         inputs = self.prepare(hidden, position_ids, segmented)
         if run_blocks is not None:
             return run_blocks(self, hidden, inputs)

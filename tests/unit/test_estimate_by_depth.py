@@ -55,15 +55,27 @@ def test_the_peak_may_move_to_another_segment_as_the_stack_deepens():
         estimate.estimate(deep, cfg, 1, 48, by_depth=False).device_peak_bytes
 
 
+PHASES = {
+    # The loss forward (every block's activations live) against the tied embedding's backward (the
+    # table's fp32 gradient, every block's gradients live): the estimate once saw one segment from
+    # the loss to the end of backward (the uncheckpointed loop marked no block).
+    "loss-vs-embedding-backward": ({"loss.chunk_size": 4}, {"vocab_size": 8000}),
+    # Block 0's recomputed backward (autocast's bf16 copies of every block so far) against the
+    # embedding's backward after it, and the subset loss's forward against its backward: one
+    # segment each until the embedding's backward and the loss's backward were marked apart.
+    "block0-vs-embedding-backward": ({}, {"vocab_size": 4000, "hidden_size": 128, "intermediate_size": 512}),
+}
+
+
+@pytest.mark.parametrize("phases", PHASES)
 @pytest.mark.parametrize("method, plan", PLANS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
-def test_a_small_loss_chunk_and_a_large_tied_vocabulary(method, plan):
-    """The loss forward (all activations live: grows by a block's activations per block) and the
-    tied embedding's backward (fp32 gradient of the whole table: grows by a block's gradients per
-    block) hold the peak in turn as the stack deepens; the estimate must see them as segments
-    apart (it once saw one segment from the loss to the end of backward, and fell short by the
-    difference at depth 12)."""
-    cfg = run_config(method, {**plan, "loss.chunk_size": 4})
-    model_config = tiny_config("qwen2", 8000, num_hidden_layers=12, tie_word_embeddings=True)
+def test_phases_that_grow_with_depth_at_other_rates_are_segments_apart(method, plan, phases):
+    """Two phases of the step hold the peak in turn as the stack deepens (tied Qwen2, depth 12); if
+    one segment held both, its peak would be the larger of two lines and the estimate by depth
+    would fall short at full depth."""
+    settings, shape = PHASES[phases]
+    cfg = run_config(method, {**plan, **settings})
+    model_config = tiny_config("qwen2", num_hidden_layers=12, tie_word_embeddings=True, **shape)
     fast = estimate.estimate(model_config, cfg, 2, 48)
     full = estimate.estimate(model_config, cfg, 2, 48, by_depth=False)
     assert {f: getattr(fast, f) for f in FIELDS} == {f: getattr(full, f) for f in FIELDS}
