@@ -1,7 +1,8 @@
 """The planner on every preset: how long `slimtune plan` takes a user (cold: the CLI in a fresh
-process with an empty estimate cache, every plan of the method; the median of three such runs), whether its bytes equal the fake
-step at full depth (every plan, by_depth=False; two processes, after the timings), and what fits at 24 GiB and 8 GiB; and an outside
-reference: the plain Hugging Face step for Llama-3-8B at seq 1024, batch 1, counted by the same meter.
+process with an empty estimate cache, every plan of the method; the median of three such runs),
+whether its bytes equal the fake step at full depth (every plan, by_depth=False; two processes,
+after the timings), and what fits at 24 GiB and 8 GiB; and an outside reference: the plain Hugging
+Face step for Llama-3-8B at seq 1024, batch 1, counted by the same meter.
 
 Every device figure is the real step run on fake tensors (slimtune.estimate) and counted by
 the training loop's meter; every tokens/s is modelled (slimtune.speed) on the generic card
