@@ -1,0 +1,160 @@
+"""Sparse projectors (LSP-Offload, spec lsp-offload.md section 2): P in R^(n x d) with exactly r
+non-zeros in every row, at distinct positions, kept as (position, value) pairs: (n, r) each, so
+their memory is n * r whatever d is.
+
+Everything a projected weight needs is a product with P or with P^T, done row by row over the r
+non-zeros (index_add / index_select: n * r work, never an n x d or n_o x n_i tensor):
+  right(x)    = x @ P      (..., n) -> (..., d)   the forward's U = X P_i, the backward's V = dY P_o
+  right_t(a)  = a @ P^T    (..., d) -> (..., n)   what a subspace update adds to an output or input grad
+  cross_gram  = A^T B      (d, d)                 Gram matrices for the error and the moment transfer
+
+The error of a pair (P_o, P_i) on a gradient G (n_o x n_i) is e(G) = |P_o P_o^T G P_i P_i^T - G| / |G|.
+With C = P_o^T G P_i (d x d) and the Gram matrices A_o = P_o^T P_o, A_i = P_i^T P_i,
+    |P_o C P_i^T - G|^2 = |G|^2 - 2 |C|^2 + <C, A_o C A_i>,
+so e(G) and its gradient in the projectors' values cost n_o * n_i * r, not n_o * n_i * d (tested
+against the dense formula). Fitting learns the values with the positions fixed, so no two
+non-zeros of a row ever collide.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SparseProjector:
+    pos: torch.Tensor  # (n, r) int64: the columns of each row's non-zeros, distinct within a row
+    val: torch.Tensor  # (n, r): their values
+    d: int  # columns
+
+    @property
+    def n(self) -> int:
+        return self.pos.shape[0]
+
+    @property
+    def r(self) -> int:
+        return self.pos.shape[1]
+
+    @classmethod
+    def random(cls, n: int, d: int, r: int, generator: torch.Generator, dtype: torch.dtype,
+               device: torch.device) -> SparseProjector:
+        """r distinct positions per row (drawn without replacement), values +-1/sqrt(r): E[P P^T] = I."""
+        if r > d:
+            raise ValueError(f"a projector row cannot hold r={r} distinct non-zeros in d={d} columns")
+        pos = torch.multinomial(torch.ones(n, d), r, replacement=False, generator=generator)
+        return cls(pos.to(device), random_values(n, r, generator, dtype, device), d)
+
+    def with_values(self, val: torch.Tensor) -> SparseProjector:
+        return SparseProjector(self.pos, val, self.d)
+
+    def right(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ P: (..., n) -> (..., d), in x's dtype."""
+        val = self.val.to(x.dtype)
+        out = x.new_zeros(*x.shape[:-1], self.d)
+        grad = torch.is_grad_enabled() and (x.requires_grad or val.requires_grad)
+        for s in range(self.r):
+            term = x * val[:, s]
+            out = out.index_add(-1, self.pos[:, s], term) if grad else out.index_add_(-1, self.pos[:, s], term)
+        return out
+
+    def right_t(self, a: torch.Tensor) -> torch.Tensor:
+        """a @ P^T: (..., d) -> (..., n), in a's dtype."""
+        val = self.val.to(a.dtype)
+        grad = torch.is_grad_enabled() and (a.requires_grad or val.requires_grad)
+        out = a.index_select(-1, self.pos[:, 0]) * val[:, 0]
+        for s in range(1, self.r):
+            term = a.index_select(-1, self.pos[:, s]) * val[:, s]
+            out = out + term if grad else out.add_(term)
+        return out
+
+    def dense(self) -> torch.Tensor:
+        """P as an (n, d) tensor: for tests, fitting baselines and GaLore-style comparisons only."""
+        return self.val.new_zeros(self.n, self.d).scatter(1, self.pos, self.val)
+
+
+def random_values(n: int, r: int, generator: torch.Generator, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Random signs over 1/sqrt(r) (each row's values drawn apart: never one constant, spec pitfall 3)."""
+    signs = torch.randint(0, 2, (n, r), generator=generator).to(dtype) * 2 - 1
+    return (signs / math.sqrt(r)).to(device)
+
+
+def cross_gram(a: SparseProjector, b: SparseProjector) -> torch.Tensor:
+    """A^T B (d_a x d_b) of two projectors with the same rows, from their non-zeros alone."""
+    dtype = torch.promote_types(a.val.dtype, b.val.dtype)
+    out = a.val.new_zeros((a.d, b.d), dtype=dtype)
+    for s in range(a.r):
+        for t in range(b.r):
+            out = out.index_put((a.pos[:, s], b.pos[:, t]), a.val[:, s].to(dtype) * b.val[:, t].to(dtype),
+                                accumulate=True)
+    return out
+
+
+def compress(g: torch.Tensor, p_o: SparseProjector, p_i: SparseProjector) -> torch.Tensor:
+    """C = P_o^T G P_i (d x d) for G (n_o x n_i)."""
+    return p_i.right(p_o.right(g.t()).t())
+
+
+def decompress(c: torch.Tensor, p_o: SparseProjector, p_i: SparseProjector) -> torch.Tensor:
+    """P_o C P_i^T (n_o x n_i) for C (d x d): a subspace update as a dense weight update."""
+    return p_o.right_t(p_i.right_t(c).t()).t()
+
+
+def squared_residual(g: torch.Tensor, p_o: SparseProjector, p_i: SparseProjector,
+                     g_norm_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """|P_o P_o^T G P_i P_i^T - G|^2 through the d x d identity (module docstring)."""
+    c = compress(g, p_o, p_i)
+    total = g.pow(2).sum() if g_norm_sq is None else g_norm_sq
+    return total - 2 * c.pow(2).sum() + (c * (cross_gram(p_o, p_o) @ c @ cross_gram(p_i, p_i))).sum()
+
+
+def relative_error(g: torch.Tensor, p_o: SparseProjector, p_i: SparseProjector) -> float:
+    """e(G) of the pair on G."""
+    total = g.pow(2).sum()
+    return math.sqrt(max(float(squared_residual(g, p_o, p_i, total) / total), 0.0))
+
+
+def dense_relative_error(g: torch.Tensor, p_o: SparseProjector, p_i: SparseProjector) -> float:
+    """e(G) by its definition, with dense n x n projections: the oracle of relative_error."""
+    o, i = p_o.dense().to(g.dtype), p_i.dense().to(g.dtype)
+    return float(torch.linalg.matrix_norm(o @ o.T @ g @ i @ i.T - g) / torch.linalg.matrix_norm(g))
+
+
+def reproject_moments(m: torch.Tensor, v: torch.Tensor, old: tuple[SparseProjector, SparseProjector],
+                      new: tuple[SparseProjector, SparseProjector]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adam's moments carried from the old subspace into the new one (spec 2.5):
+    M' = (P_o'^T P_o) M (P_i^T P_i'),  V' = (P_o'^T P_o)^2 V (P_i^T P_i')^2 (element-wise squares)."""
+    left, right = cross_gram(new[0], old[0]).to(m.dtype), cross_gram(old[1], new[1]).to(m.dtype)
+    return left @ m @ right, left.pow(2) @ v @ right.pow(2)
+
+
+class ValueFit:
+    """Learns one pair's values on a stream of gradients, positions fixed (spec 2.5): the values start
+    afresh (random signs over 1/sqrt(r)), and each gradient G gets `steps` Adam steps on e(G)^2.
+    Each gradient is used as it arrives and dropped, so at most one n_o x n_i gradient exists."""
+
+    def __init__(self, p_o: SparseProjector, p_i: SparseProjector, lr: float, steps: int, generator: torch.Generator):
+        self.pos_o, self.pos_i, self.d = p_o.pos, p_i.pos, p_o.d
+        self.values = [random_values(p.n, p.r, generator, p.val.dtype, p.val.device).requires_grad_()
+                       for p in (p_o, p_i)]
+        self.steps = steps
+        self.optimizer = torch.optim.Adam(self.values, lr=lr, fused=True)
+
+    def pair(self) -> tuple[SparseProjector, SparseProjector]:
+        return (SparseProjector(self.pos_o, self.values[0].detach(), self.d),
+                SparseProjector(self.pos_i, self.values[1].detach(), self.d))
+
+    def observe(self, g: torch.Tensor) -> None:
+        from slimtune import memory
+
+        total = g.pow(2).sum()
+        with torch.enable_grad():
+            for _ in memory.representative(range(self.steps), g):
+                p_o, p_i = (SparseProjector(pos, val, self.d) for pos, val in zip((self.pos_o, self.pos_i), self.values))
+                loss = squared_residual(g, p_o, p_i, total) / total
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,114 @@
+"""ProjectedLinear: a block linear trained in a d x d subspace (LSP-Offload's activation trick, spec
+lsp-offload.md 2.2), without ever forming an n_o x n_i gradient.
+
+The weight the module computes with is W + P_o Z P_i^T: W (n_o x n_i) is frozen in the run's weight
+dtype (bf16 on a GPU), Z (d x d, fp32) is the trained coordinate, P_o, P_i are sparse projectors
+(optim/projectors.py). Then, with U = X P_i and V = dY P_o,
+    y  = X W^T + (U Z^T) P_o^T + b
+    dX = dY W  + (V Z) P_i^T                    exact, as dense autograd of W + P_o Z P_i^T gives it
+    dZ = V^T U = P_o^T (dY^T X) P_i = G_c       the compressed gradient (fp32)
+Forward saves U (T x d) instead of X (T x n_i); autograd accumulates dZ into Z.grad (gradient
+accumulation over micro-batches for free) and no weight gradient is returned.
+
+Why the update lives in Z and not in W (spec open decision 1). Adding each step's P_o delta P_i^T
+into bf16 weights rounds it away when it is below half a bf16 ulp (an update of relative size 1e-4
+is 1/20 of one), and stochastic rounding keeps the mean but adds a random walk of a few ulps per
+thousand steps. Z holds the sum of every update since the projectors last changed, in fp32, so the
+effective weight W + P_o Z P_i^T is exact; W takes Z in one rounding (`fold`) only when the
+projectors change (a refit) or a checkpoint is written, and Z starts again at zero. That costs d^2
+fp32 a matrix on the device and two (T x d) x (d x d) products a pass, instead of an fp32 master
+of the weights (4 bytes a weight) or a compensation buffer (2 bytes a weight).
+
+A module in `probe` mode (the projector check and fit) also keeps X and hands the full gradient
+dY^T X of its effective weight to `probe(G)` in backward, one matrix at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from slimtune.optim.projectors import SparseProjector, decompress
+
+
+class ProjectedLinear(nn.Linear):
+    """Replaces an nn.Linear in place, keeping its `weight` and `bias` parameters (so the model's
+    state_dict keys, and what export writes, stay the Hugging Face ones). Z and the projectors are
+    plain attributes, not registered: the engine owns them."""
+
+    def __init__(self, linear: nn.Linear, index: int, p_o: SparseProjector, p_i: SparseProjector):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.weight.requires_grad_(False)
+        self.index = index  # forward order among the projected modules
+        self.p_o, self.p_i = p_o, p_i
+        z_dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        self.z = self.weight.new_zeros((p_o.d, p_i.d), dtype=z_dtype).requires_grad_()
+        self.probe: Callable[[torch.Tensor], None] | None = None
+        self.before_forward: Callable[[int], None] | None = None  # the engine applies a pending update
+
+    @property
+    def d(self) -> int:
+        return self.p_o.d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.before_forward is not None:
+            self.before_forward(self.index)
+        return _ProjectedMatmul.apply(x, self.weight, self.bias, self.z, self)
+
+    def delta(self) -> torch.Tensor:
+        """P_o Z P_i^T (n_o x n_i, Z's dtype): what the trained coordinate adds to W."""
+        with torch.no_grad():
+            return decompress(self.z.detach(), self.p_o, self.p_i)
+
+    def effective_weight(self) -> torch.Tensor:
+        """W + P_o Z P_i^T, rounded once to W's dtype."""
+        with torch.no_grad():
+            return (self.weight.to(self.z.dtype) + self.delta()).to(self.weight.dtype)
+
+    def fold(self) -> None:
+        """W takes the subspace update (one rounding) and Z restarts at zero; the module computes
+        the same weight before and after, up to that rounding."""
+        with torch.no_grad():
+            self.weight.copy_(self.effective_weight())
+            self.z.zero_()
+
+
+class _ProjectedMatmul(torch.autograd.Function):
+    """y = x (W + P_o Z P_i^T)^T + b; backward gives dX, db and dZ = G_c (module docstring). The
+    arithmetic runs in explicit dtypes (W's for the big products, Z's for the d x d ones) whatever
+    autocast says: the forward of a bf16 run equals autocast's linear in bf16."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, z, module: ProjectedLinear):
+        with torch.autocast(x.device.type, enabled=False):
+            ctx.x_dtype = x.dtype
+            x = x.to(weight.dtype)
+            u = module.p_i.right(x)  # (..., d)
+            y = F.linear(x, weight, bias.to(weight.dtype) if bias is not None else None)
+            y = y + module.p_o.right_t((u.to(z.dtype) @ z.t()).to(y.dtype))
+        ctx.module, ctx.probing = module, module.probe is not None
+        ctx.save_for_backward(u, weight, z, x if ctx.probing else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        u, weight, z, x = ctx.saved_tensors
+        module = ctx.module
+        with torch.autocast(dy.device.type, enabled=False):
+            dy = dy.to(weight.dtype)
+            v = module.p_o.right(dy)  # (..., d)
+            dx = db = dz = None
+            if ctx.needs_input_grad[0]:
+                dx = (dy @ weight + module.p_i.right_t((v.to(z.dtype) @ z).to(dy.dtype))).to(ctx.x_dtype)
+            if ctx.needs_input_grad[2]:
+                db = dy.flatten(0, -2).sum(0).to(module.bias.dtype)
+            if ctx.probing:
+                module.probe(dy.flatten(0, -2).t().to(z.dtype) @ x.flatten(0, -2).to(z.dtype))
+            elif ctx.needs_input_grad[3]:
+                dz = v.flatten(0, -2).t().to(z.dtype) @ u.flatten(0, -2).to(z.dtype)
+        return dx, None, db, dz, None

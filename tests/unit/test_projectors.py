@@ -1,0 +1,157 @@
+"""Sparse projectors and the projected linear against dense PyTorch in float64 (spec lsp-offload.md 5):
+the compressed gradient equals P_o^T (dense autograd gradient) P_i, the input gradient equals dense
+autograd's, no n_o x n_i tensor is saved; every row holds r distinct non-zeros; E[P P^T] = I; the
+d x d error identity equals the dense e(G); the moment transfer equals the dense formulas; fitting
+lowers the held-out error below random sparse projectors."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from slimtune.optim import projectors as pj
+from slimtune.projected_linear import ProjectedLinear
+
+F64 = torch.float64
+CPU = torch.device("cpu")
+
+
+def pair(n_o=24, n_i=40, d=8, r=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (pj.SparseProjector.random(n_o, d, r, g, F64, CPU), pj.SparseProjector.random(n_i, d, r, g, F64, CPU))
+
+
+def test_rows_hold_r_distinct_nonzeros_and_storage_is_n_times_r():
+    p = pj.SparseProjector.random(500, 16, 4, torch.Generator().manual_seed(1), F64, CPU)
+    assert p.pos.shape == p.val.shape == (500, 4)
+    assert all(len(set(row.tolist())) == 4 for row in p.pos)
+    dense = p.dense()
+    assert ((dense != 0).sum(1) == 4).all()
+    assert set(p.val.abs().unique().tolist()) == {0.5}  # 1/sqrt(r)
+    assert 0 < (p.val > 0).float().mean() < 1  # random signs, never one constant
+
+
+def test_the_mean_of_p_p_transpose_tends_to_the_identity():
+    g = torch.Generator().manual_seed(2)
+    total = torch.zeros(6, 6, dtype=F64)
+    draws = 4000
+    for _ in range(draws):
+        dense = pj.SparseProjector.random(6, 12, 4, g, F64, CPU).dense()
+        total += dense @ dense.T
+    mean = total / draws
+    assert torch.allclose(mean, torch.eye(6, dtype=F64), atol=0.06)
+
+
+def test_products_equal_dense_ones():
+    p_o, p_i = pair()
+    x = torch.randn(3, 5, 40, dtype=F64)
+    a = torch.randn(3, 5, 8, dtype=F64)
+    assert torch.allclose(p_i.right(x), x @ p_i.dense(), atol=1e-12)
+    assert torch.allclose(p_i.right_t(a), a @ p_i.dense().T, atol=1e-12)
+    assert torch.allclose(pj.cross_gram(p_o, p_o), p_o.dense().T @ p_o.dense(), atol=1e-12)
+    c = torch.randn(8, 8, dtype=F64)
+    assert torch.allclose(pj.decompress(c, p_o, p_i), p_o.dense() @ c @ p_i.dense().T, atol=1e-12)
+
+
+def test_the_d_by_d_error_identity_equals_the_dense_error():
+    p_o, p_i = pair()
+    grad = torch.randn(24, 5, dtype=F64) @ torch.randn(5, 40, dtype=F64)
+    assert pj.relative_error(grad, p_o, p_i) == pytest.approx(pj.dense_relative_error(grad, p_o, p_i), rel=1e-10)
+
+
+def projected(seed=0, bias=True):
+    torch.manual_seed(seed)
+    linear = nn.Linear(40, 24, bias=bias, dtype=F64)
+    p_o, p_i = pair(seed=seed)
+    module = ProjectedLinear(linear, 0, p_o, p_i)
+    with torch.no_grad():
+        module.z.copy_(torch.randn(8, 8, dtype=F64) * 0.1)
+    return module
+
+
+def test_compressed_gradient_and_input_gradient_equal_dense_autograd():
+    module = projected()
+    x = torch.randn(2, 7, 40, dtype=F64, requires_grad=True)
+    dense_w = (module.weight + module.p_o.dense() @ module.z.detach() @ module.p_i.dense().T).detach().requires_grad_()
+    dense_b = module.bias.detach().clone().requires_grad_()
+    x_dense = x.detach().clone().requires_grad_()
+    target = torch.randn(2, 7, 24, dtype=F64)
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = module(x)
+    ((y - target) ** 2).sum().backward()
+    y_dense = torch.nn.functional.linear(x_dense, dense_w, dense_b)
+    ((y_dense - target) ** 2).sum().backward()
+
+    assert torch.allclose(y, y_dense, atol=1e-12)
+    assert torch.allclose(x.grad, x_dense.grad, atol=1e-12)
+    expected = module.p_o.dense().T @ dense_w.grad @ module.p_i.dense()
+    assert torch.allclose(module.z.grad, expected, atol=1e-12)
+    assert module.weight.grad is None
+    # nothing of W's shape is saved but W itself (a parameter, not an activation), and no X
+    assert torch.Size([2, 7, 40]) not in saved and saved.count(torch.Size([24, 40])) == 1
+
+
+def test_probe_mode_hands_the_full_gradient_of_the_effective_weight():
+    module = projected(bias=False)
+    seen = []
+    module.probe = seen.append
+    x = torch.randn(9, 40, dtype=F64)
+    dense_w = module.effective_weight().detach().requires_grad_()
+    (module(x).sin().sum()).backward()
+    torch.nn.functional.linear(x, dense_w).sin().sum().backward()
+    assert len(seen) == 1 and torch.allclose(seen[0], dense_w.grad, atol=1e-12)
+    assert module.z.grad is None
+
+
+def test_fold_keeps_the_effective_weight_and_empties_z():
+    module = projected()
+    before = module.effective_weight()
+    module.fold()
+    assert torch.count_nonzero(module.z) == 0
+    assert torch.allclose(module.weight, before, atol=1e-14)
+
+
+def test_moment_transfer_equals_the_dense_formulas():
+    old, new = pair(seed=3), pair(seed=4)
+    m, v = torch.randn(8, 8, dtype=F64), torch.rand(8, 8, dtype=F64)
+    m2, v2 = pj.reproject_moments(m, v, old, new)
+    left = new[0].dense().T @ old[0].dense()
+    right = old[1].dense().T @ new[1].dense()
+    assert torch.allclose(m2, left @ m @ right, atol=1e-12)
+    assert torch.allclose(v2, (left ** 2) @ v @ (right ** 2), atol=1e-12)
+
+
+def test_moments_stay_when_the_projectors_do_not_change_and_are_orthonormal():
+    # one non-zero per row at distinct columns, value 1: P^T P = I
+    n, d = 8, 8
+    eye = pj.SparseProjector(torch.randperm(n).view(n, 1), torch.ones(n, 1, dtype=F64), d)
+    m, v = torch.randn(d, d, dtype=F64), torch.rand(d, d, dtype=F64)
+    m2, v2 = pj.reproject_moments(m, v, (eye, eye), (eye, eye))
+    assert torch.equal(m2, m) and torch.equal(v2, v)
+
+
+def gradient_set(count, seed):
+    """Gradients with a shared low-rank structure plus noise, as dY^T X of a layer has."""
+    g = torch.Generator().manual_seed(0)
+    basis_o, basis_i = torch.randn(24, 4, generator=g, dtype=F64), torch.randn(40, 4, generator=g, dtype=F64)
+    h = torch.Generator().manual_seed(seed)
+    return [basis_o @ torch.randn(4, 4, generator=h, dtype=F64) @ basis_i.T
+            + 0.05 * torch.randn(24, 40, generator=h, dtype=F64) for _ in range(count)]
+
+
+def test_fitting_lowers_the_held_out_error_below_random_projectors():
+    random_pair = pair(seed=5)
+    train, held_out = gradient_set(8, seed=1), gradient_set(8, seed=2)
+    fit = pj.ValueFit(*random_pair, lr=0.05, steps=25, generator=torch.Generator().manual_seed(6))
+    for grad in train:
+        fit.observe(grad)
+    learned = fit.pair()
+    assert torch.equal(learned[0].pos, random_pair[0].pos)  # positions fixed: no collisions possible
+
+    def error(p):
+        return math.sqrt(sum(float(pj.squared_residual(g, *p)) for g in held_out) / sum(float(g.pow(2).sum()) for g in held_out))
+
+    assert error(learned) < 0.8 * error(random_pair)
