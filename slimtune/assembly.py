@@ -1,7 +1,8 @@
 """A run's model and engine, put together in one place and one order.
 
     precision      auto -> bf16 on CUDA, fp32 on the CPU
-    weight dtype   what the weights are loaded in (a frozen LoRA base in bf16 under bf16)
+    weight dtype   what the weights are loaded in (a frozen LoRA base in bf16 under bf16; the engine's
+                   own rule where it registered one)
     load device    the host when a 4-bit base is quantized from there or the engine keeps the model
                    on the host; else the device
     method         4-bit base (quant), then LoRA adapters, or full fine-tuning minus freeze patterns
@@ -52,6 +53,13 @@ def weight_dtype(precision: str, method: str) -> torch.dtype:
     return torch.float32
 
 
+def run_weight_dtype(cfg: RunConfig, precision: str) -> torch.dtype:
+    """What the run's model is loaded in: the engine's own rule where it has one (an engine that keeps
+    the trained state elsewhere may hold bf16 weights), else weight_dtype's."""
+    own = engines.get(cfg.engine).weight_dtype
+    return (own or weight_dtype)(precision, cfg.method)
+
+
 def load_device(cfg: RunConfig, device: torch.device) -> torch.device:
     """Where the weights are loaded: a 4-bit base is loaded on the host and quantized onto the device,
     so the dense weights never sit there; an engine that keeps the model on the host gets it there."""
@@ -60,12 +68,12 @@ def load_device(cfg: RunConfig, device: torch.device) -> torch.device:
 
 def load_stack(cfg: RunConfig, device: torch.device, precision: str) -> Stack:
     """The model folder cfg.model, loaded in the run's weight dtype where it belongs."""
-    return Stack(load_model(cfg.model, weight_dtype(precision, cfg.method), load_device(cfg, device)))
+    return Stack(load_model(cfg.model, run_weight_dtype(cfg, precision), load_device(cfg, device)))
 
 
 def stack_of(model: nn.Module, cfg: RunConfig, device: torch.device, precision: str) -> Stack:
     """An in-memory model (tests, benchmarks) as load_stack would have given it: dtype and place."""
-    return Stack(model.to(dtype=weight_dtype(precision, cfg.method), device=load_device(cfg, device)))
+    return Stack(model.to(dtype=run_weight_dtype(cfg, precision), device=load_device(cfg, device)))
 
 
 def apply_method(cfg: RunConfig, stack: Stack, codes_device: torch.device | None = None) -> None:

@@ -109,7 +109,7 @@ def _step(config, cfg: RunConfig, real_batch: Batch, segments: bool = False) -> 
     """One fake step at `config`'s depth; with `segments`, the peak of each marked segment too."""
     precision = assembly.resolve_precision(cfg.precision, torch.device("cuda"))  # planned for a GPU
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    stack = Stack(fake_model(config, assembly.weight_dtype(precision, cfg.method), mode))
+    stack = Stack(fake_model(config, assembly.run_weight_dtype(cfg, precision), mode))
     with mode:
         engine = assembly.assemble(cfg, stack, assembly.HOST, precision)
         if segments:

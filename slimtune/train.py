@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 import shutil
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from slimtune import assembly, checkpoint, data, export, planner, presets
+from slimtune import assembly, checkpoint, data, engines, export, planner, presets
 from slimtune.config import RunConfig, to_dict
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
@@ -79,7 +80,18 @@ def build(cfg: RunConfig) -> Run:
         raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
     stack = assembly.load_stack(cfg, device, precision)
     engine = assembly.assemble(cfg, stack, device, precision)
+    wanted = engines.get(cfg.engine).sample_examples(cfg)
+    if wanted:
+        engine.use_sample(engine_sample(cfg, splits, tokenizer, wanted))
     return Run(cfg, device, precision, tokenizer, stack, splits, engine)
+
+
+def engine_sample(cfg: RunConfig, splits: data.Splits, tokenizer, count: int) -> list[data.Batch]:
+    """`count` training examples drawn once (seeded by train.seed, apart from the data order), as
+    batches of train.batch_size: an engine's own fixed sample (lsp fits its projectors on it)."""
+    chosen = random.Random(cfg.train.seed).sample(splits.train, min(count, len(splits.train)))
+    d = cfg.data
+    return data.eval_batches(chosen, cfg.train.batch_size, d.max_length, d.packing, tokenizer.pad_token_id)
 
 
 def batch_stream(run: Run) -> data.BatchStream:

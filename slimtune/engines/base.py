@@ -11,9 +11,11 @@ from typing import Protocol
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from slimtune import activations, memory
 from slimtune.checkpoint import EngineState
 from slimtune.data import Batch
 from slimtune.errors import UserError
+from slimtune.loss import causal_lm_loss
 
 
 @dataclass
@@ -80,6 +82,21 @@ def autocast_for(device: torch.device, precision: str):
     if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def model_loss(stack, activations_cfg, loss_cfg, device: torch.device, precision: str, batch: Batch,
+               reading=memory.NO_READING, training: bool = True, store=None):
+    """The exact loss (loss.LossOutput) of `batch` (on the device) through the whole model as it sits
+    on the device: the blocks as activations_cfg checkpoints them (`store`: their inputs' store),
+    then the final norm, head and loss; the meter's phases and segments marked on the way."""
+    blocks = activations.runner(activations_cfg, store)
+    with autocast_for(device, precision):
+        with reading.phase("activations"):
+            hidden = stack.body_hidden(batch.input_ids, batch.position_ids, blocks, batch.segmented)
+        with reading.phase("loss"):
+            memory.mark("loss")
+            return causal_lm_loss(hidden, stack.norm, stack.head, batch.targets, loss_cfg,
+                                  trained_positions=batch.trained_positions, training=training)
 
 
 def evaluate_batches(batches: list[Batch], exact_loss_sum: Callable[[Batch], torch.Tensor]) -> tuple[float, int]:

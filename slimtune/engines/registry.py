@@ -28,6 +28,11 @@ def _no_scratch(cfg: config.RunConfig) -> dict[str, str]:
     return {}
 
 
+def _no_sample(cfg: config.RunConfig) -> int:
+    del cfg
+    return 0
+
+
 def _one_block(cfg: config.RunConfig) -> int:
     del cfg
     return 1
@@ -51,6 +56,11 @@ class EngineSpec:
     # cfg -> how many blocks at each end of the stack the engine treats unlike the blocks between
     # (e.g. it prefetches that far ahead): the estimate by depth fits those blocks one by one.
     block_margin: Callable[[config.RunConfig], int] = _one_block
+    # (precision, method) -> the dtype the model is loaded in; None: assembly.weight_dtype's rule.
+    weight_dtype: Callable | None = None
+    # cfg -> how many training examples the engine wants as its own sample (e.g. to fit projectors),
+    # handed to engine.use_sample(batches) by train.build; 0: none.
+    sample_examples: Callable[[config.RunConfig], int] = _no_sample
     module: str = field(default="", compare=False)  # who registered it (set by register)
 
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import torch
 
-from slimtune import activations, block_stores, memory, speed
+from slimtune import block_stores, memory, speed
 from slimtune.checkpoint import EngineState
 from slimtune.config import RunConfig
 from slimtune.data import Batch
-from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
+from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, model_loss, to_float
 from slimtune.engines.registry import EngineSpec, register
-from slimtune.loss import LossOutput, causal_lm_loss
+from slimtune.loss import LossOutput
 from slimtune.model import Stack
 from slimtune.optim import rules
 
@@ -51,14 +51,8 @@ class ResidentEngine:
             yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
 
     def _loss(self, batch: Batch, reading=memory.NO_READING, training: bool = True, store=None) -> LossOutput:
-        blocks = activations.runner(self.activations_cfg, store)
-        with autocast_for(self.device, self.precision):
-            with reading.phase("activations"):
-                hidden = self.stack.body_hidden(batch.input_ids, batch.position_ids, blocks, batch.segmented)
-            with reading.phase("loss"):
-                memory.mark("loss")
-                return causal_lm_loss(hidden, self.stack.norm, self.stack.head, batch.targets, self.loss_cfg,
-                                      trained_positions=batch.trained_positions, training=training)
+        return model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision, batch,
+                          reading, training, store)
 
     def step(self, micro_batches: list[Batch]) -> StepResult:
         self.stack.model.train()

@@ -84,12 +84,10 @@ def random_values(n: int, r: int, generator: torch.Generator, dtype: torch.dtype
 def cross_gram(a: SparseProjector, b: SparseProjector) -> torch.Tensor:
     """A^T B (d_a x d_b) of two projectors with the same rows, from their non-zeros alone."""
     dtype = torch.promote_types(a.val.dtype, b.val.dtype)
-    out = a.val.new_zeros((a.d, b.d), dtype=dtype)
-    for s in range(a.r):
-        for t in range(b.r):
-            out = out.index_put((a.pos[:, s], b.pos[:, t]), a.val[:, s].to(dtype) * b.val[:, t].to(dtype),
-                                accumulate=True)
-    return out
+    # Row k adds val_a[k, s] * val_b[k, t] at (pos_a[k, s], pos_b[k, t]) for every s, t: one index_add.
+    flat = (a.pos.unsqueeze(2) * b.d + b.pos.unsqueeze(1)).reshape(-1)
+    products = (a.val.to(dtype).unsqueeze(2) * b.val.to(dtype).unsqueeze(1)).reshape(-1)
+    return a.val.new_zeros(a.d * b.d, dtype=dtype).index_add(0, flat, products).view(a.d, b.d)
 
 
 def compress(g: torch.Tensor, p_o: SparseProjector, p_i: SparseProjector) -> torch.Tensor:
@@ -135,10 +133,12 @@ class ValueFit:
     afresh (random signs over 1/sqrt(r)), and each gradient G gets `steps` Adam steps on e(G)^2.
     Each gradient is used as it arrives and dropped, so at most one n_o x n_i gradient exists."""
 
-    def __init__(self, p_o: SparseProjector, p_i: SparseProjector, lr: float, steps: int, generator: torch.Generator):
+    def __init__(self, p_o: SparseProjector, p_i: SparseProjector, lr: float, steps: int, generator: torch.Generator,
+                 fresh: bool = True):
+        """fresh=False keeps the shapes and draws nothing (fake tensors: the planner's estimate)."""
         self.pos_o, self.pos_i, self.d = p_o.pos, p_i.pos, p_o.d
-        self.values = [random_values(p.n, p.r, generator, p.val.dtype, p.val.device).requires_grad_()
-                       for p in (p_o, p_i)]
+        self.values = [(random_values(p.n, p.r, generator, p.val.dtype, p.val.device) if fresh
+                        else torch.empty_like(p.val)).requires_grad_() for p in (p_o, p_i)]
         self.steps = steps
         self.optimizer = torch.optim.Adam(self.values, lr=lr, fused=True)
 

@@ -1,0 +1,621 @@
+"""Engine `lsp`: full fine-tuning of every block linear whose gradients leave the device compressed
+by learned sparse projectors (LSP-Offload; the team's spec is lsp-offload.md).
+
+Where things live. Device: the model in the run's weight dtype (bf16 under bf16), each block linear
+a ProjectedLinear (projected_linear.py) with its d x d coordinate Z (fp32) and its two sparse
+projectors; activations (each projected linear keeps X P_i, not X). Host: per matrix a HostAdam over
+Z (fp32 master, AdamW moments, step count): the shared host optimizer (torch's fused CPU AdamW on
+the host worker thread, off the GIL). Embeddings, norms and the head are frozen, or with
+lsp.train_other trained by a fused AdamW on the device (fp32 copies of them there).
+
+One step. Forward and backward as on the resident engine. When a matrix's compressed gradient
+G_c = dZ is complete (autograd's hook on Z, last micro-batch), it is copied down (d^2 x 4 bytes,
+counted by runtime.Link) and its update follows the schedule (lsp_schedule.py): host AdamW in the
+d x d space, the new Z copied up (d^2 x 4 bytes), and applied before the matrix's next use. The
+weights never change between refits: Z carries the update (projected_linear.py says why).
+
+Projectors are learned (spec 2.5). Before step 1, and every lsp.check_every steps, a pass over a
+fixed sample of training examples (lsp.fit_samples, drawn once; the step's own batches when none was
+given, as in the planner's estimate) hands each matrix's full gradient to the engine, one matrix at
+a time: every check measures e(G) on it; a matrix above lsp.alpha is refit (values only, positions
+fixed) on a second pass; its Z is first folded into W, and its AdamW moments move into the new
+subspace (spec formulas; never zeroed; step counts go on). That pass's device peak is measured with
+the step that runs it and reported with every later step (it recurs).
+
+Clipping (train.max_grad_norm > 0) is over the compressed gradients (and the other trained
+tensors'): it needs the global norm first, so every update is submitted when backward ends (still
+hidden behind the next forward, module by module). Checkpoints fold Z into W first, so a checkpoint
+holds plain weights (any engine reads them), the moments in Z space, the projectors and the RNG.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from slimtune import block_stores, lora, lsp_schedule, memory, presets, runtime, speed
+from slimtune.checkpoint import EngineState
+from slimtune.config import RunConfig, TrainConfig, positive, setting
+from slimtune.data import Batch
+from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, model_loss, to_float
+from slimtune.engines.registry import EngineSpec, register
+from slimtune.errors import UserError
+from slimtune.host_unit import StepGuard
+from slimtune.model import Stack
+from slimtune.optim import projectors, rules
+from slimtune.optim.host_adam import MOMENTS, Group, HostAdam
+from slimtune.projected_linear import ProjectedLinear
+
+
+@dataclass
+class LspConfig:
+    d: int = setting(512, "engine=lsp: subspace size of every projected matrix (capped at its smaller side); the link"
+                          " moves 2 x d^2 x 4 bytes a matrix a step.")
+    r: int = setting(4, "engine=lsp: non-zeros in each projector row.")
+    check_every: int = setting(100, "engine=lsp: optimizer steps between projector checks (0: fit once, before step 1).")
+    alpha: float = setting(0.3, "engine=lsp: a matrix whose projectors' relative error e(G) on the fit sample exceeds"
+                                " this is refit.")
+    fit_samples: int = setting(64, "engine=lsp: training examples, drawn once, whose gradients projectors are checked"
+                                   " and fit on.")
+    fit_iterations: int = setting(100, "engine=lsp: Adam steps of one fit, spread over the fit sample's batches.")
+    fit_lr: float = setting(0.05, "engine=lsp: the fit's Adam learning rate.")
+    schedule: Literal["pipelined", "sync"] = setting(
+        "pipelined", "engine=lsp: pipelined: deep matrices update while backward runs, shallow ones before their next"
+                     " forward; sync: every update after backward (the same weights, bit for bit).")
+    k: int = setting(-1, "engine=lsp: matrices (in forward order) updated just before their next forward; -1: derived"
+                         " from measured times after step 2.")
+    p: int = setting(-1, "engine=lsp: a deep matrix's host update starts p matrix backwards after its own; -1: derived.")
+    h: int = setting(-1, "engine=lsp: ... its new Z goes up h matrix backwards after its own (h >= p); -1: derived.")
+    u: int = setting(-1, "engine=lsp: ... and is applied u matrix backwards after its own (u >= h); -1: derived.")
+    train_other: bool = setting(False, "engine=lsp: also train the embedding, norms, head and biases, with AdamW on the"
+                                       " device (fp32 copies); default: they stay frozen.")
+
+    def validate(self) -> None:
+        for name in ("d", "r", "fit_samples", "fit_iterations"):
+            positive(f"lsp.{name}", getattr(self, name))
+        positive("lsp.alpha", self.alpha)
+        positive("lsp.fit_lr", self.fit_lr)
+        if self.r > self.d:
+            raise UserError(f"lsp.r ({self.r}) cannot exceed lsp.d ({self.d}): a row's non-zeros sit in distinct columns.")
+        if self.check_every < 0:
+            raise UserError(f"lsp.check_every must not be negative, got {self.check_every}.")
+        for name in ("k", "p", "h", "u"):
+            if getattr(self, name) < -1:
+                raise UserError(f"lsp.{name} must be -1 (derived) or a count, got {getattr(self, name)}.")
+        given = [v for v in (self.p, self.h, self.u) if v != -1]
+        if given != sorted(given):
+            raise UserError(f"lsp.p <= lsp.h <= lsp.u is required, got p={self.p}, h={self.h}, u={self.u}.")
+
+
+def validate(cfg: RunConfig) -> None:
+    """What engine=lsp does not do, refused in one sentence each."""
+    if cfg.method != "full":
+        raise UserError("engine=lsp is full fine-tuning of the block linears in a learned subspace; set method=full"
+                        " (LoRA runs on engine=resident or slide).")
+    if cfg.train.weight_decay > 0:
+        raise UserError("engine=lsp trains each matrix in a d x d subspace, where decoupled weight decay of the weight"
+                        " has no exact form; set train.weight_decay=0.")
+    if cfg.activations.cache == "small":
+        raise UserError("engine=lsp does not take activations.cache=small; set activations.cache=none or last_k.")
+    if cfg.train.on_nonfinite == "skip" and cfg.train.max_grad_norm == 0:
+        raise UserError("engine=lsp updates matrices while backward runs when clipping is off, so a step cannot be"
+                        " skipped whole; set train.max_grad_norm > 0 or train.on_nonfinite=stop.")
+
+
+@dataclass
+class Pending:
+    """One matrix's update in flight: its G_c on the host, then its host AdamW, then its upload."""
+
+    host: torch.Tensor
+    copied: object  # the D2H event (None on the CPU)
+    lr: float
+    guard: StepGuard
+    coef: float = 1.0
+    job: object = None  # the worker's future
+    uploaded: object = "not yet"  # the H2D event once issued (None on the CPU)
+
+
+@dataclass
+class Backward:
+    """The step's last backward, as the gradient hooks see it."""
+
+    clipping: bool
+    order: list[int] = field(default_factory=list)  # modules in arrival order
+    due: dict[int, list] = field(default_factory=dict)  # arrival count -> [(action, module)]
+    norms: list[torch.Tensor] = field(default_factory=list)
+
+
+class LspEngine:
+    name = "lsp"
+
+    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str):
+        self.stack, self.device, self.precision = stack, device, precision
+        self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
+        self.lsp = cfg.section("lsp")
+        self.store_dir = Path(cfg.output_dir) / "activations"
+        self.fake = any(is_fake(p) for p in stack.model.parameters())
+        self.generator = torch.Generator().manual_seed(cfg.train.seed)
+        self.modules = self._project()
+        self.names = {id(p): n for n, p in stack.model.named_parameters()}
+        self.others = self._others(cfg.train.weight_decay)
+        self.adams = [self._host_adam(m, cfg.train) for m in self.modules]
+        self.link = runtime.Link(device)
+        self.worker = runtime.HostWorker(inline=self.fake)
+        weakref.finalize(self, self.worker.close)
+        self.pending: dict[int, Pending] = {}
+        knobs = (self.lsp.k, self.lsp.p, self.lsp.h, self.lsp.u)
+        self.schedule = lsp_schedule.initial(len(self.modules), *knobs, self.lsp.schedule == "sync")
+        self.clock = lsp_schedule.Clock(device)
+        self.step_count = 0
+        self.fitted = False  # projectors learned (before step 1, or loaded)
+        self.sample: list[Batch] | None = None
+        self.check_peak: tuple[int, dict] | None = None  # the projector pass's device peak, once measured
+        self.meter = memory.meter_for(device, cfg.train.measure_memory)
+        self._reading = None
+        self._backward: Backward | None = None
+        for module in self.modules:
+            module.before_forward = self._complete
+            module.z.register_post_accumulate_grad_hook(functools.partial(self._arrived, module.index))
+        for _, param in self.others:
+            param.register_post_accumulate_grad_hook(self._tag_gradient)
+
+    # ------------------------------------------------------------ building
+
+    def _project(self) -> list[ProjectedLinear]:
+        """Every trainable linear in the blocks becomes a ProjectedLinear, numbered in forward order."""
+        model, found = self.stack.model, []
+        for name in lora.select_targets(model, "all-linear"):
+            path, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(path)
+            linear = getattr(parent, leaf)
+            if not linear.weight.requires_grad:  # frozen by a freeze pattern: stays a plain linear
+                continue
+            d = min(self.lsp.d, linear.out_features, linear.in_features)
+            pair = [self._projector(n, d, linear.weight) for n in (linear.out_features, linear.in_features)]
+            found.append(ProjectedLinear(linear, len(found), *pair))
+            setattr(parent, leaf, found[-1])
+        if not found:
+            raise UserError("engine=lsp found no trainable linear in the blocks to project (freeze patterns?).")
+        return found
+
+    def _projector(self, n: int, d: int, weight: torch.Tensor) -> projectors.SparseProjector:
+        r, dtype = min(self.lsp.r, d), torch.promote_types(weight.dtype, torch.float32)
+        if self.fake:  # the planner's estimate: shapes only, no random draws
+            return projectors.SparseProjector(torch.zeros((n, r), dtype=torch.long, device=self.device),
+                                              torch.empty((n, r), dtype=dtype, device=self.device), d)
+        return projectors.SparseProjector.random(n, d, r, self.generator, dtype, self.device)
+
+    def _others(self, weight_decay: float) -> list[tuple[str, torch.nn.Parameter]]:
+        """The trainable tensors that are not projected: frozen, or (lsp.train_other) fp32 on the
+        device with a fused AdamW of their own."""
+        rest = [(n, p) for n, p in self.stack.model.named_parameters() if p.requires_grad]
+        self.optimizer = None
+        if not self.lsp.train_other:
+            for _, param in rest:
+                param.requires_grad_(False)
+            return []
+        for _, param in rest:
+            if param.dtype in (torch.bfloat16, torch.float16):
+                param.data = param.data.float()
+        params = [p for _, p in rest]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": ps, "weight_decay": decay} for ps, decay in rules.decay_groups(params, weight_decay)],
+            **rules.adamw_settings(self.train_cfg), fused=True)
+        rules.init_adamw_state(self.optimizer)
+        return rest
+
+    def _host_adam(self, module: ProjectedLinear, train: TrainConfig) -> HostAdam:
+        adam = HostAdam(f"lsp {module.index}", [Group((module.z.shape,), 0.0)], module.z.dtype, self.device,
+                        rules.adamw_settings(train))
+        with torch.no_grad():
+            adam.masters[0].zero_()
+        return adam
+
+    def use_sample(self, batches: list[Batch]) -> None:
+        """The fixed sample the projectors are checked and fit on (train.build hands it over)."""
+        self.sample = batches
+
+    # ------------------------------------------------------------ the meter's view
+
+    def _resident_tensors(self):
+        yield from ((p, "weights") for p in self.stack.model.parameters())
+        yield from ((b, "weights") for b in self.stack.model.buffers())
+        for m in self.modules:
+            yield m.z, "weights"
+            yield from ((t, "optimizer") for t in (m.p_o.pos, m.p_o.val, m.p_i.pos, m.p_i.val))
+        yield from ((p.grad, "gradients") for _, p in self.others)
+        for state in (self.optimizer.state.values() if self.optimizer else ()):
+            yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
+
+    def _tag_gradient(self, param: torch.Tensor) -> None:
+        if self._reading is not None:
+            self._reading.retag(param.grad, "gradients")
+
+    # ------------------------------------------------------------ the update of one matrix
+
+    def _arrived(self, index: int, z: torch.Tensor) -> None:
+        """Autograd finished matrix `index`'s G_c (Z.grad): on the step's last micro-batch it goes
+        down now, and the actions the schedule has due at this arrival run."""
+        self._tag_gradient(z)
+        backward = self._backward
+        if backward is None:
+            return
+        self.clock.arrived()
+        backward.norms.append(torch.linalg.vector_norm(z.grad))
+        host, copied = self.link.to_host(z.grad)
+        z.grad = None
+        self.pending[index] = Pending(host, copied, self._lr, self._guard)
+        arrival = len(backward.order)
+        backward.order.append(index)
+        if not backward.clipping and self.schedule.deep(index):
+            for action, lag in self.schedule.lags():
+                backward.due.setdefault(arrival + lag, []).append((action, index))
+        for action, module in backward.due.pop(arrival, []):
+            self._act(action, module)
+
+    def _act(self, action: str, index: int) -> None:
+        pending = self.pending.get(index)
+        if pending is None:
+            return
+        if action == "update" and pending.job is None:
+            pending.job = self.worker.submit(self._host_update, index, pending)
+        elif action == "upload" and pending.uploaded == "not yet":
+            self._act("update", index)
+            pending.job.result()  # the device loop waits for this matrix's host AdamW
+            module = self.modules[index]
+            pending.uploaded = self.link.copy_up(module.z, self.adams[index].member(0, 0).master)
+        elif action == "apply":
+            self._act("upload", index)
+            self.link.wait(pending.uploaded)  # the compute stream waits for the copy up
+            del self.pending[index]
+
+    def _host_update(self, index: int, pending: Pending) -> None:
+        """On the host worker: AdamW of one matrix in its d x d space, unless the step may not update
+        (then, or when this G_c is not finite, the guard trips for the matrices after it)."""
+        import time
+
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        if pending.guard.tripped or not rules.is_finite(pending.host.sum()):
+            pending.guard.tripped = True
+            return
+        begun = time.perf_counter()
+        adam = self.adams[index]
+        with torch.no_grad():
+            adam.member(0, 0).grad.copy_(pending.host)
+        adam.update(pending.lr, pending.coef)
+        self.clock.updates.append(time.perf_counter() - begun)
+
+    def _complete(self, index: int) -> None:
+        """Before matrix `index` computes: its pending update (if any) is applied, waiting as needed."""
+        if index in self.pending:
+            self._act("apply", index)
+
+    def flush(self) -> None:
+        """Every pending update applied (before evaluation, a checkpoint or a projector check)."""
+        for index in sorted(self.pending):
+            self._complete(index)
+        self.worker.barrier()
+
+    # ------------------------------------------------------------ one step
+
+    def step(self, micro_batches: list[Batch]) -> StepResult:
+        self.stack.model.train()
+        total = max(sum(b.num_targets for b in micro_batches), 1)
+        self._lr = lr = rules.lr_at(self.train_cfg, self.step_count)
+        clipping = self.train_cfg.max_grad_norm > 0
+        self._guard = StepGuard()
+        link_before = self.link.bytes
+        with self.meter.measure(self._resident_tensors()) as reading:
+            self._reading = reading
+            extras = self._check_projectors(micro_batches, reading)
+            exact_sum = 0.0
+            with block_stores.open_store(self.activations_cfg, self.device, self.store_dir) as store:
+                for k, batch in enumerate(micro_batches):
+                    out = model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision,
+                                     batch.to(self.device), reading, store=store)
+                    exact_sum = exact_sum + out.exact_sum
+                    if k == len(micro_batches) - 1:
+                        self._begin_last_backward(clipping, exact_sum)
+                    (out.loss_sum / total).backward()
+            memory.mark("update")
+            grad_norm, applied = self._end_backward(clipping, exact_sum)
+            if self.fake:  # the planner's one step has no next forward: its uploads are this step's traffic
+                self.flush()
+            self._reading = None
+        self.step_count += 1
+        extras.update(self._maybe_derive_schedule())
+        peak, breakdown = self._reported_peak(reading)
+        return StepResult(
+            loss=to_float(exact_sum) / total, tokens=sum(b.num_targets for b in micro_batches),
+            seen_tokens=sum(b.input_ids.numel() for b in micro_batches), lr=lr, grad_norm=to_float(grad_norm),
+            device_peak_bytes=peak, device_peak_breakdown=breakdown,
+            host_link_bytes=self.link.bytes - link_before + store.link_bytes,
+            host_peak_bytes=self.host_bytes() + (store.peak_bytes if self.activations_cfg.checkpoint == "host" else 0),
+            disk_peak_bytes=store.peak_bytes if self.activations_cfg.checkpoint == "disk" else 0,
+            extras=extras, applied=applied)
+
+    def _begin_last_backward(self, clipping: bool, exact_sum) -> None:
+        """Updates may start during the coming backward: a non-finite loss must stop them first."""
+        if not clipping and not rules.is_finite(exact_sum):
+            self._guard.tripped = True
+        self._backward = Backward(clipping)
+        self.clock.start()
+
+    def _end_backward(self, clipping: bool, exact_sum) -> tuple[torch.Tensor, bool]:
+        """The global norm, clipping, the updates not yet submitted (in forward order: the next forward
+        needs the shallowest first), the other tensors' device AdamW; `sync` applies everything now."""
+        backward, self._backward = self._backward, None
+        norms = backward.norms
+        if self.others:
+            grads = [p.grad for _, p in self.others if p.grad is not None]
+            norms = norms + ([torch.nn.utils.get_total_norm(grads, foreach=True)] if grads else [])
+        grad_norm = torch.linalg.vector_norm(torch.stack(norms))
+        applied = rules.is_finite(exact_sum) and rules.is_finite(grad_norm)
+        coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
+        if clipping:
+            coef = 1.0 if is_fake(coefficient) else float(coefficient)
+            for pending in self.pending.values():
+                pending.coef = coef
+                pending.guard.tripped = pending.guard.tripped or not applied
+        for arrival in sorted(backward.due):  # deep actions past the last arrival: their updates start now
+            for action, index in backward.due[arrival]:
+                if action == "update":
+                    self._act(action, index)
+        for index in sorted(self.pending):
+            self._act("update", index)
+        self._step_others(coefficient, applied)
+        if self.schedule.sync:
+            self.flush()
+        return grad_norm, applied
+
+    def _step_others(self, coefficient: torch.Tensor, applied: bool) -> None:
+        if self.optimizer is None:
+            return
+        grads = [p.grad for _, p in self.others if p.grad is not None]
+        if self.train_cfg.max_grad_norm > 0 and grads:
+            torch._foreach_mul_(grads, coefficient)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
+        if applied:
+            with self._reading.phase("optimizer"):
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _reported_peak(self, reading) -> tuple[int | None, dict | None]:
+        """The step's peak, or the projector pass's when that is higher: it recurs every check."""
+        if reading.peak is None or self.check_peak is None or self.check_peak[0] <= reading.peak:
+            return reading.peak, reading.peak_breakdown
+        return self.check_peak
+
+    def _maybe_derive_schedule(self) -> dict:
+        """After step 2 (the first steady one), the knobs left at -1 from its measured times."""
+        if self.fake or self.schedule.sync or self.step_count != 2 or not self.clock.marks:
+            return {}
+        knobs = (self.lsp.k, self.lsp.p, self.lsp.h, self.lsp.u)
+        if -1 not in knobs:
+            return {}
+        copy_s = 0.0
+        if self.device.type == "cuda":  # modelled from the card's link rate: 4 d^2 bytes one way
+            d = max(m.d for m in self.modules)
+            copy_s = 4 * d * d / (presets.device_profile(self.device).host_link_gbps * 1e9)
+        self.worker.barrier()
+        self.schedule = lsp_schedule.derive(self.clock.backward_seconds(), self.clock.updates, copy_s, knobs)
+        s = self.schedule
+        return {"lsp_k": s.k, "lsp_p": s.p, "lsp_h": s.h, "lsp_u": s.u}
+
+    # ------------------------------------------------------------ learning the projectors
+
+    def _check_projectors(self, micro_batches: list[Batch], reading) -> dict:
+        """Before step 1: fit every matrix's projectors; every lsp.check_every steps: measure e(G) of
+        each on the sample and refit those above lsp.alpha. Returns the figures for the log."""
+        every = self.lsp.check_every
+        if self.fitted and not (every and self.step_count % every == 0):
+            return {}
+        self.flush()
+        memory.mark("lsp check")
+        batches = self.sample or micro_batches
+        extras = {}
+        chosen = list(range(len(self.modules)))
+        if self.fitted:
+            errors = self._measure(batches)
+            chosen = [i for i, e in enumerate(errors) if e > self.lsp.alpha]
+            finite = [e for e in errors if math.isfinite(e)]
+            extras = {"lsp_error_mean": sum(finite) / len(finite) if finite else float("nan"),
+                      "lsp_error_max": max(finite, default=float("nan"))}
+        if chosen:
+            self._refit(batches, chosen)
+        extras["lsp_refit"] = len(chosen)
+        self.fitted = True
+        if reading.peak is not None and (self.check_peak is None or reading.peak > self.check_peak[0]):
+            self.check_peak = (reading.peak, dict(reading.peak_breakdown or {}))
+        return extras
+
+    def _probe_pass(self, batches: list[Batch], observers: dict) -> None:
+        """Forward and backward over `batches` with the observed matrices in probe mode (each full
+        gradient handed to observers[i], then dropped) and nothing else collecting gradients."""
+        saved = [(t, t.requires_grad) for t in [p for _, p in self.others] + [m.z for m in self.modules]]
+        for tensor, _ in saved:
+            tensor.requires_grad_(False)
+        try:
+            for index, observe in observers.items():
+                self.modules[index].probe = observe
+                self.modules[index].z.requires_grad_(True)
+            for batch in batches:
+                with block_stores.open_store(self.activations_cfg, self.device, self.store_dir) as store:
+                    out = model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision,
+                                     batch.to(self.device), self._reading or memory.NO_READING, store=store)
+                    (out.loss_sum / max(batch.num_targets, 1)).backward()
+        finally:
+            for module in self.modules:
+                module.probe = None
+            for tensor, wanted in saved:
+                tensor.requires_grad_(wanted)
+
+    def _measure(self, batches: list[Batch]) -> list[float]:
+        """e(G) of every matrix's projectors over the sample's gradients (energy-weighted)."""
+        sums = {i: [0.0, 0.0] for i in range(len(self.modules))}
+
+        def observe(index: int, grad: torch.Tensor) -> None:
+            module, total = self.modules[index], grad.pow(2).sum()
+            sums[index][0] = sums[index][0] + projectors.squared_residual(grad, module.p_o, module.p_i, total)
+            sums[index][1] = sums[index][1] + total
+
+        self._probe_pass(batches, {i: functools.partial(observe, i) for i in sums})
+        if self.fake:
+            return [float("nan")] * len(self.modules)
+        return [math.sqrt(max(float(res / tot), 0.0)) if float(tot) > 0 else 0.0 for res, tot in sums.values()]
+
+    def _refit(self, batches: list[Batch], chosen: list[int]) -> None:
+        """New values for the chosen matrices' projectors, fit on the sample's gradients; each matrix
+        first folds Z into W, then its moments move into the new subspace."""
+        steps = max(1, -(-self.lsp.fit_iterations // len(batches)))
+        fits = {i: projectors.ValueFit(self.modules[i].p_o, self.modules[i].p_i, self.lsp.fit_lr, steps, self.generator,
+                                       fresh=not self.fake) for i in chosen}
+        self._probe_pass(batches, {i: fit.observe for i, fit in fits.items()})
+        for index, fit in fits.items():
+            module, adam = self.modules[index], self.adams[index]
+            old, new = (module.p_o, module.p_i), fit.pair()
+            module.fold()
+            views = adam.member(0, 0)
+            with torch.no_grad():
+                views.master.zero_()
+                moments = projectors.reproject_moments(views.exp_avg.to(self.device), views.exp_avg_sq.to(self.device),
+                                                       old, new)
+                views.exp_avg.copy_(moments[0])
+                views.exp_avg_sq.copy_(moments[1])
+            module.p_o, module.p_i = new
+
+    # ------------------------------------------------------------ the Engine interface
+
+    def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
+        self.flush()
+        self.stack.model.eval()
+        return evaluate_batches(batches, lambda b: model_loss(
+            self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision, b.to(self.device),
+            training=False).exact_sum)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The effective weights W + P_o Z P_i^T (on the host, one matrix at a time: no second copy
+        of the model on the device) and the other trained tensors, by parameter name."""
+        self.flush()
+        state = {self.names[id(m.weight)]: m.effective_weight().cpu() for m in self.modules}
+        state.update((n, p.detach()) for n, p in self.others)
+        return state
+
+    def host_bytes(self) -> int:
+        return sum(adam.host_bytes() for adam in self.adams)
+
+    def state_dict(self) -> EngineState:
+        """Z is folded into W first, so the trained weights are plain ones; the moments in Z space,
+        the projectors, the step counts and the projector RNG go in `extra`."""
+        self.flush()
+        for module in self.modules:
+            module.fold()
+        for adam in self.adams:
+            adam.masters[0].zero_()
+        trainable = {self.names[id(m.weight)]: m.weight.detach() for m in self.modules}
+        trainable.update((n, p.detach()) for n, p in self.others)
+        kept = [(n, self.optimizer.state[p]) for n, p in self.others if self.optimizer and p in self.optimizer.state]
+        matrices = {self.names[id(m.weight)]: self._matrix_state(m) for m in self.modules}
+        return EngineState(
+            engine=self.name, step=self.step_count, trainable=trainable,
+            exp_avg={n: s["exp_avg"] for n, s in kept}, exp_avg_sq={n: s["exp_avg_sq"] for n, s in kept},
+            adam_steps={n: float(s["step"]) for n, s in kept},
+            extra={"lsp": {"matrices": matrices, "fitted": self.fitted, "generator": self.generator.get_state()}})
+
+    def _matrix_state(self, module: ProjectedLinear) -> dict:
+        views, state = self.adams[module.index].member(0, 0), self.adams[module.index].state(0)
+        tensors = {"pos_o": module.p_o.pos, "val_o": module.p_o.val, "pos_i": module.p_i.pos, "val_i": module.p_i.val,
+                   "exp_avg": views.exp_avg, "exp_avg_sq": views.exp_avg_sq}
+        return {**{k: v.detach().cpu().clone() for k, v in tensors.items()}, "step": float(state["step"])}
+
+    def load_state_dict(self, state: EngineState) -> None:
+        """Weights by name (Z restarts at zero: checkpoints hold folded weights); from an lsp checkpoint
+        also the projectors, moments, steps and RNG; from another engine's, the projectors are fit
+        afresh at the next step."""
+        names = [self.names[id(m.weight)] for m in self.modules] + [n for n, _ in self.others]
+        check_resumable(state, names, self.name)
+        self.flush()
+        by_name = {self.names[id(m.weight)]: m.weight for m in self.modules} | dict(self.others)
+        copy_named(by_name, state.trainable)
+        for module, adam in zip(self.modules, self.adams):
+            with torch.no_grad():
+                module.z.zero_()
+                adam.masters[0].zero_()
+        lsp = state.extra.get("lsp") if state.engine == self.name else None
+        if lsp is not None:
+            self._load_matrices(lsp["matrices"])
+            self.generator.set_state(lsp["generator"])
+        self.fitted = bool(lsp and lsp["fitted"])
+        for name, param in self.others:
+            if name in state.exp_avg:
+                self.optimizer.state[param] = {
+                    "step": torch.tensor(state.adam_steps[name], dtype=torch.float32, device=param.device),
+                    "exp_avg": state.exp_avg[name].to(param, copy=True),
+                    "exp_avg_sq": state.exp_avg_sq[name].to(param, copy=True)}
+        self.step_count = state.step
+
+    def _load_matrices(self, matrices: dict) -> None:
+        for module, adam in zip(self.modules, self.adams):
+            saved = matrices[self.names[id(module.weight)]]
+            d = module.d
+            module.p_o = projectors.SparseProjector(saved["pos_o"].to(self.device), saved["val_o"].to(self.device), d)
+            module.p_i = projectors.SparseProjector(saved["pos_i"].to(self.device), saved["val_i"].to(self.device), d)
+            views = adam.member(0, 0)
+            copy_named({m: getattr(views, m) for m in MOMENTS}, saved)
+            adam.state(0)["step"].fill_(saved["step"])
+
+
+def weight_dtype(precision: str, method: str) -> torch.dtype:
+    """The weights stay in the compute dtype (bf16 under bf16): their update lives in Z, in fp32."""
+    del method
+    return {"bf16": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
+
+
+def subspace_numbers(model_config, d: int) -> int:
+    """Numbers the host AdamW updates a step: sum over the block linears of min(d, n_o, n_i)^2."""
+    width, heads = model_config.hidden_size, model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or width // heads
+    q, kv, ffn = heads * head_dim, model_config.num_key_value_heads * head_dim, model_config.intermediate_size
+    shapes = [(q, width), (kv, width), (kv, width), (width, q), (ffn, width), (ffn, width), (width, ffn)]
+    return model_config.num_hidden_layers * sum(min(d, *shape) ** 2 for shape in shapes)
+
+
+def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,
+              seq_len: int) -> speed.StepTime:
+    """Modelled: the backward computes input gradients only (no weight-gradient matmuls; the sparse
+    and d x d products are left out), copies and the host AdamW over the d x d coordinates overlap
+    compute; the projector check's pass (a full backward over the fit sample) is spread over the
+    steps between checks."""
+    lsp_cfg = cfg.section("lsp")
+    recompute = cfg.activations.checkpoint != "none"
+    accum = cfg.train.grad_accum
+    flops = speed.step_flops(model_config, "lora", batch_size, seq_len, recompute) * accum
+    if lsp_cfg.check_every:
+        check = speed.step_flops(model_config, "full", batch_size, seq_len, recompute)
+        flops += check * -(-lsp_cfg.fit_samples // batch_size) / lsp_cfg.check_every
+    disk = 2 * counts.disk_bytes if cfg.activations.checkpoint == "disk" else 0.0
+    return speed.overlapped_step_time(flops, subspace_numbers(model_config, lsp_cfg.d), gpu, cfg.precision,
+                                      counts.host_link_bytes, disk, updates_exposed=False)
+
+
+def plans(method: str) -> list[dict]:
+    """Full fine-tuning in bf16, with and without block recompute."""
+    if method != "full":
+        return []
+    return [{"precision": "bf16"}, {"precision": "bf16", "activations.checkpoint": "recompute"}]
+
+
+register(EngineSpec(
+    name="lsp", summary="full fine-tuning with bf16 weights on the device; gradients leave it compressed by learned"
+    " sparse projectors, AdamW runs on the host in the small space (LSP-Offload).",
+    build=LspEngine, step_time=step_time, section=LspConfig, validate=validate, plans=plans,
+    weight_dtype=weight_dtype, sample_examples=lambda cfg: cfg.section("lsp").fit_samples))
