@@ -14,8 +14,8 @@ Why the update lives in Z and not in W (spec open decision 1). Adding each step'
 into bf16 weights rounds it away when it is below half a bf16 ulp (an update of relative size 1e-4
 is 1/20 of one), and stochastic rounding keeps the mean but adds a random walk of a few ulps per
 thousand steps. Z holds the sum of every update since the projectors last changed, in fp32, so the
-effective weight W + P_o Z P_i^T is exact; W takes Z in one rounding (`fold`) only when the
-projectors change (a refit) or a checkpoint is written, and Z starts again at zero. That costs d^2
+effective weight W + P_o Z P_i^T is exact; W takes Z in one rounding (`fold`, stochastic for bf16)
+only when the projectors change (a refit) or a checkpoint is written, and Z starts again at zero. That costs d^2
 fp32 a matrix on the device and two (T x d) x (d x d) products a pass, instead of an fp32 master
 of the weights (4 bytes a weight) or a compensation buffer (2 bytes a weight).
 
@@ -65,17 +65,36 @@ class ProjectedLinear(nn.Linear):
         with torch.no_grad():
             return decompress(self.z.detach(), self.p_o, self.p_i)
 
-    def effective_weight(self) -> torch.Tensor:
-        """W + P_o Z P_i^T, rounded once to W's dtype."""
+    def effective_weight(self, rounding: torch.Generator | None = None) -> torch.Tensor:
+        """W + P_o Z P_i^T in W's dtype: rounded to nearest, or stochastically with `rounding`'s draws
+        when W is bf16 (see fold)."""
         with torch.no_grad():
-            return (self.weight.to(self.z.dtype) + self.delta()).to(self.weight.dtype)
+            exact = self.weight.to(self.z.dtype) + self.delta()
+            if rounding is not None and self.weight.dtype == torch.bfloat16:
+                return stochastic_bf16(exact, rounding)
+            return exact.to(self.weight.dtype)
 
-    def fold(self) -> None:
-        """W takes the subspace update (one rounding) and Z restarts at zero; the module computes
-        the same weight before and after, up to that rounding."""
+    def fold(self, rounding: torch.Generator | None = None) -> None:
+        """W takes the subspace update (one rounding) and Z restarts at zero; the module computes the
+        same weight before and after, up to that rounding. A bf16 W is rounded stochastically
+        (`rounding`: the draws; the planner's fake step passes None and draws nothing): round to
+        nearest would drop, at every fold, each element's change smaller than half an ulp, always the
+        same way; stochastic rounding keeps it in expectation."""
         with torch.no_grad():
-            self.weight.copy_(self.effective_weight())
+            self.weight.copy_(self.effective_weight(rounding))
             self.z.zero_()
+
+
+def stochastic_bf16(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """fp32 x to bf16, rounded up in magnitude with probability equal to the dropped fraction of an ulp:
+    uniform noise below the 16 bits bf16 keeps, then truncation. generator None: no draws (zeros,
+    same memory: truncation)."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32)
+    if generator is None:
+        noise = torch.zeros_like(bits)
+    else:
+        noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, dtype=torch.int32, device=bits.device)
+    return bits.add_(noise).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
 
 
 class _ProjectedMatmul(torch.autograd.Function):

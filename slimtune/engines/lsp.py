@@ -141,7 +141,9 @@ class LspEngine:
         self.lsp = cfg.section("lsp")
         self.store_dir = Path(cfg.output_dir) / "activations"
         self.fake = any(is_fake(p) for p in stack.model.parameters())
-        self.generator = torch.Generator().manual_seed(cfg.train.seed)
+        self.generator = torch.Generator().manual_seed(cfg.train.seed)  # projector draws (host: any device alike)
+        # The stochastic rounding of bf16 folds (projected_linear.fold); none under fake tensors.
+        self.rounding = None if self.fake else torch.Generator(device=device).manual_seed(cfg.train.seed)
         self.modules = self._project()
         self.names = {id(p): n for n, p in stack.model.named_parameters()}
         self.others = self._others(cfg.train.weight_decay)
@@ -483,7 +485,7 @@ class LspEngine:
         for index, fit in fits.items():
             module, adam = self.modules[index], self.adams[index]
             old, new = (module.p_o, module.p_i), fit.pair()
-            module.fold()
+            module.fold(self.rounding)
             views = adam.member(0, 0)
             with torch.no_grad():
                 views.master.zero_()
@@ -518,7 +520,7 @@ class LspEngine:
         the projectors, the step counts and the projector RNG go in `extra`."""
         self.flush()
         for module in self.modules:
-            module.fold()
+            module.fold(self.rounding)
         for adam in self.adams:
             adam.masters[0].zero_()
         trainable = {self.names[id(m.weight)]: m.weight.detach() for m in self.modules}
@@ -529,7 +531,8 @@ class LspEngine:
             engine=self.name, step=self.step_count, trainable=trainable,
             exp_avg={n: s["exp_avg"] for n, s in kept}, exp_avg_sq={n: s["exp_avg_sq"] for n, s in kept},
             adam_steps={n: float(s["step"]) for n, s in kept},
-            extra={"lsp": {"matrices": matrices, "fitted": self.fitted, "generator": self.generator.get_state()}})
+            extra={"lsp": {"matrices": matrices, "fitted": self.fitted, "generator": self.generator.get_state(),
+                           "rounding": self.rounding.get_state() if self.rounding is not None else None}})
 
     def _matrix_state(self, module: ProjectedLinear) -> dict:
         views, state = self.adams[module.index].member(0, 0), self.adams[module.index].state(0)
@@ -554,6 +557,8 @@ class LspEngine:
         if lsp is not None:
             self._load_matrices(lsp["matrices"])
             self.generator.set_state(lsp["generator"])
+            if self.rounding is not None and lsp["rounding"] is not None:
+                self.rounding.set_state(lsp["rounding"])
         self.fitted = bool(lsp and lsp["fitted"])
         for name, param in self.others:
             if name in state.exp_avg:

@@ -2,8 +2,8 @@
 real on the CPU, gives the same device peak and breakdown to the byte, for every plan every engine
 offers (and with logits masking off, where a batch tensor goes unused). Both
 share the meter and the engine's code, so the breakdown is also held to absolute figures: weights at
-least their dtype's bytes, and on an engine that keeps AdamW on the device, its state at least two
-moments of every trained weight."""
+least their dtype's bytes; on the engine that keeps AdamW on the device (resident), its state at least
+two moments of every trained weight; on lsp, gradients of the compressed size only."""
 
 import pytest
 import torch
@@ -17,6 +17,8 @@ SHAPES = {
     "qwen2-tied-bias": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3-gqa1": ("qwen3", {"num_key_value_heads": 1}),
 }
+# lsp fits its projectors in the first step: 4 fit steps per matrix (the fake step runs 3 of any number).
+FEW_FIT_STEPS = {"fit_iterations": 4, "d": 8}
 PLANS = [(method, plan) for method in ("lora", "full") for plan in engines.plans_for(method)]
 PLANS += [("lora", {"engine": "resident", "precision": "fp32", "loss.masking": "false"}),
           ("full", {"engine": "slide", "precision": "bf16", "activations.checkpoint": "host", "loss.masking": "false"})]
@@ -39,7 +41,7 @@ def test_estimate_matches_the_measured_peak(tmp_path, tokenizer, shape, method, 
     folder = save_tiny_model(tmp_path, tokenizer, family, **overrides)
     cfg = config.load(None, [f"{k}={v}" for k, v in plan.items()],
                       base={"model": str(folder), "data": "x.jsonl", "method": method, "lora": {"rank": 4},
-                            "train": {"batch_size": 2, "grad_accum": 2}})
+                            "train": {"batch_size": 2, "grad_accum": 2}, "lsp": FEW_FIT_STEPS})
     predicted = estimate.estimate(tiny_config(family, len(tokenizer), **overrides), cfg, 2, 48)
     batch = estimate.synthetic_batch(2, 48, len(tokenizer))
     measured, trained_bytes = measured_step(folder, cfg, plan["precision"], batch)
@@ -47,8 +49,10 @@ def test_estimate_matches_the_measured_peak(tmp_path, tokenizer, shape, method, 
     assert predicted.breakdown == measured.device_peak_breakdown
     for breakdown in (predicted.breakdown, measured.device_peak_breakdown):
         assert sum(breakdown.values()) == predicted.device_peak_bytes
-        if not engines.get(cfg.engine).model_on_host:  # AdamW on the device: exp_avg and exp_avg_sq of each
+        if cfg.engine == "resident":  # AdamW on the device: exp_avg and exp_avg_sq of each
             assert breakdown["optimizer"] >= 2 * trained_bytes > 0
+        if cfg.engine == "lsp":  # only d x d gradients, and the projectors beside the weights
+            assert 8 * breakdown["gradients"] < trained_bytes and breakdown["optimizer"] > 0
     dense = sum(p.numel() * p.element_size() for p in load_model(folder, torch.float32, torch.device("cpu"))
                 .parameters())
     # fp32 weights count 4 bytes a parameter, a bf16 base 2, a 4-bit base about half a byte
@@ -74,7 +78,7 @@ def test_the_estimate_runs_few_loop_steps_and_still_equals_the_meter(tmp_path, t
     folder = save_tiny_model(tmp_path, tokenizer)
     cfg = config.load(None, [f"{k}={v}" for k, v in plan.items()] + ["loss.chunk_size=6", "activations.mlp_chunk=8"],
                       base={"model": str(folder), "data": "x.jsonl", "method": method, "lora": {"rank": 4},
-                            "train": {"batch_size": 2}, "slide": {"head_tile_mb": 0.005}})
+                            "train": {"batch_size": 2}, "slide": {"head_tile_mb": 0.005}, "lsp": FEW_FIT_STEPS})
     predicted = estimate.estimate(tiny_config("llama", len(tokenizer)), cfg, 2, 48)
     measured, _ = measured_step(folder, cfg, plan["precision"], estimate.synthetic_batch(2, 48, len(tokenizer)))
     assert predicted.device_peak_bytes == measured.device_peak_bytes

@@ -1,0 +1,271 @@
+"""Engine lsp against plain PyTorch in float64 (spec lsp-offload.md 5): with fixed projectors, 20 steps
+equal torch.optim.Adam on Z with W = W0 + P_o Z P_i^T; the pipelined schedule gives bitwise the
+weights of the synchronous one, also with random sleeps in the host jobs; pending updates are applied
+before evaluation and checkpoints; the link moves 2 x sum d^2 x 4 bytes a step and the host AdamW
+updates sum d^2 numbers; a refit carries the moments into the new subspace (never zeroed, step counts
+kept); resume is exact; bf16 weights keep 1,000 small updates."""
+
+import copy
+import random
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn import functional as F
+
+from conftest import engine_config, tiny_config
+from slimtune import checkpoint, estimate, config as config_module
+from slimtune.config import TrainConfig
+from slimtune.data import IGNORE_INDEX, Batch
+from slimtune.engines.lsp import LspConfig, LspEngine
+from slimtune.model import Stack
+from slimtune.optim import projectors, rules
+from slimtune.projected_linear import ProjectedLinear
+
+CPU = torch.device("cpu")
+F64 = torch.float64
+
+
+def model_of(layers=2, dtype=F64, seed=0, **overrides) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=layers, **overrides), dtype=dtype,
+                                             attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def batches(vocab: int, seed: int, micro: int = 2, rows: int = 2, seq: int = 12) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(micro):
+        ids = torch.randint(3, vocab, (rows, seq), generator=g)
+        targets = torch.roll(ids, -1, dims=1)
+        targets[:, -1] = IGNORE_INDEX
+        targets[0, :4] = IGNORE_INDEX
+        out.append(Batch(ids, targets, torch.arange(seq).expand(rows, seq).clone()))
+    return out
+
+
+def run_cfg(lsp: LspConfig | None = None, **train):
+    base = dict(steps=20, batch_size=2, grad_accum=2, lr=5e-3, warmup_steps=2, schedule="cosine", max_grad_norm=0.0)
+    return engine_config(TrainConfig(**{**base, **train}), engine="lsp", method="full",
+                         sections={"lsp": lsp or LspConfig(d=8, r=3, check_every=0, fit_iterations=3)})
+
+
+def fixed_projector_engine(model, cfg, precision="fp64") -> LspEngine:
+    """An engine whose random projectors are never refit: the oracle's setting."""
+    engine = LspEngine(Stack(model), cfg, CPU, precision)
+    engine.fitted = True
+    return engine
+
+
+def adam_on_z(model: nn.Module, engine: LspEngine, cfg, steps: int, train_other: bool):
+    """Plain PyTorch: every projected W is W0 + P_o Z P_i^T with Z an Adam parameter (AdamW, weight decay
+    0), the rest frozen or trained by the same Adam; dense autograd, F.cross_entropy, clip_grad_norm_."""
+    names = {engine.names[id(m.weight)]: m for m in engine.modules}
+    frozen = {n: p.detach() for n, p in model.named_parameters()}
+    dense = {n: (m.p_o.dense(), m.p_i.dense()) for n, m in names.items()}
+    zs = {n: torch.zeros(m.z.shape, dtype=F64, requires_grad=True) for n, m in names.items()}
+    others = [p for n, p in model.named_parameters() if n not in names] if train_other else []
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in names and train_other)
+    opt = torch.optim.AdamW(list(zs.values()) + others, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                            eps=cfg.train.eps, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        micro = batches(model.config.vocab_size, step, cfg.train.grad_accum)
+        total = sum(b.num_targets for b in micro)
+        loss_sum = 0.0
+        for batch in micro:
+            weights = {n: frozen[n] + o @ zs[n] @ i.T for n, (o, i) in dense.items()}
+            logits = functional_call(model, weights, (batch.input_ids,), {"position_ids": batch.position_ids}).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+            (loss / total).backward()
+            loss_sum += float(loss.detach())
+        if cfg.train.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(list(zs.values()) + others, cfg.train.max_grad_norm)
+        for group in opt.param_groups:
+            group["lr"] = rules.lr_at(cfg.train, step)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss_sum / total)
+    with torch.no_grad():
+        effective = {n: frozen[n] + o @ zs[n] @ i.T for n, (o, i) in dense.items()}
+        effective.update((n, p.detach()) for n, p in model.named_parameters() if n not in names and train_other)
+    return losses, effective
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("train_other", [False, True], ids=["blocks-only", "train-other"])
+def test_twenty_steps_with_fixed_projectors_equal_adam_on_z(clip, train_other):
+    cfg = run_cfg(LspConfig(d=8, r=3, check_every=0, train_other=train_other), max_grad_norm=clip)
+    model = model_of()
+    engine = fixed_projector_engine(copy.deepcopy(model), cfg)
+    results = [engine.step(batches(model.config.vocab_size, step, cfg.train.grad_accum)) for step in range(20)]
+    losses, expected = adam_on_z(model, engine, cfg, 20, train_other)
+    assert [r.loss for r in results] == pytest.approx(losses, abs=1e-10, rel=0)
+    trained = engine.trainable_state()
+    assert trained.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, atol=1e-10, rtol=0, msg=name)
+    moved = max(float((expected[n] - p).abs().max()) for n, p in model.named_parameters() if n in expected)
+    assert moved > 1e-3  # the steps did train
+
+
+def test_the_link_moves_two_d_squared_fp32_numbers_a_matrix_a_step():
+    cfg = run_cfg(LspConfig(d=8, r=3, check_every=0), grad_accum=2)
+    model = model_of(dtype=torch.float32)
+    engine = fixed_projector_engine(model, cfg, precision="fp32")
+    numbers = sum(m.d ** 2 for m in engine.modules)
+    steps = [engine.step(batches(model.config.vocab_size, s, 2)) for s in range(6)]
+    # From step 4 on (the schedule is derived after step 2, used from step 3) every step moves the
+    # same bytes; a shallow matrix's Z goes up before the next step's forward, counted there.
+    assert [r.host_link_bytes for r in steps[3:]] == [2 * numbers * 4] * 3, [r.host_link_bytes for r in steps]
+    assert sum(a.groups[0].numel for a in engine.adams) == numbers
+    predicted = estimate.estimate(tiny_config(num_hidden_layers=2), config_module.load(
+        None, ["engine=lsp", "method=full", "lsp.d=8", "lsp.r=3", "precision=fp32", "lsp.fit_iterations=2"],
+        base={"model": "x", "data": "x.jsonl"}), 2, 12)
+    assert predicted.host_link_bytes == 2 * numbers * 4
+
+
+def instrumented(engine: LspEngine, sleeps: bool, log: list):
+    """Random sleeps in every host job; every action logged with whether backward was still running."""
+    update, act = engine._host_update, engine._act
+
+    def slow_update(index, pending):
+        if sleeps:
+            time.sleep(random.random() * 0.004)
+        return update(index, pending)
+
+    def logged_act(action, index):
+        log.append((action, index, engine._backward is not None))
+        return act(action, index)
+
+    engine._host_update, engine._act = slow_update, logged_act
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["unclipped", "clipped"])
+def test_pipelined_and_synchronous_schedules_give_bitwise_equal_weights(clip):
+    random.seed(0)
+    model = model_of(layers=3)
+    results, logs = {}, {}
+    for name, lsp in {"sync": LspConfig(d=8, r=3, check_every=0, schedule="sync"),
+                      "given": LspConfig(d=8, r=3, check_every=0, k=4, p=1, h=2, u=3),
+                      "derived": LspConfig(d=8, r=3, check_every=0)}.items():
+        engine = fixed_projector_engine(copy.deepcopy(model), run_cfg(lsp, max_grad_norm=clip))
+        logs[name] = []
+        instrumented(engine, sleeps=name != "sync", log=logs[name])
+        for step in range(5):
+            engine.step(batches(model.config.vocab_size, step))
+        results[name] = engine.trainable_state()
+    for name in ("given", "derived"):
+        for key, value in results["sync"].items():
+            assert torch.equal(results[name][key], value), (name, key)
+    if clip == 0:  # deep matrices were uploaded and applied while backward still ran
+        assert any(a == "apply" and during for a, _, during in logs["given"])
+    assert not any(a == "apply" and during for a, _, during in logs["sync"])
+
+
+def test_pending_updates_are_applied_before_evaluation_and_checkpoints():
+    model = model_of()
+    cfg = run_cfg(LspConfig(d=8, r=3, check_every=0))
+    pipelined = fixed_projector_engine(copy.deepcopy(model), cfg)
+    sync = fixed_projector_engine(copy.deepcopy(model), run_cfg(LspConfig(d=8, r=3, check_every=0, schedule="sync")))
+    eval_batches = batches(model.config.vocab_size, 99, micro=1)
+    for engine in (pipelined, sync):
+        engine.step(batches(model.config.vocab_size, 0))
+    assert pipelined.pending and not sync.pending  # shallow updates wait for the next forward
+    assert pipelined.evaluate(eval_batches) == sync.evaluate(eval_batches)
+    assert not pipelined.pending
+    pipelined.step(batches(model.config.vocab_size, 1))
+    assert pipelined.pending
+    pipelined.state_dict()
+    assert not pipelined.pending
+
+
+def test_a_refit_carries_the_moments_into_the_new_subspace():
+    model = model_of()
+    cfg = run_cfg(LspConfig(d=8, r=3, check_every=2, alpha=1e-9, fit_iterations=4))
+    engine = LspEngine(Stack(model), cfg, CPU, "fp64")
+    for step in range(2):
+        engine.step(batches(model.config.vocab_size, step))
+    engine.flush()
+    before = [(m.p_o, m.p_i, a.member(0, 0).exp_avg.clone(), a.member(0, 0).exp_avg_sq.clone(),
+               float(a.state(0)["step"]), m.effective_weight()) for m, a in zip(engine.modules, engine.adams)]
+    engine._check_projectors(batches(model.config.vocab_size, 2), engine.meter.last_reading or _NoReading())
+    for (p_o, p_i, m, v, steps, weight), module, adam in zip(before, engine.modules, engine.adams):
+        assert not torch.equal(module.p_o.val, p_o.val)  # refit (alpha is tiny)
+        assert torch.equal(module.p_o.pos, p_o.pos) and torch.equal(module.p_i.pos, p_i.pos)
+        m2, v2 = projectors.reproject_moments(m, v, (p_o, p_i), (module.p_o, module.p_i))
+        assert torch.equal(adam.member(0, 0).exp_avg, m2) and torch.equal(adam.member(0, 0).exp_avg_sq, v2)
+        assert torch.count_nonzero(m2) > 0
+        assert float(adam.state(0)["step"]) == steps == 2
+        assert torch.count_nonzero(module.z) == 0  # Z was folded into W first
+        torch.testing.assert_close(module.effective_weight(), weight, atol=1e-13, rtol=0)
+
+
+class _NoReading:
+    peak = None
+    peak_breakdown = None
+
+
+def test_resume_from_a_checkpoint_continues_bit_identically(tmp_path):
+    model = model_of()
+    cfg = run_cfg(LspConfig(d=8, r=3, check_every=3, alpha=0.05, fit_iterations=3))
+    straight = LspEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+    for step in range(3):
+        straight.step(batches(model.config.vocab_size, step))
+    saved = checkpoint.save(tmp_path, 3, straight.state_dict(), {}, keep_last=1)
+    for step in range(3, 6):
+        straight.step(batches(model.config.vocab_size, step))
+    _, state, _, _ = checkpoint.load(saved)
+    resumed = LspEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+    resumed.load_state_dict(state)
+    assert resumed.fitted and resumed.step_count == 3
+    for step in range(3, 6):
+        resumed.step(batches(model.config.vocab_size, step))
+    for name, value in straight.trainable_state().items():
+        assert torch.equal(resumed.trainable_state()[name], value), name
+
+
+@pytest.mark.parametrize("fold_every", [10**6, 100], ids=["no-fold", "fold-every-100"])
+def test_a_thousand_small_updates_survive_in_bf16_weights(fold_every):
+    """Each update moves the weight by 1e-4 of its norm; after 1,000 of them the bf16 module's effective
+    weight is within 1% of an fp32 reference: exactly the reference's update while Z holds them all,
+    and still within 1% of the weights with a (stochastically rounded) fold every 100 updates, the worst
+    case of a refit at every check; adding each update into the bf16 weight in place, the plain way,
+    loses them all."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    p_o = projectors.SparseProjector.random(48, 16, 4, g, torch.float32, CPU)
+    p_i = projectors.SparseProjector.random(64, 16, 4, g, torch.float32, CPU)
+    module = ProjectedLinear(linear, 0, p_o, p_i)
+    start = module.weight.float().clone()
+    direction = torch.randn(16, 16, generator=g)
+    unit = projectors.decompress(direction, p_o, p_i)
+    delta = direction * (1e-4 * start.norm() / unit.norm())
+    naive = module.weight.detach().clone()
+    master, rounding = torch.zeros(16, 16), torch.Generator().manual_seed(2)
+    for k in range(1000):
+        master += delta  # the host AdamW's master Z, uploaded into the module each step
+        with torch.no_grad():
+            module.z.copy_(master)
+            naive += projectors.decompress(delta, p_o, p_i).to(torch.bfloat16)
+        if k % fold_every == fold_every - 1:
+            module.fold(rounding)
+            master.zero_()
+    reference = start + 1000 * projectors.decompress(delta, p_o, p_i)
+    moved = (reference - start).norm()
+    assert moved / reference.norm() > 0.05  # the updates add up to a real change
+    effective = module.weight.float() + module.delta()  # what forward computes with
+    assert (effective - reference).norm() / reference.norm() < 0.01
+    if fold_every > 1000:  # no fold: W + P_o Z P_i^T held every update exactly
+        module_z_error = (effective - reference).norm() / moved
+        assert module_z_error < 0.01
+    assert (naive.float() - reference).norm() / reference.norm() > 0.05
