@@ -77,6 +77,7 @@ class Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks: list = []
+        self.counts: list[int] = []
         self.updates: list[float] = []
 
     def _now(self):
@@ -87,13 +88,18 @@ class Clock:
         return time.perf_counter()
 
     def start(self) -> None:
-        self.marks, self.updates = [self._now()], []
+        self.marks, self.counts, self.updates = [self._now()], [], []
 
-    def arrived(self) -> None:
+    def arrived(self, modules: int) -> None:
+        """A block's `modules` matrices completed together."""
         self.marks.append(self._now())
+        self.counts.append(modules)
 
     def backward_seconds(self) -> list[float]:
+        """Per matrix, in completion order: its block's backward time shared among its matrices."""
         if self.cuda:
             self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+            spans = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            spans = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return [span / count for span, count in zip(spans, self.counts) for _ in range(count)]

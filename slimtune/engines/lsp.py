@@ -127,9 +127,11 @@ class Backward:
     """The step's last backward, as the gradient hooks see it."""
 
     clipping: bool
-    order: list[int] = field(default_factory=list)  # modules in arrival order
+    order: list[int] = field(default_factory=list)  # modules in arrival (completion) order
     due: dict[int, list] = field(default_factory=dict)  # arrival count -> [(action, module)]
     norms: list[torch.Tensor] = field(default_factory=list)
+    block: int | None = None  # the block whose matrices are receiving gradients
+    open: list[int] = field(default_factory=list)  # its matrices seen so far, in first-seen order
 
 
 class LspEngine:
@@ -145,6 +147,7 @@ class LspEngine:
         # The stochastic rounding of bf16 folds (projected_linear.fold); none under fake tensors.
         self.rounding = None if self.fake else torch.Generator(device=device).manual_seed(cfg.train.seed)
         self.modules = self._project()
+        self.blocks = [self._block_of(m) for m in self.modules]  # matrix -> its block's index
         self.names = {id(p): n for n, p in stack.model.named_parameters()}
         self.others = self._others(cfg.train.weight_decay)
         self.adams = [self._host_adam(m, cfg.train) for m in self.modules]
@@ -186,6 +189,9 @@ class LspEngine:
         if not found:
             raise UserError("engine=lsp found no trainable linear in the blocks to project (freeze patterns?).")
         return found
+
+    def _block_of(self, module: ProjectedLinear) -> int:
+        return next(b for b, block in enumerate(self.stack.blocks) if any(m is module for m in block.modules()))
 
     def _projector(self, n: int, d: int, weight: torch.Tensor) -> projectors.SparseProjector:
         r, dtype = min(self.lsp.r, d), torch.promote_types(weight.dtype, torch.float32)
@@ -243,13 +249,30 @@ class LspEngine:
     # ------------------------------------------------------------ the update of one matrix
 
     def _arrived(self, index: int, z: torch.Tensor) -> None:
-        """Autograd finished matrix `index`'s G_c (Z.grad): on the step's last micro-batch it goes
-        down now, and the actions the schedule has due at this arrival run."""
+        """Autograd added into matrix `index`'s Z.grad. A matrix may receive its G_c in parts (a
+        checkpointed block recomputes its MLP in token chunks), so on the step's last micro-batch a
+        block's matrices are complete when backward reaches a block below it, or ends."""
         self._tag_gradient(z)
         backward = self._backward
         if backward is None:
             return
-        self.clock.arrived()
+        block = self.blocks[index]
+        if backward.block is not None and block != backward.block:
+            self._complete_block(backward)
+        backward.block = block
+        if index not in backward.open:
+            backward.open.append(index)
+
+    def _complete_block(self, backward: Backward) -> None:
+        self.clock.arrived(len(backward.open))
+        for index in backward.open:
+            self._finalize(index, backward)
+        backward.open = []
+
+    def _finalize(self, index: int, backward: Backward) -> None:
+        """Matrix `index`'s G_c is complete: it goes down now, and the actions the schedule has due
+        at this arrival run."""
+        z = self.modules[index].z
         backward.norms.append(torch.linalg.vector_norm(z.grad))
         host, copied = self.link.to_host(z.grad)
         z.grad = None
@@ -355,6 +378,7 @@ class LspEngine:
         """The global norm, clipping, the updates not yet submitted (in forward order: the next forward
         needs the shallowest first), the other tensors' device AdamW; `sync` applies everything now."""
         backward, self._backward = self._backward, None
+        self._complete_block(backward)
         norms = backward.norms
         if self.others:
             grads = [p.grad for _, p in self.others if p.grad is not None]

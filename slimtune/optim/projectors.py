@@ -142,6 +142,9 @@ class ValueFit:
                         else torch.empty_like(p.val)).requires_grad_() for p in (p_o, p_i)]
         self.steps = steps
         self.optimizer = torch.optim.Adam(self.values, lr=lr, fused=True)
+        from slimtune.optim import rules
+
+        rules.init_adamw_state(self.optimizer)  # made now: every step then holds the same memory
 
     def pair(self) -> tuple[SparseProjector, SparseProjector]:
         return (SparseProjector(self.pos_o, self.values[0].detach(), self.d),
@@ -149,9 +152,9 @@ class ValueFit:
 
     def observe(self, g: torch.Tensor) -> None:
         total = g.pow(2).sum()
-        # Every step holds the same memory once Adam's state exists (made in step 0): under fake
-        # tensors (the planner's estimate) two steps show the peak of any number.
-        steps = range(min(self.steps, 2) if is_fake(g) else self.steps)
+        # Every step holds the same memory (Adam's state exists from the start): under fake tensors
+        # (the planner's estimate) one step shows the peak of any number.
+        steps = range(min(self.steps, 1) if is_fake(g) else self.steps)
         with torch.enable_grad():
             for _ in steps:
                 p_o, p_i = (SparseProjector(pos, val, self.d) for pos, val in zip((self.pos_o, self.pos_i), self.values))
