@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from slimtune import memory
+from slimtune.optim import rules
+
 
 @dataclass
 class SparseProjector:
@@ -56,9 +59,13 @@ class SparseProjector:
         val = self.val.to(x.dtype)
         out = x.new_zeros(*x.shape[:-1], self.d)
         grad = torch.is_grad_enabled() and (x.requires_grad or val.requires_grad)
-        for s in range(self.r):
+        # Without autograd each term is made and dropped in turn: under fake tensors the first and last
+        # show the memory. With it (fitting) autograd keeps every term (index_add's backward saves its
+        # source), so every step runs.
+        for s in range(self.r) if grad else memory.representative(range(self.r), x, alike_from=0):
             term = x * val[:, s]
             out = out.index_add(-1, self.pos[:, s], term) if grad else out.index_add_(-1, self.pos[:, s], term)
+            del term  # before the next one is made: one (..., n) term at a time
         return out
 
     def right_t(self, a: torch.Tensor) -> torch.Tensor:
@@ -66,9 +73,10 @@ class SparseProjector:
         val = self.val.to(a.dtype)
         grad = torch.is_grad_enabled() and (a.requires_grad or val.requires_grad)
         out = a.index_select(-1, self.pos[:, 0]) * val[:, 0]
-        for s in range(1, self.r):
+        for s in range(1, self.r) if grad else memory.representative(range(1, self.r), a, alike_from=0):
             term = a.index_select(-1, self.pos[:, s]) * val[:, s]
             out = out + term if grad else out.add_(term)
+            del term
         return out
 
     def dense(self) -> torch.Tensor:
@@ -142,8 +150,6 @@ class ValueFit:
                         else torch.empty_like(p.val)).requires_grad_() for p in (p_o, p_i)]
         self.steps = steps
         self.optimizer = torch.optim.Adam(self.values, lr=lr, fused=True)
-        from slimtune.optim import rules
-
         rules.init_adamw_state(self.optimizer)  # made now: every step then holds the same memory
 
     def pair(self) -> tuple[SparseProjector, SparseProjector]:
