@@ -1,0 +1,230 @@
+"""Engine lsp (learned sparse projectors, spec lsp-offload.md): what crosses the host link, what it
+needs on the device, how good the projectors are on real gradients, and how fast it reaches the
+accuracy of full fine-tuning.
+
+Part 1, link bytes (fake tensors, counted by runtime.Link): lsp's bytes per step at the default
+d = 512 against full-gradient offload, i.e. the gradient bytes the slide engine sends down per step
+(its Link.bytes_down at depths 3 and 4, extrapolated in depth as the estimate does: bytes are affine
+in depth), for Llama-3.2-3B and Llama-3.1-8B, batch 1 x 1024. Goal: <= 5%.
+
+Part 2, device peak from the estimate (fake tensors, the training meter), batch 1 x 1024, bf16:
+lsp with and without block recompute against resident full fine-tuning, Llama-3.2-1B/3B, Llama-3.1-8B.
+
+Part 3, projector quality on real gradients: the demo's pretrained base model (slimtune/demo/base),
+dense autograd gradients of every block linear on 8 fit and 8 held-out batches of the demo task
+(16 rows each). Held-out e(G), energy-weighted over matrices and batches, for: learned sparse
+(values fit on the fit batches, 100 Adam steps, positions fixed), random sparse (the same positions,
+values +-1/sqrt(r)), dense Gaussian N(0, 1/d) projectors, a two-sided SVD of the fit batches' summed
+gradient (top-d singular vectors each side: the same d x d state), and GaLore-style one-sided SVD
+at equal optimizer state (rank d^2 / n_i). Then e(G) against d at r = 4, and against r at d = 64.
+
+Part 4, time to accuracy on the demo task (CPU, 2 cores): resident full fine-tuning, lsp (d = 64,
+its fit before step 1 and checks every 100 steps inside the measured steps) and the demo's LoRA,
+the same data, seed and schedule (constant after 10 warm-up steps); held-out exact-match accuracy
+every 50 steps; time is the sum of the runs' step times (metrics.jsonl step_s), fitting included.
+Goal: lsp within 1 point of resident full fine-tuning's accuracy.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from slimtune import assembly, config, data, demo, estimate, presets, train
+from slimtune.model import Stack, load_model, load_tokenizer
+from slimtune.optim import projectors
+
+GIB = 2**30
+SEQ = 1024
+
+
+def run_config(engine: str, *extra: str):
+    return config.load(None, [f"engine={engine}", "method=full", "precision=bf16", "train.batch_size=1", *extra],
+                       base={"model": "(benchmark)", "data": "(benchmark)"})
+
+
+def slide_gradient_bytes(model_config, depth: int) -> int:
+    """Bytes the slide engine sends down (its gradients) in one fake step at `depth` blocks."""
+    cfg = run_config("slide", "activations.checkpoint=host")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    shallow = estimate.at_depth(model_config, depth)
+    stack = Stack(estimate.fake_model(shallow, assembly.run_weight_dtype(cfg, "bf16"), mode))
+    real = estimate.synthetic_batch(1, SEQ, model_config.vocab_size)
+    with mode:
+        engine = assembly.assemble(cfg, stack, assembly.HOST, "bf16")
+        batch = data.Batch(*(mode.from_tensor(t) for t in (real.input_ids, real.targets, real.position_ids,
+                                                            real.trained_positions)),
+                           num_targets=real.num_targets, segmented=real.segmented)
+        engine.step([batch])
+    return engine.link.bytes_down
+
+
+def part1(quick: bool) -> list[dict]:
+    rows = []
+    for name in ("Llama-3.2-3B",) if quick else ("Llama-3.2-3B", "Llama-3.1-8B"):
+        model_config = presets.model_config(name)
+        lsp = estimate.estimate(model_config, run_config("lsp"), 1, SEQ)
+        low, high = slide_gradient_bytes(model_config, 3), slide_gradient_bytes(model_config, 4)
+        slide = low + (high - low) * (model_config.num_hidden_layers - 3)
+        rows.append({"model": name, "d": 512, "lsp_link_bytes": lsp.host_link_bytes,
+                     "lsp_link_gib": lsp.host_link_bytes / GIB, "slide_gradient_bytes": slide,
+                     "slide_gradient_gib": slide / GIB, "ratio": lsp.host_link_bytes / slide,
+                     "goal": 0.05, "met": lsp.host_link_bytes / slide <= 0.05})
+    return rows
+
+
+def part2(quick: bool) -> list[dict]:
+    rows = []
+    models = ("Llama-3.2-1B",) if quick else ("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B")
+    plans = [("lsp", ()), ("lsp", ("activations.checkpoint=recompute",)), ("resident", ()),
+             ("resident", ("activations.checkpoint=recompute",))]
+    for name in models:
+        model_config = presets.model_config(name)
+        for engine, extra in plans:
+            began = time.perf_counter()
+            found = estimate.estimate(model_config, run_config(engine, *extra), 1, SEQ)
+            rows.append({"model": name, "engine": engine, "options": list(extra),
+                         "device_peak_bytes": found.device_peak_bytes, "device_peak_gib": found.device_peak_bytes / GIB,
+                         "breakdown_gib": {k: v / GIB for k, v in found.breakdown.items()},
+                         "host_gib": found.host_bytes / GIB, "seconds": time.perf_counter() - began})
+    return rows
+
+
+# ---------------------------------------------------------------- part 3: projector quality
+
+
+def demo_gradients(batches: int) -> tuple[dict[str, list[torch.Tensor]], dict]:
+    """name -> dense gradients of every block linear weight, one per batch of the demo task."""
+    model = load_model(demo.ASSETS / "base", torch.float32, torch.device("cpu"))
+    tokenizer = load_tokenizer(demo.ASSETS / "base")
+    settings = demo.SETTINGS["data"]
+    cfg = config.DataConfig(path=settings["path"], format=settings["format"], max_length=settings["max_length"])
+    splits = data.load_splits(cfg, tokenizer, seed=0)
+    stream = data.BatchStream(splits.train, 16, cfg.max_length, True, tokenizer.pad_token_id, seed=0)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    grads = {n: [] for n in linears}
+    for _ in range(batches):
+        batch = stream.next_batch()
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100).backward()
+        for n, m in linears.items():
+            grads[n].append(m.weight.grad.detach().clone())
+    shapes = {n: tuple(m.weight.shape) for n, m in linears.items()}
+    return grads, shapes
+
+
+def _energy_error(residuals: list[float], energies: list[float]) -> float:
+    return math.sqrt(sum(residuals) / sum(energies))
+
+
+def dense_error(g: torch.Tensor, left: torch.Tensor, right: torch.Tensor | None) -> float:
+    """|L L^T G R R^T - G|^2 (right None: one-sided)."""
+    approx = left @ (left.T @ g)
+    if right is not None:
+        approx = approx @ right @ right.T
+    return float((approx - g).pow(2).sum())
+
+
+def quality(grads: dict, shapes: dict, d: int, r: int, methods: tuple[str, ...], fit: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for method in methods:
+        residuals, energies = [], []
+        for name, series in grads.items():
+            n_o, n_i = shapes[name]
+            dd = min(d, n_o, n_i)
+            train_set, held_out = series[:fit], series[fit:]
+            energies += [float(x.pow(2).sum()) for x in held_out]
+            if method in ("learned", "random"):
+                pair = [projectors.SparseProjector.random(n, dd, min(r, dd), g, torch.float32, torch.device("cpu"))
+                        for n in (n_o, n_i)]
+                if method == "learned":
+                    fitter = projectors.ValueFit(*pair, lr=0.05, steps=-(-100 // len(train_set)), generator=g)
+                    for grad in train_set:
+                        fitter.observe(grad)
+                    pair = fitter.pair()
+                residuals += [float(projectors.squared_residual(x, *pair)) for x in held_out]
+            elif method == "gaussian":
+                left, right = (torch.randn(n, dd, generator=g) / math.sqrt(dd) for n in (n_o, n_i))
+                residuals += [dense_error(x, left, right) for x in held_out]
+            elif method == "svd_two_sided":
+                u, _, vh = torch.linalg.svd(sum(train_set), full_matrices=False)
+                residuals += [dense_error(x, u[:, :dd], vh[:dd].T) for x in held_out]
+            elif method == "galore_equal_state":
+                rank = max(1, round(dd * dd / n_i))
+                u, _, _ = torch.linalg.svd(sum(train_set), full_matrices=False)
+                residuals += [dense_error(x, u[:, :rank], None) for x in held_out]
+        out[method] = _energy_error(residuals, energies)
+    return out
+
+
+def part3(quick: bool) -> dict:
+    fit = 4 if quick else 8
+    grads, shapes = demo_gradients(2 * fit)
+    all_methods = ("learned", "random", "gaussian", "svd_two_sided", "galore_equal_state")
+    result = {"model": "slimtune demo base (pretrained; hidden 192, 4 blocks, 28 block linears)",
+              "fit_batches": fit, "held_out_batches": fit, "rows_per_batch": 16,
+              "at_d64_r4": quality(grads, shapes, 64, 4, all_methods, fit)}
+    result["against_d"] = {d: quality(grads, shapes, d, 4, ("learned", "random"), fit)
+                           for d in ((32, 64) if quick else (16, 32, 64, 128))}
+    result["against_r"] = {r: quality(grads, shapes, 64, r, ("learned", "random"), fit)
+                           for r in ((2, 4) if quick else (1, 2, 4, 8, 16))}
+    return result
+
+
+# ---------------------------------------------------------------- part 4: time to accuracy
+
+
+VARIANTS = {
+    "resident full": {"method": "full", "engine": "resident", "train": {"lr": 3.0e-4}},
+    "lsp d=64": {"method": "full", "engine": "lsp", "train": {"lr": 3.0e-4},
+                 "lsp": {"d": 64, "check_every": 100, "fit_samples": 64}},
+    "lora r=16 (demo)": {"method": "lora", "engine": "resident", "train": {"lr": 2.0e-3}},
+}
+
+
+def time_to_accuracy(name: str, variant: dict, steps: int, every: int, root: Path) -> dict:
+    settings = copy.deepcopy(demo.SETTINGS)
+    settings.update({k: v for k, v in variant.items() if k != "train"})
+    settings["train"].update(schedule="constant", warmup_steps=10, eval_every=0, log_every=1, measure_memory=False,
+                             resume=True, save_every=every, **variant["train"])
+    settings["output_dir"] = str(root / name.replace(" ", "_").replace("=", "").replace("(", "").replace(")", ""))
+    curve, records = [], []
+    for upto in range(every, steps + 1, every):
+        settings["train"]["steps"] = upto
+        run, _ = train.fit(config.load(None, [], base=settings), progress=False)
+        accuracy = demo.accuracy(run, demo.heldout())
+        records = [json.loads(line) for line in (Path(settings["output_dir"]) / "metrics.jsonl").read_text()
+                   .splitlines() if line]
+        curve.append({"step": upto, "train_seconds": sum(r["step_s"] for r in records), "accuracy": accuracy})
+    return {"run": name, "settings": variant, "curve": curve,
+            "first_step_s": records[0]["step_s"], "median_step_s": sorted(r["step_s"] for r in records)[len(records) // 2]}
+
+
+def part4(quick: bool) -> dict:
+    steps, every = (20, 10) if quick else (300, 50)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [time_to_accuracy(name, variant, steps, every, Path(tmp)) for name, variant in VARIANTS.items()]
+    best = {r["run"]: max(p["accuracy"] for p in r["curve"]) for r in runs}
+    target = best["resident full"] - 0.01
+    for r in runs:
+        reached = [p for p in r["curve"] if p["accuracy"] >= target]
+        r["seconds_to_target"] = reached[0]["train_seconds"] if reached else None
+    return {"task": "slimtune demo (heldout.jsonl, greedy exact match)", "target_accuracy": target,
+            "best_accuracy": best, "lsp_within_1_point": best["lsp d=64"] >= target, "runs": runs}
+
+
+def run(quick: bool) -> dict:
+    began = time.perf_counter()
+    result = {"link_bytes": part1(quick), "device_peak": part2(quick), "projector_quality": part3(quick),
+              "time_to_accuracy": part4(quick)}
+    result["seconds"] = time.perf_counter() - began
+    return result
