@@ -31,16 +31,15 @@ holds plain weights (any engine reads them), the moments in Z space, the project
 from __future__ import annotations
 
 import functools
-import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import block_stores, lora, lsp_schedule, memory, presets, runtime, speed
+from slimtune import block_stores, lora, lsp_learning, lsp_schedule, lsp_updates, memory, presets, runtime, speed
 from slimtune.checkpoint import EngineState
 from slimtune.config import RunConfig, TrainConfig, positive, setting
 from slimtune.data import Batch
@@ -109,31 +108,6 @@ def validate(cfg: RunConfig) -> None:
                         " skipped whole; set train.max_grad_norm > 0 or train.on_nonfinite=stop.")
 
 
-@dataclass
-class Pending:
-    """One matrix's update in flight: its G_c on the host, then its host AdamW, then its upload."""
-
-    host: torch.Tensor
-    copied: object  # the D2H event (None on the CPU)
-    lr: float
-    guard: StepGuard
-    coef: float = 1.0
-    job: object = None  # the worker's future
-    uploaded: object = "not yet"  # the H2D event once issued (None on the CPU)
-
-
-@dataclass
-class Backward:
-    """The step's last backward, as the gradient hooks see it."""
-
-    clipping: bool
-    order: list[int] = field(default_factory=list)  # modules in arrival (completion) order
-    due: dict[int, list] = field(default_factory=dict)  # arrival count -> [(action, module)]
-    norms: list[torch.Tensor] = field(default_factory=list)
-    block: int | None = None  # the block whose matrices are receiving gradients
-    open: list[int] = field(default_factory=list)  # its matrices seen so far, in first-seen order
-
-
 class LspEngine:
     name = "lsp"
 
@@ -147,24 +121,24 @@ class LspEngine:
         # The stochastic rounding of bf16 folds (projected_linear.fold); none under fake tensors.
         self.rounding = None if self.fake else torch.Generator(device=device).manual_seed(cfg.train.seed)
         self.modules = self._project()
-        self.blocks = [self._block_of(m) for m in self.modules]  # matrix -> its block's index
         self.names = {id(p): n for n, p in stack.model.named_parameters()}
         self.others = self._others(cfg.train.weight_decay)
         self.adams = [self._host_adam(m, cfg.train) for m in self.modules]
         self.link = runtime.Link(device)
-        self.worker = runtime.HostWorker(inline=self.fake)
-        weakref.finalize(self, self.worker.close)
-        self.pending: dict[int, Pending] = {}
+        worker = runtime.HostWorker(inline=self.fake)
+        weakref.finalize(self, worker.close)
         knobs = (self.lsp.k, self.lsp.p, self.lsp.h, self.lsp.u)
-        self.schedule = lsp_schedule.initial(len(self.modules), *knobs, self.lsp.schedule == "sync")
-        self.clock = lsp_schedule.Clock(device)
+        schedule = lsp_schedule.initial(len(self.modules), *knobs, self.lsp.schedule == "sync")
+        blocks = [self._block_of(m) for m in self.modules]
+        self.updates = lsp_updates.UpdatePipeline(self.modules, self.adams, blocks, self.link, worker, schedule,
+                                                  lsp_schedule.Clock(device))
         self.step_count = 0
-        self.fitted = False  # projectors learned (before step 1, or loaded)
+        self.learning = lsp_learning.ProjectorLearning(self.modules, self.adams, self.lsp, self.generator,
+                                                       self.rounding, self.fake)
         self.sample: list[Batch] | None = None
         self.check_peak: tuple[int, dict] | None = None  # the projector pass's device peak, once measured
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
         self._reading = None
-        self._backward: Backward | None = None
         for module in self.modules:
             module.before_forward = self._complete
             module.z.register_post_accumulate_grad_hook(functools.partial(self._arrived, module.index))
@@ -246,88 +220,16 @@ class LspEngine:
         if self._reading is not None:
             self._reading.retag(param.grad, "gradients")
 
-    # ------------------------------------------------------------ the update of one matrix
-
     def _arrived(self, index: int, z: torch.Tensor) -> None:
-        """Autograd added into matrix `index`'s Z.grad. A matrix may receive its G_c in parts (a
-        checkpointed block recomputes its MLP in token chunks), so on the step's last micro-batch a
-        block's matrices are complete when backward reaches a block below it, or ends."""
         self._tag_gradient(z)
-        backward = self._backward
-        if backward is None:
-            return
-        block = self.blocks[index]
-        if backward.block is not None and block != backward.block:
-            self._complete_block(backward)
-        backward.block = block
-        if index not in backward.open:
-            backward.open.append(index)
-
-    def _complete_block(self, backward: Backward) -> None:
-        self.clock.arrived(len(backward.open))
-        for index in backward.open:
-            self._finalize(index, backward)
-        backward.open = []
-
-    def _finalize(self, index: int, backward: Backward) -> None:
-        """Matrix `index`'s G_c is complete: it goes down now, and the actions the schedule has due
-        at this arrival run."""
-        z = self.modules[index].z
-        backward.norms.append(torch.linalg.vector_norm(z.grad))
-        host, copied = self.link.to_host(z.grad)
-        z.grad = None
-        self.pending[index] = Pending(host, copied, self._lr, self._guard)
-        arrival = len(backward.order)
-        backward.order.append(index)
-        if not backward.clipping and self.schedule.deep(index):
-            for action, lag in self.schedule.lags():
-                backward.due.setdefault(arrival + lag, []).append((action, index))
-        for action, module in backward.due.pop(arrival, []):
-            self._act(action, module)
-
-    def _act(self, action: str, index: int) -> None:
-        pending = self.pending.get(index)
-        if pending is None:
-            return
-        if action == "update" and pending.job is None:
-            pending.job = self.worker.submit(self._host_update, index, pending)
-        elif action == "upload" and pending.uploaded == "not yet":
-            self._act("update", index)
-            pending.job.result()  # the device loop waits for this matrix's host AdamW
-            module = self.modules[index]
-            pending.uploaded = self.link.copy_up(module.z, self.adams[index].member(0, 0).master)
-        elif action == "apply":
-            self._act("upload", index)
-            self.link.wait(pending.uploaded)  # the compute stream waits for the copy up
-            del self.pending[index]
-
-    def _host_update(self, index: int, pending: Pending) -> None:
-        """On the host worker: AdamW of one matrix in its d x d space, unless the step may not update
-        (then, or when this G_c is not finite, the guard trips for the matrices after it)."""
-        import time
-
-        if pending.copied is not None:
-            pending.copied.synchronize()
-        if pending.guard.tripped or not rules.is_finite(pending.host.sum()):
-            pending.guard.tripped = True
-            return
-        begun = time.perf_counter()
-        adam = self.adams[index]
-        with torch.no_grad():
-            adam.member(0, 0).grad.copy_(pending.host)
-        adam.update(pending.lr, pending.coef)
-        self.clock.updates.append(time.perf_counter() - begun)
+        self.updates.arrived(index)
 
     def _complete(self, index: int) -> None:
-        """Before matrix `index` computes: its pending update (if any) is applied, waiting as needed."""
-        if index in self.pending:
-            self._act("apply", index)
+        self.updates.complete(index)
 
     def flush(self) -> None:
         """Every pending update applied (before evaluation, a checkpoint or a projector check)."""
-        for index in sorted(self.pending):
-            self._complete(index)
-        self.worker.barrier()
+        self.updates.flush()
 
     # ------------------------------------------------------------ one step
 
@@ -336,7 +238,6 @@ class LspEngine:
         total = max(sum(b.num_targets for b in micro_batches), 1)
         self._lr = lr = rules.lr_at(self.train_cfg, self.step_count)
         clipping = self.train_cfg.max_grad_norm > 0
-        self._guard = StepGuard()
         link_before = self.link.bytes
         with self.meter.measure(self._resident_tensors()) as reading:
             self._reading = reading
@@ -369,17 +270,14 @@ class LspEngine:
 
     def _begin_last_backward(self, clipping: bool, exact_sum) -> None:
         """Updates may start during the coming backward: a non-finite loss must stop them first."""
-        if not clipping and not rules.is_finite(exact_sum):
-            self._guard.tripped = True
-        self._backward = Backward(clipping)
-        self.clock.start()
+        guard = StepGuard()
+        guard.tripped = not clipping and not rules.is_finite(exact_sum)
+        self.updates.begin(clipping, self._lr, guard)
 
     def _end_backward(self, clipping: bool, exact_sum) -> tuple[torch.Tensor, bool]:
         """The global norm, clipping, the updates not yet submitted (in forward order: the next forward
         needs the shallowest first), the other tensors' device AdamW; `sync` applies everything now."""
-        backward, self._backward = self._backward, None
-        self._complete_block(backward)
-        norms = backward.norms
+        norms = self.updates.end_backward()
         if self.others:
             grads = [p.grad for _, p in self.others if p.grad is not None]
             norms = norms + ([torch.nn.utils.get_total_norm(grads, foreach=True)] if grads else [])
@@ -387,18 +285,10 @@ class LspEngine:
         applied = rules.is_finite(exact_sum) and rules.is_finite(grad_norm)
         coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
         if clipping:
-            coef = 1.0 if is_fake(coefficient) else float(coefficient)
-            for pending in self.pending.values():
-                pending.coef = coef
-                pending.guard.tripped = pending.guard.tripped or not applied
-        for arrival in sorted(backward.due):  # deep actions past the last arrival: their updates start now
-            for action, index in backward.due[arrival]:
-                if action == "update":
-                    self._act(action, index)
-        for index in sorted(self.pending):
-            self._act("update", index)
+            self.updates.clip(1.0 if is_fake(coefficient) else float(coefficient), applied)
+        self.updates.submit_rest()
         self._step_others(coefficient, applied)
-        if self.schedule.sync:
+        if self.updates.schedule.sync:
             self.flush()
         return grad_norm, applied
 
@@ -423,7 +313,8 @@ class LspEngine:
 
     def _maybe_derive_schedule(self) -> dict:
         """After step 2 (the first steady one), the knobs left at -1 from its measured times."""
-        if self.fake or self.schedule.sync or self.step_count != 2 or not self.clock.marks:
+        clock = self.updates.clock
+        if self.fake or self.updates.schedule.sync or self.step_count != 2 or not clock.marks:
             return {}
         knobs = (self.lsp.k, self.lsp.p, self.lsp.h, self.lsp.u)
         if -1 not in knobs:
@@ -432,34 +323,20 @@ class LspEngine:
         if self.device.type == "cuda":  # modelled from the card's link rate: 4 d^2 bytes one way
             d = max(m.d for m in self.modules)
             copy_s = 4 * d * d / (presets.device_profile(self.device).host_link_gbps * 1e9)
-        self.worker.barrier()
-        self.schedule = lsp_schedule.derive(self.clock.backward_seconds(), self.clock.updates, copy_s, knobs)
-        s = self.schedule
+        self.updates.worker.barrier()
+        s = self.updates.schedule = lsp_schedule.derive(clock.backward_seconds(), clock.updates, copy_s, knobs)
         return {"lsp_k": s.k, "lsp_p": s.p, "lsp_h": s.h, "lsp_u": s.u}
 
     # ------------------------------------------------------------ learning the projectors
 
     def _check_projectors(self, micro_batches: list[Batch], reading) -> dict:
-        """Before step 1: fit every matrix's projectors; every lsp.check_every steps: measure e(G) of
-        each on the sample and refit those above lsp.alpha. Returns the figures for the log."""
-        every = self.lsp.check_every
-        if self.fitted and not (every and self.step_count % every == 0):
+        """Before step 1, and every lsp.check_every steps, the projector check (lsp_learning.py) on the
+        fit sample (the step's own batches when none was given); its pass's peak is kept."""
+        if not self.learning.due(self.step_count):
             return {}
         self.flush()
         memory.mark("lsp check")
-        batches = self.sample or micro_batches
-        extras = {}
-        chosen = list(range(len(self.modules)))
-        if self.fitted:
-            errors = self._measure(batches)
-            chosen = [i for i, e in enumerate(errors) if e > self.lsp.alpha]
-            finite = [e for e in errors if math.isfinite(e)]
-            extras = {"lsp_error_mean": sum(finite) / len(finite) if finite else float("nan"),
-                      "lsp_error_max": max(finite, default=float("nan"))}
-        if chosen:
-            self._refit(batches, chosen)
-        extras["lsp_refit"] = len(chosen)
-        self.fitted = True
+        extras = self.learning.check(self.sample or micro_batches, self._probe_pass)
         if reading.peak is not None and (self.check_peak is None or reading.peak > self.check_peak[0]):
             self.check_peak = (reading.peak, dict(reading.peak_breakdown or {}))
         return extras
@@ -484,40 +361,6 @@ class LspEngine:
                 module.probe = None
             for tensor, wanted in saved:
                 tensor.requires_grad_(wanted)
-
-    def _measure(self, batches: list[Batch]) -> list[float]:
-        """e(G) of every matrix's projectors over the sample's gradients (energy-weighted)."""
-        sums = {i: [0.0, 0.0] for i in range(len(self.modules))}
-
-        def observe(index: int, grad: torch.Tensor) -> None:
-            module, total = self.modules[index], grad.pow(2).sum()
-            sums[index][0] = sums[index][0] + projectors.squared_residual(grad, module.p_o, module.p_i, total)
-            sums[index][1] = sums[index][1] + total
-
-        self._probe_pass(batches, {i: functools.partial(observe, i) for i in sums})
-        if self.fake:
-            return [float("nan")] * len(self.modules)
-        return [math.sqrt(max(float(res / tot), 0.0)) if float(tot) > 0 else 0.0 for res, tot in sums.values()]
-
-    def _refit(self, batches: list[Batch], chosen: list[int]) -> None:
-        """New values for the chosen matrices' projectors, fit on the sample's gradients; each matrix
-        first folds Z into W, then its moments move into the new subspace."""
-        steps = max(1, -(-self.lsp.fit_iterations // len(batches)))
-        fits = {i: projectors.ValueFit(self.modules[i].p_o, self.modules[i].p_i, self.lsp.fit_lr, steps, self.generator,
-                                       fresh=not self.fake) for i in chosen}
-        self._probe_pass(batches, {i: fit.observe for i, fit in fits.items()})
-        for index, fit in fits.items():
-            module, adam = self.modules[index], self.adams[index]
-            old, new = (module.p_o, module.p_i), fit.pair()
-            module.fold(self.rounding)
-            views = adam.member(0, 0)
-            with torch.no_grad():
-                views.master.zero_()
-                moments = projectors.reproject_moments(views.exp_avg.to(self.device), views.exp_avg_sq.to(self.device),
-                                                       old, new)
-                views.exp_avg.copy_(moments[0])
-                views.exp_avg_sq.copy_(moments[1])
-            module.p_o, module.p_i = new
 
     # ------------------------------------------------------------ the Engine interface
 
@@ -555,7 +398,7 @@ class LspEngine:
             engine=self.name, step=self.step_count, trainable=trainable,
             exp_avg={n: s["exp_avg"] for n, s in kept}, exp_avg_sq={n: s["exp_avg_sq"] for n, s in kept},
             adam_steps={n: float(s["step"]) for n, s in kept},
-            extra={"lsp": {"matrices": matrices, "fitted": self.fitted, "generator": self.generator.get_state(),
+            extra={"lsp": {"matrices": matrices, "fitted": self.learning.fitted, "generator": self.generator.get_state(),
                            "rounding": self.rounding.get_state() if self.rounding is not None else None}})
 
     def _matrix_state(self, module: ProjectedLinear) -> dict:
@@ -583,7 +426,7 @@ class LspEngine:
             self.generator.set_state(lsp["generator"])
             if self.rounding is not None and lsp["rounding"] is not None:
                 self.rounding.set_state(lsp["rounding"])
-        self.fitted = bool(lsp and lsp["fitted"])
+        self.learning.fitted = bool(lsp and lsp["fitted"])
         for name, param in self.others:
             if name in state.exp_avg:
                 self.optimizer.state[param] = {

@@ -59,7 +59,7 @@ def run_cfg(lsp: LspConfig | None = None, **train):
 def fixed_projector_engine(model, cfg, precision="fp64") -> LspEngine:
     """An engine whose random projectors are never refit: the oracle's setting."""
     engine = LspEngine(Stack(model), cfg, CPU, precision)
-    engine.fitted = True
+    engine.learning.fitted = True
     return engine
 
 
@@ -151,7 +151,8 @@ def test_the_link_moves_two_d_squared_fp32_numbers_a_matrix_a_step():
 
 def instrumented(engine: LspEngine, sleeps: bool, log: list):
     """Random sleeps in every host job; every action logged with whether backward was still running."""
-    update, act = engine._host_update, engine._act
+    updates = engine.updates
+    update, act = updates._host_update, updates._act
 
     def slow_update(index, pending):
         if sleeps:
@@ -159,10 +160,10 @@ def instrumented(engine: LspEngine, sleeps: bool, log: list):
         return update(index, pending)
 
     def logged_act(action, index):
-        log.append((action, index, engine._backward is not None))
+        log.append((action, index, updates.backward is not None))
         return act(action, index)
 
-    engine._host_update, engine._act = slow_update, logged_act
+    updates._host_update, updates._act = slow_update, logged_act
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05], ids=["unclipped", "clipped"])
@@ -195,13 +196,13 @@ def test_pending_updates_are_applied_before_evaluation_and_checkpoints():
     eval_batches = batches(model.config.vocab_size, 99, micro=1)
     for engine in (pipelined, sync):
         engine.step(batches(model.config.vocab_size, 0))
-    assert pipelined.pending and not sync.pending  # shallow updates wait for the next forward
+    assert pipelined.updates.pending and not sync.updates.pending  # shallow updates wait for the next forward
     assert pipelined.evaluate(eval_batches) == sync.evaluate(eval_batches)
-    assert not pipelined.pending
+    assert not pipelined.updates.pending
     pipelined.step(batches(model.config.vocab_size, 1))
-    assert pipelined.pending
+    assert pipelined.updates.pending
     pipelined.state_dict()
-    assert not pipelined.pending
+    assert not pipelined.updates.pending
 
 
 def test_a_refit_carries_the_moments_into_the_new_subspace():
@@ -242,7 +243,7 @@ def test_resume_from_a_checkpoint_continues_bit_identically(tmp_path):
     _, state, _, _ = checkpoint.load(saved)
     resumed = LspEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
     resumed.load_state_dict(state)
-    assert resumed.fitted and resumed.step_count == 3
+    assert resumed.learning.fitted and resumed.step_count == 3
     for step in range(3, 6):
         resumed.step(batches(model.config.vocab_size, step))
     for name, value in straight.trainable_state().items():
