@@ -161,13 +161,26 @@ def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_si
 PARALLEL_FROM = 16 * 1024
 
 
+def applicable_plans(base: RunConfig) -> list[dict]:
+    """Every engine's plans for the run's method, less those an engine refuses for the run's other
+    settings (e.g. lsp under train.weight_decay > 0): those are not candidates, not errors."""
+    found = []
+    for plan in engines.plans_for(base.method):
+        try:
+            _run_config(base, plan)
+        except UserError:
+            continue
+        found.append(plan)
+    return found
+
+
 def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int, seq_len: int,
                max_seq: bool) -> list[PlanResult]:
     """Plans are independent: beside this process, one spawned worker (a forked torch can hang in its
     thread pool) takes the next plan the moment it is free; results keep the plans' order."""
     import os
 
-    jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq) for p in engines.plans_for(base.method)]
+    jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq) for p in applicable_plans(base)]
     # Answers already in the cache cost nothing: only the others are worth a worker.
     results = {i: weigh(*job) for i, job in enumerate(jobs)
                if not max_seq and is_cached(model_config, _run_config(base, job[2]), batch_size, seq_len)}

@@ -286,3 +286,14 @@ def test_a_thousand_small_updates_survive_in_bf16_weights(fold_every):
         module_z_error = (effective - reference).norm() / moved
         assert module_z_error < 0.01
     assert (naive.float() - reference).norm() / reference.norm() > 0.05
+
+
+def test_the_planner_weighs_lsp_plans_where_lsp_applies():
+    from slimtune import planner
+
+    def engines_of(base):
+        return {p["engine"] for p in planner.applicable_plans(base)}
+
+    assert "lsp" in engines_of(planner.planning_config("full"))
+    assert engines_of(planner.planning_config("full", weight_decay=0.01)) == {"resident", "slide"}  # lsp refuses it
+    assert "lsp" not in engines_of(planner.planning_config("lora"))
