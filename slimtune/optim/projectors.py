@@ -139,8 +139,8 @@ def reproject_moments(m: torch.Tensor, v: torch.Tensor, old: tuple[SparseProject
 
 class ValueFit:
     """Learns one pair's values on a stream of gradients, positions fixed (spec 2.5): the values start
-    afresh (random signs over 1/sqrt(r)), and each gradient G gets `steps` Adam steps on e(G)^2.
-    Each gradient is used as it arrives and dropped, so at most one n_o x n_i gradient exists."""
+    afresh (random signs over 1/sqrt(r)), and each gradient G gets `steps` Adam steps on e(G)^2 (a
+    non-finite one is passed over). Each gradient is used as it arrives and dropped, so at most one n_o x n_i gradient exists."""
 
     def __init__(self, p_o: SparseProjector, p_i: SparseProjector, lr: float, steps: int, generator: torch.Generator,
                  fresh: bool = True):
@@ -158,6 +158,8 @@ class ValueFit:
 
     def observe(self, g: torch.Tensor) -> None:
         total = g.pow(2).sum()
+        if not rules.is_finite(total):  # a non-finite gradient (a diverging batch) would poison the values
+            return
         # Every step holds the same memory (Adam's state exists from the start): under fake tensors
         # (the planner's estimate) one step shows the peak of any number.
         steps = range(min(self.steps, 1) if is_fake(g) else self.steps)

@@ -155,3 +155,14 @@ def test_fitting_lowers_the_held_out_error_below_random_projectors():
         return math.sqrt(sum(float(pj.squared_residual(g, *p)) for g in held_out) / sum(float(g.pow(2).sum()) for g in held_out))
 
     assert error(learned) < 0.8 * error(random_pair)
+
+
+def test_a_non_finite_gradient_leaves_the_fit_as_it_was():
+    fit = pj.ValueFit(*pair(seed=7), lr=0.05, steps=3, generator=torch.Generator().manual_seed(8))
+    start = [v.detach().clone() for v in fit.values]
+    bad = torch.randn(24, 40, dtype=F64)
+    bad[0, 0] = float("nan")
+    fit.observe(bad)
+    assert all(torch.equal(v, s) for v, s in zip(fit.values, start))
+    fit.observe(torch.randn(24, 40, dtype=F64))
+    assert not torch.equal(fit.values[0], start[0]) and all(torch.isfinite(v).all() for v in fit.values)
