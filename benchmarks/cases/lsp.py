@@ -17,6 +17,7 @@ dense autograd gradients of every block linear on 8 fit and 8 held-out batches o
 values +-1/sqrt(r)), dense Gaussian N(0, 1/d) projectors, a two-sided SVD of the fit batches' summed
 gradient (top-d singular vectors each side: the same d x d state), and GaLore-style one-sided SVD
 at equal optimizer state (rank d^2 / n_i). Then e(G) against d at r = 4, and against r at d = 64.
+The same five on a larger real model, SmolLM2-135M-Instruct (scripts/make_smollm2.py), at d = 64, 128.
 
 Part 4, time to accuracy on the demo task (CPU, 2 cores): resident full fine-tuning, lsp (d = 64,
 its fit before step 1 and checks every 100 steps inside the measured steps) and the demo's LoRA,
@@ -100,15 +101,19 @@ def part2(quick: bool) -> list[dict]:
 # ---------------------------------------------------------------- part 3: projector quality
 
 
-def demo_gradients(batches: int) -> tuple[dict[str, list[torch.Tensor]], dict]:
-    """name -> dense gradients of every block linear weight, one per batch of the demo task."""
-    model = load_model(demo.ASSETS / "base", torch.float32, torch.device("cpu"))
-    tokenizer = load_tokenizer(demo.ASSETS / "base")
+def model_gradients(folder: Path, batches: int, every_block: int = 1) -> tuple[dict[str, list[torch.Tensor]], dict]:
+    """name -> dense gradients of the block linear weights (of every `every_block`-th block), one per
+    batch of the demo task, for the model in `folder`."""
+    model = load_model(folder, torch.float32, torch.device("cpu"))
+    tokenizer = load_tokenizer(folder)
     settings = demo.SETTINGS["data"]
     cfg = config.DataConfig(path=settings["path"], format=settings["format"], max_length=settings["max_length"])
     splits = data.load_splits(cfg, tokenizer, seed=0)
-    stream = data.BatchStream(splits.train, 16, cfg.max_length, True, tokenizer.pad_token_id, seed=0)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stream = data.BatchStream(splits.train, 16, cfg.max_length, True, pad, seed=0)
+    chosen = {f"model.layers.{b}." for b in range(0, model.config.num_hidden_layers, every_block)}
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(n.startswith(c) for c in chosen)}
     grads = {n: [] for n in linears}
     for _ in range(batches):
         batch = stream.next_batch()
@@ -168,7 +173,7 @@ def quality(grads: dict, shapes: dict, d: int, r: int, methods: tuple[str, ...],
 
 def part3(quick: bool) -> dict:
     fit = 4 if quick else 8
-    grads, shapes = demo_gradients(2 * fit)
+    grads, shapes = model_gradients(demo.ASSETS / "base", 2 * fit)
     all_methods = ("learned", "random", "gaussian", "svd_two_sided", "galore_equal_state")
     result = {"model": "slimtune demo base (pretrained; hidden 192, 4 blocks, 28 block linears)",
               "fit_batches": fit, "held_out_batches": fit, "rows_per_batch": 16,
@@ -178,6 +183,24 @@ def part3(quick: bool) -> dict:
     result["against_r"] = {r: quality(grads, shapes, 64, r, ("learned", "random"), fit)
                            for r in ((2, 4) if quick else (1, 2, 4, 8, 16))}
     return result
+
+
+def part3_larger(quick: bool) -> dict:
+    """The same comparison on SmolLM2-135M-Instruct (scripts/make_smollm2.py: pretrained, from PyPI),
+    every 5th block (6 of 30, 42 matrices), 4 fit and 4 held-out batches."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_smollm2", Path(__file__).parents[2] / "scripts" /
+                                                  "make_smollm2.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    folder = maker.make()
+    fit = 2 if quick else 4
+    grads, shapes = model_gradients(folder, 2 * fit, every_block=5)
+    methods = ("learned", "random", "gaussian", "svd_two_sided", "galore_equal_state")
+    return {"model": "SmolLM2-135M-Instruct (pretrained; hidden 576, FFN 1536; blocks 0, 5, ..., 25)",
+            "fit_batches": fit, "held_out_batches": fit, "rows_per_batch": 16,
+            **{f"at_d{d}_r4": quality(grads, shapes, d, 4, methods, fit) for d in ((64,) if quick else (64, 128))}}
 
 
 # ---------------------------------------------------------------- part 4: time to accuracy
@@ -239,6 +262,6 @@ def part4(quick: bool) -> dict:
 def run(quick: bool) -> dict:
     began = time.perf_counter()
     result = {"link_bytes": part1(quick), "device_peak": part2(quick), "projector_quality": part3(quick),
-              "time_to_accuracy": part4(quick)}
+              "projector_quality_larger": part3_larger(quick), "time_to_accuracy": part4(quick)}
     result["seconds"] = time.perf_counter() - began
     return result

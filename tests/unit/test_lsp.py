@@ -16,9 +16,11 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from conftest import engine_config, tiny_config
+from test_slide import batches
+from test_slide import model_of as slide_model_of
 from slimtune import checkpoint, estimate, config as config_module
 from slimtune.config import TrainConfig
-from slimtune.data import IGNORE_INDEX, Batch
+from slimtune.data import IGNORE_INDEX
 from slimtune.engines.lsp import LspConfig, LspEngine
 from slimtune.model import Stack
 from slimtune.optim import projectors, rules
@@ -28,26 +30,8 @@ CPU = torch.device("cpu")
 F64 = torch.float64
 
 
-def model_of(layers=2, dtype=F64, seed=0, **overrides) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=layers, **overrides), dtype=dtype,
-                                             attn_implementation="sdpa")
-    model.config.use_cache = False
-    return model
-
-
-def batches(vocab: int, seed: int, micro: int = 2, rows: int = 2, seq: int = 12) -> list[Batch]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(micro):
-        ids = torch.randint(3, vocab, (rows, seq), generator=g)
-        targets = torch.roll(ids, -1, dims=1)
-        targets[:, -1] = IGNORE_INDEX
-        targets[0, :4] = IGNORE_INDEX
-        out.append(Batch(ids, targets, torch.arange(seq).expand(rows, seq).clone()))
-    return out
+def model_of(layers=2, **kw) -> nn.Module:
+    return slide_model_of(layers=layers, **kw)
 
 
 def run_cfg(lsp: LspConfig | None = None, **train):
