@@ -37,7 +37,10 @@ class Run:
     engine: Engine
 
     def trainable_count(self) -> int:
-        return sum(p.numel() for p in self.stack.model.parameters() if p.requires_grad)
+        """Trained weights: the engine's count where it trains weights autograd does not see (lsp's
+        projected matrices are frozen parameters trained through their subspace), else requires_grad's."""
+        own = getattr(self.engine, "trained_numel", None)
+        return own() if own is not None else sum(p.numel() for p in self.stack.model.parameters() if p.requires_grad)
 
     @functools.cached_property
     def eval_batches(self) -> list[data.Batch]:

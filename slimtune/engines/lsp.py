@@ -379,6 +379,10 @@ class LspEngine:
         state.update((n, p.detach()) for n, p in self.others)
         return state
 
+    def trained_numel(self) -> int:
+        """Weights this run trains: every projected matrix (through its subspace) and the others."""
+        return sum(m.weight.numel() for m in self.modules) + sum(p.numel() for _, p in self.others)
+
     def host_bytes(self) -> int:
         return sum(adam.host_bytes() for adam in self.adams)
 

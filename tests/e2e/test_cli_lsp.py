@@ -20,7 +20,9 @@ def records(run_dir):
 def test_lsp_trains_resumes_exactly_and_exports_a_loadable_model(workdir):
     from transformers import AutoModelForCausalLM
 
-    slimtune("train", "run.yaml", *LSP, "train.steps=6", "output_dir=straight", cwd=workdir)
+    first = slimtune("train", "run.yaml", *LSP, "train.steps=6", "output_dir=straight", cwd=workdir)
+    counted = next(line for line in first.stdout.splitlines() if "trainable parameters" in line)
+    assert int(counted.split()[-1].replace(",", "")) > 0  # the projected matrices count, though frozen to autograd
     slimtune("train", "run.yaml", *LSP, "train.steps=3", "output_dir=resumed", cwd=workdir)
     out = slimtune("train", "run.yaml", *LSP, "train.steps=6", "output_dir=resumed", cwd=workdir)
     assert "resumed from 3" in out.stdout
