@@ -52,7 +52,7 @@ def host_allocation() -> Iterator[None]:
             meter.host_allocations -= 1
 
 
-def representative(steps: Sequence, like: torch.Tensor, alike_from: int = 1) -> Sequence:
+def representative(steps: Sequence, like: torch.Tensor, alike_from: int = 1, last_alike: bool = False) -> Sequence:
     """The steps to run of a loop in which every step after step `alike_from` holds the same memory
     as that one (it frees what it makes, or adds in place into what an earlier step made; the last
     may be smaller): all of them, but under fake tensors (the planner's estimate, which computes no
@@ -60,8 +60,14 @@ def representative(steps: Sequence, like: torch.Tensor, alike_from: int = 1) -> 
     ops. alike_from=0: a loop that keeps nothing from one step to the next (weight tiles dequantized
     and dropped); 1 (default): the first step may leave something the later ones reuse (an
     accumulator made on first use). Callers are loops over token chunks and weight tiles; the
-    estimate is tested equal to a real run's meter on shapes where each of them has many steps."""
-    if len(steps) <= alike_from + 2 or not is_fake(like):
+    estimate is tested equal to a real run's meter on shapes where each of them has many steps.
+    last_alike: the last step is no smaller than the others (every step the same shape: the r terms
+    of a sparse product), so steps 0..alike_from alone show the peak."""
+    if not is_fake(like):
+        return steps
+    if last_alike:
+        return steps[:alike_from + 1]
+    if len(steps) <= alike_from + 2:
         return steps
     return [*steps[:alike_from + 1], steps[-1]]
 

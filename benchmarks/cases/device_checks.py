@@ -218,9 +218,9 @@ def lsp_speed(quick: bool, output_dir: str) -> dict:
         out[name] = {"median_step_s": statistics.median(times[2:]), "first_step_s": times[0],
                      "device_peak_bytes": results[-1].device_peak_bytes, "link_bytes": results[-1].host_link_bytes}
         if name == "lsp":
-            out["lsp"]["schedule"] = vars(built.schedule)
+            out["lsp"]["schedule"] = vars(built.updates.schedule)
             out["lsp_profile"] = profile_summary(built, batch)
-            out["lsp_profile"]["host_adamw_s"] = sum(built.clock.updates)
+            out["lsp_profile"]["host_adamw_s"] = sum(built.updates.clock.updates)
     out["lsp_over_resident_time"] = out["lsp"]["median_step_s"] / out["resident"]["median_step_s"]
     out["sync_over_pipelined_time"] = out["lsp_sync"]["median_step_s"] / out["lsp"]["median_step_s"]
     out["goal_slowdown"] = 1.17

@@ -59,10 +59,10 @@ class SparseProjector:
         val = self.val.to(x.dtype)
         out = x.new_zeros(*x.shape[:-1], self.d)
         grad = torch.is_grad_enabled() and (x.requires_grad or val.requires_grad)
-        # Without autograd each term is made and dropped in turn: under fake tensors the first and last
-        # show the memory. With it (fitting) autograd keeps every term (index_add's backward saves its
+        # Without autograd each term is made and dropped in turn, all of one shape: under fake tensors
+        # the first shows the memory. With it (fitting) autograd keeps every term (index_add's backward saves its
         # source), so every step runs.
-        for s in range(self.r) if grad else memory.representative(range(self.r), x, alike_from=0):
+        for s in range(self.r) if grad else memory.representative(range(self.r), x, alike_from=0, last_alike=True):
             term = x * val[:, s]
             out = out.index_add(-1, self.pos[:, s], term) if grad else out.index_add_(-1, self.pos[:, s], term)
             del term  # before the next one is made: one (..., n) term at a time
@@ -73,7 +73,8 @@ class SparseProjector:
         val = self.val.to(a.dtype)
         grad = torch.is_grad_enabled() and (a.requires_grad or val.requires_grad)
         out = a.index_select(-1, self.pos[:, 0]) * val[:, 0]
-        for s in range(1, self.r) if grad else memory.representative(range(1, self.r), a, alike_from=0):
+        for s in range(1, self.r) if grad else memory.representative(range(1, self.r), a, alike_from=0,
+                                                                                   last_alike=True):
             term = a.index_select(-1, self.pos[:, s]) * val[:, s]
             out = out + term if grad else out.add_(term)
             del term
