@@ -180,7 +180,7 @@ def profile_summary(engine, batch: Batch) -> dict:
 def lsp_compressed_gradient(quick: bool) -> dict:
     """G_c of a bf16 ProjectedLinear on the device against P_o^T (dY^T X) P_i in float64 (rtol 1e-3)."""
     from slimtune.optim.projectors import SparseProjector
-    from slimtune.projected_linear import ProjectedLinear
+    from slimtune.lsp.projected_linear import ProjectedLinear
 
     n_o, n_i, tokens, d = (256, 512, 256, 64) if quick else (4096, 14336, 2048, 512)
     where, g = device(), torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 by learned sparse projectors (LSP-Offload; the team's spec is lsp-offload.md).
 
 Where things live. Device: the model in the run's weight dtype (bf16 under bf16), each block linear
-a ProjectedLinear (projected_linear.py) with its d x d coordinate Z (fp32) and its two sparse
+a ProjectedLinear (lsp/projected_linear.py) with its d x d coordinate Z (fp32) and its two sparse
 projectors; activations (each projected linear keeps X P_i, not X). Host: per matrix a HostAdam over
 Z (fp32 master, AdamW moments, step count): the shared host optimizer (torch's fused CPU AdamW on
 the host worker thread, off the GIL). Embeddings, norms and the head are frozen, or with
@@ -10,9 +10,9 @@ lsp.train_other trained by a fused AdamW on the device (fp32 copies of them ther
 
 One step. Forward and backward as on the resident engine. When a matrix's compressed gradient
 G_c = dZ is complete (autograd's hook on Z, last micro-batch), it is copied down (d^2 x 4 bytes,
-counted by runtime.Link) and its update follows the schedule (lsp_schedule.py): host AdamW in the
+counted by runtime.Link) and its update follows the schedule (lsp/schedule.py): host AdamW in the
 d x d space, the new Z copied up (d^2 x 4 bytes), and applied before the matrix's next use. The
-weights never change between refits: Z carries the update (projected_linear.py says why).
+weights never change between refits: Z carries the update (lsp/projected_linear.py says why).
 
 Projectors are learned (spec 2.5). Before step 1, and every lsp.check_every steps, a pass over a
 fixed sample of training examples (lsp.fit_samples, drawn once; the step's own batches when none was
@@ -39,7 +39,9 @@ from typing import Literal
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import block_stores, lora, lsp_learning, lsp_schedule, lsp_updates, memory, presets, runtime, speed
+from slimtune import block_stores, lora, memory, presets, runtime
+from slimtune.lsp import learning, schedule as lsp_schedule, updates as lsp_updates
+from slimtune.lsp.speed import step_time
 from slimtune.checkpoint import EngineState
 from slimtune.config import RunConfig, TrainConfig, positive, setting
 from slimtune.data import Batch
@@ -50,7 +52,7 @@ from slimtune.host_unit import StepGuard
 from slimtune.model import Stack
 from slimtune.optim import projectors, rules
 from slimtune.optim.host_adam import MOMENTS, Group, HostAdam
-from slimtune.projected_linear import ProjectedLinear
+from slimtune.lsp.projected_linear import ProjectedLinear
 
 
 @dataclass
@@ -133,7 +135,7 @@ class LspEngine:
         self.updates = lsp_updates.UpdatePipeline(self.modules, self.adams, blocks, self.link, worker, schedule,
                                                   lsp_schedule.Clock(device))
         self.step_count = 0
-        self.learning = lsp_learning.ProjectorLearning(self.modules, self.adams, self.lsp, self.generator,
+        self.learning = learning.ProjectorLearning(self.modules, self.adams, self.lsp, self.generator,
                                                        self.rounding, self.fake)
         self.sample: list[Batch] | None = None
         self.check_peak: tuple[int, dict] | None = None  # the projector pass's device peak, once measured
@@ -163,6 +165,11 @@ class LspEngine:
         if not found:
             raise UserError("engine=lsp found no trainable linear in the blocks to project (freeze patterns?).")
         return found
+
+    @property
+    def _mlp_modules(self) -> list[ProjectedLinear]:
+        """The projected linears of the blocks' MLPs (a checkpointed block recomputes them in chunks)."""
+        return [m for block in self.stack.blocks for m in block.mlp.modules() if isinstance(m, ProjectedLinear)]
 
     def _block_of(self, module: ProjectedLinear) -> int:
         return next(b for b, block in enumerate(self.stack.blocks) if any(m is module for m in block.modules()))
@@ -330,7 +337,7 @@ class LspEngine:
     # ------------------------------------------------------------ learning the projectors
 
     def _check_projectors(self, micro_batches: list[Batch], reading) -> dict:
-        """Before step 1, and every lsp.check_every steps, the projector check (lsp_learning.py) on the
+        """Before step 1, and every lsp.check_every steps, the projector check (lsp/learning.py) on the
         fit sample (the step's own batches when none was given); its pass's peak is kept."""
         if not self.learning.due(self.step_count):
             return {}
@@ -342,20 +349,25 @@ class LspEngine:
         return extras
 
     def _probe_pass(self, batches: list[Batch], observers: dict) -> None:
-        """Forward and backward over `batches` with the observed matrices in probe mode (each full
-        gradient handed to observers[i], then dropped) and nothing else collecting gradients."""
+        """Forward and backward over `batches` with the observed matrices in probe mode (each batch's
+        full gradient handed to observers[i] once complete, then dropped: learning.Collector) and
+        nothing else collecting gradients."""
         saved = [(t, t.requires_grad) for t in [p for _, p in self.others] + [m.z for m in self.modules]]
         for tensor, _ in saved:
             tensor.requires_grad_(False)
+        chunked = self.activations_cfg.checkpoint != "none"
+        in_parts = {m.index for m in self._mlp_modules} if chunked else set()
+        collector = learning.Collector(self.updates.blocks, observers, in_parts)
         try:
-            for index, observe in observers.items():
-                self.modules[index].probe = observe
+            for index in observers:
+                self.modules[index].probe = functools.partial(collector.take, index)
                 self.modules[index].z.requires_grad_(True)
             for batch in batches:
                 with block_stores.open_store(self.activations_cfg, self.device, self.store_dir) as store:
                     out = model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision,
                                      batch.to(self.device), self._reading or memory.NO_READING, store=store)
                     (out.loss_sum / max(batch.num_targets, 1)).backward()
+                collector.finish()
         finally:
             for module in self.modules:
                 module.probe = None
@@ -454,49 +466,6 @@ def weight_dtype(precision: str, method: str) -> torch.dtype:
     """The weights stay in the compute dtype (bf16 under bf16): their update lives in Z, in fp32."""
     del method
     return {"bf16": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
-
-
-def _block_shapes(model_config) -> list[tuple[int, int]]:
-    """(n_o, n_i) of a block's linears: q, k, v, o and the gated MLP."""
-    width, heads = model_config.hidden_size, model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or width // heads
-    q, kv, ffn = heads * head_dim, model_config.num_key_value_heads * head_dim, model_config.intermediate_size
-    return [(q, width), (kv, width), (kv, width), (width, q), (ffn, width), (ffn, width), (width, ffn)]
-
-
-def subspace_numbers(model_config, d: int) -> int:
-    """Numbers the host AdamW updates a step: sum over the block linears of min(d, n_o, n_i)^2."""
-    return model_config.num_hidden_layers * sum(min(d, *shape) ** 2 for shape in _block_shapes(model_config))
-
-
-def sparse_traffic_bytes(model_config, r: int, tokens: int, forwards: int, element_bytes: int) -> float:
-    """Device memory traffic of the sparse products (modelled): each of X P_i, the output correction,
-    dY P_o and the input-gradient correction runs r terms, each reading and writing a (T, n) tensor
-    and adding it in (about 3 passes over T x n). Forward products run `forwards` times (2 with
-    recompute), backward ones once."""
-    per_token = sum(n_o + n_i for n_o, n_i in _block_shapes(model_config)) * model_config.num_hidden_layers
-    return 3 * r * tokens * per_token * element_bytes * (forwards + 1)
-
-
-def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,
-              seq_len: int) -> speed.StepTime:
-    """Modelled: the backward computes input gradients only (no weight-gradient matmuls), plus the
-    sparse products' memory traffic (the d x d products are left out); copies and the host AdamW over
-    the d x d coordinates overlap compute; the projector check's pass (a full backward over the fit
-    sample) is spread over the steps between checks."""
-    lsp_cfg = cfg.section("lsp")
-    recompute = cfg.activations.checkpoint != "none"
-    accum = cfg.train.grad_accum
-    flops = speed.step_flops(model_config, "lora", batch_size, seq_len, recompute) * accum
-    if lsp_cfg.check_every:
-        check = speed.step_flops(model_config, "full", batch_size, seq_len, recompute)
-        flops += check * -(-lsp_cfg.fit_samples // batch_size) / lsp_cfg.check_every
-    element = 2 if cfg.precision == "bf16" else 4
-    traffic = sparse_traffic_bytes(model_config, lsp_cfg.r, batch_size * seq_len, 2 if recompute else 1, element)
-    disk = 2 * counts.disk_bytes if cfg.activations.checkpoint == "disk" else 0.0
-    return speed.overlapped_step_time(flops, subspace_numbers(model_config, lsp_cfg.d), gpu, cfg.precision,
-                                      counts.host_link_bytes, disk, updates_exposed=False,
-                                      memory_bytes=traffic * accum)
 
 
 def plans(method: str) -> list[dict]:

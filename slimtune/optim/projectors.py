@@ -57,32 +57,72 @@ class SparseProjector:
     def right(self, x: torch.Tensor) -> torch.Tensor:
         """x @ P: (..., n) -> (..., d), in x's dtype."""
         val = self.val.to(x.dtype)
-        out = x.new_zeros(*x.shape[:-1], self.d)
-        grad = torch.is_grad_enabled() and (x.requires_grad or val.requires_grad)
-        # Without autograd each term is made and dropped in turn, all of one shape: under fake tensors
-        # the first shows the memory. With it (fitting) autograd keeps every term (index_add's backward saves its
-        # source), so every step runs.
-        for s in range(self.r) if grad else memory.representative(range(self.r), x, alike_from=0, last_alike=True):
-            term = x * val[:, s]
-            out = out.index_add(-1, self.pos[:, s], term) if grad else out.index_add_(-1, self.pos[:, s], term)
-            del term  # before the next one is made: one (..., n) term at a time
-        return out
+        if torch.is_grad_enabled() and (x.requires_grad or val.requires_grad):
+            return _SparseProduct.apply(x, val, self.pos, self.d, False)
+        return _right(x, self.pos, val, self.d)
 
     def right_t(self, a: torch.Tensor) -> torch.Tensor:
         """a @ P^T: (..., d) -> (..., n), in a's dtype."""
         val = self.val.to(a.dtype)
-        grad = torch.is_grad_enabled() and (a.requires_grad or val.requires_grad)
-        out = a.index_select(-1, self.pos[:, 0]) * val[:, 0]
-        for s in range(1, self.r) if grad else memory.representative(range(1, self.r), a, alike_from=0,
-                                                                                   last_alike=True):
-            term = a.index_select(-1, self.pos[:, s]) * val[:, s]
-            out = out + term if grad else out.add_(term)
-            del term
-        return out
+        if torch.is_grad_enabled() and (a.requires_grad or val.requires_grad):
+            return _SparseProduct.apply(a, val, self.pos, self.d, True)
+        return _right_t(a, self.pos, val)
 
     def dense(self) -> torch.Tensor:
         """P as an (n, d) tensor: for tests, fitting baselines and GaLore-style comparisons only."""
         return self.val.new_zeros(self.n, self.d).scatter(1, self.pos, self.val)
+
+
+# The products, term by term: each of the r terms is made, added in and dropped before the next, all
+# of one shape, so under fake tensors (the planner's estimate) the first shows the memory.
+
+
+def _terms(r: int, like: torch.Tensor, first: int = 0):
+    return memory.representative(range(first, r), like, alike_from=0, last_alike=True)
+
+
+def _right(x: torch.Tensor, pos: torch.Tensor, val: torch.Tensor, d: int) -> torch.Tensor:
+    out = x.new_zeros(*x.shape[:-1], d)
+    for s in _terms(pos.shape[1], x):
+        term = x * val[:, s]
+        out.index_add_(-1, pos[:, s], term)
+        del term
+    return out
+
+
+def _right_t(a: torch.Tensor, pos: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+    out = a.index_select(-1, pos[:, 0]) * val[:, 0]
+    for s in _terms(pos.shape[1], a, first=1):
+        term = a.index_select(-1, pos[:, s]).mul_(val[:, s])
+        out.add_(term)
+        del term
+    return out
+
+
+class _SparseProduct(torch.autograd.Function):
+    """x @ P (or a @ P^T) with gradients for x and for P's values, saving only the input: a plain
+    autograd graph of the terms would keep all r of them (index_add's backward saves its source),
+    r tensors of the input's size while the projectors are fit on a full gradient."""
+
+    @staticmethod
+    def forward(ctx, x, val, pos, d: int, transposed: bool):
+        ctx.save_for_backward(x, val, pos)
+        ctx.d, ctx.transposed = d, transposed
+        return _right_t(x, pos, val) if transposed else _right(x, pos, val, d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, val, pos = ctx.saved_tensors
+        grad_x = grad_val = None
+        if ctx.needs_input_grad[0]:  # (a P^T)' = g P and (x P)' = g P^T
+            grad_x = _right(grad, pos, val, ctx.d) if ctx.transposed else _right_t(grad, pos, val)
+        if ctx.needs_input_grad[1]:
+            # d/d val[k, s] = sum over rows of (n-side tensor)[.., k] * (d-side tensor)[.., pos[k, s]]
+            wide, narrow = (grad, x) if ctx.transposed else (x, grad)
+            grad_val = torch.zeros_like(val)
+            for s in _terms(pos.shape[1], x):
+                grad_val[:, s] = (wide * narrow.index_select(-1, pos[:, s])).flatten(0, -2).sum(0)
+        return grad_x, grad_val, None, None, None
 
 
 def random_values(n: int, r: int, generator: torch.Generator, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

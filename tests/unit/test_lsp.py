@@ -24,7 +24,7 @@ from slimtune.data import IGNORE_INDEX
 from slimtune.engines.lsp import LspConfig, LspEngine
 from slimtune.model import Stack
 from slimtune.optim import projectors, rules
-from slimtune.projected_linear import ProjectedLinear
+from slimtune.lsp.projected_linear import ProjectedLinear
 
 CPU = torch.device("cpu")
 F64 = torch.float64
@@ -115,6 +115,20 @@ def test_recomputed_blocks_with_mlp_chunks_train_like_the_oracle():
     assert [r.loss for r in results] == pytest.approx(losses, abs=1e-10, rel=0)
     for name, value in expected.items():
         torch.testing.assert_close(engine.trainable_state()[name], value, atol=1e-10, rtol=0, msg=name)
+
+
+def test_the_projector_check_sees_whole_gradients_under_chunked_recompute():
+    """The probe pass of a checkpointed block hands its MLP matrices their gradient in token chunks:
+    the check sums them, so e(G) is the same as without checkpointing."""
+    from slimtune.config import ActivationsConfig
+
+    model, errors = model_of(), []
+    for activations in (ActivationsConfig(), ActivationsConfig(checkpoint="recompute", mlp_chunk=5)):
+        cfg = run_cfg(LspConfig(d=8, r=3, check_every=0))
+        cfg.activations = activations
+        engine = fixed_projector_engine(copy.deepcopy(model), cfg)
+        errors.append(engine.learning.measure(batches(model.config.vocab_size, 0), engine._probe_pass))
+    assert errors[0] == pytest.approx(errors[1], abs=1e-10, rel=0)
 
 
 def test_the_link_moves_two_d_squared_fp32_numbers_a_matrix_a_step():

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from slimtune.optim import projectors as pj
-from slimtune.projected_linear import ProjectedLinear
+from slimtune.lsp.projected_linear import ProjectedLinear
 
 F64 = torch.float64
 CPU = torch.device("cpu")
@@ -166,3 +166,24 @@ def test_a_non_finite_gradient_leaves_the_fit_as_it_was():
     assert all(torch.equal(v, s) for v, s in zip(fit.values, start))
     fit.observe(torch.randn(24, 40, dtype=F64))
     assert not torch.equal(fit.values[0], start[0]) and all(torch.isfinite(v).all() for v in fit.values)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["x-P", "a-P-transposed"])
+def test_product_gradients_in_the_values_and_the_input_equal_dense_autograd(transposed):
+    """Fitting differentiates the products in P's values; the engine never does (its products run
+    under no_grad)."""
+    p = pair()[1]
+    val = p.val.clone().requires_grad_()
+    x = torch.randn(3, 5, p.d if transposed else p.n, dtype=F64, requires_grad=True)
+    sparse = pj.SparseProjector(p.pos, val, p.d)
+    out = sparse.right_t(x) if transposed else sparse.right(x)
+    weights = torch.randn(out.shape, dtype=F64)
+    (out * weights).sum().backward()
+    val_dense = val.detach().clone().requires_grad_()
+    x_dense = x.detach().clone().requires_grad_()
+    dense = torch.zeros(p.n, p.d, dtype=F64).scatter(1, p.pos, val_dense)
+    expected = x_dense @ dense.T if transposed else x_dense @ dense
+    (expected * weights).sum().backward()
+    assert torch.allclose(out, expected, atol=1e-12)
+    assert torch.allclose(x.grad, x_dense.grad, atol=1e-12)
+    assert torch.allclose(val.grad, val_dense.grad, atol=1e-12)

@@ -1,5 +1,5 @@
 """The updates of engine lsp's matrices in flight: each G_c down when it is complete, its host AdamW
-on the worker, the new Z up and applied, in the order lsp_schedule.Schedule says (the module
+on the worker, the new Z up and applied, in the order schedule.Schedule says (the module
 docstring there has the actions and lags).
 
 A matrix may receive its G_c in parts (a checkpointed block recomputes its MLP in token chunks), so
@@ -16,10 +16,10 @@ import torch
 
 from slimtune import runtime
 from slimtune.host_unit import StepGuard
-from slimtune.lsp_schedule import Clock, Schedule
+from slimtune.lsp.schedule import Clock, Schedule
 from slimtune.optim import rules
 from slimtune.optim.host_adam import HostAdam
-from slimtune.projected_linear import ProjectedLinear
+from slimtune.lsp.projected_linear import ProjectedLinear
 
 
 @dataclass

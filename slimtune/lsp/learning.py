@@ -20,7 +20,36 @@ import torch
 
 from slimtune.optim import projectors
 from slimtune.optim.host_adam import HostAdam
-from slimtune.projected_linear import ProjectedLinear
+from slimtune.lsp.projected_linear import ProjectedLinear
+
+
+class Collector:
+    """Hands each matrix's full gradient of a batch to its observer once it is complete, one at a
+    time. A checkpointed block recomputes its MLP in token chunks, so an MLP matrix (`in_parts`) gets
+    its gradient in parts: they are summed, and such a matrix is complete when backward reaches
+    another block, or ends (`finish`), as in updates.py; the others are observed as they come."""
+
+    def __init__(self, blocks: list[int], observers: dict[int, Callable[[torch.Tensor], None]], in_parts: set[int]):
+        self.blocks, self.observers, self.in_parts = blocks, observers, in_parts
+        self.parts: dict[int, torch.Tensor] = {}
+        self.block: int | None = None
+
+    def take(self, index: int, grad: torch.Tensor) -> None:
+        if self.block is not None and self.blocks[index] != self.block:
+            self.finish()
+        self.block = self.blocks[index]
+        if index not in self.in_parts:
+            self.observers[index](grad)
+        elif index in self.parts:
+            self.parts[index].add_(grad)
+        else:
+            self.parts[index] = grad
+
+    def finish(self) -> None:
+        while self.parts:
+            index = next(iter(self.parts))
+            self.observers[index](self.parts.pop(index))
+        self.block = None
 
 
 class ProjectorLearning:
