@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from slimtune import memory
 from slimtune.optim import projectors
 from slimtune.optim.host_adam import HostAdam
 from slimtune.lsp.projected_linear import ProjectedLinear
@@ -101,7 +102,13 @@ class ProjectorLearning:
         steps = max(1, -(-self.settings.fit_iterations // len(batches)))
         fits = {i: projectors.ValueFit(self.modules[i].p_o, self.modules[i].p_i, self.settings.fit_lr, steps,
                                        self.generator, fresh=not self.fake) for i in chosen}
-        probe_pass(batches, {i: fit.observe for i, fit in fits.items()})
+        replay = memory.TransientReplay()  # under fake tensors: one fit step per matrix shape
+
+        def observe(index: int, grad: torch.Tensor) -> None:
+            module = self.modules[index]
+            replay.run((tuple(grad.shape), module.d, module.p_o.r, grad.dtype), grad, fits[index].observe, grad)
+
+        probe_pass(batches, {i: functools.partial(observe, i) for i in fits})
         for index, fit in fits.items():
             module, views = self.modules[index], self.adams[index].member(0, 0)
             old, new = (module.p_o, module.p_i), fit.pair()
