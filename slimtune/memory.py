@@ -91,6 +91,7 @@ class TransientReplay:
             del held
             return
         meter = meters[0]
+        meter.track([like, *(a for a in args if isinstance(a, torch.Tensor))])  # inputs are not its transient
         start, before = meter.current, (meter.peak, meter.peak_breakdown)
         meter.peak = start
         fn(*args)

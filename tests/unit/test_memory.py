@@ -93,3 +93,35 @@ def test_breakdown_by_phase_and_retag():
                                     "loss": 0, "temporaries": 800}
     assert sum(meter.peak_breakdown.values()) == meter.peak
     del saved, grad, big
+
+
+def test_a_replayed_transient_peak_is_what_running_the_call_again_shows():
+    """TransientReplay under fake tensors: the second call of a key allocates the first's transient
+    peak above the bytes live at that moment; the meter's peak, breakdown and segments are those of
+    running every call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def transient(x):  # leaves nothing behind; peaks at two temporaries of x's size
+        y = x * 2
+        z = y + 1
+        del y, z
+
+    def steps(replayed: bool):
+        mode = FakeTensorMode()
+        replay = memory.TransientReplay()
+        with mode:
+            x = torch.empty(1000)
+            meter = memory.LiveBytesMeter(segments=True)
+            with meter:
+                for k, extra in enumerate((0, 3000, 500)):  # other bytes live around each call
+                    meter.enter_segment(("call", k))
+                    held = torch.empty(extra, dtype=torch.uint8)
+                    if replayed:
+                        replay.run("same shape", x, transient, x)
+                    else:
+                        transient(x)
+                    del held
+        return meter.peak, meter.peak_breakdown, meter.segments
+
+    assert steps(replayed=True) == steps(replayed=False)
+    assert steps(replayed=True)[0] == 4000 + 3000 + 8000
