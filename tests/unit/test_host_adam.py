@@ -102,3 +102,21 @@ def test_shadows_are_the_masters_rounded_once():
     assert adam.member(0, 1).shadow.shape == (5,)
     same = HostAdam("fp32", GROUPS, torch.float32, CPU, SETTINGS, shadow_dtype=torch.float32)
     assert all(s is None for s in same.shadows)  # no narrower dtype: the master itself goes up
+
+
+@pytest.mark.parametrize("size", [*range(1, 18), 100_003])
+def test_any_size_equals_torch_adamw_with_eps_outside_the_square_root(size):
+    """lsp's d x d coordinates come in every size: the fused CPU kernel skips none (the reference's
+    kernel skipped sizes not a multiple of 8) and puts eps where torch.optim.AdamW does, m / (sqrt(v) + eps)."""
+    adam = HostAdam("sizes", [Group((torch.Size([size]),), 0.0)], torch.float64, CPU, SETTINGS)
+    start = torch.randn(size, dtype=torch.float64, generator=torch.Generator().manual_seed(size))
+    adam.member(0, 0).master.copy_(start)
+    param = torch.nn.Parameter(start.clone())
+    reference = torch.optim.AdamW([param], weight_decay=0.0, foreach=False, **SETTINGS)
+    for step in range(3):
+        grad = torch.randn(size, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + step))
+        adam.member(0, 0).grad.copy_(grad)
+        adam.update(SETTINGS["lr"])
+        param.grad = grad.clone()
+        reference.step()
+    torch.testing.assert_close(adam.member(0, 0).master, param.detach(), atol=1e-12, rtol=0)
