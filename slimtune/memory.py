@@ -87,8 +87,7 @@ class TransientReplay:
             fn(*args)
             return
         if key in self.peaks:
-            held = torch.empty(self.peaks[key], dtype=torch.uint8, device=like.device)
-            del held
+            torch.empty(self.peaks[key], dtype=torch.uint8, device=like.device)  # made and dropped at once
             return
         meter = meters[0]
         meter.track([like, *(a for a in args if isinstance(a, torch.Tensor))])  # inputs are not its transient

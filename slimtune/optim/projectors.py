@@ -51,9 +51,6 @@ class SparseProjector:
         pos = torch.multinomial(torch.ones(n, d), r, replacement=False, generator=generator)
         return cls(pos.to(device), random_values(n, r, generator, dtype, device), d)
 
-    def with_values(self, val: torch.Tensor) -> SparseProjector:
-        return SparseProjector(self.pos, val, self.d)
-
     def right(self, x: torch.Tensor) -> torch.Tensor:
         """x @ P: (..., n) -> (..., d), in x's dtype."""
         val = self.val.to(x.dtype)
