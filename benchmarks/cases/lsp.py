@@ -1,14 +1,7 @@
-"""Engine lsp (learned sparse projectors, spec lsp-offload.md): what crosses the host link, what it
-needs on the device, how good the projectors are on real gradients, and how fast it reaches the
-accuracy of full fine-tuning.
-
-Part 1, link bytes (fake tensors, counted by runtime.Link): lsp's bytes per step at the default
-d = 512 against full-gradient offload, i.e. the gradient bytes the slide engine sends down per step
-(its Link.bytes_down at depths 3 and 4, extrapolated in depth as the estimate does: bytes are affine
-in depth), for Llama-3.2-3B and Llama-3.1-8B, batch 1 x 1024. Goal: <= 5%.
-
-Part 2, device peak from the estimate (fake tensors, the training meter), batch 1 x 1024, bf16:
-lsp with and without block recompute against resident full fine-tuning, Llama-3.2-1B/3B, Llama-3.1-8B.
+"""Engine lsp (learned sparse projectors, spec lsp-offload.md): how good the projectors are on real
+gradients, and how fast it reaches the accuracy of full fine-tuning. What crosses the host link and
+what it needs on the device are the case lsp_link (parts 1 and 2 of this case until the default d
+became derived; results before 2026-12-01 12:00 hold them at d = 512).
 
 Part 3, projector quality on real gradients: the demo's pretrained base model (slimtune/demo/base),
 dense autograd gradients of every block linear on 8 fit and 8 held-out batches of the demo task
@@ -36,69 +29,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from slimtune import assembly, config, data, demo, estimate, presets, train
-from slimtune.model import Stack, load_model, load_tokenizer
+from slimtune import config, data, demo, train
+from slimtune.model import load_model, load_tokenizer
 from slimtune.optim import projectors
 
 GIB = 2**30
 SEQ = 1024
-
-
-def run_config(engine: str, *extra: str):
-    return config.load(None, [f"engine={engine}", "method=full", "precision=bf16", "train.batch_size=1", *extra],
-                       base={"model": "(benchmark)", "data": "(benchmark)"})
-
-
-def slide_gradient_bytes(model_config, depth: int) -> int:
-    """Bytes the slide engine sends down (its gradients) in one fake step at `depth` blocks."""
-    cfg = run_config("slide", "activations.checkpoint=host")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    shallow = estimate.at_depth(model_config, depth)
-    stack = Stack(estimate.fake_model(shallow, assembly.run_weight_dtype(cfg, "bf16"), mode))
-    real = estimate.synthetic_batch(1, SEQ, model_config.vocab_size)
-    with mode:
-        engine = assembly.assemble(cfg, stack, assembly.HOST, "bf16")
-        batch = data.Batch(*(mode.from_tensor(t) for t in (real.input_ids, real.targets, real.position_ids,
-                                                            real.trained_positions)),
-                           num_targets=real.num_targets, segmented=real.segmented)
-        engine.step([batch])
-    return engine.link.bytes_down
-
-
-def part1(quick: bool) -> list[dict]:
-    rows = []
-    for name in ("Llama-3.2-3B",) if quick else ("Llama-3.2-3B", "Llama-3.1-8B"):
-        model_config = presets.model_config(name)
-        lsp = estimate.estimate(model_config, run_config("lsp"), 1, SEQ)
-        low, high = slide_gradient_bytes(model_config, 3), slide_gradient_bytes(model_config, 4)
-        slide = low + (high - low) * (model_config.num_hidden_layers - 3)
-        rows.append({"model": name, "d": 512, "lsp_link_bytes": lsp.host_link_bytes,
-                     "lsp_link_gib": lsp.host_link_bytes / GIB, "slide_gradient_bytes": slide,
-                     "slide_gradient_gib": slide / GIB, "ratio": lsp.host_link_bytes / slide,
-                     "goal": 0.05, "met": lsp.host_link_bytes / slide <= 0.05})
-    return rows
-
-
-def part2(quick: bool) -> list[dict]:
-    rows = []
-    models = ("Llama-3.2-1B",) if quick else ("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B")
-    plans = [("lsp", ()), ("lsp", ("activations.checkpoint=recompute",)), ("resident", ()),
-             ("resident", ("activations.checkpoint=recompute",))]
-    for name in models:
-        model_config = presets.model_config(name)
-        for engine, extra in plans:
-            began = time.perf_counter()
-            found = estimate.estimate(model_config, run_config(engine, *extra), 1, SEQ)
-            rows.append({"model": name, "engine": engine, "options": list(extra),
-                         "device_peak_bytes": found.device_peak_bytes, "device_peak_gib": found.device_peak_bytes / GIB,
-                         "breakdown_gib": {k: v / GIB for k, v in found.breakdown.items()},
-                         "host_gib": found.host_bytes / GIB, "seconds": time.perf_counter() - began})
-    return rows
-
-
-# ---------------------------------------------------------------- part 3: projector quality
 
 
 def model_gradients(folder: Path, batches: int, every_block: int = 1) -> tuple[dict[str, list[torch.Tensor]], dict]:
@@ -261,7 +198,7 @@ def part4(quick: bool) -> dict:
 
 def run(quick: bool) -> dict:
     began = time.perf_counter()
-    result = {"link_bytes": part1(quick), "device_peak": part2(quick), "projector_quality": part3(quick),
+    result = {"projector_quality": part3(quick),
               "projector_quality_larger": part3_larger(quick), "time_to_accuracy": part4(quick)}
     result["seconds"] = time.perf_counter() - began
     return result

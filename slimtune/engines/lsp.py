@@ -40,7 +40,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimtune import block_stores, lora, memory, presets, runtime
-from slimtune.lsp import learning, schedule as lsp_schedule, updates as lsp_updates
+from slimtune.lsp import learning, schedule as lsp_schedule, sizing, updates as lsp_updates
 from slimtune.lsp.speed import step_time
 from slimtune.checkpoint import EngineState
 from slimtune.config import RunConfig, TrainConfig, positive, setting
@@ -57,8 +57,9 @@ from slimtune.lsp.projected_linear import ProjectedLinear
 
 @dataclass
 class LspConfig:
-    d: int = setting(512, "engine=lsp: subspace size of every projected matrix (capped at its smaller side); the link"
-                          " moves 2 x d^2 x 4 bytes a matrix a step.")
+    d: int = setting(-1, "engine=lsp: subspace size of every projected matrix (capped at its smaller side); the link"
+                         " moves 2 x d^2 x 4 bytes a matrix a step. -1: derived from the shapes, the largest multiple"
+                         " of 64 up to 512 within 5% of the matrices' bf16 gradient bytes (lsp/sizing.py).")
     r: int = setting(4, "engine=lsp: non-zeros in each projector row.")
     check_every: int = setting(100, "engine=lsp: optimizer steps between projector checks (0: fit once, before step 1).")
     alpha: float = setting(0.3, "engine=lsp: a matrix whose projectors' relative error e(G) on the fit sample exceeds"
@@ -79,11 +80,13 @@ class LspConfig:
                                        " device (fp32 copies); default: they stay frozen.")
 
     def validate(self) -> None:
-        for name in ("d", "r", "fit_samples", "fit_iterations"):
+        for name in ("r", "fit_samples", "fit_iterations"):
             positive(f"lsp.{name}", getattr(self, name))
+        if self.d != -1:
+            positive("lsp.d", self.d)
         positive("lsp.alpha", self.alpha)
         positive("lsp.fit_lr", self.fit_lr)
-        if self.r > self.d:
+        if self.d != -1 and self.r > self.d:
             raise UserError(f"lsp.r ({self.r}) cannot exceed lsp.d ({self.d}): a row's non-zeros sit in distinct columns.")
         if self.check_every < 0:
             raise UserError(f"lsp.check_every must not be negative, got {self.check_every}.")
@@ -151,19 +154,23 @@ class LspEngine:
 
     def _project(self) -> list[ProjectedLinear]:
         """Every trainable linear in the blocks becomes a ProjectedLinear, numbered in forward order."""
-        model, found = self.stack.model, []
+        model, targets = self.stack.model, []
         for name in lora.select_targets(model, "all-linear"):
             path, _, leaf = name.rpartition(".")
             parent = model.get_submodule(path)
+            if getattr(parent, leaf).weight.requires_grad:  # one frozen by a freeze pattern stays a plain linear
+                targets.append((parent, leaf))
+        if not targets:
+            raise UserError("engine=lsp found no trainable linear in the blocks to project (freeze patterns?).")
+        shapes = [(getattr(p, leaf).out_features, getattr(p, leaf).in_features) for p, leaf in targets]
+        self.d = sizing.subspace_size(self.lsp.d, shapes)
+        found = []
+        for parent, leaf in targets:
             linear = getattr(parent, leaf)
-            if not linear.weight.requires_grad:  # frozen by a freeze pattern: stays a plain linear
-                continue
-            d = min(self.lsp.d, linear.out_features, linear.in_features)
+            d = min(self.d, linear.out_features, linear.in_features)
             pair = [self._projector(n, d, linear.weight) for n in (linear.out_features, linear.in_features)]
             found.append(ProjectedLinear(linear, len(found), *pair))
             setattr(parent, leaf, found[-1])
-        if not found:
-            raise UserError("engine=lsp found no trainable linear in the blocks to project (freeze patterns?).")
         return found
 
     @property
@@ -264,6 +271,8 @@ class LspEngine:
                 self.flush()
             self._reading = None
         self.step_count += 1
+        if self.step_count == 1:
+            extras["lsp_d"] = self.d  # derived from the shapes unless lsp.d was given
         extras.update(self._maybe_derive_schedule())
         peak, breakdown = self._reported_peak(reading)
         return StepResult(

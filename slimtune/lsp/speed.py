@@ -6,19 +6,12 @@ from __future__ import annotations
 
 from slimtune import speed
 from slimtune.config import RunConfig
-
-
-def _block_shapes(model_config) -> list[tuple[int, int]]:
-    """(n_o, n_i) of a block's linears: q, k, v, o and the gated MLP."""
-    width, heads = model_config.hidden_size, model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or width // heads
-    q, kv, ffn = heads * head_dim, model_config.num_key_value_heads * head_dim, model_config.intermediate_size
-    return [(q, width), (kv, width), (kv, width), (width, q), (ffn, width), (ffn, width), (width, ffn)]
+from slimtune.lsp import sizing
 
 
 def subspace_numbers(model_config, d: int) -> int:
     """Numbers the host AdamW updates a step: sum over the block linears of min(d, n_o, n_i)^2."""
-    return model_config.num_hidden_layers * sum(min(d, *shape) ** 2 for shape in _block_shapes(model_config))
+    return model_config.num_hidden_layers * sum(min(d, *shape) ** 2 for shape in sizing.block_shapes(model_config))
 
 
 def sparse_traffic_bytes(model_config, r: int, tokens: int, forwards: int, element_bytes: int) -> float:
@@ -26,7 +19,7 @@ def sparse_traffic_bytes(model_config, r: int, tokens: int, forwards: int, eleme
     dY P_o and the input-gradient correction runs r terms, each reading and writing a (T, n) tensor
     and adding it in (about 3 passes over T x n). Forward products run `forwards` times (2 with
     recompute), backward ones once."""
-    per_token = sum(n_o + n_i for n_o, n_i in _block_shapes(model_config)) * model_config.num_hidden_layers
+    per_token = sum(n_o + n_i for n_o, n_i in sizing.block_shapes(model_config)) * model_config.num_hidden_layers
     return 3 * r * tokens * per_token * element_bytes * (forwards + 1)
 
 
@@ -46,6 +39,7 @@ def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch
     element = 2 if cfg.precision == "bf16" else 4
     traffic = sparse_traffic_bytes(model_config, lsp_cfg.r, batch_size * seq_len, 2 if recompute else 1, element)
     disk = 2 * counts.disk_bytes if cfg.activations.checkpoint == "disk" else 0.0
-    return speed.overlapped_step_time(flops, subspace_numbers(model_config, lsp_cfg.d), gpu, cfg.precision,
+    d = sizing.subspace_size(lsp_cfg.d, sizing.block_shapes(model_config) * model_config.num_hidden_layers)
+    return speed.overlapped_step_time(flops, subspace_numbers(model_config, d), gpu, cfg.precision,
                                       counts.host_link_bytes, disk, updates_exposed=False,
                                       memory_bytes=traffic * accum)

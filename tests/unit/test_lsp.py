@@ -295,3 +295,29 @@ def test_the_planner_weighs_lsp_plans_where_lsp_applies():
     assert "lsp" in engines_of(planner.planning_config("full"))
     assert engines_of(planner.planning_config("full", weight_decay=0.01)) == {"resident", "slide"}  # lsp refuses it
     assert "lsp" not in engines_of(planner.planning_config("lora"))
+
+
+def llama_shapes(name: str) -> list[tuple[int, int]]:
+    from slimtune import presets
+    from slimtune.lsp import sizing
+    c = presets.model_config(name)
+    return sizing.block_shapes(c) * c.num_hidden_layers
+
+
+@pytest.mark.parametrize("name, expected", [("Llama-3.2-1B", 320), ("Llama-3.2-3B", 384), ("Llama-3.1-8B", 512)])
+def test_the_default_d_is_the_largest_within_five_percent_of_the_gradient_bytes(name, expected):
+    from slimtune.lsp import sizing
+    shapes = llama_shapes(name)
+    gradient = sum(2 * n_o * n_i for n_o, n_i in shapes)
+    d = sizing.derived_d(shapes)
+    assert d == expected and d % 64 == 0 and d <= 512
+    assert sizing.compressed_bytes(shapes, d) <= 0.05 * gradient
+    assert d == 512 or sizing.compressed_bytes(shapes, d + 64) > 0.05 * gradient  # the largest such d
+    assert sizing.subspace_size(200, shapes) == 200  # a given lsp.d is kept
+
+
+def test_an_engine_without_lsp_d_takes_the_derived_size_capped_by_each_matrix():
+    cfg = run_cfg(LspConfig(r=3, check_every=0))
+    engine = fixed_projector_engine(model_of(dtype=torch.float32), cfg, precision="fp32")
+    assert engine.d == 64  # the tiny model's matrices are all below 64 on a side: the smallest step
+    assert all(m.d == min(m.in_features, m.out_features) for m in engine.modules)
