@@ -23,6 +23,10 @@ Memory of the head itself: a token chunk's logits are (c, V); loss.chunk_size=0 
 that they stay near LOGITS_CHUNK_BYTES. The (V, D) weight is read in vocabulary tiles (`_Head`): a
 head narrower than the compute dtype is cast tile by tile and a 4-bit head dequantized tile by
 tile, so no full-size dense copy of it ever exists (1.5 GiB in fp32 for Llama-3's vocabulary).
+
+A sliced head (engine chunk: its module has `slices`, slimtune/chunk/sliced.py, the weight sliced by
+vocabulary rows) gets gradients only for its active rows, from those columns of the logits
+gradient, and the bias for its own range; they go to the slices' side buffers, never to `.grad`.
 """
 
 from __future__ import annotations
@@ -93,10 +97,12 @@ def chunk_tokens(cfg: LossConfig, vocab: int) -> int:
 class _Head:
     """The LM head's (V, D) weight, handed out in vocabulary tiles: as it is when it is already in
     the compute dtype, else cast (a narrower head) or dequantized (a 4-bit head, quant.QuantLinear)
-    one tile at a time. `weight` is the dense weight autograd sees, None for a 4-bit head."""
+    one tile at a time. `weight` is the dense weight autograd sees, None for a 4-bit head.
+    `slices`: a sliced head's {"weight"?, "bias"?: ActiveSlice}, else None."""
 
     def __init__(self, module: nn.Module):
         self.module, self.bias = module, getattr(module, "bias", None)
+        self.slices = _head_slices(module)
         if hasattr(module, "weight_tiles"):
             self.weight, self.shape, self.dtype = None, (module.out_features, module.in_features), module.qweight.dtype
         elif isinstance(getattr(module, "weight", None), torch.Tensor):
@@ -114,6 +120,15 @@ class _Head:
             for start in memory.representative(range(0, self.shape[0], CAST_TILE_ROWS), self.weight):
                 stop = min(start + CAST_TILE_ROWS, self.shape[0])
                 yield start, stop, self.weight[start:stop].to(dtype)
+
+
+def _head_slices(module: nn.Module) -> dict | None:
+    slices = getattr(module, "slices", None)
+    weight = None if slices is None else slices.get("weight")
+    if weight is not None and weight.axis != 0:
+        raise ValueError(f"LM head {type(module).__name__} is sliced along axis {weight.axis}; the causal-LM"
+                         " head is sliced by vocabulary rows (axis 0).")
+    return slices
 
 
 def head_inputs(
@@ -206,14 +221,18 @@ def _exact_pass(
     targets: torch.Tensor,
     chunk: int,
     need: tuple[bool, bool, bool],
+    weight_rows: tuple[int, int] | None = None,
+    bias_rows: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Loss sum and, as `need` (x, weight, bias) asks, gradients for an upstream gradient of 1.
-    x (N, D), head (V, D), targets (N,) -> (), (N, D), (V, D), (V,). One (c, V) buffer at a time."""
+    x (N, D), head (V, D), targets (N,) -> (), (N, D), (V, D), (V,). One (c, V) buffer at a time.
+    weight_rows, bias_rows (a, b): only those vocabulary rows of the weight and bias gradients,
+    (b - a, D) and (b - a,) (a sliced head); None: all of them."""
     dtype = _logits_dtype(x, head)
     loss = x.new_zeros((), dtype=dtype)
     grad_x = torch.empty_like(x) if need[0] else None
-    grad_w = x.new_zeros(head.shape, dtype=dtype) if need[1] else None
-    grad_b = x.new_zeros(head.shape[:1], dtype=dtype) if need[2] else None
+    grad_w = x.new_zeros((_rows_in(weight_rows, head), head.shape[1]), dtype=dtype) if need[1] else None
+    grad_b = x.new_zeros((_rows_in(bias_rows, head),), dtype=dtype) if need[2] else None
     for start in memory.representative(range(0, x.shape[0], chunk), x):
         x_c = x[start : start + chunk].to(dtype)  # (c, D)
         z = _logits(x_c, head, dtype)  # (c, V)
@@ -228,33 +247,62 @@ def _exact_pass(
         if grad_x is not None:
             grad_x[start : start + chunk] = _times_weight(g, head)
         if grad_w is not None:
-            grad_w.addmm_(g.T, x_c)
+            grad_w.addmm_(_columns(g, weight_rows).T, x_c)
         if grad_b is not None:
-            grad_b += g.sum(0)
+            grad_b += _columns(g, bias_rows).sum(0)
     return loss, grad_x, grad_w, grad_b
+
+
+def _rows_in(rows: tuple[int, int] | None, head: _Head) -> int:
+    return head.shape[0] if rows is None else rows[1] - rows[0]
+
+
+def _columns(g: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """The logits-gradient columns of vocabulary rows [a, b) (all of them for None)."""
+    return g if rows is None else g[:, rows[0] : rows[1]]
+
+
+def _slice_rows(s) -> tuple[bool, tuple[int, int] | None]:
+    """An ActiveSlice of the head (or None: frozen) -> (gradient needed, its rows)."""
+    if s is None or s.empty:
+        return False, None
+    return True, (s.start, s.stop)
 
 
 class _ExactCE(torch.autograd.Function):
     """Summed cross-entropy of x @ W.T (+ b) whose gradients are made in forward
-    (the Liger / Cut-Cross-Entropy trick): backward only scales them by grad_output."""
+    (the Liger / Cut-Cross-Entropy trick): backward only scales them by grad_output. A sliced head's
+    gradients are those of its active rows, in the logits dtype; backward adds them, scaled, to the
+    slices' side buffers and returns None for the weight and bias."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, chunk, head: _Head):
         # weight, bias: head.weight and head.bias, passed so autograd routes their gradients
-        need = tuple(ctx.needs_input_grad[:3])
+        need, rows = tuple(ctx.needs_input_grad[:3]), (None, None)
+        ctx.slices = None if head.slices is None else (head.slices.get("weight"), head.slices.get("bias"))
+        if ctx.slices is not None:
+            (need_w, w_rows), (need_b, b_rows) = (_slice_rows(s) for s in ctx.slices)
+            need, rows = (need[0], need_w, need_b), (w_rows, b_rows)
         with torch.autocast(x.device.type, enabled=False):  # dtypes are chosen explicitly
-            loss, grad_x, grad_w, grad_b = _exact_pass(x, head, targets, chunk, need)
-        if grad_w is not None:
+            loss, grad_x, grad_w, grad_b = _exact_pass(x, head, targets, chunk, need, *rows)
+        if grad_w is not None and ctx.slices is None:
             grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None:
+        if grad_b is not None and ctx.slices is None:
             grad_b = grad_b.to(bias.dtype)
-        ctx.save_for_backward(grad_x, grad_w, grad_b)  # (N, D), (V, D) | None, (V,) | None
+        ctx.save_for_backward(grad_x, grad_w, grad_b)  # (N, D), (V | rows, D) | None, (V | rows,) | None
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in ctx.saved_tensors)
-        return (*grads, None, None, None)
+        saved = ctx.saved_tensors
+        if ctx.slices is None:
+            grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in saved)
+            return (*grads, None, None, None)
+        for s, g in zip(ctx.slices, saved[1:]):  # scaled into the side buffers, with no scaled copy
+            if g is not None:
+                s.add_scaled(g, grad_out)
+        grad_x = None if saved[0] is None else saved[0] * grad_out.to(saved[0].dtype)
+        return grad_x, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- mode=subset

@@ -56,6 +56,9 @@ class EngineSpec:
     # cfg -> how many blocks at each end of the stack the engine treats unlike the blocks between
     # (e.g. it prefetches that far ahead): the estimate by depth fits those blocks one by one.
     block_margin: Callable[[config.RunConfig], int] = _one_block
+    # False: the estimate runs this engine's step at full depth (its blocks differ from step to step
+    # or with the depth, so two shallow probes cannot give the deep step; see estimate._by_depth).
+    by_depth: bool = True
     # (precision, method) -> the dtype the model is loaded in; None: assembly.weight_dtype's rule.
     weight_dtype: Callable | None = None
     # cfg -> how many training examples the engine wants as its own sample (e.g. to fit projectors),

@@ -63,21 +63,51 @@ class MemberViews:
     exp_avg_sq: torch.Tensor
 
 
+class Working:
+    """Gradient accumulators and shadows for optimizers that take turns (engine chunk's chunks):
+    sized for the largest, each optimizer's groups are views from the start, so only one
+    optimizer's worth of them exists in host RAM."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, shadow_dtype: torch.dtype | None):
+        self.grad = runtime.host_empty((numel,), dtype, device, pinned=False).zero_()
+        self.shadow = runtime.host_empty((numel,), shadow_dtype, device) if shadow_dtype not in (None, dtype) else None
+
+    def views(self, groups: list[Group], shadows: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        grads, shadow_views, start = [], [], 0
+        for group in groups:
+            grads.append(self.grad[start : start + group.numel])
+            shadow_views.append(self.shadow[start : start + group.numel] if shadows and self.shadow is not None
+                                else None)
+            start += group.numel
+        return grads, shadow_views
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.grad, self.shadow) if t is not None)
+
+
 class HostAdam:
     def __init__(self, name: str, groups: list[Group], dtype: torch.dtype, device: torch.device,
-                 settings: dict, shadow_dtype: torch.dtype | None = None, moments_dir: Path | None = None):
+                 settings: dict, shadow_dtype: torch.dtype | None = None, moments_dir: Path | None = None,
+                 masters_on_disk: bool = False, working: Working | None = None):
         """`dtype`: the masters'; `device`: the device they feed (pinning on CUDA); `settings`:
         AdamW's lr, betas, eps (rules.adamw_settings); `shadow_dtype`: a narrower dtype to upload in,
-        or None; `moments_dir`: a folder for memory-mapped moments, or None for RAM."""
+        or None; `moments_dir`: a folder for memory-mapped moments, or None for RAM;
+        `masters_on_disk`: the masters are memory-mapped there too (they then read as zeros until
+        set); `working`: gradient accumulators and shadows shared with other optimizers that never
+        update at the same time (engine chunk's chunks), instead of buffers of its own."""
         self.name, self.groups, self.device = name, groups, device
         self.shadow_dtype = shadow_dtype if shadow_dtype not in (None, dtype) else None
-        # Pinned only where the master itself crosses the link (no narrower shadow goes up in its place).
-        self.masters = [runtime.host_empty((g.numel,), dtype, device, pinned=self.shadow_dtype is None)
-                        for g in groups]
-        self.grads = [runtime.host_empty((g.numel,), dtype, device, pinned=False).zero_() for g in groups]
-        self.shadows = [runtime.host_empty((g.numel,), self.shadow_dtype, device) if self.shadow_dtype else None
-                        for g in groups]
         self.moments_dir = moments_dir
+        self.masters_on_disk = masters_on_disk and moments_dir is not None
+        # Pinned only where the master itself crosses the link (no narrower shadow goes up in its place).
+        self.masters = [self._master(g, k, dtype, pinned=self.shadow_dtype is None) for k, g in enumerate(groups)]
+        self.working = working
+        if working is not None:
+            self.grads, self.shadows = working.views(groups, self.shadow_dtype is not None)
+        else:
+            self.grads = [runtime.host_empty((g.numel,), dtype, device, pinned=False).zero_() for g in groups]
+            self.shadows = [runtime.host_empty((g.numel,), self.shadow_dtype, device) if self.shadow_dtype else None
+                            for g in groups]
         self.flats = [nn.Parameter(master) for master in self.masters]
         for flat, grad in zip(self.flats, self.grads):
             flat.grad = grad
@@ -89,14 +119,27 @@ class HostAdam:
                 **{moment: self._moment(flat, f"{k}-{moment}") for moment in MOMENTS},
             }
 
+    def _master(self, group: Group, k: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        if self.masters_on_disk:
+            like = runtime.host_empty((0,), dtype, self.device, pinned=False)
+            if not is_fake(like):
+                return self._file((group.numel,), dtype, f"{k}-master")
+        return runtime.host_empty((group.numel,), dtype, self.device, pinned=pinned)
+
+    def _file(self, shape, dtype: torch.dtype, tag: str) -> torch.Tensor:
+        """A memory-mapped tensor in moments_dir (a new file reads as zeros), marked host-resident."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        path = self.moments_dir / f"{self.name.replace(' ', '-')}-{tag}.bin"
+        return memory.mark_host_resident(torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape))
+
     def _moment(self, flat: torch.Tensor, tag: str) -> torch.Tensor:
         """A zeroed moment: in host RAM, or a memory-mapped file (a new file reads as zeros). Fake
         tensors (the planner's estimate) never touch a disk."""
         if self.moments_dir is None or is_fake(flat):
             return runtime.host_empty(flat.shape, flat.dtype, self.device, pinned=False).zero_()
-        path = self.moments_dir / f"{self.name.replace(' ', '-')}-{tag}.bin"
-        moment = torch.from_file(str(path), shared=True, size=flat.numel(), dtype=flat.dtype)
-        return memory.mark_host_resident(moment.view(flat.shape))
+        return self._file(flat.shape, flat.dtype, tag)
 
     # ------------------------------------------------------------ views
 
@@ -167,7 +210,9 @@ class HostAdam:
             return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
         moments = 0 if self.moments_dir is not None else 2 * nbytes(self.masters)
-        return nbytes(self.masters) + nbytes(self.grads) + nbytes(self.shadows) + moments
+        masters = 0 if self.masters_on_disk else nbytes(self.masters)
+        working = 0 if self.working is not None else nbytes(self.grads) + nbytes(self.shadows)  # the owner's
+        return masters + working + moments
 
 
 SCRATCH_KIND = "adam"  # runtime.scratch_folder's name for a folder of memory-mapped moments

@@ -19,7 +19,10 @@ SHAPES = {
 }
 # lsp fits its projectors in the first step: 4 fit steps per matrix (the fake step runs 3 of any number).
 FEW_FIT_STEPS = {"fit_iterations": 4, "d": 8}
-PLANS = [(method, plan) for method in ("lora", "full") for plan in engines.plans_for(method)]
+# chunk's step differs from chunk to chunk (which tensors have gradients): its estimate is the
+# largest chunk's step, held to the meter over a sweep in test_chunk.py, not to a second step here.
+PLANS = [(method, plan) for method in ("lora", "full") for plan in engines.plans_for(method)
+         if plan["engine"] != "chunk"]
 PLANS += [("lora", {"engine": "resident", "precision": "fp32", "loss.masking": "false"}),
           ("full", {"engine": "slide", "precision": "bf16", "activations.checkpoint": "host", "loss.masking": "false"})]
 

@@ -16,7 +16,9 @@ SHAPES = {
     "qwen2-tied-bias": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3-gqa1": ("qwen3", {"num_key_value_heads": 1}),
 }
-PLANS = [(method, plan) for method in ("lora", "full") for plan in engines.plans_for(method)]
+# An engine estimated at full depth only (EngineSpec.by_depth False: chunk) has nothing to compare.
+PLANS = [(method, plan) for method in ("lora", "full") for plan in engines.plans_for(method)
+         if engines.get(plan["engine"]).by_depth]
 PLANS.append(("full", {"engine": "slide", "precision": "bf16", "activations.checkpoint": "host", "slide.slots": 3}))
 FIELDS = ("device_peak_bytes", "breakdown", "host_bytes", "disk_bytes", "host_link_bytes", "trainable_params",
           "total_params")

@@ -1,0 +1,324 @@
+"""Engine chunk (ChunkFT, spec chunkft.md 5) against the plain way of doing the same steps, in
+float64: the partition (T3); per chunk the side gradients equal dense autograd's sliced, and the
+chunks together rebuild the whole gradient exactly once (T2); N = 1 equals torch.optim.AdamW and
+N > 1 a dense masked AdamW with a torch AdamW of its own per (tensor, chunk) (T4); the device holds
+only the active chunk's gradient (T5); resume mid-sweep is bit-identical and state on disk equals
+state in RAM (T7); a non-finite step moves no chunk on; the estimate equals the CPU meter."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import engine_config, tiny_config
+from test_slide import batches, model_of
+from slimtune import config as config_module
+from slimtune import estimate
+from slimtune.chunk import partition
+from slimtune.config import TrainConfig
+from slimtune.data import IGNORE_INDEX
+from slimtune.engines.chunk import ChunkConfig, ChunkEngine
+from slimtune.errors import UserError
+from slimtune.model import Stack
+from slimtune.optim import rules
+
+CPU = torch.device("cpu")
+BASE = dict(steps=20, batch_size=2, grad_accum=2, lr=1e-2, weight_decay=0.1, warmup_steps=2, schedule="cosine",
+            max_grad_norm=0.5)
+
+
+def run_cfg(chunk: ChunkConfig | None = None, **train):
+    return engine_config(TrainConfig(**{**BASE, **train}), engine="chunk", method="full",
+                         sections={"chunk": chunk or ChunkConfig(n_chunks=3)})
+
+
+def engine_of(model, cfg, precision="fp64") -> ChunkEngine:
+    return ChunkEngine(Stack(model), cfg, CPU, precision)
+
+
+def step_batches(vocab: int, steps: int):
+    return [batches(vocab, seed) for seed in range(steps)]
+
+
+# ---------------------------------------------------------------- T3: the partition
+
+
+def streams_of(model) -> list[partition.Stream]:
+    from slimtune.engines.chunk import axis_of
+    axis = axis_of(model)
+    return [partition.Stream(n, tuple(p.shape), axis(n, p), p.element_size() + 8) for n, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 17])
+def test_the_partition_is_disjoint_covering_contiguous_deterministic_and_balanced(n):
+    streams = streams_of(model_of(layers=2))
+    chunks = partition.partition(streams, n)
+    assert chunks == partition.partition(streams, n)
+    covered = {s.name: [] for s in streams}
+    for pieces in chunks:
+        for piece in pieces:
+            covered[piece.name].append((piece.start, piece.stop))
+    for s in streams:  # each tensor's ranges, in chunk order, tile [0, slices) with no gap or overlap
+        ranges = covered[s.name]
+        assert ranges[0][0] == 0 and ranges[-1][1] == s.slices
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    total = sum(s.bytes for s in streams)
+    largest = max(s.slice_bytes for s in streams)
+    assert all(abs(partition.chunk_bytes(streams, c) - total / n) <= largest for c in chunks)
+    assert sum(partition.chunk_bytes(streams, c) for c in chunks) == total
+
+
+def test_more_chunks_than_slices_is_one_sentence():
+    streams = [partition.Stream("w", (2, 3), 1, 12)]
+    with pytest.raises(UserError, match="chunk.n_chunks=4 leaves chunk"):
+        partition.partition(streams, 4)
+
+
+# ---------------------------------------------------------------- T2: gradients
+
+
+class Float64RMSNorm(nn.Module):
+    """Hugging Face's RMSNorm forward with the input's own dtype where HF casts to float32: the
+    float64 reference for SlicedRMSNorm, which keeps float64 in float64."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def reference_of(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose RMSNorms compute in float64 (Float64RMSNorm)."""
+    reference = copy.deepcopy(model)
+    for name, module in list(reference.named_modules()):
+        if type(module).__name__.endswith("RMSNorm"):
+            parent, _, leaf = name.rpartition(".")
+            setattr(reference.get_submodule(parent), leaf, Float64RMSNorm(module))
+    return reference
+
+
+def dense_gradients(model, batch_list) -> dict[str, torch.Tensor]:
+    """Dense autograd gradients of the summed cross-entropy over the step's trained tokens."""
+    total = sum(int((b.targets != IGNORE_INDEX).sum()) for b in batch_list)
+    model.zero_grad()
+    for b in batch_list:
+        logits = model(input_ids=b.input_ids, position_ids=b.position_ids).logits
+        (F.cross_entropy(logits.flatten(0, 1), b.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+         / total).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def side_gradients(engine: ChunkEngine, k: int, batch_list) -> dict[str, torch.Tensor]:
+    """Chunk k's side gradients after forward and backward, by piece (name, start)."""
+    from slimtune.engines.base import model_loss
+    from slimtune import memory
+    engine._open(k, memory.NO_READING)
+    total = sum(b.num_targets for b in batch_list)
+    for b in batch_list:
+        out = model_loss(engine.stack, engine.activations_cfg, engine.loss_cfg, CPU, "fp64", b)
+        (out.loss_sum / total).backward()
+    return {(p.name, p.start): engine.slices[p.name].take() for p, _, _ in engine.members[k]}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_chunks_side_gradients_are_the_dense_gradient_sliced_and_together_cover_it_once(tied):
+    model = model_of(layers=2, tie_word_embeddings=tied)
+    dense = dense_gradients(reference_of(model), batches(model.config.vocab_size, 0))
+    engine = engine_of(model, run_cfg(ChunkConfig(n_chunks=5)))
+    rebuilt = {n: torch.zeros_like(g) for n, g in dense.items()}
+    hits = {n: torch.zeros_like(g) for n, g in dense.items()}
+    for k in range(len(engine.chunks)):
+        got = side_gradients(engine, k, batches(model.config.vocab_size, 0))
+        for p, _, _ in engine.members[k]:
+            want = dense[p.name].narrow(p.axis, p.start, p.stop - p.start)
+            torch.testing.assert_close(got[(p.name, p.start)], want, rtol=1e-10, atol=1e-12)
+            rebuilt[p.name].narrow(p.axis, p.start, p.stop - p.start).copy_(got[(p.name, p.start)])
+            hits[p.name].narrow(p.axis, p.start, p.stop - p.start).add_(1)
+    for name in dense:
+        if tied and name == "lm_head.weight":
+            continue
+        assert torch.equal(hits[name], torch.ones_like(hits[name])), name
+        torch.testing.assert_close(rebuilt[name], dense[name], rtol=1e-10, atol=1e-12)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ---------------------------------------------------------------- T4: the optimizer
+
+
+def plain_adamw(model, steps, cfg) -> None:
+    """torch.optim.AdamW over every parameter (decay on matrices), clipping, the run's lr schedule."""
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.train.weight_decay},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=cfg.train.lr, betas=(0.9, 0.999), eps=1e-8)
+    for s, batch_list in enumerate(step_batches(model.config.vocab_size, steps)):
+        dense_gradients(model, batch_list)
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        for group in opt.param_groups:
+            group["lr"] = rules.lr_at(cfg.train, s)
+        opt.step()
+
+
+def masked_adamw(model, steps, cfg, order, chunks):
+    """The dense reference for N > 1: full autograd gradients; for the active chunk, a torch AdamW
+    of its own over a copy of each of its pieces (its own moments and step), clipped by the chunk's
+    norm, then the pieces written back into the weights."""
+    named = dict(model.named_parameters())
+    pieces = {k: [nn.Parameter(named[p.name].detach().narrow(p.axis, p.start, p.stop - p.start).clone())
+                  for p in chunks[k]] for k in range(len(chunks))}
+    optimizers = {k: torch.optim.AdamW(
+        [{"params": [q for p, q in zip(chunks[k], pieces[k]) if named[p.name].ndim >= 2],
+          "weight_decay": cfg.train.weight_decay},
+         {"params": [q for p, q in zip(chunks[k], pieces[k]) if named[p.name].ndim < 2], "weight_decay": 0.0}],
+        lr=cfg.train.lr, betas=(0.9, 0.999), eps=1e-8) for k in range(len(chunks))}
+    for s, batch_list in enumerate(step_batches(model.config.vocab_size, steps)):
+        k = order[s]
+        grads = dense_gradients(model, batch_list)
+        for p, q in zip(chunks[k], pieces[k]):
+            q.grad = grads[p.name].narrow(p.axis, p.start, p.stop - p.start).clone()
+        torch.nn.utils.clip_grad_norm_(pieces[k], cfg.train.max_grad_norm)
+        sweep = len(chunks) * cfg.section("chunk").switch_every
+        lr_step = s // sweep * sweep if cfg.section("chunk").lr_schedule == "per_sweep" else s
+        for group in optimizers[k].param_groups:
+            group["lr"] = rules.lr_at(cfg.train, lr_step)
+        optimizers[k].step()
+        with torch.no_grad():
+            for p, q in zip(chunks[k], pieces[k]):
+                named[p.name].narrow(p.axis, p.start, p.stop - p.start).copy_(q)
+
+
+def chunk_steps(model, cfg, steps) -> ChunkEngine:
+    engine = engine_of(model, cfg)
+    for batch_list in step_batches(model.config.vocab_size, steps):
+        engine.step(batch_list)
+    return engine
+
+
+def assert_weights_close(engine: ChunkEngine, reference: nn.Module, tol=1e-10):
+    got = engine.trainable_state()
+    for name, param in reference.named_parameters():
+        if name in got:
+            torch.testing.assert_close(got[name], param.detach(), rtol=tol, atol=tol, msg=name)
+
+
+def test_one_chunk_equals_torch_adamw_over_twenty_steps():
+    model = model_of(layers=2)
+    reference = reference_of(model)
+    plain_adamw(reference, 20, run_cfg())
+    engine = chunk_steps(model, run_cfg(ChunkConfig(n_chunks=1)), 20)
+    assert_weights_close(engine, reference)
+
+
+@pytest.mark.parametrize("chunk", [
+    ChunkConfig(n_chunks=3),
+    ChunkConfig(n_chunks=4, switch_every=2, lr_schedule="per_sweep"),
+    ChunkConfig(n_chunks=5, order="random"),
+], ids=["round-robin", "switch-every-2-per-sweep", "random"])
+def test_several_chunks_equal_a_dense_masked_adamw_with_state_per_tensor_and_chunk(chunk):
+    model = model_of(layers=2)
+    reference = reference_of(model)
+    cfg = run_cfg(chunk)
+    engine = chunk_steps(model, cfg, 20)
+    order = [k for sweep in range(20) for k in engine.order(sweep) for _ in range(chunk.switch_every)][:20]
+    masked_adamw(reference, 20, cfg, order, engine.chunks)
+    assert_weights_close(engine, reference)
+
+
+# ---------------------------------------------------------------- T5: what the device holds
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_the_device_holds_the_active_chunks_gradient_only_and_no_optimizer_state(n):
+    model = model_of(layers=2)
+    engine = engine_of(model, run_cfg(ChunkConfig(n_chunks=n)))
+    results = [engine.step(b) for b in step_batches(model.config.vocab_size, n)]
+    total = sum(p.numel() for p in model.parameters())
+    for k, result in enumerate(results):
+        numel = sum(g.numel for g in engine.adams[k].groups)
+        assert result.device_peak_breakdown["gradients"] == numel * 8  # fp64 side buffers
+        assert result.device_peak_breakdown["optimizer"] == 0
+        assert abs(numel - total / n) <= max(s.slice_bytes for s in engine.streams.values())
+    # the host: masters and two moments of every number, and one working set (gradient) for the largest chunk
+    largest = max(sum(g.numel for g in a.groups) for a in engine.adams)
+    assert engine.host_bytes() == 3 * total * 8 + largest * 8
+
+
+# ---------------------------------------------------------------- T7: resume, disk, non-finite steps
+
+
+def test_resume_mid_sweep_continues_bit_identically(tmp_path):
+    from slimtune import checkpoint
+    cfg = run_cfg(ChunkConfig(n_chunks=3, switch_every=2, order="random"))
+    straight = chunk_steps(model_of(layers=2), cfg, 9)
+    first = chunk_steps(model_of(layers=2), cfg, 5)  # mid-sweep, mid-chunk
+    folder = checkpoint.save(tmp_path, 5, first.state_dict(), {}, keep_last=1)
+    model = model_of(layers=2, seed=7)  # other weights: all must come from the checkpoint
+    second = engine_of(model, cfg)
+    second.load_state_dict(checkpoint.load(folder)[1])
+    for s, batch_list in enumerate(step_batches(model.config.vocab_size, 9)[5:]):
+        second.step(batch_list)
+    for name, want in straight.trainable_state().items():
+        assert torch.equal(second.trainable_state()[name], want), name
+
+
+def test_state_on_disk_equals_state_in_ram(tmp_path):
+    ram = chunk_steps(model_of(layers=2), run_cfg(ChunkConfig(n_chunks=3)), 6)
+    disk_cfg = run_cfg(ChunkConfig(n_chunks=3, state="disk", state_dir=str(tmp_path / "state")))
+    disk = chunk_steps(model_of(layers=2), disk_cfg, 6)
+    for name, want in ram.trainable_state().items():
+        assert torch.equal(disk.trainable_state()[name], want), name
+    assert list((tmp_path / "state").rglob("*.bin"))  # the masters and moments are files
+    assert disk.host_bytes() == disk.working.host_bytes() < ram.host_bytes() / 9  # RAM: one chunk's gradient
+
+
+def test_a_non_finite_step_updates_nothing_and_keeps_the_chunk():
+    model = model_of(layers=2)
+    engine = engine_of(model, run_cfg(ChunkConfig(n_chunks=3)))
+    engine.step(batches(model.config.vocab_size, 0))
+    before = {n: t.clone() for n, t in engine.trainable_state().items()}
+    active = engine.active
+    with torch.no_grad():
+        model.model.norm.weight[0] = math.inf
+    result = engine.step(batches(model.config.vocab_size, 1))
+    assert not result.applied and engine.active == active
+    after = engine.trainable_state()
+    assert all(torch.equal(after[n], t) for n, t in before.items() if n != "model.norm.weight")
+
+
+def test_bf16_weights_are_the_fp32_masters_rounded():
+    model = model_of(layers=2, dtype=torch.bfloat16)
+    engine = engine_of(model, run_cfg(ChunkConfig(n_chunks=2)), precision="bf16")
+    for batch_list in step_batches(model.config.vocab_size, 4):
+        engine.step(batch_list)
+    masters = engine.trainable_state()
+    for name, param in model.named_parameters():
+        assert masters[name].dtype == torch.float32
+        assert torch.equal(param.detach(), masters[name].to(torch.bfloat16)), name
+
+
+# ---------------------------------------------------------------- the planner
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_the_estimate_equals_the_cpu_meter_on_the_heaviest_chunk_the_worst_of_a_sweep(tmp_path, tokenizer, n):
+    from conftest import save_tiny_model
+    from slimtune import assembly
+    folder = save_tiny_model(tmp_path, tokenizer)
+    cfg = config_module.load(None, ["engine=chunk", "method=full", "precision=fp32", f"chunk.n_chunks={n}"],
+                             base={"model": str(folder), "data": "x.jsonl", "train": {"batch_size": 2}})
+    predicted = estimate.estimate(tiny_config("llama", len(tokenizer)), cfg, 2, 48)
+    batch = estimate.synthetic_batch(2, 48, len(tokenizer))
+    engine = assembly.assemble(cfg, assembly.load_stack(cfg, CPU, "fp32"), CPU, "fp32")
+    peaks = {}
+    for _ in range(len(engine.chunks)):
+        k = engine.active
+        result = engine.step([batch])
+        peaks[k] = (result.device_peak_bytes, result.device_peak_breakdown)
+    assert predicted.device_peak_bytes == max(p for p, _ in peaks.values())
+    assert (predicted.device_peak_bytes, predicted.breakdown) == peaks[engine.heaviest()]
