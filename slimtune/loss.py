@@ -221,24 +221,24 @@ def _exact_pass(
     targets: torch.Tensor,
     chunk: int,
     need: tuple[bool, bool, bool],
-    weight_rows: tuple[int, int] | None = None,
-    bias_rows: tuple[int, int] | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Loss sum and, as `need` (x, weight, bias) asks, gradients for an upstream gradient of 1.
     x (N, D), head (V, D), targets (N,) -> (), (N, D), (V, D), (V,). One (c, V) buffer at a time.
-    weight_rows, bias_rows (a, b): only those vocabulary rows of the weight and bias gradients,
-    (b - a, D) and (b - a,) (a sliced head); None: all of them."""
+    lse_out (N,): filled with each row's log-sum-exp."""
     dtype = _logits_dtype(x, head)
     loss = x.new_zeros((), dtype=dtype)
     grad_x = torch.empty_like(x) if need[0] else None
-    grad_w = x.new_zeros((_rows_in(weight_rows, head), head.shape[1]), dtype=dtype) if need[1] else None
-    grad_b = x.new_zeros((_rows_in(bias_rows, head),), dtype=dtype) if need[2] else None
+    grad_w = x.new_zeros(head.shape, dtype=dtype) if need[1] else None
+    grad_b = x.new_zeros(head.shape[:1], dtype=dtype) if need[2] else None
     for start in memory.representative(range(0, x.shape[0], chunk), x):
         x_c = x[start : start + chunk].to(dtype)  # (c, D)
         z = _logits(x_c, head, dtype)  # (c, V)
         z_y, valid, safe = _target_terms(z, targets[start : start + chunk])
         lse, sums = exp_shifted_(z)  # z now holds exp(z - max)
         loss = loss + torch.where(valid, lse - z_y, 0).sum()
+        if lse_out is not None:
+            lse_out[start : start + chunk] = lse
         if not any(need):
             continue
         g = z.div_(sums)  # softmax, in place over the logits: (c, V)
@@ -247,19 +247,10 @@ def _exact_pass(
         if grad_x is not None:
             grad_x[start : start + chunk] = _times_weight(g, head)
         if grad_w is not None:
-            grad_w.addmm_(_columns(g, weight_rows).T, x_c)
+            grad_w.addmm_(g.T, x_c)
         if grad_b is not None:
-            grad_b += _columns(g, bias_rows).sum(0)
+            grad_b += g.sum(0)
     return loss, grad_x, grad_w, grad_b
-
-
-def _rows_in(rows: tuple[int, int] | None, head: _Head) -> int:
-    return head.shape[0] if rows is None else rows[1] - rows[0]
-
-
-def _columns(g: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
-    """The logits-gradient columns of vocabulary rows [a, b) (all of them for None)."""
-    return g if rows is None else g[:, rows[0] : rows[1]]
 
 
 def _slice_rows(s) -> tuple[bool, tuple[int, int] | None]:
@@ -271,38 +262,80 @@ def _slice_rows(s) -> tuple[bool, tuple[int, int] | None]:
 
 class _ExactCE(torch.autograd.Function):
     """Summed cross-entropy of x @ W.T (+ b) whose gradients are made in forward
-    (the Liger / Cut-Cross-Entropy trick): backward only scales them by grad_output. A sliced head's
-    gradients are those of its active rows, in the logits dtype; backward adds them, scaled, to the
-    slices' side buffers and returns None for the weight and bias."""
+    (the Liger / Cut-Cross-Entropy trick): backward only scales them by grad_output.
+
+    A sliced head (engine chunk) is the exception for its weight and bias: their active rows'
+    gradients are made in backward instead, from x and each row's log-sum-exp kept from forward
+    (N x D in the compute dtype, N numbers), by recomputing only those rows' logits, and added
+    straight into the slices' side buffers; None goes to autograd. Made in forward they would be held
+    from the loss to its backward beside the side buffer: up to a second copy of the head's share of
+    the chunk (a whole 128K x 4096 head is 2 GiB in fp32)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, chunk, head: _Head):
         # weight, bias: head.weight and head.bias, passed so autograd routes their gradients
-        need, rows = tuple(ctx.needs_input_grad[:3]), (None, None)
+        need = tuple(ctx.needs_input_grad[:3])
         ctx.slices = None if head.slices is None else (head.slices.get("weight"), head.slices.get("bias"))
+        sliced = ctx.slices is not None and any(_slice_rows(s)[0] for s in ctx.slices)
+        lse = x.new_empty(x.shape[:1], dtype=_logits_dtype(x, head)) if sliced else None
         if ctx.slices is not None:
-            (need_w, w_rows), (need_b, b_rows) = (_slice_rows(s) for s in ctx.slices)
-            need, rows = (need[0], need_w, need_b), (w_rows, b_rows)
+            need = (need[0], False, False)
         with torch.autocast(x.device.type, enabled=False):  # dtypes are chosen explicitly
-            loss, grad_x, grad_w, grad_b = _exact_pass(x, head, targets, chunk, need, *rows)
-        if grad_w is not None and ctx.slices is None:
+            loss, grad_x, grad_w, grad_b = _exact_pass(x, head, targets, chunk, need, lse_out=lse)
+        if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None and ctx.slices is None:
+        if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
-        ctx.save_for_backward(grad_x, grad_w, grad_b)  # (N, D), (V | rows, D) | None, (V | rows,) | None
+        ctx.head, ctx.chunk = head, chunk
+        ctx.save_for_backward(grad_x, grad_w, grad_b,  # (N, D), (V, D) | None, (V,) | None
+                              *((x, targets, lse) if sliced else (None, None, None)))
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        if ctx.slices is None:
-            grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in saved)
-            return (*grads, None, None, None)
-        for s, g in zip(ctx.slices, saved[1:]):  # scaled into the side buffers, with no scaled copy
-            if g is not None:
-                s.add_scaled(g, grad_out)
-        grad_x = None if saved[0] is None else saved[0] * grad_out.to(saved[0].dtype)
-        return grad_x, None, None, None, None, None
+        grad_x, grad_w, grad_b, x, targets, lse = ctx.saved_tensors
+        grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in (grad_x, grad_w, grad_b))
+        if x is not None:
+            with torch.autocast(x.device.type, enabled=False):
+                _sliced_head_grads(x, targets, lse, ctx.head, ctx.chunk, ctx.slices, grad_out)
+        return (*grads, None, None, None)
+
+
+def _sliced_head_grads(x, targets, lse, head: _Head, chunk: int, slices, scale: torch.Tensor) -> None:
+    """The active rows' gradients of a sliced head's weight and bias, times `scale`, added into their
+    side buffers: per tile of rows and token chunk, softmax(z) - onehot(y) on those rows' logits
+    (from the saved log-sum-exp), then its transpose @ x for the weight, its column sums for the
+    bias. Rows go in CAST_TILE_ROWS tiles, so a head narrower than the logits is cast a tile at a time."""
+    dtype = lse.dtype
+    for active, is_bias in zip(slices, (False, True)):
+        live, rows = _slice_rows(active)
+        if not live:
+            continue
+        if active.grad is None:
+            active.grad = x.new_zeros(active.shape, dtype=torch.promote_types(active.param.dtype, torch.float32))
+        a, b = rows
+        for r0 in memory.representative(range(a, b, CAST_TILE_ROWS), x):
+            r1 = min(r0 + CAST_TILE_ROWS, b)
+            tile = head.weight[r0:r1].to(dtype)  # (r, D): a view when the head is in the logits dtype
+            for start in memory.representative(range(0, x.shape[0], chunk), x):
+                x_c = x[start : start + chunk].to(dtype)  # (c, D)
+                g = _rows_gradient(x_c, tile, head, r0, r1, targets[start : start + chunk],
+                                   lse[start : start + chunk], scale)
+                if is_bias:
+                    active.grad[r0 - a : r1 - a] += g.sum(0)
+                else:
+                    active.grad[r0 - a : r1 - a].addmm_(g.T, x_c)
+
+
+def _rows_gradient(x_c, tile, head: _Head, r0: int, r1: int, t, lse, scale) -> torch.Tensor:
+    """(softmax(z) - onehot(y)) * scale on vocabulary rows [r0, r1) of a token chunk: (c, r1 - r0)."""
+    z = x_c @ tile.T
+    if head.bias is not None:
+        z += head.bias[r0:r1].to(z.dtype)
+    z.sub_(lse[:, None]).exp_()
+    hit = (t >= r0) & (t < r1)
+    z.scatter_add_(1, torch.where(hit, t - r0, 0)[:, None], -hit[:, None].to(z.dtype))
+    return z.mul_((t != IGNORE_INDEX)[:, None]).mul_(scale.to(z.dtype))
 
 
 # ---------------------------------------------------------------- mode=subset
