@@ -27,6 +27,8 @@ def cases() -> list[str]:
 
 
 def load_case(name: str):
+    if str(CASES) not in sys.path:  # cases share helpers (benchmarks/cases/_*.py)
+        sys.path.insert(0, str(CASES))
     path = CASES / f"{name}.py"
     if not path.is_file():
         sys.exit(f"unknown case '{name}'; known: {', '.join(cases()) or 'none'}.")

@@ -21,8 +21,6 @@ Goal: lsp within 1 point of resident full fine-tuning's accuracy.
 
 from __future__ import annotations
 
-import copy
-import json
 import math
 import tempfile
 import time
@@ -30,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from slimtune import config, data, demo, train
+from _accuracy import time_to_accuracy
+from slimtune import config, data, demo
 from slimtune.model import load_model, load_tokenizer
 from slimtune.optim import projectors
 
@@ -153,24 +152,6 @@ VARIANTS = {
        for lr in (1e-3, 3e-3)},
     "lora r=16 lr=0.002 (demo)": ("lora r=16", {"method": "lora", "engine": "resident", "train": {"lr": 2.0e-3}}),
 }
-
-
-def time_to_accuracy(name: str, variant: dict, steps: int, every: int, root: Path) -> dict:
-    settings = copy.deepcopy(demo.SETTINGS)
-    settings.update({k: v for k, v in variant.items() if k != "train"})
-    settings["train"].update(schedule="constant", warmup_steps=10, eval_every=0, log_every=1, measure_memory=False,
-                             resume=True, save_every=every, **variant["train"])
-    settings["output_dir"] = str(root / name.replace(" ", "_").replace("=", "").replace("(", "").replace(")", ""))
-    curve, records = [], []
-    for upto in range(every, steps + 1, every):
-        settings["train"]["steps"] = upto
-        run, _ = train.fit(config.load(None, [], base=settings), progress=False)
-        accuracy = demo.accuracy(run, demo.heldout())
-        records = [json.loads(line) for line in (Path(settings["output_dir"]) / "metrics.jsonl").read_text()
-                   .splitlines() if line]
-        curve.append({"step": upto, "train_seconds": sum(r["step_s"] for r in records), "accuracy": accuracy})
-    return {"run": name, "settings": variant, "curve": curve,
-            "first_step_s": records[0]["step_s"], "median_step_s": sorted(r["step_s"] for r in records)[len(records) // 2]}
 
 
 def part4(quick: bool) -> dict:

@@ -379,6 +379,12 @@ def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch
     return speed.StepTime(compute + optimizer + link, compute, optimizer, link, flops)
 
 
+def weight_dtype(precision: str, method: str) -> torch.dtype:
+    """The device weights are in the compute dtype (bf16 under bf16): their fp32 masters are on the host."""
+    del method
+    return {"bf16": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
+
+
 def plans(method: str) -> list[dict]:
     """Full fine-tuning, every block recomputed (the spec's default), at 4 and 16 chunks."""
     if method != "full":
@@ -390,4 +396,4 @@ register(EngineSpec(
     name="chunk", summary="full fine-tuning a chunk of the weights at a time: only its gradient on the device,"
     " every chunk's AdamW state on the host (ChunkFT).",
     build=ChunkEngine, step_time=step_time, section=ChunkConfig, validate=validate, plans=plans,
-    scratch=scratch, by_depth=False))
+    scratch=scratch, by_depth=False, weight_dtype=weight_dtype))

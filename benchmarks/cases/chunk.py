@@ -1,0 +1,92 @@
+"""Engine chunk (ChunkFT, spec chunkft.md): its device peak and host state on Llama-3.1-8B, the
+accuracy it reaches on the demo task against resident full fine-tuning, and its CPU step time.
+
+Part 1, device peak from the estimate (the real step on fake tensors, the training meter; the
+heaviest chunk's step, at full depth), Llama-3.1-8B full fine-tuning, batch 1 x 1024, bf16, every
+block recomputed, N in {4, 8, 16, 32, 64, 128}, with the loss's default chunk and with 256-token
+loss chunks; host RAM with state in RAM and on disk. Goal (issue 13): chunk alone <= bf16 weights
++ 1 GiB.
+
+Part 2, quality: held-out exact-match accuracy on the demo task after equal tokens (the same steps,
+data, seed and schedule: constant after 10 warm-up steps) for chunk at N = 1, 4, 16 (per_step lr),
+N = 4 per_sweep, and resident full fine-tuning, each at two learning rates (its best is compared).
+Goal: within 2 points of resident full fine-tuning.
+
+Part 3, the machinery's cost: the median CPU step time of those runs (2 cores, fp32), chunk against
+resident, on the same model and batches.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+
+from _accuracy import time_to_accuracy
+from slimtune import config, estimate, presets
+
+GIB = 2**30
+SEQ = 1024
+
+
+def peak_row(model_config, n: int, extra: tuple[str, ...]) -> dict:
+    cfg = config.load(None, ["engine=chunk", "method=full", "precision=bf16", "train.batch_size=1",
+                             "activations.checkpoint=recompute", f"chunk.n_chunks={n}", *extra],
+                      base={"model": "(benchmark)", "data": "(benchmark)"})
+    began = time.perf_counter()
+    found = estimate.estimate(model_config, cfg, 1, SEQ)
+    weights = found.breakdown["weights"]
+    return {"n_chunks": n, "options": list(extra), "device_peak_bytes": found.device_peak_bytes,
+            "device_peak_gib": found.device_peak_bytes / GIB, "weights_gib": weights / GIB,
+            "beyond_weights_gib": (found.device_peak_bytes - weights) / GIB,
+            "breakdown_gib": {k: v / GIB for k, v in found.breakdown.items()},
+            "host_ram_gib": found.host_bytes / GIB, "host_link_gib_per_step": found.host_link_bytes / GIB,
+            "goal_met": found.device_peak_bytes - weights <= GIB, "seconds": time.perf_counter() - began}
+
+
+def part1(quick: bool) -> list[dict]:
+    model_config = presets.model_config("Llama-3.1-8B")
+    rows = []
+    for n in (8,) if quick else (4, 8, 16, 32, 64, 128):
+        rows.append(peak_row(model_config, n, ()))
+        rows.append(peak_row(model_config, n, ("loss.chunk_size=256",)))
+    rows.append(peak_row(model_config, 32, ("chunk.state=disk",)))
+    return rows
+
+
+def variants(quick: bool) -> dict:
+    out = {}
+    for lr in (3e-4,) if quick else (3e-4, 1e-3):
+        out[f"resident full lr={lr:g}"] = ("resident full", {"method": "full", "engine": "resident", "train": {"lr": lr}})
+        for n in (1, 4) if quick else (1, 4, 16):
+            out[f"chunk N={n} lr={lr:g}"] = (f"chunk N={n}", {"method": "full", "engine": "chunk", "train": {"lr": lr},
+                                                             "chunk": {"n_chunks": n}})
+        out[f"chunk N=4 per_sweep lr={lr:g}"] = ("chunk N=4 per_sweep", {
+            "method": "full", "engine": "chunk", "train": {"lr": lr},
+            "chunk": {"n_chunks": 4, "lr_schedule": "per_sweep"}})
+    return out
+
+
+def part2(quick: bool) -> dict:
+    steps, every = (20, 10) if quick else (300, 50)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [{"method": method, **time_to_accuracy(name, variant, steps, every, Path(tmp))}
+                for name, (method, variant) in variants(quick).items()]
+    best: dict[str, float] = {}
+    median: dict[str, float] = {}
+    for r in runs:
+        best[r["method"]] = max(best.get(r["method"], 0.0), max(p["accuracy"] for p in r["curve"]))
+        median[r["method"]] = min(median.get(r["method"], math.inf), r["median_step_s"])
+    reference = best["resident full"]
+    return {"task": "slimtune demo (heldout.jsonl, greedy exact match)", "steps": steps,
+            "best_accuracy": best, "within_2_points": {m: a >= reference - 0.02 for m, a in best.items()},
+            "median_step_s": median,
+            "step_time_vs_resident": {m: s / median["resident full"] for m, s in median.items()}, "runs": runs}
+
+
+def run(quick: bool) -> dict:
+    began = time.perf_counter()
+    result = {"device_peak_8b": part1(quick), "quality_and_step_time": part2(quick)}
+    result["seconds"] = time.perf_counter() - began
+    return result
