@@ -36,19 +36,17 @@ does not apply.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from slimtune import block_stores, memory, runtime, speed
 from slimtune.checkpoint import EngineState
-from slimtune.chunk import partition as chunk_partition
 from slimtune.chunk import sliced
+from slimtune.chunk.state import ChunkState, axis_of, narrow
 from slimtune.config import RunConfig, positive, setting
 from slimtune.data import Batch
 from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, model_loss, to_float
@@ -56,9 +54,6 @@ from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.model import Stack
 from slimtune.optim import rules
-from slimtune.optim.host_adam import MOMENTS, Group, HostAdam, Working, moments_folder
-
-STATE_BYTES = 8  # two fp32 AdamW moments a number: what each number costs beside its own bytes
 
 
 @dataclass
@@ -92,122 +87,21 @@ def validate(cfg: RunConfig) -> None:
         raise UserError("engine=chunk trains the LM head, which loss.mode=subset cannot; set loss.mode=exact.")
 
 
-def axis_of(model: nn.Module):
-    """The split axis of each trainable tensor (spec 2.1): vocabulary rows of the token embedding and
-    of the causal-LM head, elements of 1-D tensors, input columns of every other matrix."""
-    by_rows = {id(model.get_input_embeddings().weight)}
-    head = model.get_output_embeddings()
-    if head is not None:
-        by_rows.add(id(head.weight))
-
-    def axis(name: str, param: nn.Parameter) -> int:
-        del name
-        return 0 if param.ndim == 1 or id(param) in by_rows else 1
-    return axis
-
-
 class ChunkEngine:
     name = "chunk"
 
     def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str):
         self.stack, self.device, self.precision = stack, device, precision
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
-        self.chunk = cfg.section("chunk")
         self.store_dir = Path(cfg.output_dir) / "activations"
         self.fake = any(is_fake(p) for p in stack.model.parameters())
         self.slices = sliced.install(stack.model, axis_of(stack.model))  # name -> ActiveSlice
-        self.names = {id(s.param): n for n, s in self.slices.items()}
-        streams = [self._stream(n, s) for n, s in self.slices.items()]
-        self.streams = {s.name: s for s in streams}
-        self.chunks = chunk_partition.partition(streams, self.chunk.n_chunks)
+        self.state = ChunkState({n: s.param for n, s in self.slices.items()},
+                                {n: s.axis for n, s in self.slices.items()}, cfg, device, self.fake,
+                                lambda name: self.slices[name].param)
         self.link = runtime.Link(device)
-        self.state_dir = None
-        if self.chunk.state == "disk" and not self.fake:
-            root = Path(self.chunk.state_dir or Path(cfg.output_dir) / "chunk-state")
-            self.state_dir = moments_folder(self, root, "chunk.state_dir")
-        self.adams = self._optimizers(cfg)
-        self.visited = [False] * len(self.chunks)
         self.step_count = 0  # optimizer steps taken: the lr schedule's position
-        self.position = 0  # index into the sweep's order of the active chunk
-        self.done_on_active = 0  # successful steps on the active chunk so far
-        self.sweep = 0
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
-        self.seed = cfg.train.seed
-
-    # ------------------------------------------------------------ building
-
-    def _stream(self, name: str, active: sliced.ActiveSlice) -> chunk_partition.Stream:
-        param = active.param
-        master = 4 if param.element_size() < 4 else 0  # an fp32 master beside narrower weights
-        return chunk_partition.Stream(name, tuple(param.shape), active.axis,
-                                      param.element_size() + master + STATE_BYTES)
-
-    def _groups(self, pieces: list[chunk_partition.Piece]) -> list[tuple[list[chunk_partition.Piece], float]]:
-        """A chunk's pieces by weight decay: matrices decay, 1-D tensors do not (rules.decays)."""
-        decay = self.train_cfg.weight_decay
-        decayed = [p for p in pieces if rules.decays(self.slices[p.name].param)]
-        plain = [p for p in pieces if not rules.decays(self.slices[p.name].param)]
-        return [(group, wd) for group, wd in ((decayed, decay), (plain, 0.0)) if group]
-
-    def _piece_shape(self, piece: chunk_partition.Piece) -> torch.Size:
-        shape = list(self.slices[piece.name].param.shape)
-        shape[piece.axis] = piece.stop - piece.start
-        return torch.Size(shape)
-
-    def _optimizers(self, cfg: RunConfig) -> list[HostAdam]:
-        """One HostAdam per chunk, sharing one set of accumulators and shadows sized for the largest."""
-        param = next(iter(self.slices.values())).param
-        dtype = torch.promote_types(param.dtype, torch.float32)
-        shadow = param.dtype if param.dtype != dtype else None
-        largest = max(sum(self._piece_shape(p).numel() for p in pieces) for pieces in self.chunks)
-        self.working = Working(largest, dtype, self.device, shadow)
-        self.members: list[list[tuple[chunk_partition.Piece, int, int]]] = []  # per chunk: (piece, group, member)
-        adams = []
-        for k, pieces in enumerate(self.chunks):
-            grouped = self._groups(pieces)
-            groups = [Group(tuple(self._piece_shape(p) for p in group), wd) for group, wd in grouped]
-            adams.append(HostAdam(f"chunk {k}", groups, dtype, self.device, rules.adamw_settings(cfg.train),
-                                  shadow_dtype=shadow, moments_dir=self.state_dir,
-                                  masters_on_disk=self.state_dir is not None, working=self.working))
-            self.members.append([(p, g, i) for g, (group, _) in enumerate(grouped) for i, p in enumerate(group)])
-        return adams
-
-    # ------------------------------------------------------------ which chunk
-
-    def order(self, sweep: int) -> list[int]:
-        """The chunks in visiting order in `sweep`: model order, or a permutation drawn from the seed
-        and the sweep (no RNG state to keep: resume draws the same)."""
-        ks = list(range(len(self.chunks)))
-        if self.chunk.order == "random":
-            random.Random(self.seed * 1_000_003 + sweep).shuffle(ks)
-        return ks
-
-    @property
-    def active(self) -> int:
-        if self.fake:
-            return self.heaviest()
-        return self.order(self.sweep)[self.position]
-
-    def heaviest(self) -> int:
-        """The chunk the planner's fake step runs: every chunk's step holds the same activations and
-        its own gradient (even the LM head's rows are made in backward, loss._ExactCE), so the one
-        with the most numbers. Other chunks' steps differ from it by small transients only (a norm's
-        or a bias's weight-gradient sums while its range is live: within 0.1% on the test model)."""
-        return max(range(len(self.chunks)), key=lambda k: sum(g.numel for g in self.adams[k].groups))
-
-    def _advance(self) -> None:
-        self.done_on_active += 1
-        if self.done_on_active < self.chunk.switch_every:
-            return
-        self.done_on_active, self.position = 0, self.position + 1
-        if self.position == len(self.chunks):
-            self.position, self.sweep = 0, self.sweep + 1
-
-    def _lr(self) -> float:
-        if self.chunk.lr_schedule == "per_sweep":
-            sweep_steps = len(self.chunks) * self.chunk.switch_every
-            return rules.lr_at(self.train_cfg, self.step_count // sweep_steps * sweep_steps)
-        return rules.lr_at(self.train_cfg, self.step_count)
 
     # ------------------------------------------------------------ one step
 
@@ -221,15 +115,15 @@ class ChunkEngine:
             active.take()
             active.set(0, 0)
         with reading.phase("gradients"):
-            for piece, _, _ in self.members[k]:
+            for piece, _, _ in self.state.members[k]:
                 active = self.slices[piece.name]
                 active.set(piece.start, piece.stop)
-                active.grad = torch.zeros(active.shape, dtype=self.working.grad.dtype, device=self.device)
+                active.grad = torch.zeros(active.shape, dtype=self.state.dtype, device=self.device)
 
     def step(self, micro_batches: list[Batch]) -> StepResult:
         self.stack.model.train()
         total = max(sum(b.num_targets for b in micro_batches), 1)
-        k, lr = self.active, self._lr()
+        k, lr = self.state.active, self.state.lr(self.step_count)
         link_before = self.link.bytes
         with self.meter.measure(self._resident_tensors()) as reading:
             self._open(k, reading)
@@ -241,48 +135,39 @@ class ChunkEngine:
                     (out.loss_sum / total).backward()
                     exact_sum = exact_sum + out.exact_sum
             memory.mark("update")
-            grads = [(piece, g, i, self.slices[piece.name].take()) for piece, g, i in self.members[k]]
-            norm = torch.nn.utils.get_total_norm([grad for *_, grad in grads], foreach=True)
+            grads = [(member, self.slices[member[0].name].take()) for member in self.state.members[k]]
+            norm = torch.nn.utils.get_total_norm([grad for _, grad in grads], foreach=True)
             applied = rules.is_finite(norm) and rules.is_finite(exact_sum)
             if applied:
                 self._update(k, grads, lr, rules.clip_coefficient(norm, self.train_cfg.max_grad_norm))
             del grads
         self.step_count += 1  # the schedule moves on, as on every engine; the chunk only after an update
-        if applied and not self.fake:
-            self._advance()
+        if applied:
+            self.state.advance()
         return StepResult(
             loss=to_float(exact_sum) / total, tokens=sum(b.num_targets for b in micro_batches),
             seen_tokens=sum(b.input_ids.numel() for b in micro_batches), lr=lr, grad_norm=to_float(norm),
             device_peak_bytes=reading.peak, device_peak_breakdown=reading.peak_breakdown,
             host_link_bytes=self.link.bytes - link_before + store.link_bytes,
             host_peak_bytes=self.host_bytes() + (store.peak_bytes if self.activations_cfg.checkpoint == "host" else 0),
-            disk_peak_bytes=self.disk_bytes() + (store.peak_bytes if self.activations_cfg.checkpoint == "disk" else 0),
+            disk_peak_bytes=self.state.disk_bytes() + (
+                store.peak_bytes if self.activations_cfg.checkpoint == "disk" else 0),
             extras={"chunk": k}, applied=applied)
 
     def _update(self, k: int, grads: list, lr: float, clip: torch.Tensor) -> None:
         """Gradients down, host AdamW over chunk k, the rounded masters up into the weight slices."""
-        adam = self.adams[k]
-        if not self.visited[k]:
-            self._first_visit(k)
-        events = [self.link.copy_down(adam.member(g, i).grad, grad) for _, g, i, grad in grads]
+        self.state.first_visit(k)
+        adam = self.state.adams[k]
+        events = [self.link.copy_down(adam.member(g, i).grad, grad) for (_, g, i), grad in grads]
         for event in events:
             if event is not None:
                 event.synchronize()
-        adam.update(lr, 1.0 if is_fake(clip) else float(clip))
-        for piece, g, i, _ in grads:
-            views = adam.member(g, i)
-            target = self.slices[piece.name].view(self.slices[piece.name].param.data)
-            self.link.wait(self.link.copy_up(target, views.shadow if views.shadow is not None else views.master))
 
-    def _first_visit(self, k: int) -> None:
-        """The chunk's masters start as its weights (made lazily, spec 2.3)."""
-        for piece, g, i in self.members[k]:
-            active = self.slices[piece.name]
-            source = active.param.detach().narrow(piece.axis, piece.start, piece.stop - piece.start)
-            event = self.link.copy_down(self.adams[k].member(g, i).master, source)
-            if event is not None:
-                event.synchronize()
-        self.visited[k] = True
+        def write(piece, values: torch.Tensor) -> None:
+            target = narrow(self.slices[piece.name].param.data, piece)
+            self.link.wait(self.link.copy_up(target, values))
+
+        self.state.update(k, lr, 1.0 if is_fake(clip) else float(clip), write)
 
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
         self.stack.model.eval()
@@ -293,64 +178,20 @@ class ChunkEngine:
     # ------------------------------------------------------------ accounting and state
 
     def host_bytes(self) -> int:
-        return sum(a.host_bytes() for a in self.adams) + self.working.host_bytes()
-
-    def disk_bytes(self) -> int:
-        if self.chunk.state != "disk":
-            return 0
-        return sum(3 * m.numel() * m.element_size() for a in self.adams for m in a.masters)
+        return self.state.host_bytes()
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """The weights by name at full precision: the masters where a chunk was visited."""
-        state = {name: active.param.detach().to(self.working.grad.dtype) for name, active in self.slices.items()}
-        for k, adam in enumerate(self.adams):
-            if self.visited[k]:
-                for piece, g, i in self.members[k]:
-                    state[piece.name].narrow(piece.axis, piece.start, piece.stop - piece.start).copy_(
-                        adam.member(g, i).master)
-        return state
+        return self.state.trainable_state()
 
     def state_dict(self) -> EngineState:
-        moments = {m: {n: torch.zeros(s.param.shape, dtype=self.working.grad.dtype) for n, s in self.slices.items()}
-                   for m in MOMENTS}
-        steps = {}
-        for k, adam in enumerate(self.adams):
-            for piece, g, i in self.members[k]:
-                views = adam.member(g, i)
-                for m in MOMENTS:
-                    moments[m][piece.name].narrow(piece.axis, piece.start, piece.stop - piece.start).copy_(
-                        getattr(views, m))
-                steps.setdefault(piece.name, float(adam.state(g)["step"]))
-        extra = {"n_chunks": len(self.chunks), "visited": list(self.visited), "sweep": self.sweep,
-                 "position": self.position, "done_on_active": self.done_on_active,
-                 "chunk_steps": [[float(adam.state(g)["step"]) for g in range(len(adam.groups))]
-                                 for adam in self.adams]}
-        return EngineState(engine=self.name, step=self.step_count, trainable=self.trainable_state(),
-                           exp_avg=moments["exp_avg"], exp_avg_sq=moments["exp_avg_sq"], adam_steps=steps,
-                           extra={"chunk": extra})
+        return self.state.state_dict(self.name, self.step_count)
 
     def load_state_dict(self, state: EngineState) -> None:
         """Weights and per-(tensor, chunk) state by name; from another engine's checkpoint every chunk
         starts from its tensors' moments and step counts."""
         check_resumable(state, list(self.slices), self.name)
-        mine = state.extra.get("chunk") if state.engine == self.name else None
-        if mine is not None and mine["n_chunks"] != len(self.chunks):
-            raise UserError(f"the checkpoint was cut into {mine['n_chunks']} chunks and this run into"
-                            f" {len(self.chunks)}: set chunk.n_chunks={mine['n_chunks']} to resume it.")
+        self.state.load_state_dict(state)
         copy_named({n: s.param.data for n, s in self.slices.items()}, state.trainable)
-        for k, adam in enumerate(self.adams):
-            for piece, g, i in self.members[k]:
-                views, length = adam.member(g, i), piece.stop - piece.start
-                for m in ("master", *MOMENTS):
-                    source = state.trainable if m == "master" else getattr(state, m)
-                    getattr(views, m).copy_(source[piece.name].narrow(piece.axis, piece.start, length))
-            for g in range(len(adam.groups)):
-                step = mine["chunk_steps"][k][g] if mine else state.adam_steps[self.members[k][0][0].name]
-                adam.state(g)["step"].fill_(step)
-            adam.refresh_shadows()
-        self.visited = list(mine["visited"]) if mine else [True] * len(self.chunks)
-        if mine:
-            self.sweep, self.position, self.done_on_active = mine["sweep"], mine["position"], mine["done_on_active"]
         self.step_count = state.step
 
 

@@ -47,7 +47,7 @@ def step_batches(vocab: int, steps: int):
 
 
 def streams_of(model) -> list[partition.Stream]:
-    from slimtune.engines.chunk import axis_of
+    from slimtune.chunk.state import axis_of
     axis = axis_of(model)
     return [partition.Stream(n, tuple(p.shape), axis(n, p), p.element_size() + 8) for n, p in model.named_parameters()]
 
@@ -123,7 +123,7 @@ def side_gradients(engine: ChunkEngine, k: int, batch_list) -> dict[str, torch.T
     for b in batch_list:
         out = model_loss(engine.stack, engine.activations_cfg, engine.loss_cfg, CPU, "fp64", b)
         (out.loss_sum / total).backward()
-    return {(p.name, p.start): engine.slices[p.name].take() for p, _, _ in engine.members[k]}
+    return {(p.name, p.start): engine.slices[p.name].take() for p, _, _ in engine.state.members[k]}
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -133,9 +133,9 @@ def test_every_chunks_side_gradients_are_the_dense_gradient_sliced_and_together_
     engine = engine_of(model, run_cfg(ChunkConfig(n_chunks=5)))
     rebuilt = {n: torch.zeros_like(g) for n, g in dense.items()}
     hits = {n: torch.zeros_like(g) for n, g in dense.items()}
-    for k in range(len(engine.chunks)):
+    for k in range(len(engine.state.chunks)):
         got = side_gradients(engine, k, batches(model.config.vocab_size, 0))
-        for p, _, _ in engine.members[k]:
+        for p, _, _ in engine.state.members[k]:
             want = dense[p.name].narrow(p.axis, p.start, p.stop - p.start)
             torch.testing.assert_close(got[(p.name, p.start)], want, rtol=1e-10, atol=1e-12)
             rebuilt[p.name].narrow(p.axis, p.start, p.stop - p.start).copy_(got[(p.name, p.start)])
@@ -225,8 +225,8 @@ def test_several_chunks_equal_a_dense_masked_adamw_with_state_per_tensor_and_chu
     reference = reference_of(model)
     cfg = run_cfg(chunk)
     engine = chunk_steps(model, cfg, 20)
-    order = [k for sweep in range(20) for k in engine.order(sweep) for _ in range(chunk.switch_every)][:20]
-    masked_adamw(reference, 20, cfg, order, engine.chunks)
+    order = [k for sweep in range(20) for k in engine.state.order(sweep) for _ in range(chunk.switch_every)][:20]
+    masked_adamw(reference, 20, cfg, order, engine.state.chunks)
     assert_weights_close(engine, reference)
 
 
@@ -240,12 +240,12 @@ def test_the_device_holds_the_active_chunks_gradient_only_and_no_optimizer_state
     results = [engine.step(b) for b in step_batches(model.config.vocab_size, n)]
     total = sum(p.numel() for p in model.parameters())
     for k, result in enumerate(results):
-        numel = sum(g.numel for g in engine.adams[k].groups)
+        numel = sum(g.numel for g in engine.state.adams[k].groups)
         assert result.device_peak_breakdown["gradients"] == numel * 8  # fp64 side buffers
         assert result.device_peak_breakdown["optimizer"] == 0
-        assert abs(numel - total / n) <= max(s.slice_bytes for s in engine.streams.values())
+        assert abs(numel - total / n) <= max(s.slice_bytes for s in engine.state.streams.values())
     # the host: masters and two moments of every number, and one working set (gradient) for the largest chunk
-    largest = max(sum(g.numel for g in a.groups) for a in engine.adams)
+    largest = max(sum(g.numel for g in a.groups) for a in engine.state.adams)
     assert engine.host_bytes() == 3 * total * 8 + largest * 8
 
 
@@ -274,7 +274,7 @@ def test_state_on_disk_equals_state_in_ram(tmp_path):
     for name, want in ram.trainable_state().items():
         assert torch.equal(disk.trainable_state()[name], want), name
     assert list((tmp_path / "state").rglob("*.bin"))  # the masters and moments are files
-    assert disk.host_bytes() == disk.working.host_bytes() < ram.host_bytes() / 9  # RAM: one chunk's gradient
+    assert disk.host_bytes() == disk.state.working.host_bytes() < ram.host_bytes() / 9  # RAM: one chunk's gradient
 
 
 def test_a_non_finite_step_updates_nothing_and_keeps_the_chunk():
@@ -282,11 +282,11 @@ def test_a_non_finite_step_updates_nothing_and_keeps_the_chunk():
     engine = engine_of(model, run_cfg(ChunkConfig(n_chunks=3)))
     engine.step(batches(model.config.vocab_size, 0))
     before = {n: t.clone() for n, t in engine.trainable_state().items()}
-    active = engine.active
+    active = engine.state.active
     with torch.no_grad():
         model.model.norm.weight[0] = math.inf
     result = engine.step(batches(model.config.vocab_size, 1))
-    assert not result.applied and engine.active == active
+    assert not result.applied and engine.state.active == active
     after = engine.trainable_state()
     assert all(torch.equal(after[n], t) for n, t in before.items() if n != "model.norm.weight")
 
@@ -319,9 +319,9 @@ def test_the_estimate_equals_the_cpu_meter_on_the_heaviest_chunk_and_bounds_the_
     batch = estimate.synthetic_batch(2, 48, len(tokenizer))
     engine = assembly.assemble(cfg, assembly.load_stack(cfg, CPU, "fp32"), CPU, "fp32")
     peaks = {}
-    for _ in range(len(engine.chunks)):
-        k = engine.active
+    for _ in range(len(engine.state.chunks)):
+        k = engine.state.active
         result = engine.step([batch])
         peaks[k] = (result.device_peak_bytes, result.device_peak_breakdown)
-    assert (predicted.device_peak_bytes, predicted.breakdown) == peaks[engine.heaviest()]
+    assert (predicted.device_peak_bytes, predicted.breakdown) == peaks[engine.state.heaviest()]
     assert max(p for p, _ in peaks.values()) <= predicted.device_peak_bytes * 1.001

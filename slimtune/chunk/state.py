@@ -1,0 +1,234 @@
+"""The host side of the chunk working set (spec chunkft.md 2.3), shared by engine chunk (weights on
+the device) and engine slide with slide.working_set=chunk (weights on the host, a window of blocks
+on the device).
+
+It owns the partition of the trainable tensors into chunks, and per chunk a HostAdam (the shared
+host optimizer) over the chunk's pieces: fp32 masters, AdamW moments and a step count per
+(tensor, chunk), in RAM or memory-mapped files (masters too). One `host_adam.Working` set of
+gradient accumulators and shadows, sized for the largest chunk, serves the chunk that is active:
+only it has gradients. It also keeps the visiting order (round robin, or a seeded random order per
+sweep), the learning-rate schedule's mode, and the checkpoint form of all of it.
+
+A chunk's masters start as its weights on its first visit (`weight_of` reads them wherever they
+live); an update writes the new weights back through the engine's `write` (a device copy up, or a
+host copy).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from slimtune.checkpoint import EngineState
+from slimtune.chunk.partition import Piece, Stream, partition
+from slimtune.config import RunConfig
+from slimtune.errors import UserError
+from slimtune.optim import rules
+from slimtune.optim.host_adam import MOMENTS, Group, HostAdam, Working, moments_folder
+
+STATE_BYTES = 8  # two fp32 AdamW moments a number: what each number costs beside its own bytes
+Member = tuple[Piece, int, int]  # a piece and its (group, member) in its chunk's HostAdam
+
+
+def axis_of(model: nn.Module) -> Callable[[str, nn.Parameter], int]:
+    """The split axis of each trainable tensor (spec 2.1): vocabulary rows of the token embedding and
+    of the causal-LM head, elements of 1-D tensors, input columns of every other matrix."""
+    by_rows = {id(model.get_input_embeddings().weight)}
+    head = model.get_output_embeddings()
+    if head is not None:
+        by_rows.add(id(head.weight))
+
+    def axis(name: str, param: nn.Parameter) -> int:
+        del name
+        return 0 if param.ndim == 1 or id(param) in by_rows else 1
+    return axis
+
+
+def narrow(t: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return t.narrow(piece.axis, piece.start, piece.stop - piece.start)
+
+
+class ChunkState:
+    """`params`: name -> trainable parameter, in model order (tied ones once); `axes`: name -> axis;
+    `weight_of(name)`: the tensor holding that parameter's current weights (any device)."""
+
+    def __init__(self, params: dict[str, nn.Parameter], axes: dict[str, int], cfg: RunConfig,
+                 device: torch.device, fake: bool, weight_of: Callable[[str], torch.Tensor]):
+        self.section, self.train_cfg, self.seed = cfg.section("chunk"), cfg.train, cfg.train.seed
+        self.params, self.device, self.weight_of = params, device, weight_of
+        streams = [self._stream(name, param, axes[name]) for name, param in params.items()]
+        self.streams = {s.name: s for s in streams}
+        self.chunks = partition(streams, self.section.n_chunks)
+        self.state_dir = None
+        if self.section.state == "disk" and not fake:
+            root = Path(self.section.state_dir or Path(cfg.output_dir) / "chunk-state")
+            self.state_dir = moments_folder(self, root, "chunk.state_dir")
+        self.fake = fake
+        self.adams, self.members = self._optimizers()
+        self.visited = [False] * len(self.chunks)
+        self.sweep = self.position = self.done_on_active = 0
+
+    # ------------------------------------------------------------ building
+
+    def _stream(self, name: str, param: nn.Parameter, axis: int) -> Stream:
+        master = 4 if param.element_size() < 4 else 0  # an fp32 master beside narrower weights
+        return Stream(name, tuple(param.shape), axis, param.element_size() + master + STATE_BYTES)
+
+    def piece_shape(self, piece: Piece) -> torch.Size:
+        shape = list(self.params[piece.name].shape)
+        shape[piece.axis] = piece.stop - piece.start
+        return torch.Size(shape)
+
+    def _optimizers(self) -> tuple[list[HostAdam], list[list[Member]]]:
+        """One HostAdam per chunk, its pieces in two groups (matrices decay, 1-D tensors do not),
+        all sharing one Working set sized for the largest chunk."""
+        param = next(iter(self.params.values()))
+        self.dtype = torch.promote_types(param.dtype, torch.float32)
+        shadow = param.dtype if param.dtype != self.dtype else None
+        self.working = Working(max(self.numel(k) for k in range(len(self.chunks))), self.dtype, self.device, shadow)
+        adams, members = [], []
+        for k, pieces in enumerate(self.chunks):
+            decayed = [p for p in pieces if rules.decays(self.params[p.name])]
+            plain = [p for p in pieces if not rules.decays(self.params[p.name])]
+            grouped = [(g, wd) for g, wd in ((decayed, self.train_cfg.weight_decay), (plain, 0.0)) if g]
+            groups = [Group(tuple(self.piece_shape(p) for p in g), wd) for g, wd in grouped]
+            adams.append(HostAdam(f"chunk {k}", groups, self.dtype, self.device, rules.adamw_settings(self.train_cfg),
+                                  shadow_dtype=shadow, moments_dir=self.state_dir,
+                                  masters_on_disk=self.state_dir is not None, working=self.working))
+            members.append([(p, g, i) for g, (group, _) in enumerate(grouped) for i, p in enumerate(group)])
+        return adams, members
+
+    def numel(self, k: int) -> int:
+        return sum(self.piece_shape(p).numel() for p in self.chunks[k])
+
+    # ------------------------------------------------------------ which chunk, which lr
+
+    def order(self, sweep: int) -> list[int]:
+        """The chunks in visiting order in `sweep`: model order, or a permutation drawn from the seed
+        and the sweep (no RNG state to keep: resume draws the same)."""
+        ks = list(range(len(self.chunks)))
+        if self.section.order == "random":
+            random.Random(self.seed * 1_000_003 + sweep).shuffle(ks)
+        return ks
+
+    @property
+    def active(self) -> int:
+        """The active chunk; under fake tensors (the planner's step) the heaviest one."""
+        return self.heaviest() if self.fake else self.order(self.sweep)[self.position]
+
+    def heaviest(self) -> int:
+        """The chunk with the most numbers: every chunk's step holds the same activations and its own
+        gradient, so its step holds the most. Other chunks' steps differ from it by small transients
+        only (a norm's or a bias's weight-gradient sums while its range is live: within 0.1% on the
+        test model)."""
+        return max(range(len(self.chunks)), key=self.numel)
+
+    def advance(self) -> None:
+        """After a successful step: the next chunk once this one had switch_every of them."""
+        if self.fake:
+            return
+        self.done_on_active += 1
+        if self.done_on_active < self.section.switch_every:
+            return
+        self.done_on_active, self.position = 0, self.position + 1
+        if self.position == len(self.chunks):
+            self.position, self.sweep = 0, self.sweep + 1
+
+    def lr(self, step: int) -> float:
+        """per_step: the run's schedule at `step`; per_sweep: held at the sweep's first step's value."""
+        if self.section.lr_schedule == "per_sweep":
+            sweep_steps = len(self.chunks) * self.section.switch_every
+            return rules.lr_at(self.train_cfg, step // sweep_steps * sweep_steps)
+        return rules.lr_at(self.train_cfg, step)
+
+    # ------------------------------------------------------------ the update
+
+    def grad_views(self, k: int) -> list[tuple[Member, torch.Tensor]]:
+        """Chunk k's pieces and their host gradient accumulators (the Working set's views)."""
+        return [(m, self.adams[k].member(m[1], m[2]).grad) for m in self.members[k]]
+
+    def grad_norm(self, k: int) -> torch.Tensor:
+        return torch.linalg.vector_norm(torch.stack(self.adams[k].grad_norms()))
+
+    def first_visit(self, k: int) -> None:
+        """The chunk's masters start as its weights (made lazily, spec 2.3)."""
+        if self.visited[k]:
+            return
+        with torch.no_grad():
+            for piece, g, i in self.members[k]:
+                self.adams[k].member(g, i).master.copy_(narrow(self.weight_of(piece.name).detach(), piece))
+        self.visited[k] = True
+
+    def update(self, k: int, lr: float, clip: float, write: Callable[[Piece, torch.Tensor], None]) -> None:
+        """Host AdamW over chunk k with its accumulated gradients times `clip`; each piece's new
+        weights (the shadow, or the master itself) go to `write(piece, values)`."""
+        self.first_visit(k)
+        adam = self.adams[k]
+        adam.update(lr, clip)
+        for piece, g, i in self.members[k]:
+            views = adam.member(g, i)
+            write(piece, views.shadow if views.shadow is not None else views.master)
+
+    def discard(self, k: int) -> None:
+        self.adams[k].discard()
+
+    # ------------------------------------------------------------ accounting and checkpoints
+
+    def host_bytes(self) -> int:
+        return sum(a.host_bytes() for a in self.adams) + self.working.host_bytes()
+
+    def disk_bytes(self) -> int:
+        if self.state_dir is None:
+            return 0
+        return sum(3 * m.numel() * m.element_size() for a in self.adams for m in a.masters)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The weights by name at full precision: the masters where a chunk was visited."""
+        state = {name: self.weight_of(name).detach().to("cpu", self.dtype, copy=True) for name in self.params}
+        for k, adam in enumerate(self.adams):
+            if self.visited[k]:
+                for piece, g, i in self.members[k]:
+                    narrow(state[piece.name], piece).copy_(adam.member(g, i).master)
+        return state
+
+    def state_dict(self, engine: str, step: int) -> EngineState:
+        moments = {m: {n: torch.zeros(p.shape, dtype=self.dtype) for n, p in self.params.items()} for m in MOMENTS}
+        steps = {}
+        for k, adam in enumerate(self.adams):
+            for piece, g, i in self.members[k]:
+                views = adam.member(g, i)
+                for m in MOMENTS:
+                    narrow(moments[m][piece.name], piece).copy_(getattr(views, m))
+                steps.setdefault(piece.name, float(adam.state(g)["step"]))
+        extra = {"n_chunks": len(self.chunks), "visited": list(self.visited), "sweep": self.sweep,
+                 "position": self.position, "done_on_active": self.done_on_active,
+                 "chunk_steps": [[float(a.state(g)["step"]) for g in range(len(a.groups))] for a in self.adams]}
+        return EngineState(engine=engine, step=step, trainable=self.trainable_state(), exp_avg=moments["exp_avg"],
+                           exp_avg_sq=moments["exp_avg_sq"], adam_steps=steps, extra={"chunk": extra})
+
+    def load_state_dict(self, state: EngineState) -> None:
+        """Masters, moments and steps per (tensor, chunk), and where the sweep was. From a checkpoint
+        without chunk state (another engine's, or slide's own) every chunk starts from its tensors'
+        moments and step counts. The weights themselves are the engine's to load."""
+        mine = state.extra.get("chunk")
+        if mine is not None and mine["n_chunks"] != len(self.chunks):
+            raise UserError(f"the checkpoint was cut into {mine['n_chunks']} chunks and this run into"
+                            f" {len(self.chunks)}: set chunk.n_chunks={mine['n_chunks']} to resume it.")
+        with torch.no_grad():
+            for k, adam in enumerate(self.adams):
+                for piece, g, i in self.members[k]:
+                    views = adam.member(g, i)
+                    views.master.copy_(narrow(state.trainable[piece.name], piece))
+                    for m in MOMENTS:
+                        getattr(views, m).copy_(narrow(getattr(state, m)[piece.name], piece))
+                for g in range(len(adam.groups)):
+                    first = next(p for p, group, _ in self.members[k] if group == g)
+                    adam.state(g)["step"].fill_(mine["chunk_steps"][k][g] if mine else state.adam_steps[first.name])
+                adam.refresh_shadows()
+        self.visited = list(mine["visited"]) if mine else [True] * len(self.chunks)
+        if mine:
+            self.sweep, self.position, self.done_on_active = mine["sweep"], mine["position"], mine["done_on_active"]
