@@ -98,7 +98,7 @@ def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch
     real_batch = batch if batch is not None else synthetic_batch(batch_size, seq_len, config.vocab_size)
     margin = engines.get(cfg.engine).block_margin(cfg)
     probes = (2 * margin + 1, 2 * margin + 2)
-    by_depth = by_depth and engines.get(cfg.engine).by_depth
+    by_depth = by_depth and engines.get(cfg.engine).by_depth(cfg)
     if by_depth and _repeats_one_block(config, cfg) and config.num_hidden_layers > probes[1]:
         found = _by_depth(config, cfg, real_batch, margin, probes)
         if found is not None:

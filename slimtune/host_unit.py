@@ -27,10 +27,14 @@ class HostUnit:
     and for the trainable ones a HostAdam (fp32 masters in two flat groups, decayed matrices and
     undecayed vectors as in every engine, gradient accumulators, bf16 shadows when computing in bf16,
     moments in RAM or files). Frozen tensors stay on the host (pinned on CUDA) and go up as they are.
-    `weight_dtype`: what trainable tensors go up in (None: their masters' dtype)."""
+    `weight_dtype`: what trainable tensors go up in (None: their masters' dtype).
+
+    With a `gradient_sink` (a chunk working set, chunk/host_gradients.py) the unit has no HostAdam:
+    its trainable tensors rest on the host in `weight_dtype` as plain weights (2 bytes a number in
+    bf16), their gradients go to the sink, and whoever owns the sink updates them."""
 
     def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
-                 train: TrainConfig, moments_dir: Path | None):
+                 train: TrainConfig, moments_dir: Path | None, gradient_sink=None):
         self.name, self.device = name, device
         tensors = []
         for owner, attr, tensor, is_param in runtime.own_tensors(modules):
@@ -41,8 +45,11 @@ class HostUnit:
                 tensors.append(runtime.SlotTensor(owner, attr, tensor if is_param else None, host, tensor.dtype, False))
         self.accumulators: dict[int, torch.Tensor] = {}  # id(param) -> its host gradient accumulator
         self.members: list[tuple[nn.Parameter, int, int]] = []  # (param, group, member) in the HostAdam
+        self.gradient_sink = gradient_sink
         trainable = [t for t in tensors if t.trainable]
-        self.adam = self._adopt(trainable, train, moments_dir) if trainable else None
+        if gradient_sink is not None:
+            self._rest_as_weights(trainable)
+        self.adam = self._adopt(trainable, train, moments_dir) if trainable and gradient_sink is None else None
         self.binding = runtime.SlotBinding(tensors)
         self.update_job = None  # the last AdamW submitted for this unit
         self.norms: list[torch.Tensor] = []  # its step gradients' norms, noted once they are complete
@@ -77,6 +84,15 @@ class HostUnit:
         adam.refresh_shadows()
         return adam
 
+    def _rest_as_weights(self, trainable: list[runtime.SlotTensor]) -> None:
+        """Trainable tensors rest on the host in the dtype they go up in (pinned on CUDA)."""
+        for t in trainable:
+            if t.host.dtype != t.device_dtype or self.device.type == "cuda":
+                t.host = runtime.to_host_storage(t.host, self.device, t.device_dtype)
+            else:
+                t.host = memory.mark_host_resident(t.host)
+            t.param.data = t.host
+
     @property
     def slot(self) -> runtime.Slot | None:
         return self.binding.slot
@@ -106,7 +122,9 @@ class HostUnit:
             event.synchronize()
         with torch.no_grad():
             for t in self.binding.tensors:
-                if t.trainable:
+                if t.trainable and self.gradient_sink is not None:
+                    self.gradient_sink.add_dense(t.param, t.grad_in(staging))
+                elif t.trainable:
                     self.accumulators[id(t.param)].add_(t.grad_in(staging))
         if final:
             self.note_norms()

@@ -48,6 +48,14 @@ def axis_of(model: nn.Module) -> Callable[[str, nn.Parameter], int]:
     return axis
 
 
+def scratch(cfg: RunConfig) -> dict[str, str]:
+    """chunk.state=disk keeps the masters and moments in files under chunk.state_dir."""
+    section = cfg.section("chunk")
+    if section.state != "disk":
+        return {}
+    return {"chunk.state_dir": str(section.state_dir or Path(cfg.output_dir) / "chunk-state")}
+
+
 def narrow(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     return t.narrow(piece.axis, piece.start, piece.stop - piece.start)
 
@@ -65,8 +73,7 @@ class ChunkState:
         self.chunks = partition(streams, self.section.n_chunks)
         self.state_dir = None
         if self.section.state == "disk" and not fake:
-            root = Path(self.section.state_dir or Path(cfg.output_dir) / "chunk-state")
-            self.state_dir = moments_folder(self, root, "chunk.state_dir")
+            self.state_dir = moments_folder(self, Path(scratch(cfg)["chunk.state_dir"]), "chunk.state_dir")
         self.fake = fake
         self.adams, self.members = self._optimizers()
         self.visited = [False] * len(self.chunks)

@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import is_fake
 from slimtune import block_stores, memory, runtime, speed
 from slimtune.checkpoint import EngineState
 from slimtune.chunk import sliced
-from slimtune.chunk.state import ChunkState, axis_of, narrow
+from slimtune.chunk.state import ChunkState, axis_of, narrow, scratch
 from slimtune.config import RunConfig, positive, setting
 from slimtune.data import Batch
 from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, model_loss, to_float
@@ -195,13 +195,6 @@ class ChunkEngine:
         self.step_count = state.step
 
 
-def scratch(cfg: RunConfig) -> dict[str, str]:
-    section = cfg.section("chunk")
-    if section.state != "disk":
-        return {}
-    return {"chunk.state_dir": str(section.state_dir or Path(cfg.output_dir) / "chunk-state")}
-
-
 def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,
               seq_len: int) -> speed.StepTime:
     """Modelled: the compute of full fine-tuning (every weight gradient of the active chunk only is
@@ -237,4 +230,4 @@ register(EngineSpec(
     name="chunk", summary="full fine-tuning a chunk of the weights at a time: only its gradient on the device,"
     " every chunk's AdamW state on the host (ChunkFT).",
     build=ChunkEngine, step_time=step_time, section=ChunkConfig, validate=validate, plans=plans,
-    scratch=scratch, by_depth=False, weight_dtype=weight_dtype))
+    scratch=scratch, by_depth=lambda cfg: False, weight_dtype=weight_dtype))

@@ -33,6 +33,11 @@ def _no_sample(cfg: config.RunConfig) -> int:
     return 0
 
 
+def _always(cfg: config.RunConfig) -> bool:
+    del cfg
+    return True
+
+
 def _one_block(cfg: config.RunConfig) -> int:
     del cfg
     return 1
@@ -56,9 +61,10 @@ class EngineSpec:
     # cfg -> how many blocks at each end of the stack the engine treats unlike the blocks between
     # (e.g. it prefetches that far ahead): the estimate by depth fits those blocks one by one.
     block_margin: Callable[[config.RunConfig], int] = _one_block
-    # False: the estimate runs this engine's step at full depth (its blocks differ from step to step
-    # or with the depth, so two shallow probes cannot give the deep step; see estimate._by_depth).
-    by_depth: bool = True
+    # cfg -> False: the estimate runs this engine's step at full depth (what its step holds depends on
+    # a partition of the whole model, so two shallow probes cannot give the deep step; see
+    # estimate._by_depth).
+    by_depth: Callable[[config.RunConfig], bool] = _always
     # (precision, method) -> the dtype the model is loaded in; None: assembly.weight_dtype's rule.
     weight_dtype: Callable | None = None
     # cfg -> how many training examples the engine wants as its own sample (e.g. to fit projectors),

@@ -56,6 +56,9 @@ from slimtune.data import Batch
 from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
+from slimtune.chunk.host_gradients import ActiveGradients
+from slimtune.chunk.state import ChunkState, axis_of, narrow
+from slimtune.chunk.state import scratch as chunk_scratch
 from slimtune.host_unit import HostUnit, StepGuard
 from slimtune.loss import chunk_tokens, head_inputs
 from slimtune.model import Stack
@@ -73,6 +76,9 @@ class SlideConfig:
     )
     moments_dir: str | None = setting(
         None, "slide.moments=disk: where the moment files go (default: output_dir/moments).")
+    working_set: Literal["all", "chunk"] = setting(
+        "all", "engine=slide: all: every tensor has gradients, fp32 masters and AdamW state on the host; chunk:"
+               " only the active chunk's (ChunkFT, the chunk.* settings), the host holding bf16 weights besides.")
 
     def validate(self) -> None:
         if self.slots not in (2, 3):
@@ -92,7 +98,10 @@ def validate(cfg: RunConfig) -> None:
                         " (or disk).")
     if cfg.activations.cache != "none":
         raise UserError("engine=slide keeps only each block's input; set activations.cache=none.")
-    if cfg.train.on_nonfinite == "skip" and cfg.train.max_grad_norm == 0:
+    chunked = cfg.section("slide").working_set == "chunk"
+    if chunked and cfg.method != "full":
+        raise UserError("slide.working_set=chunk is full fine-tuning a chunk at a time; set method=full.")
+    if cfg.train.on_nonfinite == "skip" and cfg.train.max_grad_norm == 0 and not chunked:
         raise UserError("engine=slide updates each block while backward runs when clipping is off, so a step cannot"
                         " be skipped whole; set train.max_grad_norm > 0 or train.on_nonfinite=stop.")
 
@@ -109,11 +118,14 @@ class SlideEngine:
             raise NotImplementedError("engine=slide streams an LM head without bias")
         weight_dtype = torch.bfloat16 if precision == "bf16" else None  # None: the master's dtype
         moments = self._moments_dir(cfg)
+        self.names = {id(p): n for n, p in stack.model.named_parameters() if p.requires_grad}
+        self.chunked = self.slide_cfg.working_set == "chunk"
+        self.gradients = ActiveGradients(None, self.names) if self.chunked else None
         blocks, count = stack.blocks, len(stack.blocks)
         self.units = [HostUnit(f"block {i}", [blocks[i]] + ([stack.norm] if i == count - 1 else []), device,
-                               weight_dtype, cfg.train, moments) for i in range(count)]
+                               weight_dtype, cfg.train, moments, self.gradients) for i in range(count)]
         self.edges = self._edge_units(cfg.train, weight_dtype, moments)
-        self.names = {id(p): n for n, p in stack.model.named_parameters() if p.requires_grad}
+        self.chunk_state = self._chunk_state(cfg) if self.chunked else None
         stack.rotary.to(device)
         self.link = runtime.Link(device)
         grad_bytes = max(u.binding.grad_bytes for u in self.units)
@@ -133,11 +145,25 @@ class SlideEngine:
                     moments: Path | None) -> list[HostUnit]:
         """The host-side units: the LM head (streamed up in tiles, so it gets a narrow shadow) and
         the embedding (never sent up: rows are gathered on the host, so no shadow); one unit when tied."""
-        stack, device = self.stack, self.device
+        stack, device, sink = self.stack, self.device, self.gradients
         if stack.tied:
-            return [HostUnit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, train, moments)]
-        return [HostUnit("LM head", [stack.head], device, weight_dtype, train, moments),
-                HostUnit("embedding", [stack.embed], device, None, train, moments)]
+            return [HostUnit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, train, moments,
+                             sink)]
+        # Under a chunk working set the embedding rests in bf16 too: its rows are gathered in the
+        # compute dtype, and a full-precision copy of it is what the working set exists not to keep.
+        return [HostUnit("LM head", [stack.head], device, weight_dtype, train, moments, sink),
+                HostUnit("embedding", [stack.embed], device, weight_dtype if sink else None, train, moments, sink)]
+
+    def _chunk_state(self, cfg: RunConfig) -> ChunkState:
+        """slide.working_set=chunk: the chunks' masters and AdamW state (chunk/state.py) over the
+        trainable tensors, which rest on the host as weights."""
+        host = self._host_weights()
+        params = {n: p for n, p in self.stack.model.named_parameters() if p.requires_grad}
+        axis = axis_of(self.stack.model)
+        state = ChunkState(params, {n: axis(n, p) for n, p in params.items()}, cfg, self.device,
+                           any(is_fake(t) for t in host.values()), host.__getitem__)
+        self.gradients.state = state
+        return state
 
     def _edge_tensor(self, param: torch.Tensor) -> tuple[HostUnit, runtime.SlotTensor] | tuple[None, None]:
         for unit in self.edges:
@@ -148,8 +174,8 @@ class SlideEngine:
 
     def _moments_dir(self, cfg: RunConfig) -> Path | None:
         """slide.moments=disk: a private folder for the moment files, removed with the engine."""
-        folders = scratch(cfg)
-        return moments_folder(self, Path(folders["slide.moments_dir"]), "slide.moments_dir") if folders else None
+        folder = scratch(cfg).get("slide.moments_dir")
+        return moments_folder(self, Path(folder), "slide.moments_dir") if folder else None
 
     # ------------------------------------------------------------ the pieces of a step
 
@@ -228,11 +254,20 @@ class SlideEngine:
 
     def _embed_backward(self, input_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Add d(loss)/d(embedding rows) into the embedding's host gradient (index_add, on the worker)."""
-        unit, _ = self._edge_tensor(self.stack.embed.weight)
-        accumulator = unit.accumulators[id(self.stack.embed.weight)]
+        weight = self.stack.embed.weight
         host, event = self.link.to_host(grad.reshape(-1, grad.shape[-1]))
         ids = input_ids.reshape(-1).cpu()
         padding = getattr(self.stack.embed, "padding_idx", None)
+        if self.chunked:
+            def add_active() -> None:
+                if event is not None:
+                    event.synchronize()
+                self.gradients.add_indexed(weight, ids, host, padding)
+
+            self.worker.submit(add_active)
+            return
+        unit, _ = self._edge_tensor(weight)
+        accumulator = unit.accumulators[id(weight)]
 
         def add() -> None:
             if event is not None:
@@ -263,7 +298,14 @@ class SlideEngine:
         unit, found = self._edge_tensor(weight)
         if found is None or not found.trainable:
             return None
-        accumulator = unit.accumulators[id(weight)]
+        if self.chunked:
+            def add_rows(start: int, stop: int, host: torch.Tensor) -> None:
+                self.gradients.add_rows(weight, start, stop, host)
+        else:
+            accumulator = unit.accumulators[id(weight)]
+
+            def add_rows(start: int, stop: int, host: torch.Tensor) -> None:
+                accumulator[start:stop].add_(host)
 
         def sink(start: int, stop: int, grad: torch.Tensor) -> None:
             host, event = self.link.to_host(grad)
@@ -271,7 +313,7 @@ class SlideEngine:
             def add() -> None:
                 if event is not None:
                     event.synchronize()
-                accumulator[start:stop].add_(host)
+                add_rows(start, stop, host)
 
             self.worker.submit(add)
 
@@ -355,21 +397,26 @@ class SlideEngine:
     def step(self, micro_batches: list[Batch]) -> StepResult:
         self.stack.model.train()
         total = max(sum(b.num_targets for b in micro_batches), 1)
-        lr = rules.lr_at(self.train_cfg, self.step_count)
+        active = self.chunk_state.active if self.chunked else None
+        lr = self.chunk_state.lr(self.step_count) if self.chunked else rules.lr_at(self.train_cfg, self.step_count)
         clipping = self.train_cfg.max_grad_norm > 0
         link_before = self.link.bytes
         guard = StepGuard()
+        if self.chunked:
+            self.gradients.open(active)
         with self.meter.measure(self._resident_tensors()) as reading, self._store() as store, self._window():
             loss_sum = 0.0
             for k, batch in enumerate(micro_batches):
                 final = k == len(micro_batches) - 1
-                update_now = (lr, 1.0, guard) if final and not clipping else None
+                update_now = (lr, 1.0, guard) if final and not clipping and not self.chunked else None
                 loss_sum = loss_sum + self._micro_step(batch, total, store, update_now, final)
             self.worker.barrier()
             memory.mark("update")
-            grad_norm = self._grad_norm()
+            grad_norm = self.chunk_state.grad_norm(active) if self.chunked else self._grad_norm()
             applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm) and not guard.tripped
-            if clipping:
+            if self.chunked:
+                self._update_chunk(active, lr, grad_norm, applied)
+            elif clipping:
                 coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
                 coef = 1.0 if is_fake(coefficient) else float(coefficient)
                 for unit in self._all_units():
@@ -378,14 +425,38 @@ class SlideEngine:
                         unit.update_job = self.worker.submit(*job)
             self.worker.barrier()
         self.step_count += 1
+        if self.chunked and applied:
+            self.chunk_state.advance()
+        state_disk = self.chunk_state.disk_bytes() if self.chunked else 0
         return StepResult(
             loss=to_float(loss_sum) / total, tokens=sum(b.num_targets for b in micro_batches),
             seen_tokens=sum(b.input_ids.numel() for b in micro_batches), lr=lr, grad_norm=to_float(grad_norm),
             device_peak_bytes=reading.peak, device_peak_breakdown=reading.peak_breakdown,
             host_link_bytes=self.link.bytes - link_before + store.link_bytes,
             host_peak_bytes=self.host_bytes() + (store.peak_bytes if self._store_kind() == "host" else 0),
-            disk_peak_bytes=store.peak_bytes if self._store_kind() == "disk" else 0, applied=applied,
+            disk_peak_bytes=state_disk + (store.peak_bytes if self._store_kind() == "disk" else 0), applied=applied,
+            extras={"chunk": active} if self.chunked else {},
         )
+
+    def _update_chunk(self, k: int, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
+        """slide.working_set=chunk: the active chunk's host AdamW (clipped by its own norm), its new
+        weights written into the host tensors they go up from; or its gradients dropped."""
+        if not applied:
+            self.worker.submit(self.chunk_state.discard, k)
+        else:
+            coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
+            host = self._host_weights()
+
+            def write(piece, values: torch.Tensor) -> None:
+                narrow(host[piece.name], piece).copy_(values)
+
+            self.worker.submit(self.chunk_state.update, k, lr, 1.0 if is_fake(coefficient) else float(coefficient),
+                               write)
+        self.worker.barrier()
+
+    def _host_weights(self) -> dict[str, torch.Tensor]:
+        """Each trainable tensor's host tensor by name: where it rests, and what goes up."""
+        return {self.names[id(t.param)]: t.host for u in self._all_units() for t in u.binding.tensors if t.trainable}
 
     def _grad_norm(self) -> torch.Tensor:
         """The global norm of this step's gradients, from the per-unit norms the host jobs noted
@@ -401,8 +472,12 @@ class SlideEngine:
 
     def host_bytes(self) -> int:
         """Host RAM held for the device: every unit's masters, accumulators, moments and frozen
-        tensors, plus the staging buffers (block inputs are counted by the store)."""
-        return sum(u.host_bytes() for u in self._all_units()) + sum(s.numel() for s in self.staging)
+        tensors, plus the staging buffers (block inputs are counted by the store); under a chunk
+        working set the trainable tensors' host weights and the chunk state instead of masters."""
+        held = sum(u.host_bytes() for u in self._all_units()) + sum(s.numel() for s in self.staging)
+        if self.chunked:
+            held += sum(runtime.nbytes(t) for t in self._host_weights().values()) + self.chunk_state.host_bytes()
+        return held
 
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
         self.stack.model.eval()
@@ -417,11 +492,15 @@ class SlideEngine:
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The host masters by parameter name (what the modules point at between steps is not relied on)."""
+        if self.chunked:
+            return self.chunk_state.trainable_state()
         return {self.names[id(param)]: unit.adam.member(k, i).master
                 for unit in self._all_units() for param, k, i in unit.members}
 
     def state_dict(self) -> EngineState:
         self.worker.barrier()
+        if self.chunked:
+            return self.chunk_state.state_dict(self.name, self.step_count)
         exp_avg, exp_avg_sq, steps = {}, {}, {}
         for unit in self._all_units():
             for param, k, i in unit.members:
@@ -435,6 +514,11 @@ class SlideEngine:
         """Masters and moments by parameter name, into the units' own buffers (RAM or mapped files)."""
         check_resumable(state, list(self.names.values()), self.name)
         self.worker.barrier()
+        if self.chunked:
+            self.chunk_state.load_state_dict(state)
+            copy_named(self._host_weights(), state.trainable)
+            self.step_count = state.step
+            return
         copy_named(self.trainable_state(), state.trainable)
         for unit in self._all_units():
             for param, k, i in unit.members:
@@ -449,11 +533,14 @@ class SlideEngine:
 
 
 def scratch(cfg: RunConfig) -> dict[str, str]:
-    """slide.moments=disk keeps the AdamW moments in files under slide.moments_dir."""
-    section = cfg.section("slide")
-    if section.moments != "disk":
-        return {}
-    return {"slide.moments_dir": str(section.moments_dir or Path(cfg.output_dir) / "moments")}
+    """slide.moments=disk keeps the AdamW moments in files under slide.moments_dir; a chunk working
+    set with chunk.state=disk its state under chunk.state_dir."""
+    section, folders = cfg.section("slide"), {}
+    if section.moments == "disk":
+        folders["slide.moments_dir"] = str(section.moments_dir or Path(cfg.output_dir) / "moments")
+    if section.working_set == "chunk":
+        folders.update(chunk_scratch(cfg))
+    return folders
 
 
 def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,
@@ -479,4 +566,6 @@ register(EngineSpec(
     name="slide", summary="weights, gradients and AdamW state on the host, a window of blocks on the device"
     " (models far larger than the device).",
     build=SlideEngine, step_time=step_time, section=SlideConfig, validate=validate, plans=plans, model_on_host=True,
-    scratch=scratch, block_margin=lambda cfg: cfg.section("slide").slots - 1))
+    scratch=scratch, block_margin=lambda cfg: cfg.section("slide").slots - 1,
+    # A chunk working set's host share depends on the partition of the whole model.
+    by_depth=lambda cfg: cfg.section("slide").working_set != "chunk"))

@@ -325,3 +325,61 @@ def test_the_estimate_equals_the_cpu_meter_on_the_heaviest_chunk_and_bounds_the_
         peaks[k] = (result.device_peak_bytes, result.device_peak_breakdown)
     assert (predicted.device_peak_bytes, predicted.breakdown) == peaks[engine.state.heaviest()]
     assert max(p for p, _ in peaks.values()) <= predicted.device_peak_bytes * 1.001
+
+
+# ---------------------------------------------------------------- the same working set on slide
+
+
+def slide_chunk_cfg(chunk: ChunkConfig, **train):
+    from slimtune.engines.slide import SlideConfig
+    return engine_config(TrainConfig(**{**BASE, **train}), engine="slide", method="full",
+                         sections={"chunk": chunk, "slide": SlideConfig(working_set="chunk")})
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk", [ChunkConfig(n_chunks=3), ChunkConfig(n_chunks=4, order="random", switch_every=2)],
+                         ids=["round-robin", "random-switch-2"])
+def test_chunk_on_slide_equals_chunk_on_resident(tied, chunk):
+    from slimtune.engines.slide import SlideEngine
+    model = model_of(layers=3, tie_word_embeddings=tied)
+    resident = engine_of(copy.deepcopy(model), run_cfg(chunk))
+    # slide runs the model's own modules: RMSNorms in float64 there too (HF's compute in float32)
+    slide = SlideEngine(Stack(reference_of(model)), slide_chunk_cfg(chunk), CPU, "fp64")
+    for batch_list in step_batches(model.config.vocab_size, 8):
+        a, b = resident.step(batch_list), slide.step(batch_list)
+        assert a.extras["chunk"] == b.extras["chunk"]
+        assert math.isclose(a.loss, b.loss, rel_tol=1e-10) and math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-9)
+    want, got = resident.trainable_state(), slide.trainable_state()
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_chunk_on_slide_holds_the_weights_and_one_chunks_gradients_on_the_host_and_resumes_exactly(tmp_path):
+    from slimtune import checkpoint
+    from slimtune.engines.slide import SlideEngine
+    chunk = ChunkConfig(n_chunks=4, state="disk", state_dir=str(tmp_path / "state"))
+    cfg = slide_chunk_cfg(chunk)
+
+    def build(seed=0):
+        return SlideEngine(Stack(model_of(layers=3, seed=seed)), cfg, CPU, "fp64")
+
+    straight = build()
+    vocab = straight.stack.model.config.vocab_size
+    results = [straight.step(b) for b in step_batches(vocab, 6)]
+    total = sum(p.numel() for p in straight.stack.model.parameters())
+    staging = sum(s.numel() for s in straight.staging)
+    largest = max(straight.chunk_state.numel(k) for k in range(4))
+    # host: the weights (fp64 here, bf16 on a GPU), one chunk's gradient accumulators, the staging
+    assert straight.host_bytes() == total * 8 + largest * 8 + staging
+    assert results[-1].disk_peak_bytes >= 3 * total * 8  # masters and both moments, in files
+    first = build()
+    for b in step_batches(vocab, 6)[:3]:
+        first.step(b)
+    folder = checkpoint.save(tmp_path, 3, first.state_dict(), {}, keep_last=1)
+    second = build(seed=5)
+    second.load_state_dict(checkpoint.load(folder)[1])
+    for b in step_batches(vocab, 6)[3:]:
+        second.step(b)
+    for name, want in straight.trainable_state().items():
+        assert torch.equal(second.trainable_state()[name], want), name
