@@ -161,6 +161,26 @@ def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_si
 PARALLEL_FROM = 16 * 1024
 
 
+def first_fitting(model_config, cfg: RunConfig, candidates: list[dict], machine: Machine) -> tuple[RunConfig, PlanResult]:
+    """The run with the first of `candidates` (settings the run left open, in the engine's order of
+    preference) that fits `machine`, found by bisection: a later candidate needs no more than an
+    earlier one (e.g. more chunks). One sentence when none fits."""
+    plan = {"engine": cfg.engine}
+
+    def weighed(i: int) -> PlanResult:
+        return weigh(model_config, cfg, {**plan, **candidates[i]}, machine, cfg.train.batch_size, cfg.data.max_length)
+
+    low, high, found = -1, len(candidates) - 1, weighed(len(candidates) - 1)
+    if not found.fits:
+        raise UserError(f"engine={cfg.engine} with {found.label} does not fit {machine.describe()}: "
+                        f"{_smallest_need([found])}.")
+    while high - low > 1:  # candidates[high] fits, candidates[low] does not (or low = -1)
+        middle = (low + high) // 2
+        result = weighed(middle)
+        low, high, found = (low, middle, result) if result.fits else (middle, high, found)
+    return _run_config(cfg, candidates[high]), found
+
+
 def applicable_plans(base: RunConfig) -> list[dict]:
     """Every engine's plans for the run's method, less those an engine refuses for the run's other
     settings (e.g. lsp under train.weight_decay > 0): those are not candidates, not errors."""

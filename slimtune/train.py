@@ -69,11 +69,25 @@ def _auto_plan(cfg: RunConfig, device: torch.device) -> RunConfig:
     return planned
 
 
+def _settle_open(cfg: RunConfig, device: torch.device) -> RunConfig:
+    """Settings the run left to the planner (EngineSpec.open_settings): the engine's first candidate
+    that fits the run's card."""
+    candidates = engines.get(cfg.engine).open_settings(cfg)
+    if not candidates:
+        return cfg
+    gpu = presets.gpu_profile(cfg.gpu) if cfg.gpu else presets.device_profile(device)
+    settled, chosen = planner.first_fitting(presets.model_config(cfg.model), cfg, candidates, _machine(cfg, gpu))
+    print(f"settled for {gpu.name}: {chosen.label} (device peak {human_bytes(chosen.estimate.device_peak_bytes)},"
+          " measured on fake tensors)")
+    return settled
+
+
 def build(cfg: RunConfig) -> Run:
     """Device, plan, precision, tokenizer and data, then the model and engine (assembly.py)."""
     device = assembly.resolve_device(cfg.device)
     if cfg.plan == "auto":
         cfg = _auto_plan(cfg, device)
+    cfg = _settle_open(cfg, device)
     precision = assembly.resolve_precision(cfg.precision, device)
     torch.manual_seed(cfg.train.seed)
     read_config(cfg.model)  # a wrong folder is named before anything else is read

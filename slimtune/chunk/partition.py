@@ -71,7 +71,8 @@ def partition(streams: list[Stream], n: int) -> list[list[Piece]]:
     """Chunk k's non-empty pieces, in stream order, for k in 0..n-1. One sentence if a chunk would
     hold nothing (more chunks than slices)."""
     if n < 1:
-        raise UserError(f"chunk.n_chunks must be at least 1, got {n}.")
+        raise UserError(f"chunk.n_chunks must be at least 1 here, got {n} (0 is settled by the planner when a run"
+                        " starts).")
     bounds = [(0, 0), *_cut_positions(streams, n), (len(streams) - 1, streams[-1].slices)]
     chunks = []
     for k in range(n):

@@ -56,6 +56,16 @@ def scratch(cfg: RunConfig) -> dict[str, str]:
     return {"chunk.state_dir": str(section.state_dir or Path(cfg.output_dir) / "chunk-state")}
 
 
+CHUNK_COUNTS = tuple(2**i for i in range(9))  # 1 .. 256: what chunk.n_chunks=0 chooses from
+
+
+def open_settings(cfg: RunConfig) -> list[dict]:
+    """chunk.n_chunks=0: the fewest chunks that fit are wanted (each tensor updated most often)."""
+    if cfg.section("chunk").n_chunks:
+        return []
+    return [{"chunk.n_chunks": n} for n in CHUNK_COUNTS]
+
+
 def narrow(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     return t.narrow(piece.axis, piece.start, piece.stop - piece.start)
 
@@ -72,8 +82,9 @@ class ChunkState:
         self.streams = {s.name: s for s in streams}
         self.chunks = partition(streams, self.section.n_chunks)
         self.state_dir = None
-        if self.section.state == "disk" and not fake:
-            self.state_dir = moments_folder(self, Path(scratch(cfg)["chunk.state_dir"]), "chunk.state_dir")
+        if self.section.state == "disk":  # under fake tensors the path is only named: nothing is written
+            root = Path(scratch(cfg)["chunk.state_dir"])
+            self.state_dir = root if fake else moments_folder(self, root, "chunk.state_dir")
         self.fake = fake
         self.adams, self.members = self._optimizers()
         self.visited = [False] * len(self.chunks)

@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import is_fake
 from slimtune import block_stores, memory, runtime, speed
 from slimtune.checkpoint import EngineState
 from slimtune.chunk import sliced
-from slimtune.chunk.state import ChunkState, axis_of, narrow, scratch
+from slimtune.chunk.state import ChunkState, axis_of, narrow, open_settings, scratch
 from slimtune.config import RunConfig, positive, setting
 from slimtune.data import Batch
 from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, model_loss, to_float
@@ -58,8 +58,9 @@ from slimtune.optim import rules
 
 @dataclass
 class ChunkConfig:
-    n_chunks: int = setting(8, "engine=chunk: chunks of equal bytes the trainable tensors are cut into; one has"
-                               " gradients and AdamW state at a time.")
+    n_chunks: int = setting(8, "engine=chunk (and slide.working_set=chunk): chunks of equal bytes the trainable"
+                               " tensors are cut into; one has gradients at a time. 0: the fewest (a power of two up"
+                               " to 256) whose step fits the card, found by the planner when the run starts.")
     switch_every: int = setting(1, "engine=chunk: optimizer steps on a chunk before the next one.")
     order: Literal["round_robin", "random"] = setting(
         "round_robin", "engine=chunk: visit the chunks in model order, or in a new random order each sweep (seeded).")
@@ -72,7 +73,8 @@ class ChunkConfig:
     state_dir: str | None = setting(None, "chunk.state=disk: where the state files go (default: output_dir/chunk-state).")
 
     def validate(self) -> None:
-        positive("chunk.n_chunks", self.n_chunks)
+        if self.n_chunks < 0:
+            raise UserError(f"chunk.n_chunks must be a count, or 0 for the planner to choose, got {self.n_chunks}.")
         positive("chunk.switch_every", self.switch_every)
 
 
@@ -220,14 +222,16 @@ def weight_dtype(precision: str, method: str) -> torch.dtype:
 
 
 def plans(method: str) -> list[dict]:
-    """Full fine-tuning, every block recomputed (the spec's default), at 4 and 16 chunks."""
+    """Full fine-tuning at 16 chunks, every block recomputed (the spec's default checkpointing): one
+    plan, as each is estimated at full depth; other N are a setting away (chunk.n_chunks)."""
     if method != "full":
         return []
-    return [{"precision": "bf16", "activations.checkpoint": "recompute", "chunk.n_chunks": n} for n in (4, 16)]
+    return [{"precision": "bf16", "activations.checkpoint": "recompute", "chunk.n_chunks": 16}]
 
 
 register(EngineSpec(
     name="chunk", summary="full fine-tuning a chunk of the weights at a time: only its gradient on the device,"
     " every chunk's AdamW state on the host (ChunkFT).",
     build=ChunkEngine, step_time=step_time, section=ChunkConfig, validate=validate, plans=plans,
-    scratch=scratch, by_depth=lambda cfg: False, weight_dtype=weight_dtype))
+    scratch=scratch, by_depth=lambda cfg: False, weight_dtype=weight_dtype,
+    open_settings=open_settings))

@@ -33,6 +33,11 @@ def _no_sample(cfg: config.RunConfig) -> int:
     return 0
 
 
+def _nothing_open(cfg: config.RunConfig) -> list[dict]:
+    del cfg
+    return []
+
+
 def _always(cfg: config.RunConfig) -> bool:
     del cfg
     return True
@@ -67,6 +72,9 @@ class EngineSpec:
     by_depth: Callable[[config.RunConfig], bool] = _always
     # (precision, method) -> the dtype the model is loaded in; None: assembly.weight_dtype's rule.
     weight_dtype: Callable | None = None
+    # cfg -> settings the run left to the planner (e.g. chunk.n_chunks=0): candidate overrides, in
+    # order of preference, of which a run takes the first that fits its card (train.build); [] if none.
+    open_settings: Callable[[config.RunConfig], list[dict]] = _nothing_open
     # cfg -> how many training examples the engine wants as its own sample (e.g. to fit projectors),
     # handed to engine.use_sample(batches) by train.build; 0: none.
     sample_examples: Callable[[config.RunConfig], int] = _no_sample

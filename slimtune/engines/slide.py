@@ -58,6 +58,7 @@ from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.chunk.host_gradients import ActiveGradients
 from slimtune.chunk.state import ChunkState, axis_of, narrow
+from slimtune.chunk.state import open_settings as chunk_open_settings
 from slimtune.chunk.state import scratch as chunk_scratch
 from slimtune.host_unit import HostUnit, StepGuard
 from slimtune.loss import chunk_tokens, head_inputs
@@ -550,16 +551,34 @@ def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch
     accum = cfg.train.grad_accum
     flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len, recompute=True) * accum
     dequant = speed.dequant_bytes(model_config, 3 * accum) if cfg.quant.scheme != "none" else 0.0
+    if cfg.section("slide").working_set == "chunk":
+        return _chunked_step_time(cfg, counts, gpu, flops)
     disk = 2 * counts.disk_bytes if cfg.activations.checkpoint == "disk" else 0.0
     return speed.overlapped_step_time(flops, counts.trainable_params, gpu, cfg.precision, counts.host_link_bytes,
                                       disk, updates_exposed=cfg.train.max_grad_norm > 0, memory_bytes=dequant)
 
 
+def _chunked_step_time(cfg: RunConfig, counts: speed.StepCounts, gpu, flops: float) -> speed.StepTime:
+    """A chunk working set (modelled): the host AdamW of the active chunk after backward, exposed;
+    with its state in files, that chunk's masters and moments read and written once a step (the
+    disk figure holds every chunk's state, 12 bytes a number, and the block inputs on disk)."""
+    chunk = cfg.section("chunk")
+    active = counts.trainable_params / chunk.n_chunks
+    state_bytes = 12 * counts.trainable_params if chunk.state == "disk" else 0
+    inputs = counts.disk_bytes - state_bytes if cfg.activations.checkpoint == "disk" else 0
+    disk = 2 * inputs + 2 * 12 * active * (chunk.state == "disk")
+    return speed.overlapped_step_time(flops, int(active), gpu, cfg.precision, counts.host_link_bytes, disk,
+                                      updates_exposed=True)
+
+
 def plans(method: str) -> list[dict]:
-    """Full fine-tuning with block inputs in host RAM or on disk; LoRA over a 4-bit base."""
+    """Full fine-tuning with block inputs in host RAM or on disk, and with a chunk working set (8
+    chunks, their state in files: the smallest host RAM); LoRA over a 4-bit base."""
     if method == "lora":
         return [{"precision": "bf16", "quant.scheme": "nf4"}]
-    return [{"precision": "bf16", "activations.checkpoint": store} for store in ("host", "disk")]
+    chunked = {"precision": "bf16", "activations.checkpoint": "host", "slide.working_set": "chunk",
+               "chunk.n_chunks": 8, "chunk.state": "disk"}
+    return [*({"precision": "bf16", "activations.checkpoint": store} for store in ("host", "disk")), chunked]
 
 
 register(EngineSpec(
@@ -568,4 +587,5 @@ register(EngineSpec(
     build=SlideEngine, step_time=step_time, section=SlideConfig, validate=validate, plans=plans, model_on_host=True,
     scratch=scratch, block_margin=lambda cfg: cfg.section("slide").slots - 1,
     # A chunk working set's host share depends on the partition of the whole model.
-    by_depth=lambda cfg: cfg.section("slide").working_set != "chunk"))
+    by_depth=lambda cfg: cfg.section("slide").working_set != "chunk",
+    open_settings=lambda cfg: chunk_open_settings(cfg) if cfg.section("slide").working_set == "chunk" else []))

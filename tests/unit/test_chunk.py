@@ -383,3 +383,31 @@ def test_chunk_on_slide_holds_the_weights_and_one_chunks_gradients_on_the_host_a
         second.step(b)
     for name, want in straight.trainable_state().items():
         assert torch.equal(second.trainable_state()[name], want), name
+
+
+@pytest.mark.parametrize("engine", ["chunk", "slide"])
+def test_n_chunks_zero_is_settled_as_the_fewest_chunks_that_fit_the_card(engine):
+    import dataclasses
+    from slimtune import planner, presets
+    model_config = tiny_config(num_hidden_layers=2)
+    extra = ["slide.working_set=chunk", "activations.checkpoint=host"] if engine == "slide" else []
+    cfg = config_module.load(None, [f"engine={engine}", "method=full", "precision=bf16", "chunk.n_chunks=0", *extra],
+                             base={"model": "x", "data": "x.jsonl", "train": {"batch_size": 2}})
+    big = planner.Machine(presets.gpu_profile("rtx4090"), 2**40, 2**40)
+    need = {n: planner.weigh(model_config, cfg, {"engine": engine, "chunk.n_chunks": n}, big, 2,
+                             cfg.data.max_length).estimate for n in (1, 2, 4, 8)}
+    bound = "device" if engine == "chunk" else "host"
+    peak = {n: e.device_peak_bytes if bound == "device" else e.host_bytes for n, e in need.items()}
+    assert peak[1] > peak[2] > peak[4] > peak[8]
+    if bound == "device":  # room for 4 chunks' step, not for 2
+        card = dataclasses.replace(big.gpu, memory_bytes=peak[4] + planner.CUDA_OVERHEAD_BYTES)
+        machine = planner.Machine(card, 2**40, 2**40)
+    else:
+        machine = planner.Machine(big.gpu, int(peak[4] / planner.HOST_RAM_SHARE) + 1, 2**40)
+    settled, chosen = planner.first_fitting(model_config, cfg, [{"chunk.n_chunks": n} for n in (1, 2, 4, 8, 16)],
+                                            machine)
+    assert settled.section("chunk").n_chunks == 4 and chosen.fits
+    with pytest.raises(UserError, match="does not fit"):
+        tiny = dataclasses.replace(big.gpu, memory_bytes=1)
+        planner.first_fitting(model_config, cfg, [{"chunk.n_chunks": n} for n in (1, 2)],
+                              planner.Machine(tiny, 2**40, 2**40))
