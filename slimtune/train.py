@@ -3,6 +3,8 @@ log, evaluate, checkpoint, and write the result."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 import random
@@ -99,16 +101,25 @@ def build(cfg: RunConfig) -> Run:
     engine = assembly.assemble(cfg, stack, device, precision)
     wanted = engines.get(cfg.engine).sample_examples(cfg)
     if wanted:
-        engine.use_sample(engine_sample(cfg, splits, tokenizer, wanted))
+        sample, splits = engine_sample(cfg, splits, tokenizer, wanted)
+        if sample:
+            engine.use_sample(sample)
     return Run(cfg, device, precision, tokenizer, stack, splits, engine)
 
 
-def engine_sample(cfg: RunConfig, splits: data.Splits, tokenizer, count: int) -> list[data.Batch]:
-    """`count` training examples drawn once (seeded by train.seed, apart from the data order), as
-    batches of train.batch_size: an engine's own fixed sample (lsp fits its projectors on it)."""
-    chosen = random.Random(cfg.train.seed).sample(splits.train, min(count, len(splits.train)))
+def engine_sample(cfg: RunConfig, splits: data.Splits, tokenizer, count: int) -> tuple[list[data.Batch], data.Splits]:
+    """`count` training examples drawn once (seeded by train.seed, apart from the data order) and held
+    out of training, as batches of train.batch_size: an engine's own fixed sample (lsp fits and
+    checks its projectors on it); and the splits without them. At least one example stays to train on."""
+    count = min(count, len(splits.train) - 1)
+    if count <= 0:
+        return [], splits
+    picked = set(random.Random(cfg.train.seed).sample(range(len(splits.train)), count))
+    chosen = [e for i, e in enumerate(splits.train) if i in picked]
+    rest = [e for i, e in enumerate(splits.train) if i not in picked]
     d = cfg.data
-    return data.eval_batches(chosen, cfg.train.batch_size, d.max_length, d.packing, tokenizer.pad_token_id)
+    batches = data.eval_batches(chosen, cfg.train.batch_size, d.max_length, d.packing, tokenizer.pad_token_id)
+    return batches, dataclasses.replace(splits, train=rest)
 
 
 def batch_stream(run: Run) -> data.BatchStream:

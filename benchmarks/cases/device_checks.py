@@ -18,6 +18,10 @@ on the CPU the live-tensor meter. What it records:
 5. lsp: the bf16 compressed gradient against float64 (rtol 1e-3); lsp's step time (d = 512) against
    resident full fine-tuning (goal <= 1.17x) and against its own synchronous schedule, with a
    profiler summary of its step (lsp also joins estimate_vs_device).
+6. chunk: the fake-tensor estimate (the heaviest chunk's step) beside the measured peak of every
+   chunk's step over a sweep, for chunk (N = 4, recompute) and slide with a chunk working set; the
+   device peak for N in {1, 2, 4, 8} (gradients scale as 1/N beside fixed weights and activations);
+   chunk's median step time against resident full fine-tuning (bf16, the 1B shapes).
 """
 
 from __future__ import annotations
@@ -229,6 +233,54 @@ def lsp_speed(quick: bool, output_dir: str) -> dict:
     return out
 
 
+def sweep_peaks(engine, batch: Batch, steps: int) -> tuple[list[int], list[float]]:
+    """The measured peak and wall time of each of `steps` steps (a sweep's chunks, one each)."""
+    peaks, times = [], []
+    for _ in range(steps):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        began = time.perf_counter()
+        result = engine.step([batch])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+        peaks.append(result.device_peak_bytes)
+    return peaks, times
+
+
+def chunk_checks(quick: bool, output_dir: str) -> dict:
+    config = shapes(quick, 4 if quick else 8)
+    seq = 256 if quick else 1024
+    model, batch, out = random_model(config), one_batch(config.vocab_size, seq), {"estimate_vs_device": []}
+    plans = {"chunk": {"engine": "chunk", "activations.checkpoint": "recompute", "chunk.n_chunks": 4},
+             "slide_chunk": {"engine": "slide", "activations.checkpoint": "host", "slide.working_set": "chunk",
+                             "chunk.n_chunks": 4}}
+    for name, plan in plans.items():
+        cfg = run_config({"method": "full", "precision": "bf16", **plan}, output_dir)
+        found = estimate(config, cfg, 1, seq, batch=batch)
+        peaks, _ = sweep_peaks(build_engine(model, cfg, device()), batch, 2 * 4)
+        out["estimate_vs_device"].append({"plan": plan, "estimate_bytes": found.device_peak_bytes,
+                                          "measured_bytes_by_step": peaks, "max_measured_bytes": max(peaks),
+                                          "difference_pct": 100 * (max(peaks) - found.device_peak_bytes)
+                                          / found.device_peak_bytes})
+        print(f"{name}: estimate {found.device_peak_bytes / GIB:.3f} GiB, measured max {max(peaks) / GIB:.3f} GiB",
+              flush=True)
+    out["peak_by_n"] = {}
+    for n in (1, 2, 4, 8):
+        cfg = run_config({"method": "full", "precision": "bf16", "engine": "chunk",
+                          "activations.checkpoint": "recompute", "chunk.n_chunks": n}, output_dir)
+        peaks, times = sweep_peaks(build_engine(model, cfg, device()), batch, n + 2)
+        out["peak_by_n"][n] = {"max_peak_bytes": max(peaks), "median_step_s": statistics.median(times[1:])}
+    resident_cfg = run_config({"method": "full", "precision": "bf16", "engine": "resident",
+                               "activations.checkpoint": "recompute"}, output_dir)
+    _, times = sweep_peaks(build_engine(model, resident_cfg, device()), batch, 4)
+    out["resident_median_step_s"] = statistics.median(times[1:])
+    out["chunk_n4_over_resident_time"] = out["peak_by_n"][4]["median_step_s"] / out["resident_median_step_s"]
+    print(f"chunk: peaks by N {[(n, round(v['max_peak_bytes'] / GIB, 3)) for n, v in out['peak_by_n'].items()]} GiB,"
+          f" N=4 step time over resident {out['chunk_n4_over_resident_time']:.2f}", flush=True)
+    return out
+
+
 def run(quick: bool) -> dict:
     import tempfile
 
@@ -236,6 +288,7 @@ def run(quick: bool) -> dict:
         began = time.perf_counter()
         result = {"device": str(device()), "estimate_vs_device": estimate_vs_device(quick, out),
                   "context": context_bytes(), "parity": parity(out), "speed": speed(quick, out),
-                  "lsp_compressed_gradient": lsp_compressed_gradient(quick), "lsp_speed": lsp_speed(quick, out)}
+                  "lsp_compressed_gradient": lsp_compressed_gradient(quick), "lsp_speed": lsp_speed(quick, out),
+                  "chunk": chunk_checks(quick, out)}
         result["seconds"] = time.perf_counter() - began
     return result

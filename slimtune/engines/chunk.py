@@ -30,8 +30,12 @@ the device, which is what the device budget of this engine is for.
 Learning rate: per_step follows the run's schedule step by step; per_sweep holds each sweep at the
 lr of its first step, on the same total-step schedule (the reference stretched it by N: pitfall 8).
 
-The planner's fake step runs the chunk with the most numbers (ChunkEngine.heaviest), at full depth: which blocks hold the active pieces differs with the depth, so the estimate by depth
-does not apply.
+The planner's fake step runs the chunk with the most numbers (ChunkState.heaviest), at full depth:
+which blocks hold the active pieces differs with the depth, so the estimate by depth does not apply.
+chunk.n_chunks=0 is settled when a run starts: the fewest chunks whose step fits the card.
+
+The same working set runs on the sliding window too (engine slide, slide.working_set=chunk): the
+host side is chunk/state.py's, shared.
 """
 
 from __future__ import annotations
@@ -58,17 +62,18 @@ from slimtune.optim import rules
 
 @dataclass
 class ChunkConfig:
-    n_chunks: int = setting(8, "engine=chunk (and slide.working_set=chunk): chunks of equal bytes the trainable"
-                               " tensors are cut into; one has gradients at a time. 0: the fewest (a power of two up"
-                               " to 256) whose step fits the card, found by the planner when the run starts.")
-    switch_every: int = setting(1, "engine=chunk: optimizer steps on a chunk before the next one.")
+    n_chunks: int = setting(8, "chunk working set (engine=chunk, slide.working_set=chunk): chunks of equal bytes"
+                               " the trainable tensors are cut into; one has gradients at a time. 0: the fewest (a"
+                               " power of two up to 256) whose step fits the card, found by the planner at the start.")
+    switch_every: int = setting(1, "chunk working set: optimizer steps on a chunk before the next one.")
     order: Literal["round_robin", "random"] = setting(
-        "round_robin", "engine=chunk: visit the chunks in model order, or in a new random order each sweep (seeded).")
+        "round_robin", "chunk working set: visit the chunks in model order, or in a new seeded random order each"
+                       " sweep.")
     lr_schedule: Literal["per_step", "per_sweep"] = setting(
-        "per_step", "engine=chunk: the lr schedule advances every step, or is held over each sweep at its first"
+        "per_step", "chunk working set: the lr schedule advances every step, or is held over each sweep at its first"
                     " step's value (the same total-step schedule).")
     state: Literal["ram", "disk"] = setting(
-        "ram", "engine=chunk: fp32 masters and AdamW moments of every chunk in host RAM, or in memory-mapped"
+        "ram", "chunk working set: fp32 masters and AdamW moments of every chunk in host RAM, or in memory-mapped"
                " files (12 B a number off the RAM).")
     state_dir: str | None = setting(None, "chunk.state=disk: where the state files go (default: output_dir/chunk-state).")
 

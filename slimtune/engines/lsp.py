@@ -15,8 +15,8 @@ d x d space, the new Z copied up (d^2 x 4 bytes), and applied before the matrix'
 weights never change between refits: Z carries the update (lsp/projected_linear.py says why).
 
 Projectors are learned (spec 2.5). Before step 1, and every lsp.check_every steps, a pass over a
-fixed sample of training examples (lsp.fit_samples, drawn once; the step's own batches when none was
-given, as in the planner's estimate) hands each matrix's full gradient to the engine, one matrix at
+fixed sample of examples held out of training (lsp.fit_samples, drawn once; the step's own batches
+when none was given, as in the planner's estimate) hands each matrix's full gradient to the engine, one matrix at
 a time: every check measures e(G) on it; a matrix above lsp.alpha is refit (values only, positions
 fixed) on a second pass; its Z is first folded into W, and its AdamW moments move into the new
 subspace (spec formulas; never zeroed; step counts go on). That pass's device peak is measured with
@@ -64,8 +64,8 @@ class LspConfig:
     check_every: int = setting(100, "engine=lsp: optimizer steps between projector checks (0: fit once, before step 1).")
     alpha: float = setting(0.3, "engine=lsp: a matrix whose projectors' relative error e(G) on the fit sample exceeds"
                                 " this is refit.")
-    fit_samples: int = setting(64, "engine=lsp: training examples, drawn once, whose gradients projectors are checked"
-                                   " and fit on.")
+    fit_samples: int = setting(64, "engine=lsp: examples drawn once from the training data and held out of"
+                                   " training, whose gradients the projectors are checked and fit on.")
     fit_iterations: int = setting(100, "engine=lsp: Adam steps of one fit, spread over the fit sample's batches.")
     fit_lr: float = setting(0.05, "engine=lsp: the fit's Adam learning rate.")
     schedule: Literal["pipelined", "sync"] = setting(

@@ -76,7 +76,7 @@ class EngineSpec:
     # order of preference, of which a run takes the first that fits its card (train.build); [] if none.
     open_settings: Callable[[config.RunConfig], list[dict]] = _nothing_open
     # cfg -> how many training examples the engine wants as its own sample (e.g. to fit projectors),
-    # handed to engine.use_sample(batches) by train.build; 0: none.
+    # held out of training and handed to engine.use_sample(batches) by train.build; 0: none.
     sample_examples: Callable[[config.RunConfig], int] = _no_sample
     module: str = field(default="", compare=False)  # who registered it (set by register)
 

@@ -31,6 +31,13 @@ last backward (the host AdamW time is then not hidden behind the device; each un
 by its last host job, so only the sum of squares waits); with clipping off, each unit's update
 overlaps the backward of the blocks below it.
 
+A chunk working set (slide.working_set=chunk, ChunkFT's on the window): the units keep no HostAdam;
+their trainable tensors rest on the host as bf16 weights (2 bytes a number), the blocks' gradients
+come down as before, but only the active chunk's pieces of them are added up on the host
+(chunk/host_gradients.py), and after backward one host AdamW updates that chunk (chunk/state.py:
+masters and moments of every chunk, in RAM or files) and writes its new weights into the host
+tensors the next upload reads. The device side is unchanged.
+
 Ordering is explicit: a unit's next upload waits for its last update (`HostUnit.update_job`), a
 staging buffer is refilled only after the host job that read it finished, and a slot is refilled
 only after the device work on it (an event on CUDA). On the CPU every copy is synchronous and the

@@ -117,9 +117,9 @@ def test_max_seq_is_the_longest_that_fits_and_one_token_more_does_not(tiny_model
 def test_the_no_fit_sentence_names_host_ram_and_disk_and_by_how_much(tiny_model_dir, capsys, monkeypatch):
     monkeypatch.setattr(planner, "CUDA_OVERHEAD_BYTES", 0)
     args = ["plan", "--model", str(tiny_model_dir), "--gpu", "0.4MiB", "--seq", "32", "--method", "full"]
-    assert cli.main([*args, "--host-ram", "0.1MiB"]) == 0  # below slide's and lsp's host state
+    assert cli.main([*args, "--host-ram", "0.1MiB"]) == 0  # below slide's, lsp's and chunk's host state
     out = capsys.readouterr().out
-    assert "102.4 KiB host RAM" in out and "no plan fits: the smallest on the device, slide" in out
+    assert "102.4 KiB host RAM" in out and "no plan fits: the smallest on the device, " in out
     assert "lacks host RAM: needs" in out and "short)" in out
     assert cli.main([*args, "--host-ram", "64GiB", "--disk", "0.001MiB"]) == 0
     table = capsys.readouterr().out

@@ -30,18 +30,28 @@ def test_plan_table_labels_memory_measured_and_speed_modelled(capsys):
 def test_host_ram_is_checked_before_the_device(tiny_model_dir, monkeypatch):
     """Full fine-tuning on a card too small for resident: slide fits the device, and only while
     the host can hold its masters and moments; then the sentence names the host RAM. (Weight decay
-    leaves lsp's plans out: lsp refuses it, and would fit this card with little host RAM.)"""
+    leaves lsp's plans out: lsp refuses it, and would fit this card with little host RAM; chunk's,
+    which keep every weight on the device, are left out here for the same reason, and slide with a
+    chunk working set, which fits that host.)"""
     model_config = presets.model_config(str(tiny_model_dir))
     base, gpu = planner.planning_config("full", weight_decay=0.01), presets.gpu_profile("0.4MiB")  # resident: ~650 KiB
     monkeypatch.setattr(planner, "CUDA_OVERHEAD_BYTES", 0)
-    results = planner.plan(model_config, base, planner.Machine(gpu, 2**40, 2**40), 1, 32)
-    chosen = planner.recommended(results)
+    def plans(machine, chunked=False):
+        return [r for r in planner.plan(model_config, base, machine, 1, 32)
+                if r.engine != "chunk" and (r.options.get("slide.working_set") == "chunk") == chunked]
+
+    def fastest_fitting(results):
+        return max((r for r in results if r.fits), key=lambda r: r.tokens_per_s, default=None)
+
+    results = plans(planner.Machine(gpu, 2**40, 2**40))
+    chosen = fastest_fitting(results)
     assert chosen is not None and chosen.engine == "slide" and chosen.estimate.host_bytes > 0
     small_host = planner.Machine(gpu, chosen.estimate.host_bytes // 2, 2**40)
-    results = planner.plan(model_config, base, small_host, 1, 32)
-    assert planner.recommended(results) is None
+    results = plans(small_host)
+    assert fastest_fitting(results) is None
     assert all(not r.host_fits for r in results if r.engine == "slide")
     assert "host RAM: needs" in planner.no_fit_sentence(results, small_host)
+    assert fastest_fitting(plans(small_host, chunked=True)) is not None  # one chunk's state fits where all do not
 
 
 def test_nothing_fits_a_tiny_card(tiny_model_dir):

@@ -82,3 +82,21 @@ def test_the_export_holds_the_engines_trainable_state(tmp_path, tokenizer, engin
     assert torch.equal(state["lm_head.weight"], trained["model.embed_tokens.weight"])
     start = load_file(str(model_dir / "model.safetensors"))
     assert all(not torch.equal(start[name], t) for name, t in trained.items())  # every weight trained
+
+
+def test_an_engines_own_sample_is_held_out_of_training():
+    from types import SimpleNamespace
+
+    from slimtune import data
+    examples = [data.Example([3 * i, 3 * i + 1, 3 * i + 2], [3 * i + 1, 3 * i + 2, data.IGNORE_INDEX])
+                for i in range(1, 21)]  # no token in two examples
+    splits = data.Splits(train=list(examples), eval=[], report=data.DataReport(20, 0, 0, 0))
+    cfg = config.load(None, [], base={"model": "x", "data": "x.jsonl", "train": {"batch_size": 2}})
+    batches, rest = train.engine_sample(cfg, splits, SimpleNamespace(pad_token_id=0), 6)
+    firsts = {e.input_ids[0] for e in examples}
+    sampled = {int(t) for b in batches for t in b.input_ids.reshape(-1)} & firsts
+    kept = {e.input_ids[0] for e in rest.train}
+    assert len(rest.train) == 14 and not sampled & kept and len(sampled) == 6
+    assert sampled | kept == firsts
+    again, _ = train.engine_sample(cfg, splits, SimpleNamespace(pad_token_id=0), 6)  # drawn the same each run
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(batches, again))
