@@ -13,7 +13,8 @@ Part 2, quality: held-out exact-match accuracy on the demo task after equal toke
 data, seed and schedule: constant after 10 warm-up steps) for chunk at N = 1, 4, 16 (per_step lr),
 N = 4 per_sweep, and resident full fine-tuning, each at two learning rates (its best is compared).
 Goal: within 2 points of resident full fine-tuning. Beside it, N = 4 at four times the steps (each
-tensor updated as often as resident's 300 steps update it), at the better lr of the two.
+tensor updated as often as resident's 300 steps update it), at the better lr of the two, and
+chunk.switch_every (steps on a chunk before the next) 10, 25, 50 at N = 4 and 5, 10 at N = 16.
 
 Part 3, the machinery's cost: the median CPU step time of those runs (2 cores, fp32), chunk against
 resident, on the same model and batches.
@@ -86,6 +87,13 @@ def variants(quick: bool) -> dict:
         out[f"chunk N=4 per_sweep lr={lr:g}"] = ("chunk N=4 per_sweep", {
             "method": "full", "engine": "chunk", "train": {"lr": lr},
             "chunk": {"n_chunks": 4, "lr_schedule": "per_sweep"}})
+    # Steps on a chunk before the next (the spec's K, default 1), at the better lr: BAdam switches
+    # blocks every 50-100 steps.
+    for n, ks in ((4, (10, 25, 50)), (16, (5, 10))) if not quick else ((4, (10,)),):
+        for k in ks:
+            out[f"chunk N={n} switch_every={k} lr=0.0003"] = (f"chunk N={n} switch_every={k}", {
+                "method": "full", "engine": "chunk", "train": {"lr": 3e-4},
+                "chunk": {"n_chunks": n, "switch_every": k}})
     return out
 
 
