@@ -99,3 +99,17 @@ def engine_config(train=None, **fields):
     from slimtune.config import DataConfig, RunConfig, TrainConfig
 
     return RunConfig(model="(test)", data=DataConfig(path="(test)"), train=train or TrainConfig(), **fields)
+
+
+def shapes_in_turn(plans: list[tuple[str, dict]], shapes: list[str]) -> list[tuple[str, str, dict]]:
+    """(shape, method, plan) cases: each plan on one shape, in turn, and then each engine's first plan
+    on the shapes its plans' turns missed, so every engine meets every shape. About a third of every
+    plan on every shape, for the estimate tests that run a step per case."""
+    cases = [(shapes[i % len(shapes)], method, plan) for i, (method, plan) in enumerate(plans)]
+    met = {(shape, plan["engine"]) for shape, _, plan in cases}
+    first = {}
+    for method, plan in plans:
+        first.setdefault(plan["engine"], (method, plan))
+    for engine, (method, plan) in first.items():
+        cases += [(shape, method, plan) for shape in shapes if (shape, engine) not in met]
+    return cases

@@ -8,7 +8,7 @@ two moments of every trained weight; on lsp, gradients of the compressed size on
 import pytest
 import torch
 
-from conftest import save_tiny_model, tiny_config
+from conftest import shapes_in_turn, save_tiny_model, tiny_config
 from slimtune import assembly, config, engines, estimate
 from slimtune.model import load_model
 
@@ -37,8 +37,14 @@ def measured_step(folder, cfg, precision, batch):
     return result, sum(t.numel() * t.element_size() for t in engine.trainable_state().values())
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("method, plan", PLANS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+def plan_id(v):
+    return v if isinstance(v, str) else "-".join(map(str, v.values()))
+
+
+ROTATED = shapes_in_turn(PLANS, list(SHAPES))
+
+
+@pytest.mark.parametrize("shape, method, plan", ROTATED, ids=plan_id)
 def test_estimate_matches_the_measured_peak(tmp_path, tokenizer, shape, method, plan):
     family, overrides = SHAPES[shape]
     folder = save_tiny_model(tmp_path, tokenizer, family, **overrides)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import tiny_config
+from conftest import shapes_in_turn, tiny_config
 from slimtune import cli, config, engines, estimate, planner, presets
 
 SHAPES = {
@@ -31,8 +31,14 @@ def run_config(method: str, plan: dict):
 PLANS = [(m, plan) for m, plan in PLANS if engines.get(plan["engine"]).by_depth(run_config(m, plan))]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("method, plan", PLANS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+def plan_id(v):
+    return v if isinstance(v, str) else "-".join(map(str, v.values()))
+
+
+ROTATED = shapes_in_turn(PLANS, list(SHAPES))
+
+
+@pytest.mark.parametrize("shape, method, plan", ROTATED, ids=plan_id)
 def test_the_estimate_by_depth_equals_the_full_depth_step(shape, method, plan):
     family, overrides = SHAPES[shape]
     cfg = run_config(method, plan)

@@ -22,7 +22,8 @@ def test_plan_json_lists_every_plan_with_one_recommended(tiny_model_dir, capsys)
 
 
 def test_plan_table_labels_memory_measured_and_speed_modelled(capsys):
-    assert cli.main(["plan", "--model", "Qwen2.5-0.5B", "--gpu", "rtx3060", "--seq", "256", "--method", "full"]) == 0
+    # LoRA: the labels are the same for every method, and its plans all estimate by depth (fast)
+    assert cli.main(["plan", "--model", "Qwen2.5-0.5B", "--gpu", "rtx3060", "--seq", "256", "--method", "lora"]) == 0
     out = capsys.readouterr().out
     assert "fake tensors" in out and "modelled" in out and "recommended:" in out
 
