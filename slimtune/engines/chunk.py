@@ -163,7 +163,6 @@ class ChunkEngine:
 
     def _update(self, k: int, grads: list, lr: float, clip: torch.Tensor) -> None:
         """Gradients down, host AdamW over chunk k, the rounded masters up into the weight slices."""
-        self.state.first_visit(k)
         adam = self.state.adams[k]
         events = [self.link.copy_down(adam.member(g, i).grad, grad) for (_, g, i), grad in grads]
         for event in events:
