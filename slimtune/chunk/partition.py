@@ -11,6 +11,7 @@ cover every element once, and differ from total/N bytes by at most the largest s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from slimtune.errors import UserError
@@ -31,10 +32,7 @@ class Stream:
 
     @property
     def slice_bytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel // max(self.slices, 1) * self.bytes_per_number
+        return math.prod(self.shape) // max(self.slices, 1) * self.bytes_per_number
 
     @property
     def bytes(self) -> int:

@@ -18,6 +18,7 @@ live in the flat buffers. Host storage is marked host-resident, so the device me
 
 from __future__ import annotations
 
+import math
 import shutil
 import weakref
 from dataclasses import dataclass
@@ -128,9 +129,7 @@ class HostAdam:
 
     def _file(self, shape, dtype: torch.dtype, tag: str) -> torch.Tensor:
         """A memory-mapped tensor in moments_dir (a new file reads as zeros), marked host-resident."""
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         path = self.moments_dir / f"{self.name.replace(' ', '-')}-{tag}.bin"
         return memory.mark_host_resident(torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape))
 
