@@ -10,6 +10,7 @@ weakref on the storage subtracts them when the last reference dies.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -42,7 +43,8 @@ def mark_host_resident(tensor: torch.Tensor) -> torch.Tensor:
 def host_allocation() -> Iterator[None]:
     """Storage made inside is host memory (pinned pools, host copies): no meter counts it, not even
     for the moment before mark_host_resident declares it, which a GPU would never hold."""
-    meters = list(_ACTIVE)
+    here = threading.get_ident()  # meters measuring other threads (pipeline workers) go on counting theirs
+    meters = [m for m in list(_ACTIVE) if m.thread == here]
     for meter in meters:
         meter.host_allocations += 1
     try:
@@ -127,6 +129,10 @@ class LiveBytesMeter(TorchDispatchMode):
         self.host_allocations = 0  # > 0 while host memory is being made: nothing is counted
         self._segment: tuple = ("start", 0)
         self._occurrences: dict[tuple, int] = {}
+        self.thread: int | None = None  # the thread it measures (set when entered)
+        # A storage may die on another thread than the one that made it (a pipeline worker's tensor
+        # freed by the main thread): its release and the counting thread's updates take turns.
+        self._lock = threading.RLock()  # re-entrant: a collection inside the block may release a storage
 
     def enter_segment(self, label: tuple) -> None:
         """The step enters segment `label` (its n-th occurrence this step: micro-batches repeat them)."""
@@ -172,20 +178,22 @@ class LiveBytesMeter(TorchDispatchMode):
         if key in self._live or key in _HOST_RESIDENT or t.device.type != self.device_type:
             return
         nbytes = storage.nbytes()
-        self._live[key] = [nbytes, weakref.finalize(storage, self._release, key), category]
-        self.current += nbytes
-        self.by_category[category] += nbytes
-        if self.current > self.peak:
-            self.peak = self.current
-            self.peak_breakdown = dict(self.by_category)
+        with self._lock:
+            self._live[key] = [nbytes, weakref.finalize(storage, self._release, key), category]
+            self.current += nbytes
+            self.by_category[category] += nbytes
+            if self.current > self.peak:
+                self.peak = self.current
+                self.peak_breakdown = dict(self.by_category)
         if self.segments is not None:
             self._note_segment()
 
     def _release(self, key: int) -> None:
-        entry = self._live.pop(key, None)
-        if entry is not None:
-            self.current -= entry[0]
-            self.by_category[entry[2]] -= entry[0]
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self.current -= entry[0]
+                self.by_category[entry[2]] -= entry[0]
 
     def forget(self, key: int) -> None:
         """Stop counting a storage (it became host-resident); the peak already reached stands."""
@@ -195,6 +203,7 @@ class LiveBytesMeter(TorchDispatchMode):
             self._release(key)
 
     def __enter__(self):
+        self.thread = threading.get_ident()
         _ACTIVE.add(self)
         return super().__enter__()
 

@@ -1,0 +1,513 @@
+"""Engine `roundpipe`: several devices as stateless workers, fed the model's stages round robin
+(RoundPipe; the team's spec is roundpipe.md; the schedule's pieces are in slimtune/pipeline/).
+
+Where things live. Host: one host unit per layer (host_unit.py: each block; the final norm with the
+LM head), holding the fp32 masters of its trainable tensors, their gradient accumulators and AdamW
+moments (a HostAdam), its frozen tensors (a LoRA base, 4-bit codes), and the embedding table (its
+rows are gathered on the host). Workers: nothing between jobs; during a job its stage's weights
+(and the next job's, prefetched), the stage's activations for one micro-batch, and the trainable
+gradients of the stage summed over the step's micro-batches.
+
+One step. Each of the loop's batches is cut by rows into roundpipe.micro_batches micro-batches (0:
+one more than the workers; at most its rows). The partitioner (pipeline/partitioner.py) cuts the
+layers into forward stages, a fused tail and backward stages from per-layer costs (proportional to
+their bytes; the spec's measured-time EMA is pipeline.partitioner.LayerTimes, not fed yet), and the
+jobs take workers from one cursor that carries on across steps (pipeline/stages.py). Every worker
+thread runs its jobs in order; a micro-batch waits only for the same micro-batch of the job before
+(pipeline/mailbox.py), so when M >= N every worker has work while the others finish theirs.
+Gradients go down when a job ends and are added into the host accumulators by the host worker.
+
+The optimizer (roundpipe.optimizer):
+  sync   after the last backward job, the global norm, clipping, every unit's AdamW; the next step
+         uploads the new weights. Exactly plain AdamW.
+  async  the step's AdamW runs on the host while the next step computes, which therefore sees the
+         weights from before it: step k (from 0) computes its gradient at the weights after k - 1
+         updates (steps 0 and 1 both at W0), and W_k = AdamW(W_{k-1}, gradient at W_{k-2}). Not
+         exact: one step stale, as the spec's reference is by default. The weights that go up are a
+         host copy taken when the previous update ended, and the gradients land in buffers of their
+         own (4 bytes a number of host RAM more). Checkpoints keep that copy, so resume is exact.
+         What the real runtime does not overlap yet: the next step's fill with this step's drain
+         (the loop waits for each step's loss); the simulator (pipeline/simulate.py) shows both.
+
+Not done: dropout (workers share torch's random generator, so a recompute could not redraw the
+forward's masks; refused in one sentence), weight pieces bin-packed behind activation copies (on a
+GPU each worker's copies run on one side stream in issue order: activations before the weights of
+its next job, which it prefetches only after the current job's inputs are queued).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from slimtune import memory, runtime, speed
+from slimtune.checkpoint import EngineState
+from slimtune.config import RunConfig, setting
+from slimtune.data import Batch
+from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
+from slimtune.engines.registry import EngineSpec, register
+from slimtune.errors import UserError
+from slimtune.host_unit import HostUnit
+from slimtune.loss import causal_lm_loss
+from slimtune.model import Stack
+from slimtune.optim import rules
+from slimtune.pipeline import jobs
+from slimtune.pipeline.mailbox import Mailbox, WorkerFailed
+from slimtune.pipeline.partitioner import costs_from_bytes, plan_stages
+from slimtune.pipeline.row_split import split_rows
+from slimtune.pipeline.stages import Partition, assign
+from slimtune.pipeline.worker import Worker
+
+
+@dataclass
+class RoundPipeConfig:
+    workers: int | list[str] = setting(
+        2, "engine=roundpipe: the workers, as a count (CUDA devices in turn, several per card when more than the"
+           " cards; CPU threads without CUDA) or a list of devices, e.g. [cuda:0, cuda:1].")
+    micro_batches: int = setting(0, "engine=roundpipe: micro-batches each batch is cut into by rows (0: workers + 1).")
+    grain: Literal["stage", "layer"] = setting(
+        "stage", "engine=roundpipe: backward recomputes a whole stage (stage) or layer by layer from every layer's"
+                 " saved input (layer: less device memory, more host RAM and traffic).")
+    optimizer: Literal["sync", "async"] = setting(
+        "sync", "engine=roundpipe: sync: exact AdamW after each step; async: the update runs during the next step,"
+                " which sees weights one update old (not exact; see the engine's docs).")
+    memory_fraction: float = setting(
+        0.6, "engine=roundpipe: share of the smallest free device memory a worker may fill: a stage's weights and"
+             " gradients stay under half of it (CUDA only).")
+    timeout_s: float = setting(600.0, "engine=roundpipe: a worker waiting longer than this for a hand-off stops the run.")
+
+    def validate(self) -> None:
+        if isinstance(self.workers, int) and self.workers < 1:
+            raise UserError(f"roundpipe.workers must be at least 1, got {self.workers}.")
+        if isinstance(self.workers, list) and not self.workers:
+            raise UserError("roundpipe.workers is an empty list; name at least one device.")
+        if self.micro_batches < 0:
+            raise UserError(f"roundpipe.micro_batches must be 0 (workers + 1) or more, got {self.micro_batches}.")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise UserError(f"roundpipe.memory_fraction must be in (0, 1], got {self.memory_fraction}.")
+        if self.timeout_s <= 0:
+            raise UserError(f"roundpipe.timeout_s must be positive, got {self.timeout_s}.")
+
+
+def validate(cfg: RunConfig) -> None:
+    """What engine=roundpipe does not do, refused in one sentence each."""
+    if cfg.loss.mode != "exact":
+        raise UserError("engine=roundpipe computes the exact loss in its fused tail; set loss.mode=exact.")
+    if cfg.quant.embeddings:
+        raise UserError("engine=roundpipe gathers embedding rows on the host in full precision; set quant.embeddings=false.")
+    if cfg.activations.checkpoint != "none" or cfg.activations.cache != "none":
+        raise UserError("engine=roundpipe recomputes every backward stage from its saved input on the host; set"
+                        " activations.checkpoint=none and activations.cache=none (roundpipe.grain chooses the grain).")
+    if cfg.method == "lora" and cfg.lora.dropout > 0:
+        raise UserError("engine=roundpipe cannot redraw dropout masks when a stage is recomputed on another worker;"
+                        " set lora.dropout=0.")
+    if cfg.train.on_nonfinite == "skip" and cfg.section("roundpipe").optimizer == "async":
+        raise UserError("roundpipe.optimizer=async has already started the next step when a step's gradient is found"
+                        " not finite; set train.on_nonfinite=stop or roundpipe.optimizer=sync.")
+
+
+def worker_devices(section: RoundPipeConfig, device: torch.device) -> list[torch.device]:
+    """The workers' devices: a list as given; a count over the CUDA cards in turn (virtual workers
+    share a card); on a CPU run (or the planner's fake step), that many CPU workers."""
+    if isinstance(section.workers, list):
+        if device.type != "cuda":
+            return [torch.device("cpu")] * len(section.workers)
+        found = [torch.device(name) for name in section.workers]
+        for d in found:
+            if d.type != "cuda" or (d.index or 0) >= torch.cuda.device_count():
+                raise UserError(f"roundpipe.workers names '{d}', which is not a CUDA device of this machine"
+                                f" ({torch.cuda.device_count()} found).")
+        return found
+    if device.type != "cuda":
+        return [torch.device("cpu")] * section.workers
+    return [torch.device("cuda", i % torch.cuda.device_count()) for i in range(section.workers)]
+
+
+class RoundPipeEngine:
+    name = "roundpipe"
+
+    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str):
+        self.stack, self.precision = stack, precision
+        self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
+        self.section: RoundPipeConfig = cfg.section("roundpipe")
+        self.devices = worker_devices(self.section, device)
+        self.device = self.devices[0]
+        self._refuse_dropout(stack)
+        if getattr(stack.head, "bias", None) is not None:
+            raise NotImplementedError("engine=roundpipe runs an LM head without bias")
+        self.names = {id(p): n for n, p in stack.model.named_parameters() if p.requires_grad}
+        weight_dtype = torch.bfloat16 if precision == "bf16" else None
+        blocks, count = stack.blocks, len(stack.blocks)
+        self.units = [HostUnit(f"block {i}", [blocks[i]], self.device, weight_dtype, cfg.train, None)
+                      for i in range(count)]
+        self.units.append(HostUnit("final norm and LM head", [stack.norm, stack.head], self.device, weight_dtype,
+                                   cfg.train, None))
+        self.embedding = None if stack.tied else HostUnit("embedding", [stack.embed], self.device, None, cfg.train, None)
+        fake = any(is_fake(p) for p in stack.model.parameters())
+        self.workers = [Worker(i, d, stack.model, inline=fake) for i, d in enumerate(self.devices)]
+        self.host = runtime.HostWorker(inline=fake)  # gradient additions and the AdamW
+        self.optimizer_thread = runtime.HostWorker(inline=fake)  # async: the update beside the next step
+        for owner in (*self.workers, self.host, self.optimizer_thread):
+            weakref.finalize(self, owner.close)
+        self.partition: Partition = self._plan()
+        self.cursor = 0
+        self.step_count = 0
+        self.asynchronous = self.section.optimizer == "async"
+        self.compute, self.incoming = self._async_buffers() if self.asynchronous else ({}, {})
+        self.pending_update = None
+        self.meter = memory.meter_for(self.device, cfg.train.measure_memory)  # the run's kind (train prints it)
+        self.measure = cfg.train.measure_memory
+
+    def _refuse_dropout(self, stack: Stack) -> None:
+        config = stack.config
+        rates = [getattr(config, key, 0.0) or 0.0 for key in ("attention_dropout", "hidden_dropout", "resid_pdrop")]
+        if any(r > 0 for r in rates):
+            raise UserError("engine=roundpipe cannot redraw dropout masks when a stage is recomputed on another worker;"
+                            " the model's config sets dropout above 0 (attention_dropout / hidden_dropout): set it to 0.")
+
+    def _all_units(self) -> list[HostUnit]:
+        return [*self.units, *([self.embedding] if self.embedding is not None else [])]
+
+    def _plan(self) -> Partition:
+        """The spec's partitioner on costs proportional to each layer's bytes, the stage memory cap
+        half of memory_fraction of the smallest free device memory (CUDA)."""
+        layer_bytes = [u.binding.weight_bytes for u in self.units]
+        trainable = [u.binding.grad_bytes > 0 for u in self.units]
+        cap = None
+        if all(d.type == "cuda" for d in self.devices):
+            free = min(torch.cuda.mem_get_info(d)[0] for d in self.devices)
+            cap = int(self.section.memory_fraction * free / 2)
+        try:
+            return plan_stages(costs_from_bytes(layer_bytes, trainable), len(self.workers), memory_cap=cap)
+        except ValueError as err:
+            raise UserError(f"engine=roundpipe cannot cut the model into stages: {err}") from None
+
+    def _async_buffers(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """async: the weights uploads read (a copy taken after each update) and the step's incoming
+        gradients, per trainable tensor."""
+        compute, incoming = {}, {}
+        for unit in self._all_units():
+            for t in unit.binding.tensors:
+                if t.trainable:
+                    compute[id(t.param)] = runtime.to_host_storage(t.upload, self.device)
+                    incoming[id(t.param)] = runtime.host_empty(t.host.shape, t.host.dtype, self.device,
+                                                               pinned=False).zero_()
+        return compute, incoming
+
+    # ------------------------------------------------------------ the pieces of a step
+
+    def _source(self, t: runtime.SlotTensor) -> torch.Tensor:
+        if self.asynchronous and t.trainable:
+            return self.compute[id(t.param)]
+        return t.upload
+
+    def _accumulator(self, param: torch.Tensor) -> torch.Tensor:
+        if self.asynchronous:
+            return self.incoming[id(param)]
+        for unit in self._all_units():
+            if id(param) in unit.accumulators:
+                return unit.accumulators[id(param)]
+        raise KeyError("a gradient for a tensor no unit trains")
+
+    def _add_grad(self, param: torch.Tensor, host: torch.Tensor, event: object) -> None:
+        accumulator = self._accumulator(param)
+
+        def add() -> None:
+            if event is not None:
+                event.synchronize()
+            accumulator.add_(host)
+
+        self.host.submit(add)
+
+    def _embedding_weight(self) -> tuple[torch.Tensor, runtime.SlotTensor | None]:
+        weight = self.stack.embed.weight
+        for unit in self._all_units():
+            found = unit.tensor_of(weight)
+            if found is not None:
+                return weight, found
+        return weight, None
+
+    def _embedding_rows(self, piece: Batch) -> torch.Tensor:
+        weight, found = self._embedding_weight()
+        table = self._source(found) if found is not None else weight.data
+        return runtime.to_host_storage(jobs.embedding_rows(table, piece.input_ids), self.device)
+
+    def _add_embedding_grad(self, pieces: list[Batch]):
+        weight, found = self._embedding_weight()
+        padding = getattr(self.stack.embed, "padding_idx", None)
+
+        def add(m: int, host: torch.Tensor, event: object) -> None:
+            accumulator, ids = self._accumulator(weight), pieces[m].input_ids.reshape(-1)
+
+            def job() -> None:
+                if event is not None:
+                    event.synchronize()
+                rows = host.reshape(-1, host.shape[-1]).to(accumulator.dtype)
+                if padding is not None:  # as nn.Embedding: the padding row gets no gradient
+                    rows[ids == padding] = 0
+                accumulator.index_add_(0, ids, rows)
+
+            self.host.submit(job)
+
+        return add, found is not None and found.trainable
+
+    def _saved_at(self) -> frozenset[int]:
+        e = self.partition.tail.start
+        if self.section.grain == "layer":
+            return frozenset(range(e))
+        return frozenset(stage.start for stage in self.partition.backward)
+
+    def _pieces(self, micro_batches: list[Batch]) -> list[Batch]:
+        wanted = self.section.micro_batches or len(self.workers) + 1
+        return [piece for batch in micro_batches for piece in split_rows(batch, wanted)]
+
+    def _context(self, pieces: list[Batch], total: int) -> jobs.StepContext:
+        add_embedding_grad, embedding_trainable = self._add_embedding_grad(pieces)
+        return jobs.StepContext(
+            pieces=pieces, total=total, units=self.units, mailbox=Mailbox(self.section.timeout_s),
+            source=self._source, add_grad=self._add_grad, add_embedding_grad=add_embedding_grad,
+            saved_at=self._saved_at(), precision=self.precision, grain=self.section.grain, loss_cfg=self.loss_cfg,
+            activations_cfg=self.activations_cfg, embedding_trainable=embedding_trainable, next_job={})
+
+    def _run_jobs(self, ctx: jobs.StepContext) -> None:
+        """Dispatch the step's jobs on the cursor and wait for all of them; a failure stops every
+        worker and is raised once, naming the worker and the job."""
+        step_jobs, self.cursor = assign(self.partition, len(self.workers), self.cursor)
+        last_of: dict[int, int] = {}
+        for job in step_jobs:  # each worker's next job, for its prefetch
+            ctx.next_job[job.index] = None
+            if job.worker in last_of:
+                ctx.next_job[last_of[job.worker]] = job
+            last_of[job.worker] = job.index
+        for m, piece in enumerate(ctx.pieces):
+            ctx.put((jobs.EMBED, m), self._embedding_rows(piece))
+        futures = []
+        for job in step_jobs:
+            worker = self.workers[job.worker]
+            label = f"job {job.index} ({job.stage.kind} layers {job.stage.start}-{job.stage.stop - 1})"
+            futures.append(worker.submit(lambda w=worker, j=job: jobs.run(w, j, ctx), label, ctx.mailbox))
+        errors = [f.exception() for f in futures]
+        for worker in self.workers:
+            worker.prefetched.clear()
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            self.host.barrier()
+            raise ctx.mailbox.failure or failed
+
+    # ------------------------------------------------------------ the Engine interface
+
+    def step(self, micro_batches: list[Batch]) -> StepResult:
+        self.stack.model.train()
+        total = max(sum(b.num_targets for b in micro_batches), 1)
+        lr = rules.lr_at(self.train_cfg, self.step_count)
+        link_before = sum(w.link.bytes for w in self.workers)
+        pieces = self._pieces(micro_batches)
+        ctx = self._context(pieces, total)
+        meters = self._open_meters()
+        try:
+            self._run_jobs(ctx)
+        finally:
+            peaks = self._close_meters(meters)
+        self.host.barrier()
+        loss_sum = sum(ctx.losses)
+        grad_norm = self._grad_norm()
+        applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm)
+        self._update(lr, grad_norm, applied)
+        self.step_count += 1
+        worst = max(peaks, key=lambda p: p[1] or 0) if peaks else (None, None, None)
+        return StepResult(
+            loss=to_float(loss_sum) / total, tokens=sum(b.num_targets for b in micro_batches),
+            seen_tokens=sum(b.input_ids.numel() for b in micro_batches), lr=lr, grad_norm=to_float(grad_norm),
+            device_peak_bytes=worst[1], device_peak_breakdown=worst[2],
+            host_link_bytes=sum(w.link.bytes for w in self.workers) - link_before,
+            host_peak_bytes=self.host_bytes() + ctx.host_peak, applied=applied,
+            extras={f"peak_{label}": float(p) for label, p, _ in peaks if p is not None},
+        )
+
+    def _open_meters(self):
+        """A CPU meter per worker (each counts the tensors its own jobs make), or the CUDA
+        allocator's peak per device."""
+        if not self.measure:
+            return None
+        if self.device.type == "cuda":
+            for d in {w.device for w in self.workers}:
+                torch.cuda.reset_peak_memory_stats(d)
+            return "cuda"
+        for worker in self.workers:
+            worker.meter = memory.LiveBytesMeter("cpu")
+            for tensor, category in worker.resident():
+                worker.meter.track([tensor], category)
+        return "cpu"
+
+    def _close_meters(self, kind) -> list[tuple[str, int | None, dict | None]]:
+        """(label, peak, breakdown) per worker (CPU) or per device (CUDA)."""
+        if kind == "cuda":
+            return [(str(d).replace(":", ""), torch.cuda.max_memory_allocated(d), None)
+                    for d in sorted({w.device for w in self.workers}, key=str)]
+        if kind is None:
+            return []
+        found = []
+        for worker in self.workers:
+            meter, worker.meter = worker.meter, None
+            meter.close()
+            found.append((f"worker{worker.index}", meter.peak, meter.peak_breakdown))
+        return found
+
+    def _gradients(self) -> list[torch.Tensor]:
+        if self.asynchronous:
+            return list(self.incoming.values())
+        return [g for unit in self._all_units() if unit.adam is not None for g in unit.adam.grads]
+
+    def _grad_norm(self) -> torch.Tensor:
+        grads = self._gradients()
+        if not grads:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+    def _update(self, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
+        coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
+        coef = 1.0 if is_fake(coefficient) else float(coefficient)
+        adams = [u for u in self._all_units() if u.adam is not None]
+        if not self.asynchronous:
+            for unit in adams:
+                self.host.submit(unit.update, lr, coef) if applied else self.host.submit(unit.discard)
+            self.host.barrier()
+            return
+        self._wait_update()  # the previous step's update: its weights are what the next step sees
+        with torch.no_grad():
+            for unit in self._all_units():
+                for t in unit.binding.tensors:
+                    if t.trainable:
+                        self.compute[id(t.param)].copy_(t.upload)
+                        self._own_accumulator(unit, t.param).copy_(self.incoming[id(t.param)])
+                        self.incoming[id(t.param)].zero_()
+        if applied:
+            def update_all() -> None:
+                for unit in adams:
+                    unit.update(lr, coef)
+
+            self.pending_update = self.optimizer_thread.submit(update_all)
+        else:
+            for unit in adams:
+                unit.discard()
+
+    @staticmethod
+    def _own_accumulator(unit: HostUnit, param: torch.Tensor) -> torch.Tensor:
+        return unit.accumulators[id(param)]
+
+    def _wait_update(self) -> None:
+        if self.pending_update is not None:
+            self.pending_update.result()
+            self.pending_update = None
+
+    def host_bytes(self) -> int:
+        """Host RAM held for the workers: every unit's masters, accumulators, moments and frozen
+        tensors; async: the compute copies and incoming gradients too (hand-offs are the step's)."""
+        held = sum(u.host_bytes() for u in self._all_units())
+        return held + sum(runtime.nbytes(t) for t in (*self.compute.values(), *self.incoming.values()))
+
+    def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
+        """On worker 0, layer by layer without grad, with the latest weights."""
+        self.stack.model.eval()
+        self._wait_update()
+        return evaluate_batches(batches, self._eval_loss)
+
+    def _eval_loss(self, batch: Batch) -> torch.Tensor:
+        worker, stack = self.workers[0], self.workers[0].replica.stack
+        weight, found = self._embedding_weight()
+        table = found.upload if found is not None else weight.data
+        device_batch = batch.to(worker.device)
+        hidden = worker.link.ready(worker.link.to_device(jobs.embedding_rows(table, batch.input_ids)))
+        with autocast_for(worker.device, self.precision):
+            inputs = stack.prepare(hidden, device_batch.position_ids, batch.segmented)
+            for layer, unit in enumerate(self.units):
+                worker.bind([unit], worker.upload([unit], lambda t: t.upload), with_grads=False)
+                try:
+                    if layer < len(self.units) - 1:
+                        hidden = stack.run_block(layer, hidden, inputs)
+                    else:
+                        hidden = causal_lm_loss(hidden, stack.norm, stack.head, device_batch.targets, self.loss_cfg,
+                                                trained_positions=device_batch.trained_positions,
+                                                training=False).exact_sum
+                finally:
+                    worker.unbind([unit])
+        return hidden
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        self._wait_update()
+        return {self.names[id(param)]: unit.adam.member(k, i).master
+                for unit in self._all_units() for param, k, i in unit.members}
+
+    def state_dict(self) -> EngineState:
+        self._wait_update()
+        exp_avg, exp_avg_sq, steps = {}, {}, {}
+        for unit in self._all_units():
+            for param, k, i in unit.members:
+                name, views = self.names[id(param)], unit.adam.member(k, i)
+                exp_avg[name], exp_avg_sq[name] = views.exp_avg, views.exp_avg_sq
+                steps[name] = float(unit.adam.state(k)["step"])
+        extra = {"roundpipe": {"cursor": self.cursor}}
+        if self.asynchronous:  # the weights the next step computes at: one update behind the masters
+            extra["roundpipe"]["compute"] = {self.names[p]: t for p, t in self.compute.items()}
+        return EngineState(engine=self.name, step=self.step_count, trainable=self.trainable_state(),
+                           exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, adam_steps=steps, extra=extra)
+
+    def load_state_dict(self, state: EngineState) -> None:
+        check_resumable(state, list(self.names.values()), self.name)
+        self._wait_update()
+        copy_named(self.trainable_state(), state.trainable)
+        for unit in self._all_units():
+            for param, k, i in unit.members:
+                name, views = self.names[id(param)], unit.adam.member(k, i)
+                if name in state.exp_avg:
+                    copy_named({"m": views.exp_avg, "v": views.exp_avg_sq},
+                               {"m": state.exp_avg[name], "v": state.exp_avg_sq[name]})
+                    unit.adam.state(k)["step"].fill_(state.adam_steps[name])
+            if unit.adam is not None:
+                unit.adam.refresh_shadows()
+        own = state.extra.get("roundpipe", {}) if state.engine == self.name else {}
+        self.cursor = int(own.get("cursor", 0)) % len(self.workers)
+        if self.asynchronous:
+            saved = own.get("compute", {})
+            by_name = {self.names[p]: t for p, t in self.compute.items()}
+            copy_named(by_name, {n: saved.get(n, state.trainable[n]) for n in by_name})
+        self.step_count = state.step
+
+
+def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,
+              seq_len: int) -> speed.StepTime:
+    """Modelled for the given card count: the step's FLOPs (every backward stage recomputed) shared
+    by the workers, the weights crossing each worker's link (the estimate's bytes, spread over the
+    workers), and the host AdamW: hidden behind the next step when async, exposed when sync."""
+    workers = _worker_count(cfg)
+    accum = cfg.train.grad_accum
+    flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len, recompute=True) * accum / workers
+    return speed.overlapped_step_time(flops, counts.trainable_params, gpu, cfg.precision,
+                                      counts.host_link_bytes / workers, 0.0,
+                                      updates_exposed=cfg.section("roundpipe").optimizer == "sync")
+
+
+def _worker_count(cfg: RunConfig) -> int:
+    workers = cfg.section("roundpipe").workers
+    return len(workers) if isinstance(workers, list) else workers
+
+
+def plans(method: str) -> list[dict]:
+    """bf16, sync and async, on the planner's card count (roundpipe.workers; planner --gpus)."""
+    plan = {"precision": "bf16", "activations.checkpoint": "none"}
+    if method == "lora":
+        return [plan, {**plan, "quant.scheme": "nf4"}]
+    return [plan, {**plan, "roundpipe.optimizer": "async"}]
+
+
+register(EngineSpec(
+    name="roundpipe", summary="stateless workers on several devices, stages dispatched round robin, state on the host"
+    " (a box of consumer cards).",
+    build=RoundPipeEngine, step_time=step_time, section=RoundPipeConfig, validate=validate, plans=plans,
+    model_on_host=True,
+    # A stage holds several blocks and the partition depends on the whole model: estimated at full depth.
+    by_depth=lambda cfg: False))

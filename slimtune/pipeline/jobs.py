@@ -1,0 +1,210 @@
+"""What a worker does in each kind of job, over the step's micro-batches (roundpipe.md 2.2).
+
+  forward   weights up (no gradients); per micro-batch: the input from the host, the stage's
+            blocks without grad, a host copy of the input of every layer that starts a backward
+            stage (every layer under grain=layer), the output down.
+  tail      weights up with gradients; per micro-batch: input with grad, the remaining blocks, the
+            final norm, LM head and exact loss, backward, the input gradient down. Nothing is
+            recomputed. The parameter gradients, summed over the micro-batches on the worker, go
+            down when the job ends.
+  backward  weights up with gradients; per micro-batch: the saved input up and the stage recomputed
+            (before waiting for the gradient from above, so the two overlap), then backward and the
+            input gradient down; grain=layer recomputes and back-propagates layer by layer from
+            every layer's saved input instead (less device memory, more host RAM and traffic).
+Layer l < B (B blocks) is block l; layer B is the final norm + head + loss. The embedding's rows are
+gathered on the host, and its gradient rows added there (as slide does): the V x D table never goes
+up, and a tied head's weight is one tensor with one accumulator.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from slimtune import activations
+from slimtune.config import ActivationsConfig, LossConfig
+from slimtune.data import Batch
+from slimtune.engines.base import autocast_for
+from slimtune.host_unit import HostUnit
+from slimtune.loss import causal_lm_loss
+from slimtune.pipeline.mailbox import Mailbox
+from slimtune.pipeline.stages import Job
+from slimtune.pipeline.worker import Uploaded, Worker
+
+EMBED = -1  # the job index whose hand-offs are the embedding rows (job 0's inputs)
+
+
+@dataclass
+class StepContext:
+    """What the step's jobs share. Host tensors only: nothing here lives on a device."""
+
+    pieces: list[Batch]  # the micro-batches, on the host
+    total: int  # trained tokens of the whole step: every loss is divided by it
+    units: list[HostUnit]  # per layer
+    mailbox: Mailbox
+    source: Callable  # slot tensor -> the host tensor its upload reads (compute weights)
+    add_grad: Callable  # (original param, host gradient, event) -> added on the host worker
+    add_embedding_grad: Callable  # (micro-batch, host gradient of the rows, event)
+    saved_at: frozenset[int]  # layers whose input the forward keeps for a backward stage
+    precision: str
+    grain: str  # roundpipe.grain: stage | layer
+    loss_cfg: LossConfig
+    activations_cfg: ActivationsConfig
+    embedding_trainable: bool
+    next_job: dict[int, Job | None]  # job index -> the same worker's next job this step (prefetch)
+    losses: list = field(default_factory=list)  # exact loss sum per micro-batch (host scalars)
+    host_bytes: int = 0  # hand-offs and saved inputs alive on the host now
+    host_peak: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.losses = [None] * len(self.pieces)
+
+    def held(self, delta: int) -> None:
+        with self._lock:
+            self.host_bytes += delta
+            self.host_peak = max(self.host_peak, self.host_bytes)
+
+    def put(self, key: tuple, host: torch.Tensor) -> None:
+        self.held(_nbytes(host))
+        self.mailbox.put(key, host)
+
+    def take(self, key: tuple) -> torch.Tensor:
+        host = self.mailbox.take(key)
+        self.held(-_nbytes(host))
+        return host
+
+    def save(self, layer: int, m: int, host: torch.Tensor) -> None:
+        """Keep layer `layer`'s input of micro-batch m for its backward stage (which may be waiting)."""
+        self.put(("saved", layer, m), host)
+
+    def saved_input(self, layer: int, m: int) -> torch.Tensor:
+        return self.take(("saved", layer, m))
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def run(worker: Worker, job: Job, ctx: StepContext) -> None:
+    """Job `job` on `worker`: its stage's weights up (or prefetched), then the next job's weights
+    copied ahead, then every micro-batch, then the weights dropped and the gradients sent down."""
+    stage = job.stage
+    units = [ctx.units[layer] for layer in stage.layers]
+    uploaded = worker.prefetched.pop(job.index, None) or worker.upload(units, ctx.source)
+    following = ctx.next_job[job.index]
+    if following is not None:
+        worker.prefetched[following.index] = worker.upload([ctx.units[l] for l in following.stage.layers], ctx.source)
+    pairs = worker.bind(units, uploaded, with_grads=stage.kind != "forward")
+    del uploaded
+    try:
+        with autocast_for(worker.device, ctx.precision):
+            body = {"forward": _forward_micro_batch, "tail": _tail_micro_batch, "backward": _backward_micro_batch}
+            for m, piece in enumerate(ctx.pieces):
+                worker.pause(job, m)
+                body[stage.kind](worker, job, ctx, m, piece)
+    finally:
+        worker.unbind(units)
+    for original, leaf in pairs:
+        if leaf.grad is not None:
+            ctx.add_grad(original, *worker.link.to_host(leaf.grad))
+
+
+def _upload_input(worker: Worker, host: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+    x = worker.link.ready(worker.link.to_device(host))
+    return x.requires_grad_(requires_grad) if requires_grad else x
+
+
+def _down(worker: Worker, x: torch.Tensor) -> torch.Tensor:
+    """A host copy of device tensor x, complete (the consumer may be another device)."""
+    host, event = worker.link.to_host(x.detach())
+    if event is not None:
+        event.synchronize()
+    return host
+
+
+def _positions(worker: Worker, piece: Batch) -> Batch:
+    return piece.to(worker.device)
+
+
+def _forward_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch) -> None:
+    stage, stack = job.stage, worker.replica.stack
+    host = ctx.take((job.index - 1, m))
+    batch = _positions(worker, piece)
+    x = _upload_input(worker, host)
+    inputs = stack.prepare(x, batch.position_ids, piece.segmented)
+    chunk = activations.mlp_chunk_tokens(stack, x.shape[1], ctx.activations_cfg)
+    with torch.no_grad():
+        for layer in stage.layers:
+            if layer in ctx.saved_at:
+                ctx.save(layer, m, host if layer == stage.start else _down(worker, x))
+            x = activations.block_forward(stack, layer, x, inputs, chunk)
+    ctx.put((job.index, m), _down(worker, x))
+
+
+def _tail_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch) -> None:
+    stage, stack = job.stage, worker.replica.stack
+    first = stage.start == 0
+    host = ctx.take((job.index - 1, m))
+    batch = _positions(worker, piece)
+    x = _upload_input(worker, host, requires_grad=not first or ctx.embedding_trainable)
+    inputs = stack.prepare(x.detach(), batch.position_ids, piece.segmented)
+    hidden = x
+    for layer in range(stage.start, stage.stop - 1):  # the last layer is the norm + head + loss
+        hidden = stack.run_block(layer, hidden, inputs)
+    out = causal_lm_loss(hidden, stack.norm, stack.head, batch.targets, ctx.loss_cfg,
+                         trained_positions=batch.trained_positions)
+    torch.autograd.backward(out.loss_sum / ctx.total)
+    ctx.losses[m] = _down(worker, out.exact_sum)
+    _send_input_grad(worker, job, ctx, m, x)
+
+
+def _send_input_grad(worker: Worker, job: Job, ctx: StepContext, m: int, x: torch.Tensor) -> None:
+    """The gradient of the stage's input: to the next backward job, or (layer 0) to the embedding."""
+    if job.stage.start > 0:
+        ctx.put((job.index, m), _down(worker, x.grad))
+    elif x.requires_grad and x.grad is not None:
+        ctx.add_embedding_grad(m, *worker.link.to_host(x.grad))
+
+
+def _backward_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch) -> None:
+    stage, stack = job.stage, worker.replica.stack
+    batch = _positions(worker, piece)
+    wants_grad = stage.start > 0 or ctx.embedding_trainable
+    if ctx.grain == "layer":
+        _backward_by_layer(worker, job, ctx, m, batch, piece.segmented, wants_grad)
+        return
+    x = _upload_input(worker, ctx.saved_input(stage.start, m), requires_grad=wants_grad)
+    inputs = stack.prepare(x.detach(), batch.position_ids, piece.segmented)
+    with torch.enable_grad():  # recomputed before the gradient from above is waited for
+        y = x
+        for layer in stage.layers:
+            y = stack.run_block(layer, y, inputs)
+    grad = _upload_input(worker, ctx.take((job.index - 1, m)))
+    torch.autograd.backward(y, grad)
+    del y
+    _send_input_grad(worker, job, ctx, m, x)
+
+
+def _backward_by_layer(worker: Worker, job: Job, ctx: StepContext, m: int, batch: Batch, segmented: bool,
+                       wants_grad: bool) -> None:
+    """grain=layer: each layer recomputed from its own saved input and back-propagated at once."""
+    stage, stack = job.stage, worker.replica.stack
+    grad = _upload_input(worker, ctx.take((job.index - 1, m)))
+    x = None
+    for layer in reversed(stage.layers):
+        x = _upload_input(worker, ctx.saved_input(layer, m), requires_grad=layer > 0 or wants_grad)
+        inputs = stack.prepare(x.detach(), batch.position_ids, segmented)
+        chunk = activations.mlp_chunk_tokens(stack, x.shape[1], ctx.activations_cfg)
+        activations.block_backward(stack, layer, x, grad, inputs, chunk)
+        grad = x.grad if x.requires_grad else None
+    _send_input_grad(worker, job, ctx, m, x)
+
+
+def embedding_rows(weight: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The embedding rows of `input_ids` (B, T) from the host table: (B, T, D) on the host."""
+    with torch.no_grad():
+        return torch.nn.functional.embedding(input_ids, weight)

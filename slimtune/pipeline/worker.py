@@ -1,0 +1,134 @@
+"""A stateless worker: one device (or a share of one), its own copy stream, compute stream and
+module replica, and one controller thread that runs its jobs in the order they were given.
+
+Nothing of the model lives on a worker between jobs: a job's stage weights come up when it starts
+(or were prefetched while the worker's previous job ran: at most two stages are on the device at
+once, the spec's double buffering) and are dropped when it ends. Its trainable gradients go down to
+the host when the job ends.
+
+On the CPU the copies are synchronous and the same code runs (N worker threads on one machine, so
+every path runs in CI). Under fake tensors (the planner's estimate, whose FakeTensorMode is not
+thread-safe) the workers run inline: each job at once on the caller's thread, in job order, which
+is an order the threads could have taken too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slimtune import memory, runtime
+from slimtune.host_unit import HostUnit
+from slimtune.pipeline.mailbox import Mailbox, WorkerFailed
+from slimtune.pipeline.replica import Replica
+from slimtune.pipeline.stages import Job
+
+
+@dataclass
+class Uploaded:
+    """A stage's tensors on a worker: per unit, the device copies in its binding's order."""
+
+    copies: list[list[torch.Tensor]]
+    ready: object  # the last copy's event (None on the CPU)
+
+
+class Worker:
+    def __init__(self, index: int, device: torch.device, model: nn.Module, inline: bool):
+        self.index, self.device = index, device
+        self.link = runtime.Link(device)
+        self.replica = Replica(model)
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix=f"slimtune-worker{index}")
+        self.rotary = self._upload_rotary()
+        self.prefetched: dict[int, Uploaded] = {}  # job index -> its weights, copied ahead
+        self.meter: memory.LiveBytesMeter | None = None  # the CPU meter of the step running
+        self.delay = None  # tests: a callable(worker, job, micro_batch) run before each micro-batch
+
+    def __repr__(self) -> str:
+        return f"worker {self.index} ({self.device})"
+
+    def _upload_rotary(self) -> list[torch.Tensor]:
+        """The rotary tables' buffers stay on the worker for the run (a few KiB)."""
+        rotary = self.replica.stack.rotary
+        for name, buffer in list(rotary._buffers.items()):
+            if buffer is not None:
+                rotary._buffers[name] = self.link.ready(self.link.to_device(buffer))
+        return [b for b in rotary.buffers()]
+
+    # ------------------------------------------------------------ running jobs
+
+    def submit(self, fn, job_label: str, mailbox: Mailbox) -> Future:
+        """Run fn() as this worker's next job; a failure is handed to every waiter (mailbox.fail) and
+        named: which worker, which job."""
+        def run():
+            try:
+                with self._on_device():
+                    return fn()
+            except WorkerFailed:
+                raise
+            except BaseException as err:  # noqa: BLE001 - any failure stops every worker, named once
+                failed = WorkerFailed(f"roundpipe {self} failed in {job_label}: {type(err).__name__}: {err}")
+                mailbox.fail(failed)
+                raise failed from err
+
+        if self.executor is None:
+            done = Future()
+            try:
+                done.set_result(run())
+            except BaseException as err:  # noqa: BLE001 - the caller reads it from the future
+                done.set_exception(err)
+            return done
+        return self.executor.submit(run)
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        """The worker's compute stream (CUDA) and its step meter (CPU) around a job."""
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            with self.meter if self.meter is not None else contextlib.nullcontext():
+                yield
+
+    def pause(self, job: Job, micro_batch: int) -> None:
+        if self.delay is not None:
+            self.delay(self, job, micro_batch)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------ weights up, gradients down
+
+    def upload(self, units: list[HostUnit], source) -> Uploaded:
+        """Copy the units' tensors up; `source(slot_tensor)` is the host tensor to read."""
+        copies, event = [], None
+        for unit in units:
+            row = []
+            for t in unit.binding.tensors:
+                x, event = self.link.to_device(source(t))
+                row.append(x)
+            copies.append(row)
+        return Uploaded(copies, event)
+
+    def bind(self, units: list[HostUnit], uploaded: Uploaded, with_grads: bool) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """The replica's modules onto the uploaded copies; returns (original, device leaf) pairs of
+        the trainable tensors when `with_grads`."""
+        self.link.wait(uploaded.ready)
+        if self.cuda:  # made on the copy stream, used and freed on the compute stream
+            for x in (x for row in uploaded.copies for x in row):
+                x.record_stream(torch.cuda.current_stream(self.device))
+        pairs = []
+        for unit, copies in zip(units, uploaded.copies):
+            trained = iter(self.replica.bind(unit.binding.tensors, copies, with_grads))
+            pairs += [(t.param, next(trained)) for t in unit.binding.tensors if with_grads and t.trainable]
+        return pairs
+
+    def unbind(self, units: list[HostUnit]) -> None:
+        for unit in units:
+            self.replica.unbind(unit.binding.tensors)
+
+    def resident(self) -> list[tuple[torch.Tensor, str]]:
+        return [(b, "weights") for b in self.rotary]
