@@ -236,7 +236,10 @@ class RoundPipeEngine:
         table = self._source(found) if found is not None else weight.data
         return runtime.to_host_storage(jobs.embedding_rows(table, piece.input_ids), self.device)
 
-    def _add_embedding_grad(self, pieces: list[Batch]):
+    def _add_embedding_grad(self, pieces: list[Batch], deferred: list):
+        """The rows' gradients of each micro-batch, kept until the step's jobs are done and then added
+        in micro-batch order (a tied head's gradient arrives at another moment each run: adding
+        these after it keeps the sum's order, so results do not depend on timing)."""
         weight, found = self._embedding_weight()
         padding = getattr(self.stack.embed, "padding_idx", None)
 
@@ -251,7 +254,7 @@ class RoundPipeEngine:
                     rows[ids == padding] = 0
                 accumulator.index_add_(0, ids, rows)
 
-            self.host.submit(job)
+            deferred.append((m, job))
 
         return add, found is not None and found.trainable
 
@@ -265,8 +268,8 @@ class RoundPipeEngine:
         wanted = self.section.micro_batches or len(self.workers) + 1
         return [piece for batch in micro_batches for piece in split_rows(batch, wanted)]
 
-    def _context(self, pieces: list[Batch], total: int) -> jobs.StepContext:
-        add_embedding_grad, embedding_trainable = self._add_embedding_grad(pieces)
+    def _context(self, pieces: list[Batch], total: int, deferred: list) -> jobs.StepContext:
+        add_embedding_grad, embedding_trainable = self._add_embedding_grad(pieces, deferred)
         return jobs.StepContext(
             pieces=pieces, total=total, units=self.units, mailbox=Mailbox(self.section.timeout_s),
             source=self._source, add_grad=self._add_grad, add_embedding_grad=add_embedding_grad,
@@ -306,12 +309,15 @@ class RoundPipeEngine:
         lr = rules.lr_at(self.train_cfg, self.step_count)
         link_before = sum(w.link.bytes for w in self.workers)
         pieces = self._pieces(micro_batches)
-        ctx = self._context(pieces, total)
+        deferred: list = []
+        ctx = self._context(pieces, total, deferred)
         meters = self._open_meters()
         try:
             self._run_jobs(ctx)
         finally:
             peaks = self._close_meters(meters)
+        for _, add in sorted(deferred, key=lambda item: item[0]):
+            self.host.submit(add)
         self.host.barrier()
         loss_sum = sum(ctx.losses)
         grad_norm = self._grad_norm()

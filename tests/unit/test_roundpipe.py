@@ -1,0 +1,276 @@
+"""Engine roundpipe (stateless workers fed stages round robin, state on the host) against engine
+resident, itself checked against hand-written PyTorch with torch.optim.AdamW (test_oracle_step):
+float64, several steps, gradient accumulation, clipping, tied and untied heads, for 1-4 worker
+threads, several micro-batch counts, the partitioner's and hand-made partitions and both grains.
+The async optimizer against the one-step-delayed recurrence written out with torch.optim.AdamW.
+Then: random delays change no result, a failing worker stops the step with a sentence and no hang,
+the device peak per worker is flat in depth, LoRA on a 4-bit base, resume, and the estimate."""
+
+import copy
+import random
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import engine_config
+from test_slide import batches, model_of
+from slimtune import estimate, lora, quant
+from slimtune.config import LoraConfig, QuantConfig, TrainConfig
+from slimtune.engines.resident import ResidentEngine
+from slimtune.engines.roundpipe import RoundPipeConfig, RoundPipeEngine
+from slimtune.errors import UserError
+from slimtune.model import Stack
+from slimtune.optim import rules
+from slimtune.pipeline.mailbox import WorkerFailed
+from slimtune.pipeline.stages import uniform_partition
+
+CPU = torch.device("cpu")
+TRAIN = dict(steps=4, batch_size=4, grad_accum=2, lr=1e-2, weight_decay=0.1, warmup_steps=1, schedule="cosine",
+             max_grad_norm=0.5)
+
+
+def run_cfg(section: RoundPipeConfig, method: str = "full", precision: str = "auto", **train):
+    return engine_config(TrainConfig(**{**TRAIN, **train}), engine="roundpipe", method=method, precision=precision,
+                         sections={"roundpipe": section})
+
+
+def run(engine_class, model, cfg, steps=3, rows=4, precision="fp64", partition=None, setup=None):
+    stack = Stack(copy.deepcopy(model))
+    engine = engine_class(stack, cfg, CPU, precision)
+    if partition is not None:
+        engine.partition = partition
+    if setup is not None:
+        setup(engine)
+    out = [engine.step(batches(model.config.vocab_size, seed, cfg.train.grad_accum, rows=rows)) for seed in range(steps)]
+    params = (engine.trainable_state() if isinstance(engine, RoundPipeEngine)
+              else {n: p.detach().clone() for n, p in stack.model.named_parameters() if p.requires_grad})
+    return [r.loss for r in out], [r.grad_norm for r in out], {n: p.clone() for n, p in params.items()}, out
+
+
+def assert_same(expected, found, tol=1e-10):
+    assert found[0] == pytest.approx(expected[0], abs=tol, rel=0)
+    assert found[1] == pytest.approx(expected[1], abs=tol, rel=0)
+    assert expected[2].keys() == found[2].keys()
+    for name, value in expected[2].items():
+        torch.testing.assert_close(found[2][name], value, atol=tol, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"untied": model_of(4), "tied": model_of(4, tie_word_embeddings=True)}
+
+
+@pytest.fixture(scope="module")
+def resident(models):
+    cfg = run_cfg(RoundPipeConfig())
+    return {name: run(ResidentEngine, model, cfg) for name, model in models.items()}
+
+
+@pytest.mark.parametrize("workers,micro", [(1, 1), (2, 0), (3, 2), (4, 7)])
+@pytest.mark.parametrize("tied", ["untied", "tied"])
+def test_sync_equals_plain_adamw_for_several_workers_and_micro_batches(models, resident, workers, micro, tied):
+    cfg = run_cfg(RoundPipeConfig(workers=workers, micro_batches=micro))
+    found = run(RoundPipeEngine, models[tied], cfg)
+    assert_same(resident[tied], found)
+    assert all(r.host_link_bytes > 0 and r.device_peak_bytes > 0 for r in found[3])
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 1, 1), (4, 2, 1), (1, 4, 2)], ids=str)
+def test_hand_made_partitions_and_both_grains_equal_plain_adamw(models, resident, grain, shape):
+    forward, backward, tail = shape  # layers per forward stage, per backward stage, in the tail
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=3, grain=grain))
+    found = run(RoundPipeEngine, models["untied"], cfg, partition=uniform_partition(5, forward, backward, tail))
+    assert_same(resident["untied"], found)
+
+
+def test_the_partitioner_isolates_the_head_and_every_job_takes_the_next_worker(models):
+    cfg = run_cfg(RoundPipeConfig(workers=3))
+    engine = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), cfg, CPU, "fp64")
+    partition = engine.partition
+    partition.check()
+    assert partition.tail.stop == 5 and len(partition.stages()) >= 3
+    seen = []
+    engine.workers[0].delay = engine.workers[1].delay = engine.workers[2].delay = (
+        lambda worker, job, m: seen.append((job.index, worker.index)) if m == 0 else None)
+    engine.step(batches(models["untied"].config.vocab_size, 0, 1, rows=4))
+    engine.step(batches(models["untied"].config.vocab_size, 1, 1, rows=4))
+    count = len(partition.stages())
+    by_step = [sorted(seen[:count]), sorted(seen[count:])]
+    assert by_step[0] == [(j, j % 3) for j in range(count)]
+    assert by_step[1] == [(j, (count + j) % 3) for j in range(count)]  # the cursor carries on
+
+
+def delayed_reference(model, cfg, steps=3, rows=4):
+    """W_k = AdamW(W_{k-1}, gradient at W_{k-2}), W_{-1} = W_0, written out with torch.optim.AdamW."""
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = rules.decay_groups(params, cfg.train.weight_decay)
+    optimizer = torch.optim.AdamW([{"params": ps, "weight_decay": wd} for ps, wd in groups],
+                                  **rules.adamw_settings(cfg.train))
+    compute = [p.detach().clone() for p in params]  # the weights the next gradient is taken at
+    losses = []
+    for step in range(steps):
+        masters = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, c in zip(params, compute):
+                p.copy_(c)
+        micro = batches(model.config.vocab_size, step, cfg.train.grad_accum, rows=rows)
+        total = sum(b.num_targets for b in micro)
+        loss_sum = 0.0
+        for b in micro:
+            logits = model(input_ids=b.input_ids, position_ids=b.position_ids).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), b.targets.flatten(), ignore_index=-100, reduction="sum")
+            (loss / total).backward()
+            loss_sum += float(loss)
+        losses.append(loss_sum / total)
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+        compute = [p.detach().clone() for p in params]  # taken before this update: one step stale
+        for group in optimizer.param_groups:
+            group["lr"] = rules.lr_at(cfg.train, step)
+        optimizer.step()
+        optimizer.zero_grad()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return losses, {names[id(p)]: p.detach().clone() for p in params}
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_async_equals_the_one_step_delayed_recurrence(models, workers):
+    cfg = run_cfg(RoundPipeConfig(workers=workers, optimizer="async"))
+    losses, params = delayed_reference(models["untied"], cfg, steps=4)
+    found = run(RoundPipeEngine, models["untied"], cfg, steps=4)
+    assert found[0] == pytest.approx(losses, abs=1e-10, rel=0)
+    for name, value in params.items():
+        torch.testing.assert_close(found[2][name], value, atol=1e-10, rtol=0, msg=name)
+    sync = run(RoundPipeEngine, models["untied"], run_cfg(RoundPipeConfig(workers=workers)), steps=4)
+    assert max((sync[2][n] - found[2][n]).abs().max().item() for n in params) > 1e-6  # stale is not sync
+
+
+def jitter(seed: int):
+    rng = random.Random(seed)
+
+    def sleep(*_):
+        time.sleep(rng.random() * 0.003)
+
+    return sleep
+
+
+def slow_everything(engine: RoundPipeEngine, seed: int) -> None:
+    """Random sleeps before every micro-batch of every worker, every upload, and every host job."""
+    for worker in engine.workers:
+        worker.delay = jitter(seed + worker.index)
+        upload, pause = worker.link.to_device, jitter(seed + 10 + worker.index)
+        worker.link.to_device = lambda host, after=None, upload=upload, pause=pause: (pause(), upload(host, after))[1]
+    for thread in (engine.host, engine.optimizer_thread):
+        submit, pause = thread.submit, jitter(seed + 20)
+        thread.submit = lambda fn, *args, submit=submit, pause=pause: submit(lambda: (pause(), fn(*args))[1])
+
+
+@pytest.mark.parametrize("optimizer", ["sync", "async"])
+def test_random_delays_in_workers_transfers_and_the_optimizer_change_nothing(models, optimizer):
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=2, optimizer=optimizer))
+    calm = run(RoundPipeEngine, models["tied"], cfg)
+    for seed in (1, 2):
+        shaken = run(RoundPipeEngine, models["tied"], cfg, setup=lambda e, s=seed: slow_everything(e, s))
+        assert shaken[0] == calm[0] and shaken[1] == calm[1]
+        assert all(torch.equal(shaken[2][n], calm[2][n]) for n in calm[2])
+
+
+def test_a_failing_worker_stops_every_worker_with_one_sentence_and_no_hang(models):
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=3))
+    engine = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), cfg, CPU, "fp64")
+
+    def die(worker, job, m):
+        if worker.index == 1 and m == 1:
+            raise RuntimeError("device lost")
+
+    engine.workers[1].delay = die
+    caught = []
+    thread = threading.Thread(target=lambda: caught.append(pytest.raises(WorkerFailed, engine.step,
+                                                                          batches(300, 0, 1, rows=4))))
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the other workers hung"
+    message = str(caught[0].value)
+    assert "worker 1" in message and "device lost" in message and isinstance(caught[0].value, UserError)
+
+
+def test_device_peak_per_worker_is_flat_in_depth():
+    peaks = []
+    for layers in (3, 6):
+        model = model_of(layers, dtype=torch.float32)
+        cfg = run_cfg(RoundPipeConfig(workers=2, micro_batches=2))
+        found = run(RoundPipeEngine, model, cfg, steps=1, precision="fp32",
+                    partition=uniform_partition(layers + 1, 1, 1))
+        peaks.append(found[3][0].device_peak_bytes)
+    assert peaks[0] == peaks[1]
+
+
+def test_lora_on_a_4bit_base_equals_resident():
+    model = model_of(3)
+    quant.apply(model, QuantConfig(scheme="int4", group_size=16))
+    torch.manual_seed(1)
+    lora.apply(model, LoraConfig(rank=4, alpha=8.0))
+    for adapter in lora.adapters(model).values():
+        nn.init.normal_(adapter.lora_B.weight, std=0.2)
+    cfg = run_cfg(RoundPipeConfig(workers=2), method="lora")
+    expected = run(ResidentEngine, model, cfg)
+    found = run(RoundPipeEngine, model, cfg)
+    assert_same(expected, found)
+    assert found[2] and all("lora_" in n for n in found[2])  # the frozen base has no masters
+
+
+@pytest.mark.parametrize("optimizer", ["sync", "async"])
+def test_resume_from_state_dict_continues_exactly(models, optimizer):
+    cfg = run_cfg(RoundPipeConfig(workers=3, optimizer=optimizer))
+    straight = run(RoundPipeEngine, models["untied"], cfg, steps=4)
+    first = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), cfg, CPU, "fp64")
+    for seed in range(2):
+        first.step(batches(300, seed, 2, rows=4))
+    state = copy.deepcopy(first.state_dict())
+    second = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), cfg, CPU, "fp64")
+    second.load_state_dict(state)
+    losses = [second.step(batches(300, seed, 2, rows=4)).loss for seed in (2, 3)]
+    assert losses == straight[0][2:]
+    assert all(torch.equal(second.trainable_state()[n], straight[2][n]) for n in straight[2])
+
+
+def test_the_estimate_equals_the_cpu_meter_per_worker():
+    """The planner's fake step (workers inline, one meter each) against the threads' real one; the
+    batch's rows are alike, as the estimate's split of trained positions by rows assumes."""
+    model = model_of(3, dtype=torch.float32)
+    cfg = run_cfg(RoundPipeConfig(workers=2, micro_batches=2), precision="fp32", grad_accum=1, batch_size=4)
+    step = estimate.synthetic_batch(4, 12, model.config.vocab_size)
+    engine = RoundPipeEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp32")
+    real = [engine.step([step]) for _ in range(2)][-1]
+    fake = estimate.estimate(model.config, cfg, 4, 12, batch=step)
+    assert fake.device_peak_bytes == real.device_peak_bytes
+    assert fake.host_link_bytes == real.host_link_bytes
+
+
+@pytest.mark.parametrize("override,words", [
+    (dict(loss_mode="subset"), "loss.mode=exact"),
+    (dict(lora_dropout=0.1), "lora.dropout=0"),
+])
+def test_what_it_does_not_do_is_refused_in_one_sentence(override, words):
+    from slimtune.engines import roundpipe
+
+    cfg = run_cfg(RoundPipeConfig(), method="lora")
+    if "loss_mode" in override:
+        cfg.loss.mode = override["loss_mode"]
+    if "lora_dropout" in override:
+        cfg.lora.dropout = override["lora_dropout"]
+    with pytest.raises(UserError, match=words):
+        roundpipe.validate(cfg)
+
+
+def test_model_dropout_is_refused():
+    with pytest.raises(UserError, match="dropout"):
+        RoundPipeEngine(Stack(model_of(2, attention_dropout=0.1)), run_cfg(RoundPipeConfig()), CPU, "fp64")
