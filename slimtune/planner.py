@@ -37,18 +37,23 @@ class Machine:
     gpu: presets.GpuProfile
     ram_bytes: int  # the host's RAM; plans may hold HOST_RAM_SHARE of it
     disk_bytes: int  # free disk for scratch files (block inputs, memory-mapped moments)
+    cards: int = 1  # cards of that kind: an engine that uses several is weighed on all (EngineSpec.on_cards)
 
     @classmethod
-    def named(cls, gpu: str, host_ram: str | None = None, disk: str | None = None, folder: str = ".") -> Machine:
+    def named(cls, gpu: str, host_ram: str | None = None, disk: str | None = None, folder: str = ".",
+              cards: int = 1) -> Machine:
         """`gpu` as presets.gpu_profile reads it; sizes such as 64GiB; unset: this machine's RAM and
         the free disk under `folder`."""
+        if cards < 1:
+            raise UserError(f"--gpus must be at least 1, got {cards}.")
         ram = presets.memory_size(host_ram, "--host-ram") if host_ram else presets.physical_ram_bytes()
         free = presets.memory_size(disk, "--disk") if disk else shutil.disk_usage(folder).free
-        return cls(presets.gpu_profile(gpu), ram, free)
+        return cls(presets.gpu_profile(gpu), ram, free, cards)
 
     def describe(self) -> str:
-        return (f"{self.gpu.name} ({human_bytes(self.gpu.memory_bytes)}), {human_bytes(self.ram_bytes)} host RAM, "
-                f"{human_bytes(self.disk_bytes)} free disk")
+        cards = f"{self.cards} x " if self.cards > 1 else ""
+        return (f"{cards}{self.gpu.name} ({human_bytes(self.gpu.memory_bytes)}), {human_bytes(self.ram_bytes)} host RAM,"
+                f" {human_bytes(self.disk_bytes)} free disk")
 
     def shortfalls(self, found: estimate.Estimate) -> dict[str, tuple[int, int]]:
         """What a plan lacks: {"device" | "host RAM" | "disk": (needed, available)}, empty when it fits."""
@@ -181,11 +186,12 @@ def first_fitting(model_config, cfg: RunConfig, candidates: list[dict], machine:
     return _run_config(cfg, candidates[high]), found
 
 
-def applicable_plans(base: RunConfig) -> list[dict]:
-    """Every engine's plans for the run's method, less those an engine refuses for the run's other
-    settings (e.g. lsp under train.weight_decay > 0): those are not candidates, not errors."""
+def applicable_plans(base: RunConfig, cards: int = 1) -> list[dict]:
+    """Every engine's plans for the run's method on `cards` cards, less those an engine refuses for
+    the run's other settings (e.g. lsp under train.weight_decay > 0): those are not candidates, not
+    errors. The device peak of a plan is per card (per worker, for an engine using several)."""
     found = []
-    for plan in engines.plans_for(base.method):
+    for plan in engines.plans_for(base.method, cards):
         try:
             _run_config(base, plan)
         except UserError:
@@ -200,7 +206,7 @@ def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int,
     thread pool) takes the next plan the moment it is free; results keep the plans' order."""
     import os
 
-    jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq) for p in applicable_plans(base)]
+    jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq) for p in applicable_plans(base, machine.cards)]
     # Answers already in the cache cost nothing: only the others are worth a worker.
     results = {i: weigh(*job) for i, job in enumerate(jobs)
                if not max_seq and is_cached(model_config, _run_config(base, job[2]), batch_size, seq_len)}

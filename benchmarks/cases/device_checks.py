@@ -22,6 +22,10 @@ on the CPU the live-tensor meter. What it records:
    chunk's step over a sweep, for chunk (N = 4, recompute) and slide with a chunk working set; the
    device peak for N in {1, 2, 4, 8} (gradients scale as 1/N beside fixed weights and activations);
    chunk's median step time against resident full fine-tuning (bf16, the 1B shapes).
+7. roundpipe: 1-4 virtual workers on the one card (threads, each with its own streams) against
+   resident, fp32, 3 steps, a tiny model: loss and weight differences (goal 1e-5); the estimate
+   beside the measured peak for one worker (bf16, the 1B shapes); median step time for 1, 2 and 4
+   workers, and a profiler summary of the 2-worker step.
 """
 
 from __future__ import annotations
@@ -281,6 +285,39 @@ def chunk_checks(quick: bool, output_dir: str) -> dict:
     return out
 
 
+def roundpipe_checks(quick: bool, output_dir: str) -> dict:
+    out = {"parity": {}, "step_s": {}}
+    tiny = shapes(True, 4)
+    small, batch = random_model(tiny), one_batch(tiny.vocab_size, 64, rows=4)
+    reference = build_engine(small, run_config({"method": "full", "precision": "fp32"}, output_dir), device())
+    expected = [reference.step([batch]).loss for _ in range(3)]
+    weights = {k: v.detach().float().cpu() for k, v in reference.trainable_state().items()}
+    for workers in (1, 2, 3, 4):
+        cfg = run_config({"method": "full", "precision": "fp32", "engine": "roundpipe", "activations.checkpoint": "none",
+                          "roundpipe.workers": workers}, output_dir)
+        engine = build_engine(small, cfg, device())
+        losses = [engine.step([batch]).loss for _ in range(3)]
+        found = engine.trainable_state()
+        out["parity"][workers] = {"max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected)),
+                                  "max_weight_diff": max((found[k].float().cpu() - w).abs().max().item()
+                                                         for k, w in weights.items())}
+    config = shapes(quick, 4 if quick else 8)
+    seq = 256 if quick else 2048
+    model, big = random_model(config), one_batch(config.vocab_size, seq, rows=4)
+    for workers in (1, 2, 4):
+        cfg = run_config({"method": "full", "precision": "bf16", "engine": "roundpipe", "activations.checkpoint": "none",
+                          "roundpipe.workers": workers, "train.batch_size": 4}, output_dir)
+        engine = build_engine(model, cfg, device())
+        peak, times = measured_step2(engine, big)
+        out["step_s"][workers] = {"median_step_s": statistics.median(times), "device_peak_bytes": peak}
+        if workers == 1:
+            out["estimate_bytes"] = estimate(config, cfg, 4, seq, batch=big).device_peak_bytes
+        if workers == 2:
+            out["profile_2_workers"] = profile_summary(engine, big)
+    print(f"roundpipe: parity {out['parity']}, step s {out['step_s']}", flush=True)
+    return out
+
+
 def run(quick: bool) -> dict:
     import tempfile
 
@@ -289,6 +326,6 @@ def run(quick: bool) -> dict:
         result = {"device": str(device()), "estimate_vs_device": estimate_vs_device(quick, out),
                   "context": context_bytes(), "parity": parity(out), "speed": speed(quick, out),
                   "lsp_compressed_gradient": lsp_compressed_gradient(quick), "lsp_speed": lsp_speed(quick, out),
-                  "chunk": chunk_checks(quick, out)}
+                  "chunk": chunk_checks(quick, out), "roundpipe": roundpipe_checks(quick, out)}
         result["seconds"] = time.perf_counter() - began
     return result

@@ -43,6 +43,11 @@ def _always(cfg: config.RunConfig) -> bool:
     return True
 
 
+def _one_card(plan: dict, cards: int) -> dict:
+    del cards
+    return plan
+
+
 def _one_block(cfg: config.RunConfig) -> int:
     del cfg
     return 1
@@ -78,6 +83,9 @@ class EngineSpec:
     # cfg -> how many training examples the engine wants as its own sample (e.g. to fit projectors),
     # held out of training and handed to engine.use_sample(batches) by train.build; 0: none.
     sample_examples: Callable[[config.RunConfig], int] = _no_sample
+    # (plan, cards) -> the plan on a machine with `cards` cards (e.g. one worker per card); the
+    # default runs on one card whatever the count.
+    on_cards: Callable[[dict, int], dict] = _one_card
     module: str = field(default="", compare=False)  # who registered it (set by register)
 
 
@@ -114,6 +122,8 @@ def names() -> list[str]:
     return list(_SPECS)
 
 
-def plans_for(method: str) -> list[dict]:
-    """Every engine-and-options combination the planner weighs for `method`, as dotted-key settings."""
-    return [{"engine": spec.name, **options} for spec in _SPECS.values() for options in spec.plans(method)]
+def plans_for(method: str, cards: int = 1) -> list[dict]:
+    """Every engine-and-options combination the planner weighs for `method` on `cards` cards, as
+    dotted-key settings."""
+    return [{"engine": spec.name, **spec.on_cards(options, cards)} for spec in _SPECS.values()
+            for options in spec.plans(method)]

@@ -503,7 +503,7 @@ def _worker_count(cfg: RunConfig) -> int:
 
 
 def plans(method: str) -> list[dict]:
-    """bf16, sync and async, on the planner's card count (roundpipe.workers; planner --gpus)."""
+    """bf16, sync and async (LoRA: over a bf16 or a 4-bit base), one worker per card (on_cards)."""
     plan = {"precision": "bf16", "activations.checkpoint": "none"}
     if method == "lora":
         return [plan, {**plan, "quant.scheme": "nf4"}]
@@ -514,6 +514,6 @@ register(EngineSpec(
     name="roundpipe", summary="stateless workers on several devices, stages dispatched round robin, state on the host"
     " (a box of consumer cards).",
     build=RoundPipeEngine, step_time=step_time, section=RoundPipeConfig, validate=validate, plans=plans,
-    model_on_host=True,
+    model_on_host=True, on_cards=lambda plan, cards: {**plan, "roundpipe.workers": cards},
     # A stage holds several blocks and the partition depends on the whole model: estimated at full depth.
     by_depth=lambda cfg: False))
