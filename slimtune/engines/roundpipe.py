@@ -57,7 +57,7 @@ from slimtune.model import Stack
 from slimtune.optim import rules
 from slimtune.pipeline import jobs
 from slimtune.pipeline.mailbox import Mailbox, WorkerFailed
-from slimtune.pipeline.partitioner import costs_from_bytes, plan_stages
+from slimtune.pipeline.partitioner import LayerTimes, costs_from_bytes, plan_stages
 from slimtune.pipeline.row_split import split_rows
 from slimtune.pipeline.stages import Partition, assign
 from slimtune.pipeline.worker import Worker
@@ -78,6 +78,9 @@ class RoundPipeConfig:
     memory_fraction: float = setting(
         0.6, "engine=roundpipe: share of the smallest free device memory a worker may fill: a stage's weights and"
              " gradients stay under half of it (CUDA only).")
+    replan: bool = setting(
+        True, "engine=roundpipe: cut the stages again after each step from the measured per-layer times (EMA);"
+              " false: keep the first cut (from the layers' bytes). Results do not depend on the cut.")
     timeout_s: float = setting(600.0, "engine=roundpipe: a worker waiting longer than this for a hand-off stops the run.")
 
     def validate(self) -> None:
@@ -153,6 +156,9 @@ class RoundPipeEngine:
         self.optimizer_thread = runtime.HostWorker(inline=fake)  # async: the update beside the next step
         for owner in (*self.workers, self.host, self.optimizer_thread):
             weakref.finalize(self, owner.close)
+        self.layer_times = LayerTimes(len(self.units), costs_from_bytes(
+            [u.binding.weight_bytes for u in self.units], [u.binding.grad_bytes > 0 for u in self.units]))
+        self.fake = fake
         self.partition: Partition = self._plan()
         self.cursor = 0
         self.step_count = 0
@@ -173,16 +179,15 @@ class RoundPipeEngine:
         return [*self.units, *([self.embedding] if self.embedding is not None else [])]
 
     def _plan(self) -> Partition:
-        """The spec's partitioner on costs proportional to each layer's bytes, the stage memory cap
-        half of memory_fraction of the smallest free device memory (CUDA)."""
-        layer_bytes = [u.binding.weight_bytes for u in self.units]
-        trainable = [u.binding.grad_bytes > 0 for u in self.units]
+        """The spec's partitioner on the per-layer costs (proportional to each layer's bytes until
+        measured), the stage memory cap half of memory_fraction of the smallest free device memory
+        (CUDA)."""
         cap = None
         if all(d.type == "cuda" for d in self.devices):
             free = min(torch.cuda.mem_get_info(d)[0] for d in self.devices)
             cap = int(self.section.memory_fraction * free / 2)
         try:
-            return plan_stages(costs_from_bytes(layer_bytes, trainable), len(self.workers), memory_cap=cap)
+            return plan_stages(self.layer_times.costs(), len(self.workers), memory_cap=cap)
         except ValueError as err:
             raise UserError(f"engine=roundpipe cannot cut the model into stages: {err}") from None
 
@@ -287,7 +292,7 @@ class RoundPipeEngine:
                 ctx.next_job[last_of[job.worker]] = job
             last_of[job.worker] = job.index
         for m, piece in enumerate(ctx.pieces):
-            ctx.put((jobs.EMBED, m), self._embedding_rows(piece))
+            ctx.put((jobs.EMBED, m), (self._embedding_rows(piece), None))
         futures = []
         for job in step_jobs:
             worker = self.workers[job.worker]
@@ -319,7 +324,8 @@ class RoundPipeEngine:
         for _, add in sorted(deferred, key=lambda item: item[0]):
             self.host.submit(add)
         self.host.barrier()
-        loss_sum = sum(ctx.losses)
+        loss_sum = sum(_complete(handoff) for handoff in ctx.losses)
+        self._observe(ctx)
         grad_norm = self._grad_norm()
         applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm)
         self._update(lr, grad_norm, applied)
@@ -333,6 +339,18 @@ class RoundPipeEngine:
             host_peak_bytes=self.host_bytes() + ctx.host_peak, applied=applied,
             extras={f"peak_{label}": float(p) for label, p, _ in peaks if p is not None},
         )
+
+    def _observe(self, ctx: jobs.StepContext) -> None:
+        """The step's per-layer times into the EMA, and (roundpipe.replan) the next step's cut."""
+        if self.fake:
+            return
+        if self.device.type == "cuda":
+            for d in {w.device for w in self.workers}:
+                torch.cuda.synchronize(d)
+        for layer, (forward, backward) in sorted(ctx.times.layer_seconds(len(ctx.pieces)).items()):
+            self.layer_times.observe(layer, forward, backward)
+        if self.section.replan:
+            self.partition = self._plan()
 
     def _open_meters(self):
         """A CPU meter per worker (each counts the tensors its own jobs make), or the CUDA
@@ -482,6 +500,13 @@ class RoundPipeEngine:
             by_name = {self.names[p]: t for p, t in self.compute.items()}
             copy_named(by_name, {n: saved.get(n, state.trainable[n]) for n in by_name})
         self.step_count = state.step
+
+
+def _complete(handoff: tuple) -> torch.Tensor:
+    host, event = handoff
+    if event is not None:
+        event.synchronize()
+    return host
 
 
 def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,

@@ -32,7 +32,8 @@ from slimtune.host_unit import HostUnit
 from slimtune.loss import causal_lm_loss
 from slimtune.pipeline.mailbox import Mailbox
 from slimtune.pipeline.stages import Job
-from slimtune.pipeline.worker import Uploaded, Worker
+from slimtune.pipeline.timing import BackwardTiming, StepTimes
+from slimtune.pipeline.worker import Prefetch, Worker
 
 EMBED = -1  # the job index whose hand-offs are the embedding rows (job 0's inputs)
 
@@ -56,6 +57,7 @@ class StepContext:
     embedding_trainable: bool
     next_job: dict[int, Job | None]  # job index -> the same worker's next job this step (prefetch)
     losses: list = field(default_factory=list)  # exact loss sum per micro-batch (host scalars)
+    times: StepTimes = field(default_factory=StepTimes)  # what the jobs timed, per layer
     host_bytes: int = 0  # hand-offs and saved inputs alive on the host now
     host_peak: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -68,20 +70,21 @@ class StepContext:
             self.host_bytes += delta
             self.host_peak = max(self.host_peak, self.host_bytes)
 
-    def put(self, key: tuple, host: torch.Tensor) -> None:
-        self.held(_nbytes(host))
-        self.mailbox.put(key, host)
+    def put(self, key: tuple, handoff: tuple) -> None:
+        """handoff: (host tensor, the event after which it is filled, None on the CPU)."""
+        self.held(_nbytes(handoff[0]))
+        self.mailbox.put(key, handoff)
 
-    def take(self, key: tuple) -> torch.Tensor:
-        host = self.mailbox.take(key)
-        self.held(-_nbytes(host))
-        return host
+    def take(self, key: tuple) -> tuple:
+        handoff = self.mailbox.take(key)
+        self.held(-_nbytes(handoff[0]))
+        return handoff
 
-    def save(self, layer: int, m: int, host: torch.Tensor) -> None:
+    def save(self, layer: int, m: int, handoff: tuple) -> None:
         """Keep layer `layer`'s input of micro-batch m for its backward stage (which may be waiting)."""
-        self.put(("saved", layer, m), host)
+        self.put(("saved", layer, m), handoff)
 
-    def saved_input(self, layer: int, m: int) -> torch.Tensor:
+    def saved_input(self, layer: int, m: int) -> tuple:
         return self.take(("saved", layer, m))
 
 
@@ -94,10 +97,11 @@ def run(worker: Worker, job: Job, ctx: StepContext) -> None:
     copied ahead, then every micro-batch, then the weights dropped and the gradients sent down."""
     stage = job.stage
     units = [ctx.units[layer] for layer in stage.layers]
-    uploaded = worker.prefetched.pop(job.index, None) or worker.upload(units, ctx.source)
+    ahead = worker.prefetched.pop(job.index, None)
+    uploaded = ahead.finish() if ahead is not None else worker.upload(units, ctx.source)
     following = ctx.next_job[job.index]
-    if following is not None:
-        worker.prefetched[following.index] = worker.upload([ctx.units[l] for l in following.stage.layers], ctx.source)
+    ahead = None if following is None else worker.prefetch(
+        following.index, [ctx.units[l] for l in following.stage.layers], ctx.source, len(ctx.pieces))
     pairs = worker.bind(units, uploaded, with_grads=stage.kind != "forward")
     del uploaded
     try:
@@ -105,7 +109,7 @@ def run(worker: Worker, job: Job, ctx: StepContext) -> None:
             body = {"forward": _forward_micro_batch, "tail": _tail_micro_batch, "backward": _backward_micro_batch}
             for m, piece in enumerate(ctx.pieces):
                 worker.pause(job, m)
-                body[stage.kind](worker, job, ctx, m, piece)
+                body[stage.kind](worker, job, ctx, m, piece, ahead)
     finally:
         worker.unbind(units)
     for original, leaf in pairs:
@@ -113,51 +117,71 @@ def run(worker: Worker, job: Job, ctx: StepContext) -> None:
             ctx.add_grad(original, *worker.link.to_host(leaf.grad))
 
 
-def _upload_input(worker: Worker, host: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
-    x = worker.link.ready(worker.link.to_device(host))
+def _upload_input(worker: Worker, handoff: tuple, requires_grad: bool = False) -> torch.Tensor:
+    """A hand-off (host tensor, the event of its download) up to this worker: its copy waits for
+    that event on the device (the spec's per-micro-batch events), not on the host."""
+    host, event = handoff
+    x = worker.link.ready(worker.link.to_device(host, event))
     return x.requires_grad_(requires_grad) if requires_grad else x
 
 
-def _down(worker: Worker, x: torch.Tensor) -> torch.Tensor:
-    """A host copy of device tensor x, complete (the consumer may be another device)."""
-    host, event = worker.link.to_host(x.detach())
-    if event is not None:
-        event.synchronize()
-    return host
+def _down(worker: Worker, x: torch.Tensor) -> tuple:
+    """(host copy of device tensor x, the event after which it is filled)."""
+    return worker.link.to_host(x.detach())
+
+
+def _advance(ahead: Prefetch | None) -> None:
+    """After a micro-batch's activation copy is queued: one group of the next job's weights."""
+    if ahead is not None:
+        ahead.advance()
 
 
 def _positions(worker: Worker, piece: Batch) -> Batch:
     return piece.to(worker.device)
 
 
-def _forward_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch) -> None:
+def _forward_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch,
+                         ahead: Prefetch | None) -> None:
     stage, stack = job.stage, worker.replica.stack
     host = ctx.take((job.index - 1, m))
     batch = _positions(worker, piece)
     x = _upload_input(worker, host)
+    _advance(ahead)
     inputs = stack.prepare(x, batch.position_ids, piece.segmented)
     chunk = activations.mlp_chunk_tokens(stack, x.shape[1], ctx.activations_cfg)
     with torch.no_grad():
         for layer in stage.layers:
             if layer in ctx.saved_at:
                 ctx.save(layer, m, host if layer == stage.start else _down(worker, x))
+            began = worker.clock.mark()
             x = activations.block_forward(stack, layer, x, inputs, chunk)
+            ctx.times.forwards.append((layer, began, worker.clock.mark()))
     ctx.put((job.index, m), _down(worker, x))
 
 
-def _tail_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch) -> None:
+def _tail_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch,
+                      ahead: Prefetch | None) -> None:
     stage, stack = job.stage, worker.replica.stack
     first = stage.start == 0
     host = ctx.take((job.index - 1, m))
     batch = _positions(worker, piece)
     x = _upload_input(worker, host, requires_grad=not first or ctx.embedding_trainable)
+    _advance(ahead)
     inputs = stack.prepare(x.detach(), batch.position_ids, piece.segmented)
-    hidden = x
-    for layer in range(stage.start, stage.stop - 1):  # the last layer is the norm + head + loss
-        hidden = stack.run_block(layer, hidden, inputs)
-    out = causal_lm_loss(hidden, stack.norm, stack.head, batch.targets, ctx.loss_cfg,
-                         trained_positions=batch.trained_positions)
+    hidden, timing = x, BackwardTiming(tuple(stage.layers))
+    for layer in stage.layers:  # the last layer is the norm + head + loss
+        began = worker.clock.mark()
+        if layer < stage.stop - 1:
+            hidden = stack.run_block(layer, hidden, inputs)
+        else:
+            out = causal_lm_loss(hidden, stack.norm, stack.head, batch.targets, ctx.loss_cfg,
+                                 trained_positions=batch.trained_positions)
+        timing.recomputes.append((layer, began, worker.clock.mark()))
+    ctx.times.forwards += timing.recomputes
+    timing.start = worker.clock.mark()
     torch.autograd.backward(out.loss_sum / ctx.total)
+    timing.stop = worker.clock.mark()
+    ctx.times.backwards.append(timing)
     ctx.losses[m] = _down(worker, out.exact_sum)
     _send_input_grad(worker, job, ctx, m, x)
 
@@ -170,36 +194,48 @@ def _send_input_grad(worker: Worker, job: Job, ctx: StepContext, m: int, x: torc
         ctx.add_embedding_grad(m, *worker.link.to_host(x.grad))
 
 
-def _backward_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch) -> None:
+def _backward_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch,
+                          ahead: Prefetch | None) -> None:
     stage, stack = job.stage, worker.replica.stack
     batch = _positions(worker, piece)
     wants_grad = stage.start > 0 or ctx.embedding_trainable
     if ctx.grain == "layer":
-        _backward_by_layer(worker, job, ctx, m, batch, piece.segmented, wants_grad)
+        _backward_by_layer(worker, job, ctx, m, batch, piece.segmented, wants_grad, ahead)
         return
     x = _upload_input(worker, ctx.saved_input(stage.start, m), requires_grad=wants_grad)
+    _advance(ahead)
     inputs = stack.prepare(x.detach(), batch.position_ids, piece.segmented)
+    timing = BackwardTiming(tuple(stage.layers))
     with torch.enable_grad():  # recomputed before the gradient from above is waited for
         y = x
         for layer in stage.layers:
+            began = worker.clock.mark()
             y = stack.run_block(layer, y, inputs)
+            timing.recomputes.append((layer, began, worker.clock.mark()))
     grad = _upload_input(worker, ctx.take((job.index - 1, m)))
+    timing.start = worker.clock.mark()
     torch.autograd.backward(y, grad)
+    timing.stop = worker.clock.mark()
+    ctx.times.backwards.append(timing)
     del y
     _send_input_grad(worker, job, ctx, m, x)
 
 
 def _backward_by_layer(worker: Worker, job: Job, ctx: StepContext, m: int, batch: Batch, segmented: bool,
-                       wants_grad: bool) -> None:
+                       wants_grad: bool, ahead: Prefetch | None) -> None:
     """grain=layer: each layer recomputed from its own saved input and back-propagated at once."""
     stage, stack = job.stage, worker.replica.stack
     grad = _upload_input(worker, ctx.take((job.index - 1, m)))
+    _advance(ahead)
     x = None
     for layer in reversed(stage.layers):
         x = _upload_input(worker, ctx.saved_input(layer, m), requires_grad=layer > 0 or wants_grad)
         inputs = stack.prepare(x.detach(), batch.position_ids, segmented)
         chunk = activations.mlp_chunk_tokens(stack, x.shape[1], ctx.activations_cfg)
+        timing = BackwardTiming((layer,), worker.clock.mark())
         activations.block_backward(stack, layer, x, grad, inputs, chunk)
+        timing.stop = worker.clock.mark()
+        ctx.times.backwards.append(timing)
         grad = x.grad if x.requires_grad else None
     _send_input_grad(worker, job, ctx, m, x)
 

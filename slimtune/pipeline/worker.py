@@ -26,6 +26,10 @@ from slimtune.host_unit import HostUnit
 from slimtune.pipeline.mailbox import Mailbox, WorkerFailed
 from slimtune.pipeline.replica import Replica
 from slimtune.pipeline.stages import Job
+from slimtune.pipeline.timing import Clock
+
+
+PIECE_BYTES = 256 * 2**20  # weights go up in pieces of at most this, so an activation waits for one piece
 
 
 @dataclass
@@ -34,6 +38,57 @@ class Uploaded:
 
     copies: list[list[torch.Tensor]]
     ready: object  # the last copy's event (None on the CPU)
+
+
+class Prefetch:
+    """The next job's weights, copied up in groups between the current job's activation copies (the
+    spec's priority rule without stream priorities): the tensors are cut into pieces of at most
+    PIECE_BYTES, bin-packed largest first into `groups` groups, and `advance` queues one group. On
+    the one copy stream an activation then waits behind at most one group, never a whole stage."""
+
+    def __init__(self, link: runtime.Link, units: list[HostUnit], source, groups: int):
+        self.link, self.ready = link, None
+        self.copies, pieces = [], []
+        with torch.cuda.stream(link.stream) if link.cuda else contextlib.nullcontext():
+            for unit in units:
+                row = []
+                for t in unit.binding.tensors:
+                    host = source(t)
+                    x = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=link.device)
+                    row.append(x)
+                    pieces += _pieces(x, host)
+                self.copies.append(row)
+        self.pending = _bin_pack(pieces, max(1, groups))
+
+    def advance(self) -> None:
+        if self.pending:
+            for dst, src in self.pending.pop(0):
+                self.ready = self.link.copy_up(dst, src)
+
+    def finish(self) -> Uploaded:
+        while self.pending:
+            self.advance()
+        return Uploaded(self.copies, self.ready)
+
+
+def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(device view, host view) pairs of at most PIECE_BYTES each (a strided tensor goes whole)."""
+    if not (dst.is_contiguous() and src.is_contiguous()) or runtime.nbytes(src) <= PIECE_BYTES:
+        return [(dst, src)]
+    flat_dst, flat_src = dst.view(-1), src.view(-1)
+    step = max(1, PIECE_BYTES // src.element_size())
+    return [(flat_dst[i:i + step], flat_src[i:i + step]) for i in range(0, flat_src.numel(), step)]
+
+
+def _bin_pack(pieces: list[tuple[torch.Tensor, torch.Tensor]], groups: int) -> list[list[tuple]]:
+    """Largest piece first into the lightest group; groups in order of their first piece."""
+    bins: list[list[tuple]] = [[] for _ in range(groups)]
+    loads = [0] * groups
+    for piece in sorted(pieces, key=lambda p: -runtime.nbytes(p[1])):
+        lightest = loads.index(min(loads))
+        bins[lightest].append(piece)
+        loads[lightest] += runtime.nbytes(piece[1])
+    return [b for b in bins if b]
 
 
 class Worker:
@@ -45,8 +100,9 @@ class Worker:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix=f"slimtune-worker{index}")
         self.rotary = self._upload_rotary()
-        self.prefetched: dict[int, Uploaded] = {}  # job index -> its weights, copied ahead
+        self.prefetched: dict[int, Prefetch] = {}  # job index -> its weights, being copied ahead
         self.meter: memory.LiveBytesMeter | None = None  # the CPU meter of the step running
+        self.clock = Clock(device)  # per-layer times for the partitioner
         self.delay = None  # tests: a callable(worker, job, micro_batch) run before each micro-batch
 
     def __repr__(self) -> str:
@@ -103,15 +159,13 @@ class Worker:
     # ------------------------------------------------------------ weights up, gradients down
 
     def upload(self, units: list[HostUnit], source) -> Uploaded:
-        """Copy the units' tensors up; `source(slot_tensor)` is the host tensor to read."""
-        copies, event = [], None
-        for unit in units:
-            row = []
-            for t in unit.binding.tensors:
-                x, event = self.link.to_device(source(t))
-                row.append(x)
-            copies.append(row)
-        return Uploaded(copies, event)
+        """Copy the units' tensors up now; `source(slot_tensor)` is the host tensor to read."""
+        return Prefetch(self.link, units, source, 1).finish()
+
+    def prefetch(self, job_index: int, units: list[HostUnit], source, groups: int) -> Prefetch:
+        """Start copying a later job's weights up, a group at a time (Prefetch.advance)."""
+        self.prefetched[job_index] = Prefetch(self.link, units, source, groups)
+        return self.prefetched[job_index]
 
     def bind(self, units: list[HostUnit], uploaded: Uploaded, with_grads: bool) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """The replica's modules onto the uploaded copies; returns (original, device leaf) pairs of

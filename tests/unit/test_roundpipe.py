@@ -83,13 +83,38 @@ def test_sync_equals_plain_adamw_for_several_workers_and_micro_batches(models, r
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 1, 1), (4, 2, 1), (1, 4, 2)], ids=str)
 def test_hand_made_partitions_and_both_grains_equal_plain_adamw(models, resident, grain, shape):
     forward, backward, tail = shape  # layers per forward stage, per backward stage, in the tail
-    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=3, grain=grain))
-    found = run(RoundPipeEngine, models["untied"], cfg, partition=uniform_partition(5, forward, backward, tail))
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=3, grain=grain, replan=False))
+    partition, kept = uniform_partition(5, forward, backward, tail), []
+    found = run(RoundPipeEngine, models["untied"], cfg, partition=partition,
+                setup=lambda e: kept.append(e))
     assert_same(resident["untied"], found)
+    assert kept[0].partition is partition
+
+
+def test_results_do_not_depend_on_the_cut_so_replanning_keeps_them_bitwise(models):
+    cuts = [uniform_partition(5, 1, 1), uniform_partition(5, 4, 2, 1), uniform_partition(5, 2, 1, 2)]
+    found = [run(RoundPipeEngine, models["tied"], run_cfg(RoundPipeConfig(workers=2, replan=False)), partition=cut)
+             for cut in cuts]
+    replanned = run(RoundPipeEngine, models["tied"], run_cfg(RoundPipeConfig(workers=2)))
+    for other in (*found[1:], replanned):
+        assert other[0] == found[0][0] and other[1] == found[0][1]
+        assert all(torch.equal(other[2][n], found[0][2][n]) for n in found[0][2])
+
+
+def test_measured_layer_times_feed_the_partitioner(models):
+    engine = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), run_cfg(RoundPipeConfig(workers=2)), CPU, "fp64")
+    initial = engine.layer_times.costs()
+    for seed in range(3):
+        engine.step(batches(300, seed, 1, rows=4))
+    measured = engine.layer_times.costs()
+    assert all(c.forward > 0 and c.backward > 0 for c in measured)
+    assert [c.forward for c in measured] != [c.forward for c in initial]  # seconds now, not bytes
+    assert [c.memory for c in measured] == [c.memory for c in initial]
+    engine.partition.check()
 
 
 def test_the_partitioner_isolates_the_head_and_every_job_takes_the_next_worker(models):
-    cfg = run_cfg(RoundPipeConfig(workers=3))
+    cfg = run_cfg(RoundPipeConfig(workers=3, replan=False))
     engine = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), cfg, CPU, "fp64")
     partition = engine.partition
     partition.check()
@@ -208,7 +233,7 @@ def test_device_peak_per_worker_is_flat_in_depth():
         model = model_of(layers, dtype=torch.float32)
         cfg = run_cfg(RoundPipeConfig(workers=2, micro_batches=2))
         found = run(RoundPipeEngine, model, cfg, steps=1, precision="fp32",
-                    partition=uniform_partition(layers + 1, 1, 1))
+                    partition=uniform_partition(layers + 1, 1, 1))  # one step: no re-plan yet
         peaks.append(found[3][0].device_peak_bytes)
     assert peaks[0] == peaks[1]
 
@@ -274,3 +299,28 @@ def test_what_it_does_not_do_is_refused_in_one_sentence(override, words):
 def test_model_dropout_is_refused():
     with pytest.raises(UserError, match="dropout"):
         RoundPipeEngine(Stack(model_of(2, attention_dropout=0.1)), run_cfg(RoundPipeConfig()), CPU, "fp64")
+
+
+def test_prefetch_cuts_weights_into_pieces_and_queues_one_group_per_activation(monkeypatch):
+    from slimtune import runtime
+    from slimtune.host_unit import HostUnit
+    from slimtune.pipeline import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "PIECE_BYTES", 4096)
+    block = model_of(1).model.layers[0]
+    unit = HostUnit("block 0", [block], CPU, None, TrainConfig(), None)
+    link = runtime.Link(CPU)
+    prefetch = worker_module.Prefetch(link, [unit], lambda t: t.upload, groups=4)
+    pieces = [p for group in prefetch.pending for p in group]
+    assert len(prefetch.pending) == 4 and all(runtime.nbytes(src) <= 4096 for _, src in pieces)
+    total = sum(runtime.nbytes(t.upload) for t in unit.binding.tensors)
+    assert sum(runtime.nbytes(src) for _, src in pieces) == total  # every byte once
+    largest_group = max(sum(runtime.nbytes(src) for _, src in group) for group in prefetch.pending)
+    assert largest_group <= total / 4 + 4096  # balanced: largest first into the lightest group
+    before = link.bytes_up
+    prefetch.advance()  # what one activation copy may wait behind
+    assert 0 < link.bytes_up - before <= largest_group
+    uploaded = prefetch.finish()
+    assert link.bytes_up - before == total
+    for t, copy_ in zip(unit.binding.tensors, uploaded.copies[0]):
+        assert torch.equal(copy_, t.upload)
