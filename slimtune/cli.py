@@ -1,4 +1,4 @@
-"""slimtune's command line: train | plan | probe | export. `slimtune train` with no config runs the demo."""
+"""slimtune's command line: train | plan | probe | export | simulate. `slimtune train` with no config runs the demo."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
     plan.add_argument("--method", choices=("lora", "full"), default="lora")
     plan.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    plan.add_argument("--gpus", type=int, default=1,
+                      help="cards of that kind (default 1): engines that use several (roundpipe) get one worker each")
     plan.add_argument("--host-ram", help="the host's RAM to plan for, e.g. 64GiB (default: this machine's)")
     plan.add_argument("--disk", help="free disk to plan for, e.g. 500GB (default: free here)")
     plan.add_argument("--max-seq", action="store_true", help="also find each plan's longest sequence that fits")
@@ -54,6 +56,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--json", action="store_true", help="print the plans as a JSON list")
     probe = sub.add_parser("probe", help="measure this machine's device and write a GPU profile")
     probe.add_argument("--out", help="write the profile here (JSON, usable as --gpu FILE)")
+    simulate = sub.add_parser("simulate", help="RoundPipe's schedule beside GPipe and 1F1B: bubble and step time, simulated")
+    from slimtune.pipeline import simulate as pipeline_simulate
+
+    pipeline_simulate.add_arguments(simulate)
     export = sub.add_parser("export", help="write a merged HF model folder from a LoRA run")
     export.add_argument("run_dir", help="the run's output_dir")
     export.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
@@ -103,7 +109,7 @@ def _plan(args: argparse.Namespace) -> None:
     if args.seq <= 0 or args.batch <= 0 or args.rank <= 0:
         raise UserError("--seq, --batch and --rank must be positive.")
     model_config = presets.model_config(args.model)
-    machine = planner.Machine.named(args.gpu, args.host_ram, args.disk)
+    machine = planner.Machine.named(args.gpu, args.host_ram, args.disk, cards=args.gpus)
     base = planner.planning_config(args.method, args.rank)
     results = planner.plan(model_config, base, machine, args.batch, args.seq, max_seq=args.max_seq)
     if args.json:
@@ -121,6 +127,12 @@ def _probe(args: argparse.Namespace) -> None:
         print(f"  {key:<16} {value:,.2f}" if isinstance(value, float) else f"  {key:<16} {value}")
     if args.out:
         print(f"profile written to {args.out} (use it as --gpu {args.out})")
+
+
+def _simulate(args: argparse.Namespace) -> None:
+    from slimtune.pipeline import simulate
+
+    simulate.run(args)
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -156,7 +168,7 @@ def _option(flag: str) -> str | None:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        {"train": _train, "plan": _plan, "probe": _probe, "export": _export}[args.command](args)
+        {"train": _train, "plan": _plan, "probe": _probe, "export": _export, "simulate": _simulate}[args.command](args)
     except UserError as err:
         print(f"slimtune: error: {err}", file=sys.stderr)
         return 2

@@ -38,6 +38,11 @@ class Run:
     splits: data.Splits
     engine: Engine
 
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every device the run computes on: an engine with several workers names them (`devices`)."""
+        return list(getattr(self.engine, "devices", [self.device]))
+
     def trainable_count(self) -> int:
         """Trained weights: the engine's count where it trains weights autograd does not see (lsp's
         projected matrices are frozen parameters trained through their subspace), else requires_grad's."""
@@ -318,10 +323,20 @@ def _summary(run: Run, log: MetricsLog, seconds: float, start: int, result_dir: 
         "device_peak_bytes": max((r["device_peak_bytes"] for r in done if r["device_peak_bytes"] is not None),
                                  default=None),
         "meter": run.engine.meter.kind,
+        "devices": [str(d) for d in run.devices],
         "trainable_params": run.trainable_count(),
         "result": str(result_dir),
         "data": run.splits.report.summary(),
     }
+
+
+def _devices_text(devices: list[str]) -> str:
+    """'cuda:0' or 'cpu x 3 workers' or 'cuda:0, cuda:1 (2 workers)'."""
+    if len(devices) <= 1:
+        return devices[0] if devices else "?"
+    if len(set(devices)) == 1:
+        return f"{devices[0]} x {len(devices)} workers"
+    return f"{', '.join(devices)} ({len(devices)} workers)"
 
 
 def summary_table(summary: dict) -> str:
@@ -336,7 +351,9 @@ def summary_table(summary: dict) -> str:
         rows.append(("eval loss / perplexity", f"{summary['eval_loss']:.4f} / {summary['eval_ppl']:.2f}"))
     rows += [
         ("tokens/s (after step 1)", f"{summary['tokens_per_s']:.0f}"),
-        ("device peak", _peak_text(summary["device_peak_bytes"]) + (
+        ("devices", _devices_text(summary.get("devices", []))),
+        ("device peak" + (" (the largest worker's)" if len(summary.get("devices", [])) > 1 else ""),
+         _peak_text(summary["device_peak_bytes"]) + (
             f" ({summary['meter']})" if summary["device_peak_bytes"] is not None else "")),
         ("wall time", f"{summary['seconds']:.1f} s"),
         ("result", summary["result"]),

@@ -56,6 +56,10 @@ class _Spans:
         # every layer's time as its backward stage or the tail counts it: the lower bound on any W
         self.largest = max(self.time("backward", i, i + 1) for i in range(self.layers))
 
+    def largest_of(self, kind: StageKind, end: int) -> float:
+        """The largest single-layer time of `kind` in [0, end): no bound below it covers the range."""
+        return max(self.time(kind, i, i + 1) for i in range(end))
+
     def time(self, kind: StageKind, start: int, stop: int) -> float:
         key = (kind == "forward", start, stop)
         if key not in self._times:
@@ -189,8 +193,67 @@ def plan_stages(
         if best is None or key < best[0]:
             best = key, partition
     assert best is not None
-    best[1].check()
-    return best[1]
+    partition = _evened(spans, best[1], memory_cap)
+    partition.check()
+    return partition
+
+
+def _evened(spans: _Spans, partition: Partition, cap: int | None) -> Partition:
+    """The same stage counts with the forward and the backward layers spread as evenly as they go.
+    Greedy cutting leaves a short remainder stage (forward 1, 9, 9, 9 where 7, 7, 7, 8 fit as well);
+    the objective does not see it, but a short stage is a hole in the rotation: each worker then
+    waits for the long stage before it. For each of the two ranges: the smallest bound under which
+    it still takes no more stages, then, under that bound, the cut with the least sum of squared
+    stage times (an exact dynamic programme). No stage gets longer, so the objective is unchanged."""
+    e = partition.tail.start
+    forward = _even_cover(spans, "forward", e, len(partition.forward), cap)
+    backward = _even_cover(spans, "backward", e, len(partition.backward), cap)
+    return Partition(tuple(forward), partition.tail, tuple(reversed(backward)))
+
+
+def _even_cover(spans: _Spans, kind: StageKind, end: int, count: int, cap: int | None) -> list[Stage]:
+    """[0, end) in at most `count` stages of `kind`, ascending: least max stage time, then least sum
+    of squares."""
+    if end == 0:
+        return []
+    cover = _cover_downward if kind == "forward" else _cover_upward
+    sums = sorted({spans.time(kind, a, b) for a in range(end) for b in range(a + 1, end + 1)})
+    floor = spans.largest_of(kind, end)  # below it a single layer would not fit (cover assumes it does)
+    low, high = 0, len(sums) - 1  # the smallest bound whose greedy cover needs <= count stages
+    while low < high:
+        mid = (low + high) // 2
+        if sums[mid] >= floor and len(cover(spans, end, sums[mid], cap)) <= count:
+            high = mid
+        else:
+            low = mid + 1
+    bound = sums[low]
+    return _least_squares(spans, kind, end, count, bound, cap)
+
+
+def _least_squares(spans: _Spans, kind: StageKind, end: int, count: int, bound: float,
+                   cap: int | None) -> list[Stage]:
+    """The cut of [0, end) into at most `count` stages, each within `bound` and the cap, with the
+    least sum of squared stage times: best[j][i] covers layers [0, i) with j stages."""
+    inf = (math.inf, None)
+    best = [[inf] * (end + 1) for _ in range(count + 1)]
+    best[0][0] = (0.0, None)
+    for j in range(1, count + 1):
+        for i in range(1, end + 1):
+            for a in range(i - 1, -1, -1):
+                if not spans.fits(kind, a, i, bound, cap):
+                    break  # longer ranges ending at i only take longer (or hold more)
+                if best[j - 1][a][0] < math.inf:
+                    t = spans.time(kind, a, i)
+                    value = best[j - 1][a][0] + t * t
+                    if value < best[j][i][0]:
+                        best[j][i] = (value, a)
+    j = min(range(1, count + 1), key=lambda k: best[k][end][0])
+    stages, i = [], end
+    while i > 0:
+        a = best[j][i][1]
+        stages.append(Stage(kind, a, i))
+        i, j = a, j - 1
+    return stages[::-1]
 
 
 def _cuts(kind: StageKind, end: int) -> Iterator[list[Stage]]:

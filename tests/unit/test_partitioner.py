@@ -215,3 +215,22 @@ def test_layer_times_converge_to_a_steady_measurement():
     for _ in range(200):
         times.observe(0, 0.25, 0.5)
     assert times.costs()[0].forward == pytest.approx(0.25) and times.costs()[0].backward == pytest.approx(0.5)
+
+
+def test_the_chosen_counts_are_spread_evenly_without_changing_the_objective():
+    """28 equal blocks and a head 3x a block: greedy cutting leaves a short remainder stage
+    (e.g. forward 1, 9, 9, 9); the plan spreads the same stage counts evenly (7, 7, 7, 7)."""
+    from slimtune.pipeline import partitioner as p
+
+    costs = [LayerCost(1.0, 2.0, 1)] * 28 + [LayerCost(3.0, 6.0, 1)]
+    plan = plan_stages(costs, 8)
+    spans = p._Spans(costs)
+    greedy = min((p._greedy(spans, w, None) for w in p._candidates(spans, 1.1)),
+                 key=lambda q: p._score(spans, q, 8))
+    assert len(plan.forward) == len(greedy.forward) and len(plan.backward) == len(greedy.backward)
+    assert p.objective(plan, costs, 8) == p.objective(greedy, costs, 8)
+    for section in (plan.forward, plan.backward):
+        sizes = [s.stop - s.start for s in section]
+        assert max(sizes) - min(sizes) <= 1, sizes
+    greedy_sizes = [s.stop - s.start for s in greedy.forward]
+    assert max(greedy_sizes) - min(greedy_sizes) > 1  # what the evening-out is for
