@@ -83,9 +83,9 @@ class EngineSpec:
     # cfg -> how many training examples the engine wants as its own sample (e.g. to fit projectors),
     # held out of training and handed to engine.use_sample(batches) by train.build; 0: none.
     sample_examples: Callable[[config.RunConfig], int] = _no_sample
-    # (plan, cards) -> the plan on a machine with `cards` cards (e.g. one worker per card); the
-    # default runs on one card whatever the count.
-    on_cards: Callable[[dict, int], dict] = _one_card
+    # (plan, cards) -> the plan on a machine with `cards` cards (e.g. one worker per card), or None
+    # where the engine has nothing to offer with that many; the default runs on one card whatever the count.
+    on_cards: Callable[[dict, int], dict | None] = _one_card
     module: str = field(default="", compare=False)  # who registered it (set by register)
 
 
@@ -125,5 +125,5 @@ def names() -> list[str]:
 def plans_for(method: str, cards: int = 1) -> list[dict]:
     """Every engine-and-options combination the planner weighs for `method` on `cards` cards, as
     dotted-key settings."""
-    return [{"engine": spec.name, **spec.on_cards(options, cards)} for spec in _SPECS.values()
-            for options in spec.plans(method)]
+    found = ((spec.name, spec.on_cards(options, cards)) for spec in _SPECS.values() for options in spec.plans(method))
+    return [{"engine": name, **options} for name, options in found if options is not None]

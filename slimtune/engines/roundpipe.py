@@ -528,17 +528,22 @@ def _worker_count(cfg: RunConfig) -> int:
 
 
 def plans(method: str) -> list[dict]:
-    """bf16, sync and async (LoRA: over a bf16 or a 4-bit base), one worker per card (on_cards)."""
+    """bf16 with the exact (sync) optimizer; LoRA over a bf16 or a 4-bit base. The stale async
+    optimizer changes the result, so it is the user's choice, never the planner's."""
     plan = {"precision": "bf16", "activations.checkpoint": "none"}
-    if method == "lora":
-        return [plan, {**plan, "quant.scheme": "nf4"}]
-    return [plan, {**plan, "roundpipe.optimizer": "async"}]
+    return [plan, {**plan, "quant.scheme": "nf4"}] if method == "lora" else [plan]
+
+
+def on_cards(plan: dict, cards: int) -> dict | None:
+    """A worker per card, from two cards: on one, slide's window is the better streaming plan (its
+    updates overlap the backward; a lone worker waits for each whole stage)."""
+    return {**plan, "roundpipe.workers": cards} if cards > 1 else None
 
 
 register(EngineSpec(
     name="roundpipe", summary="stateless workers on several devices, stages dispatched round robin, state on the host"
     " (a box of consumer cards).",
     build=RoundPipeEngine, step_time=step_time, section=RoundPipeConfig, validate=validate, plans=plans,
-    model_on_host=True, on_cards=lambda plan, cards: {**plan, "roundpipe.workers": cards},
+    model_on_host=True, on_cards=on_cards,
     # A stage holds several blocks and the partition depends on the whole model: estimated at full depth.
     by_depth=lambda cfg: False))

@@ -105,11 +105,13 @@ def run(worker: Worker, job: Job, ctx: StepContext) -> None:
     pairs = worker.bind(units, uploaded, with_grads=stage.kind != "forward")
     del uploaded
     try:
-        with autocast_for(worker.device, ctx.precision):
+        with autocast_for(worker.device, ctx.precision), worker.phase("activations"):
             body = {"forward": _forward_micro_batch, "tail": _tail_micro_batch, "backward": _backward_micro_batch}
             for m, piece in enumerate(ctx.pieces):
                 worker.pause(job, m)
                 body[stage.kind](worker, job, ctx, m, piece, ahead)
+                for _, leaf in pairs:  # made by the first backward: the job's gradient sums
+                    worker.retag(leaf.grad, "gradients")
     finally:
         worker.unbind(units)
     for original, leaf in pairs:
@@ -174,8 +176,9 @@ def _tail_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece:
         if layer < stage.stop - 1:
             hidden = stack.run_block(layer, hidden, inputs)
         else:
-            out = causal_lm_loss(hidden, stack.norm, stack.head, batch.targets, ctx.loss_cfg,
-                                 trained_positions=batch.trained_positions)
+            with worker.phase("loss"):
+                out = causal_lm_loss(hidden, stack.norm, stack.head, batch.targets, ctx.loss_cfg,
+                                     trained_positions=batch.trained_positions)
         timing.recomputes.append((layer, began, worker.clock.mark()))
     ctx.times.forwards += timing.recomputes
     timing.start = worker.clock.mark()

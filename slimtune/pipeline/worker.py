@@ -148,6 +148,14 @@ class Worker:
             with self.meter if self.meter is not None else contextlib.nullcontext():
                 yield
 
+    def phase(self, category: str):
+        """Tag what the worker makes inside with a memory.CATEGORIES category (its step meter's)."""
+        return self.meter.phase(category) if self.meter is not None else contextlib.nullcontext()
+
+    def retag(self, tensor: torch.Tensor | None, category: str) -> None:
+        if self.meter is not None:
+            self.meter.retag(tensor, category)
+
     def pause(self, job: Job, micro_batch: int) -> None:
         if self.delay is not None:
             self.delay(self, job, micro_batch)
@@ -160,11 +168,13 @@ class Worker:
 
     def upload(self, units: list[HostUnit], source) -> Uploaded:
         """Copy the units' tensors up now; `source(slot_tensor)` is the host tensor to read."""
-        return Prefetch(self.link, units, source, 1).finish()
+        with self.phase("weights"):
+            return Prefetch(self.link, units, source, 1).finish()
 
     def prefetch(self, job_index: int, units: list[HostUnit], source, groups: int) -> Prefetch:
         """Start copying a later job's weights up, a group at a time (Prefetch.advance)."""
-        self.prefetched[job_index] = Prefetch(self.link, units, source, groups)
+        with self.phase("weights"):  # allocated here, whole: the copies come group by group
+            self.prefetched[job_index] = Prefetch(self.link, units, source, groups)
         return self.prefetched[job_index]
 
     def bind(self, units: list[HostUnit], uploaded: Uploaded, with_grads: bool) -> list[tuple[nn.Parameter, nn.Parameter]]:

@@ -1,6 +1,8 @@
 """Engine roundpipe through the CLI on a tiny model: three worker threads train, a run stopped and
-started again continues exactly as the straight run (sync and async), the per-worker peaks are in
-the metrics, and the exported folder loads in transformers with every tensor trained."""
+started again continues exactly as the straight run (with the async optimizer, whose checkpoint
+must also keep the stale weights the next step computes at; sync resume is test_roundpipe's), the
+per-worker peaks are in the metrics, and the exported folder loads in transformers with every
+tensor trained."""
 
 import json
 
@@ -17,7 +19,7 @@ def records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("optimizer", ["sync", "async"])
+@pytest.mark.parametrize("optimizer", ["async"])
 def test_roundpipe_trains_resumes_exactly_and_exports_a_loadable_model(workdir, optimizer):
     from transformers import AutoModelForCausalLM
 
