@@ -168,6 +168,36 @@ class TrainConfig:
             raise UserError(f"train.warmup_steps ({self.warmup_steps}) exceeds train.steps ({self.steps}).")
 
 
+_WANDB_FORBIDDEN = set("/\\#?%:")  # characters W&B refuses in a project name
+
+
+@dataclass
+class LogConfig:
+    wandb: bool = setting(
+        False, "Also log to Weights & Biases (pip install wandb): metrics.jsonl's scalars by step, and the settings.")
+    wandb_project: str | None = setting(
+        None, "wandb: the W&B project; default: WANDB_PROJECT when set, else 'slimtune'.")
+    wandb_mode: Literal["online", "offline"] | None = setting(
+        None, "wandb: online, or offline (a local run folder to `wandb sync` later); default: WANDB_MODE, else online.")
+    mlflow: bool = setting(
+        False, "Also log to MLflow (pip install mlflow; mlflow-skinny for a server): metrics.jsonl's scalars by step,"
+               " and the settings.")
+    mlflow_tracking_uri: str | None = setting(
+        None, "mlflow: where runs are recorded (http://host:5000, sqlite:///mlflow.db, file:/path); default:"
+              " MLFLOW_TRACKING_URI, else MLflow's own (sqlite:///mlflow.db; mlflow-skinny cannot open it).")
+    mlflow_experiment: str | None = setting(
+        None, "mlflow: the experiment (made when missing); default: MLFLOW_EXPERIMENT_NAME when set, else 'slimtune'.")
+    run_name: str | None = setting(None, "The run's name in W&B and MLflow; default: the name of output_dir.")
+
+    def validate(self) -> None:
+        for name in ("wandb_project", "mlflow_tracking_uri", "mlflow_experiment", "run_name"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise UserError(f"log.{name} is empty; give a name or leave it out for the default.")
+        if self.wandb_project is not None and _WANDB_FORBIDDEN & set(self.wandb_project):
+            raise UserError(f"log.wandb_project must not contain any of / \\ # ? % :, got {self.wandb_project!r}.")
+
+
 @dataclass
 class RunConfig:
     model: str = setting(REQUIRED, "A local Hugging Face model folder (config.json, *.safetensors, tokenizer files).")
@@ -190,6 +220,8 @@ class RunConfig:
     )
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Optimisation; see train.* fields."})
     output_dir: str = setting("runs/slimtune", "Where checkpoints, metrics, plots and the result go.")
+    log: LogConfig = field(
+        default_factory=LogConfig, metadata={"help": "Logging beside metrics.jsonl and TensorBoard; see log.* fields."})
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: CUDA when present, else the CPU.")
     precision: Literal["auto", "fp32", "bf16", "fp64"] = setting(
         "auto",
@@ -207,7 +239,7 @@ class RunConfig:
         return self.sections[engine]
 
     def validate(self) -> None:
-        for section in (self.data, self.lora, self.quant, self.activations, self.loss, self.train,
+        for section in (self.data, self.lora, self.quant, self.activations, self.loss, self.train, self.log,
                         *self.sections.values()):
             section.validate()  # every section has one: an engine section is checked like the others
         if self.engine not in _ENGINES:
@@ -419,6 +451,17 @@ def to_dict(cfg: RunConfig) -> dict:
         out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
         if f.name == "engine":
             out.update((name, dataclasses.asdict(section)) for name, section in cfg.sections.items())
+    return out
+
+
+def flatten(settings: dict, prefix: str = "") -> dict:
+    """Nested settings as one mapping of dotted keys ('train.lr'), as overrides name them."""
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
     return out
 
 

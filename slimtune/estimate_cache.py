@@ -22,7 +22,7 @@ from slimtune import estimate
 from slimtune.config import RunConfig, to_dict
 
 # Settings that name files, not shapes: they never change an estimate.
-_NOT_SHAPE = ("model", "data", "output_dir", "plan", "gpu", "device")
+_NOT_SHAPE = ("model", "data", "output_dir", "plan", "gpu", "device", "log")
 
 
 def cached_estimate(model_config, cfg: RunConfig, batch_size: int, seq_len: int) -> estimate.Estimate:

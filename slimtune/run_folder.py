@@ -38,8 +38,8 @@ from slimtune.optim.host_adam import SCRATCH_KIND as MOMENTS
 RECORD = "run.json"
 LOCK = ".lock"
 # What a run writes in its folder: train.overwrite removes these and nothing else.
-RUN_FILES = (RECORD, "config.yaml", "metrics.jsonl", "metrics.png", "checkpoints", "adapter", "model", "merged",
-             "tensorboard", "activations", "moments")
+RUN_FILES = (RECORD, "config.yaml", "metrics.jsonl", "metrics.png", "trackers.json", "checkpoints", "adapter", "model",
+             "merged", "tensorboard", "activations", "moments")
 SAMPLES = 16  # model fingerprint: bytes sampled from this many places of each weights file
 SAMPLE_BYTES = 4096
 

@@ -21,7 +21,7 @@ from slimtune import assembly, checkpoint, data, engines, export, planner, prese
 from slimtune.config import RunConfig, to_dict
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
-from slimtune.metrics import MetricsLog, format_table, human_bytes
+from slimtune.metrics import MetricsLog, check_trackers, format_table, human_bytes
 from slimtune.model import Stack, load_tokenizer, read_config
 from slimtune.run_folder import RunFolder
 
@@ -196,10 +196,11 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     say = tqdm.write if progress else print
     with RunFolder(cfg) as folder:
         folder.inspect()
+        check_trackers(cfg.log)  # a missing wandb or mlflow is said before the model loads
         run = run or build(cfg)
         out = Path(run.cfg.output_dir)
         stream, start = _begin(run, folder, say)
-        log = MetricsLog(out, start)
+        log = MetricsLog(out, start, run.cfg)  # starts W&B and MLflow (log.*) before it writes
         # A log file or pipe gets a refresh every 30 s instead of every step.
         bar = tqdm(total=run.cfg.train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
                    mininterval=0.1 if sys.stderr.isatty() else 30.0)
@@ -207,6 +208,9 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
         try:
             for step in range(start + 1, run.cfg.train.steps + 1):
                 _train_step(run, step, stream, log, bar, skips)
+        except BaseException:
+            log.close(failed=True)  # the W&B and MLflow runs are marked failed
+            raise
         finally:
             bar.close()
             log.close()

@@ -56,6 +56,10 @@ def test_overrides_apply_with_yaml_types(tmp_path):
         (["method=full", "loss.mode=subset"], "loss.mode=subset needs a frozen LM head"),
         (["method=full", "quant.scheme=nf4"], "quant.scheme quantizes frozen weights"),
         (["activations.checkpoint=tape"], "activations.checkpoint must be one of none, recompute, host, disk"),
+        (["log.wandb=my-project"], "log.wandb must be true or false, got 'my-project'"),
+        (["log.wandb_mode=cloud"], "log.wandb_mode must be one of online, offline; got 'cloud'"),
+        (["log.wandb_project=team/demo"], "log.wandb_project must not contain any of / \\ # ? % :, got 'team/demo'"),
+        (["log.run_name="], "log.run_name is empty; give a name or leave it out for the default."),
     ],
 )
 def test_mistakes_name_the_key(tmp_path, overrides, needle):
