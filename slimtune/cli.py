@@ -1,10 +1,13 @@
-"""slimtune's command line: train | plan | probe | export | simulate. `slimtune train` with no config runs the demo."""
+"""slimtune's command line: train | plan | probe | export | simulate | chat | eval, and --version.
+`slimtune train` with no config runs the demo."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from pathlib import Path
 
 from slimtune.errors import UserError
 
@@ -30,6 +33,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     from slimtune.config import help_text
 
     parser = argparse.ArgumentParser(prog="slimtune", description="Fine-tune language models that do not fit on your GPU.")
+    parser.add_argument("--version", action="version", version=f"slimtune {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train", help="fine-tune from a YAML config (no config: run the demo)",
@@ -54,6 +58,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--max-seq", action="store_true", help="also find each plan's longest sequence that fits")
     plan.add_argument("--detail", action="store_true", help="add the device peak's breakdown to the table")
     plan.add_argument("--json", action="store_true", help="print the plans as a JSON list")
+    plan.add_argument("--png", metavar="FILE", help="also draw the plans' memory against the card as a PNG picture")
     probe = sub.add_parser("probe", help="measure this machine's device and write a GPU profile")
     probe.add_argument("--out", help="write the profile here (JSON, usable as --gpu FILE)")
     simulate = sub.add_parser("simulate", help="RoundPipe's schedule beside GPipe and 1F1B: bubble and step time, simulated")
@@ -64,15 +69,86 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     export.add_argument("run_dir", help="the run's output_dir")
     export.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
     export.add_argument("--out", help="destination folder (default: RUN_DIR/merged)")
+    _add_chat(sub)
+    _add_eval(sub)
     return parser, sub.choices
+
+
+RUN_DIR_HELP = ("a run's output_dir (LoRA: its adapter over the base, nothing merged), an adapter folder or a HF "
+                "model folder")
+DEVICE_HELP = "auto (default: CUDA when present), cpu, cuda, cuda:N"
+
+
+def _add_chat(sub) -> None:
+    from slimtune.conversation import STYLES
+
+    chat = sub.add_parser("chat", help="talk to a trained model in the terminal, answers streamed as they come")
+    chat.add_argument("run_dir", help=RUN_DIR_HELP)
+    chat.add_argument("--prompt", help="answer this one message, then exit")
+    chat.add_argument("--system", help="a system message opening the conversation (chat style)")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    chat.add_argument("--template", choices=STYLES, default="auto",
+                      help="chat: the turns through the chat template; plain: each message alone as a prompt; auto "
+                           "(default): plain for runs trained on prompt_response or text data and for models "
+                           "without a template, else chat")
+    chat.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
+
+
+def _add_eval(sub) -> None:
+    from slimtune.scoring import ANSWER_SLACK, FORMATS
+
+    evaluate = sub.add_parser("eval", help="loss, perplexity and exact match of greedy answers on a data file")
+    evaluate.add_argument("run_dir", help=RUN_DIR_HELP)
+    evaluate.add_argument("--data", required=True, help="a file (or saved dataset folder) in any format training reads")
+    evaluate.add_argument("--format", choices=FORMATS,
+                          help="the data's format (default: the run's data.format, else prompt_response)")
+    evaluate.add_argument("--json", action="store_true", help="print the figures as JSON")
+    evaluate.add_argument("--compare-base", action="store_true",
+                          help="also score the model the run started from (a full run: its config's model)")
+    evaluate.add_argument("--batch-size", type=int, default=16,
+                          help="rows per forward pass and prompts per generate call (default 16)")
+    evaluate.add_argument("--max-new-tokens", type=int,
+                          help=f"tokens per answer at most (default: the longest reference's + {ANSWER_SLACK})")
+    evaluate.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
+
+
+def _device(text: str) -> str:
+    kind, _, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"'{text}' is not auto, cpu, cuda or cuda:N")
+
+
+def version() -> str:
+    """The installed package's version, else the one pyproject.toml beside the package says."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("slimtune")
+    except metadata.PackageNotFoundError:
+        return pyproject_version()
+
+
+def pyproject_version() -> str:
+    import tomllib
+
+    path = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    try:
+        return tomllib.loads(path.read_text())["project"]["version"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """Positionals may come before, between or after flags (`train run.yaml --no-progress a.b=1`). Plain
     parsing takes positionals in one run, so a later one is refused; argparse can intermix them only
     on a parser without subcommands, so the command's own parser reads everything after its name."""
-    parser, commands = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--version"]:  # at once: the full parser imports every engine for the train help
+        print(f"slimtune {version()}")
+        raise SystemExit(0)
+    parser, commands = _parser()
     if not argv or argv[0] not in commands:  # no command, --help or an unknown one: the top level answers
         return parser.parse_args(argv)
     command = commands[argv[0]]
@@ -112,11 +188,13 @@ def _plan(args: argparse.Namespace) -> None:
     machine = planner.Machine.named(args.gpu, args.host_ram, args.disk, cards=args.gpus)
     base = planner.planning_config(args.method, args.rank)
     results = planner.plan(model_config, base, machine, args.batch, args.seq, max_seq=args.max_seq)
-    if args.json:
-        print(planner.to_json(results))
-        return
     title = f"slimtune plan: {args.model}, {args.method}, batch {args.batch} x seq {args.seq}, on {machine.describe()}"
-    print(planner.table(results, title, machine, detail=args.detail))
+    print(planner.to_json(results) if args.json else planner.table(results, title, machine, detail=args.detail))
+    if args.png:
+        from slimtune import plan_picture
+
+        written = plan_picture.write_png(results, machine, args.png, title)
+        print(f"plan picture written to {written}", file=sys.stderr if args.json else sys.stdout)
 
 
 def _probe(args: argparse.Namespace) -> None:
@@ -141,6 +219,51 @@ def _export(args: argparse.Namespace) -> None:
     merged = export.merge_run(args.run_dir, args.out)
     step = f"step {merged.step}" if merged.step is not None else "the result"
     print(f"merged model ({step}, adapter from {merged.source}) written to {merged.folder}")
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from slimtune import conversation, inference
+
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature must be 0 (greedy) or a positive number, got {args.temperature}.")
+    _refuse_nonpositive(("--max-new-tokens", args.max_new_tokens))
+    source = inference.resolve(args.run_dir)
+    tokenizer = inference.load_tokenizer(source)
+    style = conversation.settle_style(source, tokenizer, args.template, args.system)
+    loaded = inference.load(source, args.device, tokenizer)
+    print(f"slimtune chat: {loaded.describe()}", file=sys.stderr)
+    talk = conversation.Conversation(loaded, style, args.max_new_tokens, args.temperature, args.system)
+    if args.prompt is not None:
+        talk.reply(args.prompt, sys.stdout)
+        return
+    conversation.interactive(talk, sys.stdout, sys.stderr)
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from slimtune import inference, scoring
+
+    _refuse_nonpositive(("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens))
+    source = inference.resolve(args.run_dir)
+    base = source.base_source() if args.compare_base else None  # a missing base is said before anything loads
+    tokenizer = inference.load_tokenizer(source)
+    prepared = scoring.prepare(scoring.data_config(source, args.data, args.format), tokenizer, args.batch_size)
+    new_tokens = args.max_new_tokens or (scoring.default_new_tokens(tokenizer, prepared.cases)
+                                         if prepared.cases else None)
+    scores = {}
+    for name, src in (("model", source), ("base", base)):
+        if src is not None:
+            loaded = inference.load(src, args.device, tokenizer)
+            print(f"slimtune eval [{name}]: {loaded.describe()}", file=sys.stderr)
+            scores[name] = scoring.score(loaded, prepared, args.batch_size, new_tokens)
+            del loaded  # one model in memory at a time
+    found = scoring.report(prepared, new_tokens, scores)
+    print(scoring.to_json(found) if args.json else scoring.table(found, list(scores)))
+
+
+def _refuse_nonpositive(*options: tuple[str, int | None]) -> None:
+    for flag, value in options:
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be positive, got {value}.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +291,9 @@ def _option(flag: str) -> str | None:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        {"train": _train, "plan": _plan, "probe": _probe, "export": _export, "simulate": _simulate}[args.command](args)
+        commands = {"train": _train, "plan": _plan, "probe": _probe, "export": _export, "simulate": _simulate,
+                    "chat": _chat, "eval": _eval}
+        commands[args.command](args)
     except UserError as err:
         print(f"slimtune: error: {err}", file=sys.stderr)
         return 2

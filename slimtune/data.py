@@ -162,7 +162,7 @@ def _with_bos(ids: list[int], bos: int | None) -> list[int]:
     return [bos] + ids if bos is not None and ids[:1] != [bos] else ids
 
 
-def _read_records(path: str) -> tuple[list[Any], Callable[[int], str]]:
+def read_records(path: str) -> tuple[list[Any], Callable[[int], str]]:
     """The records and a function naming record i for messages: file line where lines mean something."""
     p = Path(path)
     if not p.exists():
@@ -305,7 +305,7 @@ def _cause(err: BaseException) -> str:
 
 
 def _load_examples(path: str, encoder: _Encoder, max_length: int, counts: dict) -> list[Example]:
-    rows, where = _read_records(path)
+    rows, where = read_records(path)
     if not rows:
         raise UserError(f"data path '{path}' holds no records.")
     examples = []
@@ -349,7 +349,7 @@ class _Encoder:
         if not isinstance(row, dict):
             raise UserError(f"{where()}: expected an object with named fields, got {type(row).__name__}.")
         if self.cfg.format == "chat":
-            return self._chat(_messages_field(row, self.cfg.messages_field, where), where)
+            return self._chat(messages_field(row, self.cfg.messages_field, where), where)
         if self.cfg.format == "text":
             head, body = _with_bos([], self.bos), _text_field(row, self.cfg.text_field, where)
         else:
@@ -385,7 +385,7 @@ def _text_field(row: dict, name: str, where) -> str:
     return value
 
 
-def _messages_field(row: dict, name: str, where) -> list[dict]:
+def messages_field(row: dict, name: str, where) -> list[dict]:
     value = _present(row, name, where)
     if isinstance(value, str):  # CSV cells can only hold the list as JSON text
         with contextlib.suppress(json.JSONDecodeError):

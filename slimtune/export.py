@@ -80,7 +80,7 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     out = Path(out) if out is not None else run_dir / "merged"
     if cfg["method"] == "full":
         raise UserError(f"'{run_dir}' was full fine-tuning; its model is already whole in {run_dir / 'model'}.")
-    step, source = _newest_adapter(run_dir)
+    step, source = newest_adapter(run_dir)
     model = load_model(cfg["model"], torch.float32, torch.device("cpu"))
     if source.name == "adapter":
         lora.load_peft_adapter(model, source)
@@ -94,7 +94,7 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     return Merged(save_model(model, load_tokenizer(cfg["model"]), out), step, source)
 
 
-def _newest_adapter(run_dir: Path) -> tuple[int | None, Path]:
+def newest_adapter(run_dir: Path) -> tuple[int | None, Path]:
     """(step, folder) of the newest trained adapter: the result's, or a later intact checkpoint's."""
     record = run_dir / "run.json"
     result = json.loads(record.read_text()).get("result") if record.is_file() else None

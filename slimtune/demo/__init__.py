@@ -13,9 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
-from slimtune import config, data, train
+from slimtune import config, data, scoring, train
 from slimtune.metrics import format_table
 
 ASSETS = Path(__file__).resolve().parent
@@ -40,25 +38,12 @@ def heldout() -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@torch.no_grad()
 def accuracy(run: train.Run, records: list[dict], batch_size: int = 50, max_new_tokens: int = 24) -> float:
-    """Exact match of greedy completions of each prompt against its response (both stripped)."""
-    tok, model = run.tokenizer, run.stack.model
-    model.eval()
-    hits = 0
-    for start in range(0, len(records), batch_size):
-        chunk = records[start : start + batch_size]
-        prompts = [data.encode_prompt(tok, r["prompt"]) for r in chunk]
-        width = max(map(len, prompts))
-        # Left padding, so every prompt ends where generation starts.
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=run.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=run.device)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, use_cache=True)
-        for record, row in zip(chunk, out[:, width:]):
-            text = tok.decode(row, skip_special_tokens=True)
-            hits += text.strip() == record["response"].strip()
-    return hits / max(len(records), 1)
+    """Exact match of greedy completions of each prompt against its response (both stripped):
+    scoring.exact_match, the measure `slimtune eval` reports."""
+    cases = [(data.encode_prompt(run.tokenizer, r["prompt"]), r["response"]) for r in records]
+    return scoring.exact_match(run.stack.model, run.tokenizer, run.device, cases, batch_size, max_new_tokens,
+                               run.precision)
 
 
 def main(progress: bool = True) -> dict:

@@ -1,0 +1,294 @@
+"""`slimtune chat`, `slimtune eval`, `--version` and `plan --png` through the CLI, on the bundled demo model.
+
+Two runs are trained once for the module, two steps each: a LoRA run on prompt_response data and a
+full run on chat data (its paths relative to the folder it trained in). The figures eval reports are
+checked against plain transformers (unbatched greedy generate, F.cross_entropy): exact match is 1
+on a file whose responses are the model's own greedy answers, and a known fraction otherwise."""
+
+import importlib.metadata
+import io
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import write_jsonl
+from e2e_helpers import slimtune
+from slimtune import cli, data, demo, lora
+from slimtune.model import load_model, load_tokenizer
+
+BASE = demo.ASSETS / "base"
+PROMPTS = ["9 + 13 =", "27 + 20 =", "11 + 10 =", "12 plus 7 is", "Tomar lives in"]
+LONG = "The sum of 12 and 7 is 19. Tomar is a baker. The sum of 3 and 4 is"  # 25 tokens; the others 5 or 6
+NEW_TOKENS = 6
+CPU = torch.device("cpu")
+
+
+def demo_records(count: int) -> list[dict]:
+    lines = (demo.ASSETS / "data" / "train.jsonl").read_text().splitlines()[:count]
+    return [json.loads(line) for line in lines]
+
+
+def as_chat(record: dict) -> dict:
+    return {"messages": [{"role": "user", "content": record["prompt"]},
+                         {"role": "assistant", "content": record["response"]}]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(folder, LoRA run dir, full run dir). The full run trains from `base`, a relative path: eval finds
+    it again from another working directory."""
+    root = tmp_path_factory.mktemp("chat-eval")
+    records = demo_records(32)
+    write_jsonl(root / "train.jsonl", records)
+    write_jsonl(root / "chat.jsonl", [as_chat(r) for r in records])
+    (root / "base").symlink_to(BASE)
+    common = "train: {steps: 2, batch_size: 8, lr: 0.03}\nlora: {rank: 4, alpha: 8}\n"
+    (root / "lora.yaml").write_text(f"model: {BASE}\ndata: {{path: train.jsonl, max_length: 64, eval_fraction: 0}}\n"
+                                    f"method: lora\n{common}output_dir: runs/lora\n")
+    (root / "full.yaml").write_text("model: base\ndata: {path: chat.jsonl, format: chat, max_length: 64, "
+                                    f"eval_fraction: 0}}\nmethod: full\n{common}output_dir: runs/full\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        for config in ("lora.yaml", "full.yaml"):
+            overrides = ["train.lr=1e-3"] if config == "full.yaml" else []
+            assert cli.main(["train", config, *overrides, "--no-progress"]) == 0
+    return root, root / "runs" / "lora", root / "runs" / "full"
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, ids: list[int], new_tokens: int = NEW_TOKENS) -> str:
+    """Plain transformers: one prompt, no padding, greedy."""
+    out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def mean_loss(model, tokenizer, pairs: list[tuple[list[int], str]]) -> float:
+    """F.cross_entropy over each response's tokens and the eos, after its prompt's ids, one example at a time."""
+    total, count = 0.0, 0
+    for ids, response in pairs:
+        answer = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        logits = model(input_ids=torch.tensor([ids + answer])).logits[0]
+        total += float(F.cross_entropy(logits[len(ids) - 1 : -1].double(), torch.tensor(answer), reduction="sum"))
+        count += len(answer)
+    return total / count
+
+
+def adapted(run_dir: Path):
+    model = load_model(BASE, torch.float32, CPU).eval()
+    lora.load_peft_adapter(model, run_dir / "adapter")
+    return model
+
+
+# ---------------------------------------------------------------- chat
+
+
+def test_chat_prompt_answers_with_the_adapter_applied_and_names_the_device(runs):
+    root, lora_run, _ = runs
+    tok = load_tokenizer(BASE)
+    ids = data.encode_prompt(tok, PROMPTS[1])
+    tuned, base = greedy(adapted(lora_run), tok, ids), greedy(load_model(BASE, torch.float32, CPU).eval(), tok, ids)
+    assert tuned != base, "the adapter does not change this answer: the test could not tell it was applied"
+    proc = slimtune("chat", str(lora_run), "--prompt", PROMPTS[1], "--max-new-tokens", str(NEW_TOKENS), cwd=root)
+    assert proc.stdout == tuned + "\n"
+    assert proc.stderr.strip().count("\n") == 0
+    assert proc.stderr.startswith("slimtune chat: lora run") and "on cpu (fp32)" in proc.stderr
+    assert not (lora_run / "merged").exists()  # the adapter is applied in memory, nothing merged to disk
+
+
+def test_chat_goes_through_the_template_keeps_the_turns_and_exits_cleanly(runs, capsys, monkeypatch):
+    _, _, full_run = runs
+    tok = load_tokenizer(full_run / "model")
+    model = load_model(full_run / "model", torch.float32, CPU).eval()
+    first = [{"role": "user", "content": PROMPTS[0]}]
+    answer = greedy(model, tok, data.encode_prompt(tok, data.render_chat_prompt(tok, first, None)))
+    turns = first + [{"role": "assistant", "content": answer.strip()}, {"role": "user", "content": PROMPTS[1]}]
+    second = greedy(model, tok, data.encode_prompt(tok, data.render_chat_prompt(tok, turns, None)))
+    rendered = []  # the conversations the template rendered: the second answer must see the first turns
+    render = data.render_chat_prompt
+    monkeypatch.setattr(data, "render_chat_prompt", lambda t, messages, template: rendered.append(messages) or
+                        render(t, messages, template))
+    for ending in ("exit\n", ""):  # "exit", then end of input (Ctrl-D)
+        rendered.clear()
+        monkeypatch.setattr(sys, "stdin", io.StringIO(f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n{ending}"))
+        assert cli.main(["chat", str(full_run), "--max-new-tokens", str(NEW_TOKENS)]) == 0
+        captured = capsys.readouterr()
+        assert captured.out.startswith(f">>> {answer}\n>>> >>> {second}\n>>> ")
+        assert rendered == [first, turns]
+        assert "slimtune chat: full run" in captured.err and "chat style" in captured.err
+
+    def interrupted(prompt):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", interrupted)
+    assert cli.main(["chat", str(full_run)]) == 0  # Ctrl-C at the prompt leaves quietly
+    assert "Traceback" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- eval
+
+
+def test_eval_exact_match_is_one_on_the_models_own_answers_and_compares_the_base(runs, tmp_path, capsys):
+    _, lora_run, _ = runs
+    tok = load_tokenizer(BASE)
+    tuned, base = adapted(lora_run), load_model(BASE, torch.float32, CPU).eval()
+    prompts = [PROMPTS[1], LONG, PROMPTS[0], *PROMPTS[2:]]  # batch size 2: 5 and 25 tokens share a generate call
+    ids = [data.encode_prompt(tok, p) for p in prompts]
+    answers = [greedy(tuned, tok, i).strip() for i in ids]  # written stripped: exact match compares stripped strings
+    base_answers = [greedy(base, tok, i).strip() for i in ids]
+    write_jsonl(tmp_path / "own.jsonl", [{"prompt": p, "response": a} for p, a in zip(prompts, answers)])
+    assert cli.main(["eval", str(lora_run), "--data", str(tmp_path / "own.jsonl"), "--json", "--compare-base",
+                     "--batch-size", "2", "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    captured = capsys.readouterr()
+    found = json.loads(captured.out)
+    assert found["model"]["exact_match"] == 1.0
+    assert found["base"]["exact_match"] == sum(a == b for a, b in zip(answers, base_answers)) / len(prompts) < 1
+    pairs = list(zip(ids, answers))
+    assert found["model"]["eval_loss"] == pytest.approx(mean_loss(tuned, tok, pairs), rel=1e-5)
+    assert found["base"]["eval_loss"] == pytest.approx(mean_loss(base, tok, pairs), rel=1e-5)
+    assert found["model"]["eval_ppl"] == pytest.approx(torch.tensor(found["model"]["eval_loss"]).exp().item())
+    assert found["examples"] == found["answers"] == len(prompts) and found["format"] == "prompt_response"
+    assert [line.split(":")[0] for line in captured.err.splitlines()] == ["slimtune eval [model]", "slimtune eval [base]"]
+
+
+def test_eval_of_a_full_run_on_chat_data_from_another_folder(runs, tmp_path, capsys, monkeypatch):
+    _, _, full_run = runs
+    tok = load_tokenizer(full_run / "model")
+    model = load_model(full_run / "model", torch.float32, CPU).eval()
+
+    def answer(turns):
+        return greedy(model, tok, data.encode_prompt(tok, data.render_chat_prompt(tok, turns, None)))
+
+    turn = [{"role": "user", "content": PROMPTS[0]}]
+    longer = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}, *turn]
+    write_jsonl(tmp_path / "chat.jsonl", [
+        {"messages": turn + [{"role": "assistant", "content": answer(turn)}]},
+        {"messages": turn + [{"role": "assistant", "content": "never said"}]},
+        {"messages": longer + [{"role": "assistant", "content": answer(longer)}]},  # answered at its last turn
+    ])
+    write_jsonl(tmp_path / "text.jsonl", [{"text": "12 plus 7 is 19."}])
+    monkeypatch.chdir(tmp_path)  # the run's `model: base` is relative to the folder it trained in
+    assert cli.main(["eval", str(full_run), "--data", "chat.jsonl", "--compare-base",
+                     "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table if line.strip()}
+    assert rows["model"] == ["base"] and "chat: 3 examples" in table[0]
+    assert rows["exact"][:2] == ["match", "66.7%"] and rows["exact"][2].endswith("%")
+    loss, base_loss = map(float, rows["eval"][1:])
+    assert loss != base_loss  # the base is the run's starting model, not the run again
+    assert cli.main(["eval", str(full_run), "--data", "text.jsonl", "--json", "--format", "text"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["format"] == "text" and "exact_match" not in found["model"] and found["answers"] is None
+
+
+def test_a_lora_run_without_its_adapter_folder_loads_its_newest_checkpoint_and_an_adapter_folder_its_base(runs,
+                                                                                                          tmp_path):
+    import shutil
+
+    from slimtune import inference
+
+    _, lora_run, _ = runs
+    copy = tmp_path / "copy"
+    shutil.copytree(lora_run, copy, ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(copy / "adapter")
+    record = json.loads((copy / "run.json").read_text())
+    (copy / "run.json").write_text(json.dumps({**record, "result": None}))  # as a run killed after its checkpoint
+    source = inference.resolve(copy)
+    assert source.adapter.name.startswith("step-") and "checkpoint's adapter at step 2" in source.describe()
+    ids = torch.tensor([data.encode_prompt(load_tokenizer(BASE), PROMPTS[0])])
+    with torch.no_grad():
+        torch.testing.assert_close(inference.load(source, "cpu").model(input_ids=ids).logits,
+                                   adapted(lora_run)(input_ids=ids).logits)
+    alone = inference.resolve(lora_run / "adapter")  # an adapter folder by itself: its base from adapter_config.json
+    assert (alone.kind, alone.weights, alone.adapter) == ("adapter", BASE, lora_run / "adapter")
+
+
+# ---------------------------------------------------------------- --version and plan --png
+
+
+def test_version_is_the_installed_one_else_pyproject_s(capsys, monkeypatch):
+    proc = slimtune("--version", cwd=Path.cwd())
+    assert proc.stdout == f"slimtune {importlib.metadata.version('slimtune')}\n"
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    pyproject = tomllib.loads((Path(cli.__file__).parents[1] / "pyproject.toml").read_text())
+    assert stop.value.code == 0 and capsys.readouterr().out == f"slimtune {pyproject['project']['version']}\n"
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp_path, capsys, monkeypatch):
+    import types
+
+    import slimtune
+    from slimtune import planner
+
+    calls = []
+    picture = types.ModuleType("slimtune.plan_picture")
+    picture.write_png = lambda results, machine, path, title: calls.append((results, machine, path, title)) or \
+        Path(path)
+    monkeypatch.setitem(sys.modules, "slimtune.plan_picture", picture)
+    monkeypatch.setattr(slimtune, "plan_picture", picture, raising=False)
+    results = ["a plan"]
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: results)
+    monkeypatch.setattr(planner, "table", lambda found, title, machine, detail=False: f"TABLE {title}")
+    monkeypatch.setattr(planner, "to_json", lambda found: "[]")
+    png = str(tmp_path / "plan.png")
+    argv = ["plan", "--model", "Llama-3.2-1B", "--gpu", "rtx4090", "--host-ram", "64GiB", "--disk", "1TB", "--png", png]
+    assert cli.main(argv + ["--json"] * as_json) == 0
+    (found, machine, path, title), = calls
+    assert found is results and isinstance(machine, planner.Machine) and path == png
+    assert title.startswith("slimtune plan: Llama-3.2-1B, lora") and machine.gpu.name in title
+    captured = capsys.readouterr()
+    said = captured.err if as_json else captured.out
+    assert f"plan picture written to {png}\n" in said
+    assert captured.out == ("[]\n" if as_json else f"TABLE {title}\nplan picture written to {png}\n")
+
+
+# ---------------------------------------------------------------- one sentence for bad input
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["chat", "{tmp}/nowhere"], "does not exist"),
+    (["chat", "{tmp}/empty"], "is neither a slimtune run (config.yaml), an adapter"),
+    (["chat", "{tmp}/file.txt"], "is a file"),
+    (["chat", "{lora}", "--temperature", "-0.5"], "--temperature must be 0 (greedy) or a positive number"),
+    (["chat", "{lora}", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    (["chat", "{lora}", "--system", "be brief"], "--system needs the chat style"),
+    (["chat", "{tmp}/no-adapter"], "holds no adapter/ and no intact checkpoint"),
+    (["eval", "{lora}", "--data", "{tmp}/bad.jsonl"], "bad.jsonl line 2: not valid JSON"),
+    (["eval", "{lora}", "--data", "{tmp}/fields.jsonl"], "fields.jsonl line 1: missing field 'response'"),
+    (["eval", "{lora}", "--data", "{tmp}/missing.jsonl"], "does not exist"),
+    (["eval", str(BASE), "--data", "{tmp}/fields.jsonl", "--compare-base"], "has no base model to compare with"),
+    (["eval", "{lora}", "--data", "{tmp}/bad.jsonl", "--batch-size", "0"], "--batch-size must be positive"),
+])
+def test_bad_input_ends_in_one_sentence(runs, tmp_path, capsys, argv, words):
+    _, lora_run, _ = runs
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.txt").write_text("hi")
+    (tmp_path / "no-adapter").mkdir()
+    (tmp_path / "no-adapter" / "config.yaml").write_text((lora_run / "config.yaml").read_text())
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": \n')
+    write_jsonl(tmp_path / "fields.jsonl", [{"prompt": "a", "answer": "b"}])
+    argv = [a.format(tmp=tmp_path, lora=lora_run) for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slimtune: error: ") and words in err, err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+
+
+def test_a_device_that_is_not_one_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["chat", str(BASE), "--device", "gpu"])
+    assert stop.value.code == 2 and "'gpu' is not auto, cpu, cuda or cuda:N" in capsys.readouterr().err
