@@ -146,6 +146,34 @@ class HostUnit:
         self.adam.discard()
 
 
+def units_state(units: list[HostUnit], names: dict[int, str]) -> tuple[dict, dict, dict]:
+    """(exp_avg, exp_avg_sq, adam_steps) by parameter name over the units' HostAdams (the live
+    tensors), for checkpoint.EngineState; `names`: id(parameter) -> its name."""
+    exp_avg, exp_avg_sq, steps = {}, {}, {}
+    for unit in units:
+        for param, k, i in unit.members:
+            name, views = names[id(param)], unit.adam.member(k, i)
+            exp_avg[name], exp_avg_sq[name] = views.exp_avg, views.exp_avg_sq
+            steps[name] = float(unit.adam.state(k)["step"])
+    return exp_avg, exp_avg_sq, steps
+
+
+def load_units_state(units: list[HostUnit], names: dict[int, str], state) -> None:
+    """Moments and step counts by parameter name (a checkpoint.EngineState) into the units' own
+    buffers (RAM or mapped files), then their shadows from the masters (loaded by the caller)."""
+    from slimtune.engines.base import copy_named
+
+    for unit in units:
+        for param, k, i in unit.members:
+            name, views = names[id(param)], unit.adam.member(k, i)
+            if name in state.exp_avg:
+                copy_named({"m": views.exp_avg, "v": views.exp_avg_sq},
+                           {"m": state.exp_avg[name], "v": state.exp_avg_sq[name]})
+                unit.adam.state(k)["step"].fill_(state.adam_steps[name])  # one count per group: all equal
+        if unit.adam is not None:
+            unit.adam.refresh_shadows()  # what goes up must be the loaded weights
+
+
 class StepGuard:
     """Shared by the units whose updates run while backward still goes on: once one finds its
     gradients non-finite, it and every unit after it skip their update (units before it already

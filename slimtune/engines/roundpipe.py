@@ -51,12 +51,12 @@ from slimtune.data import Batch
 from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
-from slimtune.host_unit import HostUnit
+from slimtune.host_unit import HostUnit, load_units_state, units_state
 from slimtune.loss import causal_lm_loss
 from slimtune.model import Stack
 from slimtune.optim import rules
 from slimtune.pipeline import jobs
-from slimtune.pipeline.mailbox import Mailbox, WorkerFailed
+from slimtune.pipeline.mailbox import Mailbox
 from slimtune.pipeline.partitioner import LayerTimes, costs_from_bytes, plan_stages
 from slimtune.pipeline.row_split import split_rows
 from slimtune.pipeline.stages import Partition, assign
@@ -468,12 +468,7 @@ class RoundPipeEngine:
 
     def state_dict(self) -> EngineState:
         self._wait_update()
-        exp_avg, exp_avg_sq, steps = {}, {}, {}
-        for unit in self._all_units():
-            for param, k, i in unit.members:
-                name, views = self.names[id(param)], unit.adam.member(k, i)
-                exp_avg[name], exp_avg_sq[name] = views.exp_avg, views.exp_avg_sq
-                steps[name] = float(unit.adam.state(k)["step"])
+        exp_avg, exp_avg_sq, steps = units_state(self._all_units(), self.names)
         extra = {"roundpipe": {"cursor": self.cursor}}
         if self.asynchronous:  # the weights the next step computes at: one update behind the masters
             extra["roundpipe"]["compute"] = {self.names[p]: t for p, t in self.compute.items()}
@@ -484,15 +479,7 @@ class RoundPipeEngine:
         check_resumable(state, list(self.names.values()), self.name)
         self._wait_update()
         copy_named(self.trainable_state(), state.trainable)
-        for unit in self._all_units():
-            for param, k, i in unit.members:
-                name, views = self.names[id(param)], unit.adam.member(k, i)
-                if name in state.exp_avg:
-                    copy_named({"m": views.exp_avg, "v": views.exp_avg_sq},
-                               {"m": state.exp_avg[name], "v": state.exp_avg_sq[name]})
-                    unit.adam.state(k)["step"].fill_(state.adam_steps[name])
-            if unit.adam is not None:
-                unit.adam.refresh_shadows()
+        load_units_state(self._all_units(), self.names, state)
         own = state.extra.get("roundpipe", {}) if state.engine == self.name else {}
         self.cursor = int(own.get("cursor", 0)) % len(self.workers)
         if self.asynchronous:

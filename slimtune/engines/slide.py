@@ -67,7 +67,7 @@ from slimtune.chunk.host_gradients import ActiveGradients
 from slimtune.chunk.state import ChunkState, axis_of, narrow
 from slimtune.chunk.state import open_settings as chunk_open_settings
 from slimtune.chunk.state import scratch as chunk_scratch
-from slimtune.host_unit import HostUnit, StepGuard
+from slimtune.host_unit import HostUnit, StepGuard, load_units_state, units_state
 from slimtune.loss import chunk_tokens, head_inputs
 from slimtune.model import Stack
 from slimtune.optim import rules
@@ -509,12 +509,7 @@ class SlideEngine:
         self.worker.barrier()
         if self.chunked:
             return self.chunk_state.state_dict(self.name, self.step_count)
-        exp_avg, exp_avg_sq, steps = {}, {}, {}
-        for unit in self._all_units():
-            for param, k, i in unit.members:
-                name, views = self.names[id(param)], unit.adam.member(k, i)
-                exp_avg[name], exp_avg_sq[name] = views.exp_avg, views.exp_avg_sq
-                steps[name] = float(unit.adam.state(k)["step"])
+        exp_avg, exp_avg_sq, steps = units_state(self._all_units(), self.names)
         return EngineState(engine=self.name, step=self.step_count, trainable=self.trainable_state(),
                            exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, adam_steps=steps)
 
@@ -528,15 +523,7 @@ class SlideEngine:
             self.step_count = state.step
             return
         copy_named(self.trainable_state(), state.trainable)
-        for unit in self._all_units():
-            for param, k, i in unit.members:
-                name, views = self.names[id(param)], unit.adam.member(k, i)
-                if name in state.exp_avg:
-                    copy_named({"m": views.exp_avg, "v": views.exp_avg_sq},
-                               {"m": state.exp_avg[name], "v": state.exp_avg_sq[name]})
-                    unit.adam.state(k)["step"].fill_(state.adam_steps[name])  # one count per group: all equal
-            if unit.adam is not None:
-                unit.adam.refresh_shadows()  # what goes up must be the loaded weights
+        load_units_state(self._all_units(), self.names, state)
         self.step_count = state.step
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimtune.data import Batch
