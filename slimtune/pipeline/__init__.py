@@ -10,6 +10,7 @@ The runtime (engine roundpipe, engines/roundpipe.py):
   mailbox.py      hand-offs between workers; a failure wakes every waiter
   timing.py       per-layer times measured in the jobs, for the partitioner's EMA
   row_split.py    a batch cut by rows into micro-batches
+  settings.py     the roundpipe.* settings, what the engine refuses, the workers' devices
 The simulator (`slimtune simulate`):
   simulate.py     the same jobs as a discrete-event simulation, the comparison and the CLI
   schedule.py     the event engine and its result
