@@ -96,6 +96,7 @@ class RoundPipeEngine:
         self.step_count = 0
         self.asynchronous = self.section.optimizer == "async"
         self.compute, self.incoming = self._async_buffers() if self.asynchronous else ({}, {})
+        self.accumulators = {key: grad for unit in self._all_units() for key, grad in unit.accumulators.items()}
         self.pending_update = None
         self.meter = memory.meter_for(self.device, cfg.train.measure_memory)  # the run's kind (train prints it)
         self.measure = cfg.train.measure_memory
@@ -143,12 +144,8 @@ class RoundPipeEngine:
         return t.upload
 
     def _accumulator(self, param: torch.Tensor) -> torch.Tensor:
-        if self.asynchronous:
-            return self.incoming[id(param)]
-        for unit in self._all_units():
-            if id(param) in unit.accumulators:
-                return unit.accumulators[id(param)]
-        raise KeyError("a gradient for a tensor no unit trains")
+        """Where a trainable tensor's downloaded gradient is added (async: the step's own buffers)."""
+        return self.incoming[id(param)] if self.asynchronous else self.accumulators[id(param)]
 
     def _add_grad(self, param: torch.Tensor, host: torch.Tensor, event: object) -> None:
         accumulator = self._accumulator(param)

@@ -20,6 +20,7 @@ from conftest import engine_config
 from test_slide import batches, model_of
 from slimtune import estimate, lora, quant
 from slimtune.config import LoraConfig, QuantConfig, TrainConfig
+from slimtune.data import Batch
 from slimtune.engines.resident import ResidentEngine
 from slimtune.engines.roundpipe import RoundPipeConfig, RoundPipeEngine
 from slimtune.errors import UserError
@@ -206,6 +207,31 @@ def test_random_delays_in_workers_transfers_and_the_optimizer_change_nothing(mod
         shaken = run(RoundPipeEngine, models["tied"], cfg, setup=lambda e, s=seed: slow_everything(e, s))
         assert shaken[0] == calm[0] and shaken[1] == calm[1]
         assert all(torch.equal(shaken[2][n], calm[2][n]) for n in calm[2])
+
+
+def test_a_tied_heads_gradient_and_the_embedding_rows_add_up_in_one_order_whatever_arrives_first(models):
+    """The tied weight gets the head's gradient (the tail job, when it ends) and the embedding rows'
+    (the layer-0 job, per micro-batch): which comes first is timing. Forced both ways, the weights
+    agree bit for bit (the rows are added after the jobs, in micro-batch order)."""
+    def hold(kind: str, start: int, m: int):
+        def pause(worker, job, micro):
+            if job.stage.kind == kind and job.stage.start == start and micro == m:
+                time.sleep(0.3)
+        return pause
+
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=3, replan=False))
+    step = batches(300, 0, 1, rows=3)[0]
+    few = 3 + step.input_ids % 4  # four token ids: every row of the table gets many terms
+    step = Batch(few, torch.roll(few, -1, dims=1), step.position_ids)
+    found = []
+    for pause in (hold("tail", 4, 2), hold("backward", 0, 0)):  # rows first, then the head's first
+        engine = RoundPipeEngine(Stack(copy.deepcopy(models["tied"]).float()), cfg, CPU, "fp32")  # fp32: rounding shows
+        engine.partition = uniform_partition(5, 1, 2)  # tail on worker 1, the layer-0 job on worker 0
+        for worker in engine.workers:
+            worker.delay = pause
+        engine.step([step])
+        found.append(engine.trainable_state())
+    assert all(torch.equal(found[0][n], found[1][n]) for n in found[0])
 
 
 def test_a_failing_worker_stops_every_worker_with_one_sentence_and_no_hang(models):
