@@ -22,6 +22,7 @@ from torch import nn
 
 from slimtune import engines, lora, quant
 from slimtune.config import RunConfig
+from slimtune.distributed import SINGLE, Dist
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
 from slimtune.model import Stack, load_model
@@ -29,11 +30,17 @@ from slimtune.model import Stack, load_model
 HOST = torch.device("cpu")
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, dist: Dist = SINGLE) -> torch.device:
+    """The run's device; under torchrun on CUDA the rank's own card, cuda:LOCAL_RANK."""
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("device is 'cuda' but no CUDA device is available; use device=auto or device=cpu.")
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and dist.active:
+        if dist.local_rank >= torch.cuda.device_count():
+            raise UserError(f"rank {dist.rank} has local rank {dist.local_rank}, but this machine has "
+                            f"{torch.cuda.device_count()} CUDA device(s): start at most that many processes per node.")
+        return torch.device("cuda", dist.local_rank)
     return torch.device(name)
 
 
@@ -92,14 +99,14 @@ def apply_method(cfg: RunConfig, stack: Stack, codes_device: torch.device | None
         raise UserError(f"freeze patterns {cfg.freeze} freeze every parameter; nothing would train.")
 
 
-def assemble(cfg: RunConfig, stack: Stack, device: torch.device, precision: str) -> Engine:
-    """Method, placement and engine for a loaded stack."""
+def assemble(cfg: RunConfig, stack: Stack, device: torch.device, precision: str, dist: Dist = SINGLE) -> Engine:
+    """Method, placement and engine for a loaded stack; `dist`: the ranks it trains with."""
     spec = engines.get(cfg.engine)
     apply_method(cfg, stack, HOST if spec.model_on_host else device)
     if not spec.model_on_host:
         place(stack.model, device)
     stack.advance("engine")
-    return spec.build(stack, cfg, device, precision)
+    return spec.build(stack, cfg, device, precision, dist)
 
 
 def place(model: nn.Module, device: torch.device) -> None:

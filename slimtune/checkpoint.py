@@ -5,6 +5,11 @@ A checkpoint is a folder `checkpoints/step-<N>/`:
   moments.safetensors    AdamW's moments by parameter name (`exp_avg/<name>`, `exp_avg_sq/<name>`)
   state.pt               the engine's name, AdamW's step count per parameter, engine extras, every RNG
   meta.json              format, step, engine, the data stream's position, each file's size and CRC-32
+State sharded across ranks (dist.strategy=fsdp: DTensors) is written by every rank at once with
+torch.distributed.checkpoint into `sharded/` in place of the two safetensors files, keyed the same
+way (`trainable/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>`); rank 0 writes the rest. It loads
+into whatever the resuming engine holds (whole tensors or shards of any world size): DCP reshards.
+Under data parallelism without sharding every rank holds the same state and rank 0 alone writes.
 Every engine writes this one format (`EngineState`): the optimizer state is kept by parameter name,
 not in an engine's own layout, so a checkpoint resumes under another engine (plan=auto on another
 card), or ends in one sentence. The folder is written under a temporary name, each file fsynced,
@@ -25,12 +30,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from slimtune.distributed import SINGLE, Dist
 from slimtune.errors import UserError
 
 PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
 FORMAT = 2  # meta.json "format"; checkpoints without one kept engine-specific optimizer state
 FILES = ("trainable.safetensors", "moments.safetensors", "state.pt")  # sized and checksummed in meta.json
+SHARDED = "sharded"  # the folder torch.distributed.checkpoint writes sharded state into
 
 
 @dataclass
@@ -109,20 +116,56 @@ def _host(tensors: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch
     return {prefix + k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
-def save(root: Path, step: int, state: EngineState, stream_state: dict, keep_last: int) -> Path:
-    """Write checkpoint `step` under root/checkpoints atomically, then prune to keep_last."""
+def save(root: Path, step: int, state: EngineState, stream_state: dict, keep_last: int, dist: Dist = SINGLE) -> Path:
+    """Write checkpoint `step` under root/checkpoints atomically, then prune to keep_last. Every rank
+    calls it under data parallelism: rank 0 writes, and with sharded state every rank writes its shards."""
     folder = Path(root) / "checkpoints" / f"{PREFIX}{step:08d}"
-    with atomic_folder(folder) as tmp:
-        save_file(_host(state.trainable), str(tmp / "trainable.safetensors"))
-        save_file({**_host(state.exp_avg, "exp_avg/"), **_host(state.exp_avg_sq, "exp_avg_sq/")},
-                  str(tmp / "moments.safetensors"))
-        torch.save({"engine": state.engine, "step": state.step, "adam_steps": state.adam_steps,
-                    "extra": state.extra, "rng": process_rng_state()}, tmp / "state.pt")
-        files = {name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)} for name in FILES}
-        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, "engine": state.engine,
-                                                   "stream": stream_state, "files": files}))
-    prune(Path(root) / "checkpoints", keep_last)
+    sharded = is_sharded(state)
+    if not dist.is_main and not sharded:
+        return folder
+    with atomic_folder(folder) if dist.is_main else _made_by_rank0(folder, dist) as tmp:
+        if sharded:
+            _save_sharded(state, tmp, dist)
+        else:
+            save_file(_host(state.trainable), str(tmp / "trainable.safetensors"))
+            save_file({**_host(state.exp_avg, "exp_avg/"), **_host(state.exp_avg_sq, "exp_avg_sq/")},
+                      str(tmp / "moments.safetensors"))
+        if dist.is_main:
+            torch.save({"engine": state.engine, "step": state.step, "adam_steps": state.adam_steps,
+                        "extra": state.extra, "rng": process_rng_state()}, tmp / "state.pt")
+            names = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file()]
+            files = {name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)} for name in names}
+            (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, "engine": state.engine,
+                                                       "stream": stream_state, "files": files, "sharded": sharded}))
+    if dist.is_main:
+        prune(Path(root) / "checkpoints", keep_last)
     return folder
+
+
+def is_sharded(state: EngineState) -> bool:
+    from slimtune import sharding
+
+    return any(sharding.is_sharded(t) for t in state.trainable.values())
+
+
+def _flat_state(state: EngineState) -> dict[str, torch.Tensor]:
+    return {**{f"trainable/{k}": v for k, v in state.trainable.items()},
+            **{f"exp_avg/{k}": v for k, v in state.exp_avg.items()},
+            **{f"exp_avg_sq/{k}": v for k, v in state.exp_avg_sq.items()}}
+
+
+def _save_sharded(state: EngineState, tmp: Path, dist: Dist) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dist.barrier("the checkpoint's folder")  # rank 0 made it
+    dist.collective(lambda: dcp.save(_flat_state(state), checkpoint_id=tmp / SHARDED), "the sharded checkpoint")
+
+
+@contextmanager
+def _made_by_rank0(folder: Path, dist: Dist):
+    """A rank other than 0 writes its shards into the temporary folder rank 0 made and renames."""
+    del dist
+    yield folder.with_name(folder.name + TMP_SUFFIX)
 
 
 def prune(folder: Path, keep_last: int) -> None:
@@ -188,17 +231,39 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def load(folder: Path) -> tuple[int, EngineState, dict, dict]:
-    """(step, engine state, stream state, rng) of a checkpoint folder."""
+def load(folder: Path, template=None) -> tuple[int, EngineState, dict, dict]:
+    """(step, engine state, stream state, rng) of a checkpoint folder. A sharded checkpoint is read
+    into `template()`'s tensors (the resuming engine's state_dict: DCP reshards into them)."""
     meta = json.loads((folder / "meta.json").read_text())
     if meta.get("format") != FORMAT:
         raise UserError(f"checkpoint '{folder}' is in an older format than this slimtune reads; resume it with the"
                         " slimtune that wrote it, or start afresh with train.overwrite=true or another output_dir.")
     blob = torch.load(folder / "state.pt", weights_only=True)  # tensors and plain values only: no code runs
-    moments = load_file(str(folder / "moments.safetensors"))
-    state = EngineState(
-        engine=blob["engine"], step=blob["step"], trainable=load_file(str(folder / "trainable.safetensors")),
-        exp_avg={k.removeprefix("exp_avg/"): v for k, v in moments.items() if k.startswith("exp_avg/")},
-        exp_avg_sq={k.removeprefix("exp_avg_sq/"): v for k, v in moments.items() if k.startswith("exp_avg_sq/")},
-        adam_steps=blob["adam_steps"], extra=blob["extra"])
+    if meta.get("sharded"):
+        trainable, exp_avg, exp_avg_sq = _load_sharded(folder, template)
+    else:
+        moments = load_file(str(folder / "moments.safetensors"))
+        trainable = load_file(str(folder / "trainable.safetensors"))
+        exp_avg = {k.removeprefix("exp_avg/"): v for k, v in moments.items() if k.startswith("exp_avg/")}
+        exp_avg_sq = {k.removeprefix("exp_avg_sq/"): v for k, v in moments.items() if k.startswith("exp_avg_sq/")}
+    state = EngineState(engine=blob["engine"], step=blob["step"], trainable=trainable, exp_avg=exp_avg,
+                        exp_avg_sq=exp_avg_sq, adam_steps=blob["adam_steps"], extra=blob["extra"])
     return meta["step"], state, meta["stream"], blob["rng"]
+
+
+def _load_sharded(folder: Path, template) -> tuple[dict, dict, dict]:
+    """The sharded state, read into the resuming engine's own tensors; the names it saved must be
+    the ones that engine trains (else engines.base.check_resumable's sentence, from the caller)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(folder / SHARDED))
+    saved = set(reader.read_metadata().state_dict_metadata)
+    mine = template()
+    names = {k.removeprefix("trainable/") for k in saved if k.startswith("trainable/")}
+    if names != set(mine.trainable):
+        stub = {name: torch.empty(0) for name in names}
+        return stub, {}, {}  # the engine names the mismatch
+    wanted = {k: v for k, v in _flat_state(mine).items() if k in saved}
+    dcp.load(wanted, storage_reader=reader)
+    return tuple({k.removeprefix(prefix): v for k, v in wanted.items() if k.startswith(prefix)}
+                 for prefix in ("trainable/", "exp_avg/", "exp_avg_sq/"))

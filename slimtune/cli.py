@@ -44,6 +44,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     train.add_argument("overrides", nargs="*", help="key=value settings applied over the config")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
     train.add_argument("--gpu", help="with plan=auto: the card to plan for (same as gpu=...)")
+    train.add_argument("--nproc", type=int, help="train with data parallelism on this many processes on this machine"
+                       " (torchrun --standalone --nproc-per-node N; one per GPU on CUDA). Several machines: see README")
     plan = sub.add_parser("plan", help="what fits a GPU and what runs fastest, from the real step on fake tensors")
     plan.add_argument("--model", required=True, help="a preset name (e.g. Llama-3.1-8B) or a local HF folder")
     plan.add_argument("--gpu", required=True, help="a card name (rtx4090, h100, ...), a size (24GiB) or a probe JSON")
@@ -155,7 +157,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args, extras = command.parse_known_intermixed_args(argv[1:])
     if extras:  # an unknown flag also leaves the positionals after it unread: name only the flag
         command.error(f"unrecognized arguments: {' '.join([a for a in extras if a.startswith('-')] or extras)}")
-    args.command = argv[0]
+    args.command, args.words = argv[0], argv[1:]
     return args
 
 
@@ -174,9 +176,29 @@ def _train(args: argparse.Namespace) -> None:
         path = None
     if args.gpu:
         overrides.append(f"gpu={args.gpu}")
-    cfg = config.load(path, overrides)
+    _refuse_nonpositive(("--nproc", args.nproc))
+    cfg = config.load(path, overrides)  # checked here, once, before any rank starts
+    if args.nproc is not None and args.nproc > 1:
+        from slimtune import launch
+
+        launch.run_local(args.nproc, _without_nproc(args.words), cfg.output_dir)
+        return
     _, summary = train.fit(cfg, progress=not args.no_progress)
-    print(train.summary_table(summary))
+    if summary["rank"] == 0:
+        print(train.summary_table(summary))
+
+
+def _without_nproc(words: list[str]) -> list[str]:
+    """The train command's own words, less --nproc and its value (each rank is one process)."""
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--nproc":
+            skip = True
+        elif not word.startswith("--nproc="):
+            out.append(word)
+    return out
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -295,13 +317,30 @@ def _run(args: argparse.Namespace) -> int:
                     "chat": _chat, "eval": _eval}
         commands[args.command](args)
     except UserError as err:
-        print(f"slimtune: error: {err}", file=sys.stderr)
+        if not _said_by_rank0(err):
+            print(f"slimtune: error: {_rank_prefix()}{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         after = "; the last checkpoint is intact" if args.command == "train" else ""
         print(f"slimtune: interrupted{after}.", file=sys.stderr)
         return 130
     return 0
+
+
+def _said_by_rank0(err: UserError) -> bool:
+    """Under torchrun rank 0 says what every rank would say alike (a config error, rank 0's own
+    refusal handed on as distributed.Echo); the others end without repeating it."""
+    from slimtune import distributed
+
+    if distributed.env_rank() == 0:
+        return False
+    return isinstance(err, distributed.Echo) or not distributed.joined()  # before the job formed: a setting
+
+
+def _rank_prefix() -> str:
+    from slimtune import distributed
+
+    return f"rank {distributed.env_rank()}: " if distributed.env_rank() else ""
 
 
 def _exit_without_teardown(code: int) -> None:

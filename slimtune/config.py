@@ -199,6 +199,20 @@ class LogConfig:
 
 
 @dataclass
+class DistConfig:
+    strategy: Literal["ddp", "fsdp"] = setting(
+        "ddp", "Under torchrun (or --nproc): ddp: every rank holds the whole model and its gradients are summed across"
+               " ranks; fsdp (engine resident): the blocks' weights, gradients and AdamW state are sharded across ranks"
+               " (FSDP2), the embedding, final norm and head kept whole on every rank.")
+    timeout_s: float = setting(
+        600.0, "Under torchrun: how long a rank waits for the others (a collective, or rank 0 writing a checkpoint)"
+               " before the run ends on every rank with a message.")
+
+    def validate(self) -> None:
+        positive("dist.timeout_s", self.timeout_s)
+
+
+@dataclass
 class RunConfig:
     model: str = setting(REQUIRED, "A local Hugging Face model folder (config.json, *.safetensors, tokenizer files).")
     data: DataConfig = setting(REQUIRED, "The dataset; see data.* fields.")
@@ -222,6 +236,8 @@ class RunConfig:
     output_dir: str = setting("runs/slimtune", "Where checkpoints, metrics, plots and the result go.")
     log: LogConfig = field(
         default_factory=LogConfig, metadata={"help": "Logging beside metrics.jsonl and TensorBoard; see log.* fields."})
+    dist: DistConfig = field(
+        default_factory=DistConfig, metadata={"help": "Several processes (torchrun, --nproc); see dist.* fields."})
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: CUDA when present, else the CPU.")
     precision: Literal["auto", "fp32", "bf16", "fp64"] = setting(
         "auto",
@@ -240,7 +256,7 @@ class RunConfig:
 
     def validate(self) -> None:
         for section in (self.data, self.lora, self.quant, self.activations, self.loss, self.train, self.log,
-                        *self.sections.values()):
+                        self.dist, *self.sections.values()):
             section.validate()  # every section has one: an engine section is checked like the others
         if self.engine not in _ENGINES:
             close = difflib.get_close_matches(self.engine, _ENGINES, n=1)
@@ -252,6 +268,10 @@ class RunConfig:
             raise UserError("loss.mode=subset needs a frozen LM head; with method=full the head trains. Use loss.mode=exact.")
         if self.plan == "auto" and self.gpu is None and self.device == "cpu":
             raise UserError("plan=auto needs gpu (e.g. --gpu 8GiB) when training on the CPU.")
+        strategies = _ENGINES[self.engine].strategies
+        if self.dist.strategy not in strategies:
+            raise UserError(f"dist.strategy={self.dist.strategy} is not available with engine {self.engine}, which offers"
+                            f" {' or '.join(strategies)}; use dist.strategy={strategies[0]} or engine=resident.")
         _ENGINES[self.engine].validate(self)
 
 
@@ -266,6 +286,7 @@ class EngineSettings:
     summary: str
     section: type | None
     validate: Callable[[RunConfig], None]
+    strategies: tuple[str, ...] = ("ddp",)  # dist.strategy values it runs (every engine runs ddp)
 
 
 # Filled by slimtune.engines.register when an engine module is imported; this module names no engine.

@@ -451,12 +451,16 @@ class BatchStream:
     """Training batches: infinite, reshuffled every epoch, exactly resumable."""
 
     def __init__(
-        self, examples: list[Example], batch_size: int, max_length: int, packing: bool, pad_id: int, seed: int
+        self, examples: list[Example], batch_size: int, max_length: int, packing: bool, pad_id: int, seed: int,
+        world_size: int = 1,
     ):
+        """`world_size`: the ranks that share the stream's batches (each step takes grad_accum x
+        world_size of them, rank r keeping r, r + world_size, ...); part of the fingerprint, since a
+        saved position means the same steps only for the same world size."""
         if not examples:
             raise UserError("there are no training examples to batch.")
         self.examples, self.batch_size, self.max_length = examples, batch_size, max_length
-        self.packing, self.pad_id, self.seed = packing, pad_id, seed
+        self.packing, self.pad_id, self.seed, self.world_size = packing, pad_id, seed, world_size
         self.lengths = [len(e.input_ids) for e in examples]
         if packing and max(self.lengths) > max_length:
             raise ValueError(f"an example of {max(self.lengths)} tokens cannot be packed into rows of {max_length}.")
@@ -482,7 +486,7 @@ class BatchStream:
 
     def _fingerprint(self) -> dict:
         # What must match for a saved position to mean the same batches again.
-        names = ("seed", "batch_size", "max_length", "packing")
+        names = ("seed", "batch_size", "max_length", "packing", "world_size")
         sizes = {"num_examples": len(self.examples), "num_tokens": sum(self.lengths)}
         return {**{name: getattr(self, name) for name in names}, **sizes}
 

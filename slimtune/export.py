@@ -51,8 +51,11 @@ def _with_trained(model: torch.nn.Module, trainable: dict[str, torch.Tensor]) ->
 
 
 def save_result(run, out: Path) -> Path:
-    """The run's result from its engine's trainable_state(): the adapter (LoRA) or the whole model."""
+    """The run's result from its engine's trainable_state(): the adapter (LoRA) or the whole model.
+    Every rank calls it (a sharded engine gathers its weights: a collective); rank 0 writes."""
     trainable = run.engine.trainable_state()
+    if not run.dist.is_main:
+        return out / ("adapter" if run.cfg.method == "lora" else "model")
     if run.cfg.method == "lora":
         return save_adapter(run.stack.model, run.cfg.lora, str(Path(run.cfg.model).resolve()), out / "adapter",
                             trainable)

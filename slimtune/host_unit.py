@@ -18,6 +18,7 @@ from torch import nn
 
 from slimtune import memory, runtime
 from slimtune.config import TrainConfig
+from slimtune.distributed import SINGLE
 from slimtune.optim import rules
 from slimtune.optim.host_adam import Group, HostAdam
 
@@ -53,6 +54,8 @@ class HostUnit:
         self.binding = runtime.SlotBinding(tensors)
         self.update_job = None  # the last AdamW submitted for this unit
         self.norms: list[torch.Tensor] = []  # its step gradients' norms, noted once they are complete
+        # The ranks its complete gradients are summed across (the engine sets it under data parallelism).
+        self.dist = SINGLE
         self.ready = None  # the event of its last copy into the slot (None on the CPU)
 
     def _frozen_host(self, owner: nn.Module, attr: str, tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
@@ -130,6 +133,10 @@ class HostUnit:
             self.note_norms()
 
     def note_norms(self) -> None:
+        """The step's gradients are complete on this rank: summed across ranks (on the host worker, so
+        the device goes on with the blocks below meanwhile), then their norms noted."""
+        if self.adam is not None:
+            self.dist.all_reduce_(self.adam.grads, host=True, what=f"the {self.name}'s gradient sum")
         self.norms = self.adam.grad_norms() if self.adam is not None else []
 
     def update(self, lr: float, clip: float, guard: StepGuard | None = None) -> None:

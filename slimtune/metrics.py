@@ -29,6 +29,23 @@ TRACKERS_FILE = "trackers.json"
 PARAM_CHARS = 500  # what every MLflow server takes as a param value (newer ones 6000); config.yaml holds them whole
 
 
+class RankLog:
+    """The log of a rank other than 0 under data parallelism: rank 0 writes the step's figures,
+    summed over ranks; this one keeps nothing."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def log(self, record: dict) -> None:
+        del record
+
+    def close(self, failed: bool = False) -> None:
+        del failed
+
+    def plot(self, path: Path) -> None:
+        del path
+
+
 class MetricsLog:
     def __init__(self, output_dir: Path, resume_step: int = 0, cfg: RunConfig | None = None):
         """`cfg`: the run's resolved settings; its log.* section turns the trackers on (None: none)."""

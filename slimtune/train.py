@@ -1,8 +1,17 @@
 """The training loop, one for every engine: build the run in its fixed order, then step,
-log, evaluate, checkpoint, and write the result."""
+log, evaluate, checkpoint, and write the result.
+
+Under torchrun (distributed.py) every rank runs this loop on its own share of each step: the step's
+grad_accum x world_size micro-batches come from one seeded stream every rank reads alike, and rank r
+trains micro-batches r, r + world_size, ... (the global batch is batch_size x grad_accum x
+world_size rows); each engine divides by the step's trained-token count over all ranks and sums its
+gradients across them. Rank 0 alone inspects and claims the folder, plans, logs, writes checkpoints
+(sharded state: every rank its shards) and the result; what it decides the others follow
+(`_on_rank0`), and a failure on rank 0 ends every rank with rank 0's sentence."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import functools
@@ -17,11 +26,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from slimtune import assembly, checkpoint, data, engines, export, planner, presets
+from slimtune import assembly, checkpoint, data, distributed, engines, export, planner, presets
 from slimtune.config import RunConfig, to_dict
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
-from slimtune.metrics import MetricsLog, check_trackers, format_table, human_bytes
+from slimtune.distributed import SINGLE, Dist
+from slimtune.metrics import MetricsLog, RankLog, check_trackers, format_table, human_bytes
 from slimtune.model import Stack, load_tokenizer, read_config
 from slimtune.run_folder import RunFolder
 
@@ -37,6 +47,7 @@ class Run:
     stack: Stack
     splits: data.Splits
     engine: Engine
+    dist: Dist = dataclasses.field(default_factory=lambda: SINGLE)  # its ranks (torchrun); SINGLE: this process
 
     @property
     def devices(self) -> list[torch.device]:
@@ -89,12 +100,16 @@ def _settle_open(cfg: RunConfig, device: torch.device) -> RunConfig:
     return settled
 
 
-def build(cfg: RunConfig) -> Run:
-    """Device, plan, precision, tokenizer and data, then the model and engine (assembly.py)."""
-    device = assembly.resolve_device(cfg.device)
-    if cfg.plan == "auto":
-        cfg = _auto_plan(cfg, device)
-    cfg = _settle_open(cfg, device)
+def build(cfg: RunConfig, dist: Dist = SINGLE) -> Run:
+    """Device, plan, precision, tokenizer and data, then the model and engine (assembly.py). Under
+    torchrun rank 0 plans and every rank takes its plan (their RAM and disk may differ)."""
+    device = assembly.resolve_device(cfg.device, dist)
+
+    def planned() -> RunConfig:
+        settled = _auto_plan(cfg, device) if cfg.plan == "auto" else cfg
+        return _settle_open(settled, device)
+
+    cfg = _on_rank0(dist, planned, "the plan")
     precision = assembly.resolve_precision(cfg.precision, device)
     torch.manual_seed(cfg.train.seed)
     read_config(cfg.model)  # a wrong folder is named before anything else is read
@@ -103,13 +118,32 @@ def build(cfg: RunConfig) -> Run:
     if not splits.train:
         raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
     stack = assembly.load_stack(cfg, device, precision)
-    engine = assembly.assemble(cfg, stack, device, precision)
+    engine = assembly.assemble(cfg, stack, device, precision, dist)
     wanted = engines.get(cfg.engine).sample_examples(cfg)
     if wanted:
         sample, splits = engine_sample(cfg, splits, tokenizer, wanted)
         if sample:
             engine.use_sample(sample)
-    return Run(cfg, device, precision, tokenizer, stack, splits, engine)
+    return Run(cfg, device, precision, tokenizer, stack, splits, engine, dist)
+
+
+def _on_rank0(dist: Dist, work, what: str):
+    """`work()` done on rank 0 and its result handed to every rank; an error there (a sentence) is
+    raised on every rank (distributed.Echo on the others: rank 0 alone says it)."""
+    if not dist.active:
+        return work()
+    outcome = None
+    if dist.is_main:
+        try:
+            outcome = ("done", work())
+        except UserError as err:
+            outcome = ("failed", str(err))
+            dist.broadcast_object(outcome, what)
+            raise
+    kind, value = dist.broadcast_object(outcome, what)
+    if kind == "failed":
+        raise distributed.Echo(value)
+    return value
 
 
 def engine_sample(cfg: RunConfig, splits: data.Splits, tokenizer, count: int) -> tuple[list[data.Batch], data.Splits]:
@@ -132,14 +166,20 @@ def batch_stream(run: Run) -> data.BatchStream:
     d = run.cfg.data
     return data.BatchStream(
         run.splits.train, run.cfg.train.batch_size, d.max_length, d.packing, run.tokenizer.pad_token_id,
-        run.cfg.train.seed,
+        run.cfg.train.seed, run.dist.world_size,
     )
 
 
 def evaluate(run: Run, batches: list[data.Batch]) -> dict:
+    """Exact loss and perplexity over `batches`: shared out across ranks under ddp; under fsdp every
+    rank runs them all (a sharded block's forward is a collective: the ranks must run alike)."""
     if not batches:
         return {}
-    loss_sum, tokens = run.engine.evaluate(batches)
+    sharded = getattr(run.engine, "sharded", False)
+    mine = batches if sharded or not run.dist.active else run.dist.shard(batches)
+    loss_sum, tokens = run.engine.evaluate(mine) if mine else (0.0, 0)
+    if run.dist.active and not sharded:
+        loss_sum, tokens = run.dist.sum_floats([loss_sum, tokens], "the evaluation's sums")
     loss = loss_sum / max(tokens, 1)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
@@ -150,15 +190,14 @@ def resume(run: Run, stream: data.BatchStream, say=print) -> int:
     Returns the step it was written after (0: none)."""
     if not run.cfg.train.resume:
         return 0
-    found, damaged = checkpoint.latest_intact(Path(run.cfg.output_dir))
-    if damaged and found is None:
-        raise UserError(f"{'; '.join(damaged)}: no intact checkpoint is left to resume from; start afresh with"
-                        " train.overwrite=true or another output_dir.")
-    for reason in damaged:
-        say(f"{reason}; resuming from '{found}' instead")
+    found = _on_rank0(run.dist, lambda: _intact_checkpoint(run, say), "the checkpoint to resume from")
     if found is None:
         return 0
-    step, engine_state, stream_state, rng = checkpoint.load(found)
+    found = Path(found)
+    if not (found / "meta.json").is_file():  # rank 0 sees it: this rank is on another filesystem
+        raise UserError(f"rank {run.dist.rank} cannot read checkpoint '{found}', which rank 0 resumes from: under"
+                        " torchrun on several machines output_dir must be on a filesystem every node shares.")
+    step, engine_state, stream_state, rng = checkpoint.load(found, run.engine.state_dict)
     try:
         run.engine.load_state_dict(engine_state)
     except UserError as err:
@@ -166,6 +205,17 @@ def resume(run: Run, stream: data.BatchStream, say=print) -> int:
     stream.load_state_dict(stream_state)
     checkpoint.set_process_rng_state(rng)
     return step
+
+
+def _intact_checkpoint(run: Run, say) -> str | None:
+    """The newest intact checkpoint's folder (None: none yet); damaged newer ones are named."""
+    found, damaged = checkpoint.latest_intact(Path(run.cfg.output_dir))
+    if damaged and found is None:
+        raise UserError(f"{'; '.join(damaged)}: no intact checkpoint is left to resume from; start afresh with"
+                        " train.overwrite=true or another output_dir.")
+    for reason in damaged:
+        say(f"{reason}; resuming from '{found}' instead")
+    return None if found is None else str(found)
 
 
 def _record(step: int, result, seconds: float) -> dict:
@@ -190,17 +240,28 @@ def _due(step: int, every: int, last: int) -> bool:
 
 def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[Run, dict]:
     """Train `cfg` to its last step (resuming when a checkpoint exists); returns the run and its summary.
-    The run folder is inspected before anything loads and held (locked) until the end (run_folder.py)."""
+    The run folder is inspected before anything loads and held (locked) until the end (run_folder.py).
+    Under torchrun (distributed.launched) every rank calls it; the summary is rank 0's to print."""
+    owned = run is None and distributed.launched()
+    dist = run.dist if run is not None else distributed.from_env(cfg.dist.timeout_s)
+    try:
+        return _fit(cfg, progress and dist.is_main, run, dist)
+    finally:
+        if owned:
+            dist.close()
+
+
+def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[Run, dict]:
     from tqdm.auto import tqdm
 
-    say = tqdm.write if progress else print
-    with RunFolder(cfg) as folder:
-        folder.inspect()
-        check_trackers(cfg.log)  # a missing wandb or mlflow is said before the model loads
-        run = run or build(cfg)
+    say = tqdm.write if progress else (print if dist.is_main else _silent)
+    with RunFolder(cfg) if dist.is_main else contextlib.nullcontext() as folder:
+        # A missing wandb or mlflow is said before the model loads.
+        _on_rank0(dist, lambda: (folder.inspect(), check_trackers(cfg.log)) and None, "the run folder's check")
+        run = run or build(cfg, dist)
         out = Path(run.cfg.output_dir)
         stream, start = _begin(run, folder, say)
-        log = MetricsLog(out, start, run.cfg)  # starts W&B and MLflow (log.*) before it writes
+        log = MetricsLog(out, start, run.cfg) if dist.is_main else RankLog()  # starts W&B and MLflow (log.*)
         # A log file or pipe gets a refresh every 30 s instead of every step.
         bar = tqdm(total=run.cfg.train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
                    mininterval=0.1 if sys.stderr.isatty() else 30.0)
@@ -208,6 +269,9 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
         try:
             for step in range(start + 1, run.cfg.train.steps + 1):
                 _train_step(run, step, stream, log, bar, skips)
+        except distributed.PeerFailed as err:
+            log.close(failed=True)
+            raise distributed.PeerFailed(f"{err} {_last_checkpoint_sentence(run)}") from None
         except BaseException:
             log.close(failed=True)  # the W&B and MLflow runs are marked failed
             raise
@@ -215,22 +279,38 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
             bar.close()
             log.close()
         result_dir = export.save_result(run, out)
-        folder.finished(run.cfg.train.steps, result_dir)
+        if dist.is_main:
+            folder.finished(run.cfg.train.steps, result_dir)
     summary = _summary(run, log, time.perf_counter() - began, start, result_dir)
-    log.plot(out / "metrics.png")
+    if dist.is_main:
+        log.plot(out / "metrics.png")
     return run, summary
 
 
-def _begin(run: Run, folder: RunFolder, say) -> tuple[data.BatchStream, int]:
-    """Claim the folder, resume, say what changed since the run's last start, record the settings."""
-    folder.claim(run.cfg)
+def _silent(*args, **kwargs) -> None:
+    del args, kwargs
+
+
+def _last_checkpoint_sentence(run: Run) -> str:
+    latest, _ = checkpoint.latest_intact(Path(run.cfg.output_dir))
+    return f"The last checkpoint is '{latest}'; resume with the same command." if latest else \
+        "No checkpoint was written yet."
+
+
+def _begin(run: Run, folder: RunFolder | None, say) -> tuple[data.BatchStream, int]:
+    """Claim the folder, resume, say what changed since the run's last start, record the settings
+    (the folder: rank 0's; the other ranks read the checkpoint once rank 0 has claimed it)."""
+    _on_rank0(run.dist, lambda: folder.claim(run.cfg), "the run folder's claim")
     stream = batch_stream(run)
     start = resume(run, stream, say)  # before config.yaml: a refused resume leaves the folder's settings as they were
-    changed = folder.settled(run.cfg)
-    if start and changed:
-        say(f"resuming with changed settings: {', '.join(changed)}")
-    checkpoint.atomic_write_text(Path(run.cfg.output_dir) / "config.yaml", yaml.safe_dump(to_dict(run.cfg), sort_keys=False))
-    say(f"data: {run.splits.report.summary()}" + (f"; resuming after step {start}" if start else ""))
+    if run.dist.is_main:
+        changed = folder.settled(run.cfg)
+        if start and changed:
+            say(f"resuming with changed settings: {', '.join(changed)}")
+        checkpoint.atomic_write_text(Path(run.cfg.output_dir) / "config.yaml",
+                                     yaml.safe_dump(to_dict(run.cfg), sort_keys=False))
+    ranks = f" on {run.dist.world_size} ranks" if run.dist.active else ""
+    say(f"data: {run.splits.report.summary()}{ranks}" + (f"; resuming after step {start}" if start else ""))
     return stream, start
 
 
@@ -249,15 +329,20 @@ class Skips:
 def _train_step(run: Run, step: int, stream: data.BatchStream, log: MetricsLog, bar, skips: Skips) -> None:
     """One optimizer step, then what is due after it: evaluation, the log, a checkpoint. A step that
     could not update (non-finite) is logged, then ends the run or is skipped (train.on_nonfinite)."""
-    t = run.cfg.train
-    micro_batches = [stream.next_batch() for _ in range(t.grad_accum)]
+    t, dist = run.cfg.train, run.dist
+    step_batches = [stream.next_batch() for _ in range(t.grad_accum * dist.world_size)]
+    # Under torchrun: this rank's share, and the divisor of the whole step (every rank's targets).
+    micro_batches = dist.shard(step_batches)
+    total_targets = sum(b.num_targets for b in step_batches) if dist.active else None
     tick = time.perf_counter()
     try:
-        result = run.engine.step(micro_batches)
+        result = combine_ranks(dist, step, run.engine.step(micro_batches, total_targets))
     except torch.OutOfMemoryError:
         raise UserError(out_of_memory_advice(run, step)) from None
     skips.note(result.applied)
     record = {**_record(step, result, time.perf_counter() - tick), "skipped_updates": skips.total}
+    if dist.active:
+        record["allreduce_bytes"] = dist.take_reduced_bytes()  # this rank's payload, the step's own sums
     if _due(step, t.eval_every, t.steps):
         record.update(evaluate(run, run.eval_batches))
     if _due(step, t.log_every, t.steps) or not result.applied:
@@ -265,10 +350,30 @@ def _train_step(run: Run, step: int, stream: data.BatchStream, log: MetricsLog, 
     if not result.applied:
         _refuse_nonfinite(run, step, result, skips)
     if _due(step, t.save_every, t.steps):
-        checkpoint.save(Path(run.cfg.output_dir), step, run.engine.state_dict(), stream.state_dict(), t.keep_last)
+        checkpoint.save(Path(run.cfg.output_dir), step, run.engine.state_dict(), stream.state_dict(), t.keep_last,
+                        dist)
     bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                     mem=_peak_text(result.device_peak_bytes))
     bar.update(1)
+
+
+def combine_ranks(dist: Dist, step: int, result):
+    """A rank's StepResult as the whole job's: loss (each rank's is its own sum over the global
+    divisor), tokens and link bytes summed; device, host and disk peaks the largest rank's."""
+    if not dist.active:
+        return result
+    loss, tokens, seen, link, skipped = dist.sum_floats(
+        [result.loss, result.tokens, result.seen_tokens, result.host_link_bytes, not result.applied], "the step's sums")
+    peak, host, disk = dist.max_floats(
+        [-1 if result.device_peak_bytes is None else result.device_peak_bytes, result.host_peak_bytes,
+         result.disk_peak_bytes], "the step's peaks")
+    if 0 < skipped < dist.world_size:  # their gradients are one sum: only a non-finite loss alone can part them
+        raise UserError(f"step {step}: {int(skipped)} of {dist.world_size} ranks found their loss not finite while the"
+                        " summed gradients were, so the ranks' weights would part; the run stops. Lower train.lr or"
+                        " raise train.warmup_steps.")
+    return dataclasses.replace(result, loss=loss, tokens=int(tokens), seen_tokens=int(seen), host_link_bytes=int(link),
+                               device_peak_bytes=None if peak < 0 else int(peak), host_peak_bytes=int(host),
+                               disk_peak_bytes=int(disk), applied=skipped == 0)
 
 
 def _refuse_nonfinite(run: Run, step: int, result, skips: Skips) -> None:
@@ -331,6 +436,8 @@ def _summary(run: Run, log: MetricsLog, seconds: float, start: int, result_dir: 
         "trainable_params": run.trainable_count(),
         "result": str(result_dir),
         "data": run.splits.report.summary(),
+        "rank": run.dist.rank,
+        "world_size": run.dist.world_size,
     }
 
 

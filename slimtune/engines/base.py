@@ -39,13 +39,15 @@ class StepResult:
 
 class Engine(Protocol):
     """What train.fit, checkpoints, export and the planner's estimate use of an engine. Every engine
-    is built as `Engine(stack, cfg: RunConfig, device, precision)` (see registry.EngineSpec.build)."""
+    is built as `Engine(stack, cfg: RunConfig, device, precision, dist)` (see registry.EngineSpec.build);
+    under data parallelism it sums its gradients across dist's ranks before its optimizer."""
 
     name: str
     meter: object  # memory.meter_for(...): the device meter its steps read (the estimate swaps it)
 
-    def step(self, micro_batches: list[Batch]) -> StepResult:
-        """One optimizer step over `micro_batches` (gradient accumulation)."""
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
+        """One optimizer step over `micro_batches` (gradient accumulation). `total_targets`: the
+        step's trained-token count over every rank (data parallelism; step_divisor), else None."""
         ...
 
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
@@ -68,6 +70,14 @@ class Engine(Protocol):
     def host_bytes(self) -> int:
         """Host RAM the engine holds for the device (masters, moments, staging), for the planner."""
         ...
+
+
+def step_divisor(micro_batches: list[Batch], total_targets: int | None) -> int:
+    """What every micro-batch's summed loss is divided by: the step's trained-token count, over every
+    rank's micro-batches under data parallelism (the loop passes it), so that the gradients summed
+    across ranks are the gradient of the mean loss over the whole global batch."""
+    count = sum(b.num_targets for b in micro_batches) if total_targets is None else total_targets
+    return max(count, 1)
 
 
 def to_float(value: torch.Tensor | float) -> float:

@@ -53,7 +53,9 @@ from slimtune.chunk import sliced
 from slimtune.chunk.state import ChunkState, axis_of, narrow, open_settings, scratch
 from slimtune.config import RunConfig, positive, setting
 from slimtune.data import Batch
-from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, model_loss, to_float
+from slimtune.distributed import SINGLE, Dist
+from slimtune.engines.base import (StepResult, check_resumable, copy_named, evaluate_batches, model_loss,
+                                   step_divisor, to_float)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.model import Stack
@@ -97,8 +99,8 @@ def validate(cfg: RunConfig) -> None:
 class ChunkEngine:
     name = "chunk"
 
-    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str):
-        self.stack, self.device, self.precision = stack, device, precision
+    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
+        self.stack, self.device, self.precision, self.dist = stack, device, precision, dist
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.store_dir = Path(cfg.output_dir) / "activations"
         self.fake = any(is_fake(p) for p in stack.model.parameters())
@@ -127,9 +129,9 @@ class ChunkEngine:
                 active.set(piece.start, piece.stop)
                 active.grad = torch.zeros(active.shape, dtype=self.state.dtype, device=self.device)
 
-    def step(self, micro_batches: list[Batch]) -> StepResult:
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
         self.stack.model.train()
-        total = max(sum(b.num_targets for b in micro_batches), 1)
+        total = step_divisor(micro_batches, total_targets)
         k, lr = self.state.active, self.state.lr(self.step_count)
         link_before = self.link.bytes
         with self.meter.measure(self._resident_tensors()) as reading:
@@ -143,6 +145,7 @@ class ChunkEngine:
                     exact_sum = exact_sum + out.exact_sum
             memory.mark("update")
             grads = [(member, self.slices[member[0].name].take()) for member in self.state.members[k]]
+            self.dist.all_reduce_((grad for _, grad in grads), what="the active chunk's gradient sum")
             norm = torch.nn.utils.get_total_norm([grad for _, grad in grads], foreach=True)
             applied = rules.is_finite(norm) and rules.is_finite(exact_sum)
             if applied:

@@ -45,7 +45,9 @@ from slimtune.lsp.speed import step_time
 from slimtune.checkpoint import EngineState
 from slimtune.config import RunConfig, TrainConfig, positive, setting
 from slimtune.data import Batch
-from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, model_loss, to_float
+from slimtune.distributed import SINGLE, Dist
+from slimtune.engines.base import (StepResult, check_resumable, copy_named, evaluate_batches, model_loss,
+                                   step_divisor, to_float)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.host_unit import StepGuard
@@ -116,8 +118,8 @@ def validate(cfg: RunConfig) -> None:
 class LspEngine:
     name = "lsp"
 
-    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str):
-        self.stack, self.device, self.precision = stack, device, precision
+    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
+        self.stack, self.device, self.precision, self.dist = stack, device, precision, dist
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.lsp = cfg.section("lsp")
         self.store_dir = Path(cfg.output_dir) / "activations"
@@ -136,7 +138,7 @@ class LspEngine:
         schedule = lsp_schedule.initial(len(self.modules), *knobs, self.lsp.schedule == "sync")
         blocks = [self._block_of(m) for m in self.modules]
         self.updates = lsp_updates.UpdatePipeline(self.modules, self.adams, blocks, self.link, worker, schedule,
-                                                  lsp_schedule.Clock(device))
+                                                  lsp_schedule.Clock(device), dist)
         self.step_count = 0
         self.learning = learning.ProjectorLearning(self.modules, self.adams, self.lsp, self.generator,
                                                        self.rounding, self.fake)
@@ -247,9 +249,9 @@ class LspEngine:
 
     # ------------------------------------------------------------ one step
 
-    def step(self, micro_batches: list[Batch]) -> StepResult:
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
         self.stack.model.train()
-        total = max(sum(b.num_targets for b in micro_batches), 1)
+        total = step_divisor(micro_batches, total_targets)
         self._lr = lr = rules.lr_at(self.train_cfg, self.step_count)
         clipping = self.train_cfg.max_grad_norm > 0
         link_before = self.link.bytes
@@ -296,6 +298,7 @@ class LspEngine:
         norms = self.updates.end_backward()
         if self.others:
             grads = [p.grad for _, p in self.others if p.grad is not None]
+            self.dist.all_reduce_(grads, what="the other trained tensors' gradient sum")
             norms = norms + ([torch.nn.utils.get_total_norm(grads, foreach=True)] if grads else [])
         grad_norm = torch.linalg.vector_norm(torch.stack(norms))
         applied = rules.is_finite(exact_sum) and rules.is_finite(grad_norm)
@@ -350,6 +353,10 @@ class LspEngine:
         fit sample (the step's own batches when none was given); its pass's peak is kept."""
         if not self.learning.due(self.step_count):
             return {}
+        if self.dist.active and not self.sample:
+            # Each rank's own batches would fit each rank other projectors, and the ranks would part.
+            raise UserError("engine=lsp under torchrun fits its projectors on a fixed sample every rank holds alike;"
+                            " set lsp.fit_samples > 0 (it is 0, or the data has too few examples to hold any out).")
         self.flush()
         memory.mark("lsp check")
         extras = self.learning.check(self.sample or micro_batches, self._probe_pass)

@@ -57,7 +57,8 @@ def _one_block(cfg: config.RunConfig) -> int:
 class EngineSpec:
     name: str
     summary: str  # one line, for `slimtune train --help`
-    # (stack, cfg: RunConfig, device, precision) -> an engines.base.Engine; every engine takes these four.
+    # (stack, cfg: RunConfig, device, precision, dist: distributed.Dist) -> an engines.base.Engine;
+    # every engine takes these five (dist: the ranks it sums its gradients across; SINGLE alone).
     build: Callable
     # (model_config, cfg, counts: speed.StepCounts, gpu, batch_size, seq_len) -> speed.StepTime, modelled.
     step_time: Callable
@@ -86,6 +87,9 @@ class EngineSpec:
     # (plan, cards) -> the plan on a machine with `cards` cards (e.g. one worker per card), or None
     # where the engine has nothing to offer with that many; the default runs on one card whatever the count.
     on_cards: Callable[[dict, int], dict | None] = _one_card
+    # dist.strategy values it runs under torchrun: every engine sums its gradients across ranks (ddp);
+    # one that also shards its state across ranks names fsdp too.
+    strategies: tuple[str, ...] = ("ddp",)
     module: str = field(default="", compare=False)  # who registered it (set by register)
 
 
@@ -103,7 +107,7 @@ def register(spec: EngineSpec) -> EngineSpec:
     if known is not None and known.module != module:
         raise ValueError(f"engine {spec.name!r} is already registered by {known.module}")
     spec = EngineSpec(**{**spec.__dict__, "module": module})
-    config.register_engine(spec.name, config.EngineSettings(spec.summary, spec.section, spec.validate))
+    config.register_engine(spec.name, config.EngineSettings(spec.summary, spec.section, spec.validate, spec.strategies))
     _SPECS[spec.name] = spec
     return spec
 

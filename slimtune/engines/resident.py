@@ -1,4 +1,9 @@
-"""Engine `resident`: everything on the device; the baseline every other engine is checked against."""
+"""Engine `resident`: everything on the device; the baseline every other engine is checked against.
+
+Under torchrun: dist.strategy=ddp sums the gradients across ranks after the step's backward (flat
+buckets, distributed.Dist.all_reduce_) before clipping and AdamW; dist.strategy=fsdp shards the
+blocks' weights, gradients and moments across ranks with FSDP2 (sharding.py), the edges summed as
+under ddp."""
 
 from __future__ import annotations
 
@@ -6,11 +11,13 @@ from pathlib import Path
 
 import torch
 
-from slimtune import block_stores, memory, speed
+from slimtune import block_stores, memory, sharding, speed
 from slimtune.checkpoint import EngineState
 from slimtune.config import RunConfig
 from slimtune.data import Batch
-from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, model_loss, to_float
+from slimtune.distributed import SINGLE, Dist
+from slimtune.engines.base import (StepResult, check_resumable, evaluate_batches, model_loss, step_divisor,
+                                   to_float)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.loss import LossOutput
 from slimtune.model import Stack
@@ -20,17 +27,20 @@ from slimtune.optim import rules
 class ResidentEngine:
     name = "resident"
 
-    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str):
-        self.stack, self.device, self.precision = stack, device, precision
+    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
+        self.stack, self.device, self.precision, self.dist = stack, device, precision, dist
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
+        self.sharded = cfg.dist.strategy == "fsdp" and dist.active
+        if self.sharded:
+            sharding.shard_blocks(stack.blocks, device, dist)
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         # Fused AdamW on every device: the fastest form and the leanest in temporaries, and one
         # op per step, so the fake-tensor estimate models the same optimizer a GPU runs.
+        groups = rules.decay_groups(self.params, cfg.train.weight_decay)
         self.optimizer = torch.optim.AdamW(
-            [{"params": params, "weight_decay": decay} for params, decay in rules.decay_groups(
-                self.params, cfg.train.weight_decay)],
+            [{"params": params, "weight_decay": decay} for params, decay in sharding.split_by_sharding(groups)],
             **rules.adamw_settings(cfg.train), fused=True)
         rules.init_adamw_state(self.optimizer)
         self.step_count = 0  # optimizer steps taken: the learning-rate schedule's position
@@ -54,9 +64,9 @@ class ResidentEngine:
         return model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision, batch,
                           reading, training, store)
 
-    def step(self, micro_batches: list[Batch]) -> StepResult:
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
         self.stack.model.train()
-        total = max(sum(b.num_targets for b in micro_batches), 1)
+        total = step_divisor(micro_batches, total_targets)
         lr = rules.lr_at(self.train_cfg, self.step_count)
         with self.meter.measure(self._resident_tensors()) as reading:
             self._reading = reading
@@ -68,6 +78,8 @@ class ResidentEngine:
                     # The exact loss is what is logged: a subset objective is only a lower bound of it.
                     exact_sum, excluded_sum = exact_sum + out.exact_sum, excluded_sum + out.excluded_mass_sum
             memory.mark("update")
+            # Summed across ranks (the whole tensors; fsdp's shards were reduce-scattered in backward).
+            self.dist.all_reduce_(p.grad for p in self.params if not sharding.is_sharded(p.grad))
             grad_norm = self._clip()
             applied = rules.is_finite(grad_norm) and rules.is_finite(exact_sum)
             for group in self.optimizer.param_groups:
@@ -96,6 +108,11 @@ class ResidentEngine:
         grads = [p.grad for p in self.params if p.grad is not None]
         # foreach: one op over all gradients, as torch's clip_grad_norm_ does on a GPU (on the CPU it
         # loops per tensor inside, with the same results); the planner's fake step runs 2 ops, not 2n.
+        if self.sharded:
+            norm = sharding.total_norm(grads)
+            if self.train_cfg.max_grad_norm > 0 and grads:
+                sharding.scale_(grads, rules.clip_coefficient(norm, self.train_cfg.max_grad_norm))
+            return norm
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if self.train_cfg.max_grad_norm > 0 and grads:
             torch._foreach_mul_(grads, rules.clip_coefficient(norm, self.train_cfg.max_grad_norm))
@@ -106,6 +123,10 @@ class ResidentEngine:
         return evaluate_batches(batches, lambda b: self._loss(b.to(self.device), training=False).exact_sum)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trained weights by name; under fsdp whole, gathered one at a time to the host (a
+        collective: export calls it on every rank)."""
+        if self.sharded:
+            return {n: sharding.full(p) for n, p in self.named}
         return {n: p.detach() for n, p in self.named}
 
     def host_bytes(self) -> int:
@@ -113,20 +134,24 @@ class ResidentEngine:
 
     def state_dict(self) -> EngineState:
         kept = [(n, self.optimizer.state[p]) for n, p in self.named if p in self.optimizer.state]
+        # Under fsdp the live shards (DTensors): checkpoint.save writes them with DCP, rank by rank.
         return EngineState(
-            engine=self.name, step=self.step_count, trainable=self.trainable_state(),
+            engine=self.name, step=self.step_count, trainable={n: p.detach() for n, p in self.named},
             exp_avg={n: s["exp_avg"] for n, s in kept}, exp_avg_sq={n: s["exp_avg_sq"] for n, s in kept},
             adam_steps={n: float(s["step"]) for n, s in kept})
 
     def load_state_dict(self, state: EngineState) -> None:
         check_resumable(state, [n for n, _ in self.named], self.name)
-        copy_named(dict(self.trainable_state()), state.trainable)
         for name, param in self.named:
+            if state.trainable[name] is not param:  # a sharded checkpoint was read into the live tensors
+                sharding.copy_into(param, state.trainable[name])
             if name in state.exp_avg:  # fused AdamW's state: a float32 step on the parameter's device
-                self.optimizer.state[param] = {
-                    "step": torch.tensor(state.adam_steps[name], dtype=torch.float32, device=param.device),
-                    "exp_avg": state.exp_avg[name].to(param, copy=True),
-                    "exp_avg_sq": state.exp_avg_sq[name].to(param, copy=True)}
+                held = self.optimizer.state[param]
+                held["step"] = torch.tensor(state.adam_steps[name], dtype=torch.float32, device=param.device)
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    source = getattr(state, moment)[name]
+                    if source is not held[moment]:
+                        sharding.copy_into(held[moment], source)
         self.step_count = state.step
 
 
@@ -159,4 +184,4 @@ def plans(method: str) -> list[dict]:
 
 register(EngineSpec(
     name="resident", summary="everything on the device (the baseline every other engine is checked against).",
-    build=ResidentEngine, step_time=step_time, plans=plans))
+    build=ResidentEngine, step_time=step_time, plans=plans, strategies=("ddp", "fsdp")))

@@ -46,7 +46,9 @@ from slimtune import memory, runtime, speed
 from slimtune.checkpoint import EngineState
 from slimtune.config import RunConfig
 from slimtune.data import Batch
-from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
+from slimtune.distributed import SINGLE, Dist
+from slimtune.engines.base import (StepResult, autocast_for, check_resumable, copy_named, evaluate_batches,
+                                   step_divisor, to_float)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.host_unit import HostUnit, load_units_state, units_state
@@ -65,8 +67,8 @@ from slimtune.pipeline.worker import Worker
 class RoundPipeEngine:
     name = "roundpipe"
 
-    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str):
-        self.stack, self.precision = stack, precision
+    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
+        self.stack, self.precision, self.dist = stack, precision, dist
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.section: RoundPipeConfig = cfg.section("roundpipe")
         self.devices = worker_devices(self.section, device)
@@ -237,9 +239,9 @@ class RoundPipeEngine:
 
     # ------------------------------------------------------------ the Engine interface
 
-    def step(self, micro_batches: list[Batch]) -> StepResult:
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
         self.stack.model.train()
-        total = max(sum(b.num_targets for b in micro_batches), 1)
+        total = step_divisor(micro_batches, total_targets)
         lr = rules.lr_at(self.train_cfg, self.step_count)
         link_before = sum(w.link.bytes for w in self.workers)
         pieces = self._pieces(micro_batches)
@@ -255,6 +257,8 @@ class RoundPipeEngine:
         self.host.barrier()
         loss_sum = sum(_complete(handoff) for handoff in ctx.losses)
         self._observe(ctx)
+        # The host worker is idle (barrier): its gloo group is this thread's until the next job.
+        self.dist.all_reduce_(self._gradients(), host=True, what="the stages' gradient sum")
         grad_norm = self._grad_norm()
         applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm)
         self._update(lr, grad_norm, applied)

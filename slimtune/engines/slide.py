@@ -60,7 +60,9 @@ from slimtune import activations, block_stores, memory, runtime, speed
 from slimtune.checkpoint import EngineState
 from slimtune.config import RunConfig, TrainConfig, positive, setting
 from slimtune.data import Batch
-from slimtune.engines.base import StepResult, autocast_for, check_resumable, copy_named, evaluate_batches, to_float
+from slimtune.distributed import SINGLE, Dist
+from slimtune.engines.base import (StepResult, autocast_for, check_resumable, copy_named, evaluate_batches,
+                                   step_divisor, to_float)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.chunk.host_gradients import ActiveGradients
@@ -117,8 +119,8 @@ def validate(cfg: RunConfig) -> None:
 class SlideEngine:
     name = "slide"
 
-    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str):
-        self.stack, self.device, self.precision = stack, device, precision
+    def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
+        self.stack, self.device, self.precision, self.dist = stack, device, precision, dist
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.slide_cfg = cfg.section("slide")
         self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
@@ -133,6 +135,8 @@ class SlideEngine:
         self.units = [HostUnit(f"block {i}", [blocks[i]] + ([stack.norm] if i == count - 1 else []), device,
                                weight_dtype, cfg.train, moments, self.gradients) for i in range(count)]
         self.edges = self._edge_units(cfg.train, weight_dtype, moments)
+        for unit in self._all_units():
+            unit.dist = dist  # each unit's complete gradients are summed across ranks on the host worker
         self.chunk_state = self._chunk_state(cfg) if self.chunked else None
         stack.rotary.to(device)
         self.link = runtime.Link(device)
@@ -402,9 +406,9 @@ class SlideEngine:
 
     # ------------------------------------------------------------ the Engine interface
 
-    def step(self, micro_batches: list[Batch]) -> StepResult:
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
         self.stack.model.train()
-        total = max(sum(b.num_targets for b in micro_batches), 1)
+        total = step_divisor(micro_batches, total_targets)
         active = self.chunk_state.active if self.chunked else None
         lr = self.chunk_state.lr(self.step_count) if self.chunked else rules.lr_at(self.train_cfg, self.step_count)
         clipping = self.train_cfg.max_grad_norm > 0
@@ -420,6 +424,8 @@ class SlideEngine:
                 loss_sum = loss_sum + self._micro_step(batch, total, store, update_now, final)
             self.worker.barrier()
             memory.mark("update")
+            if self.chunked:  # the worker is idle: the host group is this thread's until the next job
+                self.dist.all_reduce_(self.chunk_state.adams[active].grads, host=True, what="the chunk's gradient sum")
             grad_norm = self.chunk_state.grad_norm(active) if self.chunked else self._grad_norm()
             applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm) and not guard.tripped
             if self.chunked:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slimtune import runtime
+from slimtune.distributed import SINGLE, Dist
 from slimtune.host_unit import StepGuard
 from slimtune.lsp.schedule import Clock, Schedule
 from slimtune.optim import rules
@@ -51,9 +52,10 @@ class Backward:
 
 class UpdatePipeline:
     def __init__(self, modules: list[ProjectedLinear], adams: list[HostAdam], blocks: list[int], link: runtime.Link,
-                 worker: runtime.HostWorker, schedule: Schedule, clock: Clock):
-        """`blocks`: each matrix's block index; `schedule` may be replaced between steps."""
-        self.modules, self.adams, self.blocks = modules, adams, blocks
+                 worker: runtime.HostWorker, schedule: Schedule, clock: Clock, dist: Dist = SINGLE):
+        """`blocks`: each matrix's block index; `schedule` may be replaced between steps; `dist`: the
+        ranks each complete G_c is summed across (d x d numbers: what lsp sends between ranks)."""
+        self.modules, self.adams, self.blocks, self.dist = modules, adams, blocks, dist
         self.link, self.worker, self.schedule, self.clock = link, worker, schedule, clock
         self.pending: dict[int, Pending] = {}
         self.backward: Backward | None = None
@@ -86,6 +88,7 @@ class UpdatePipeline:
     def _finalize(self, index: int) -> None:
         """Matrix `index`'s G_c is complete: it goes down now, and the actions due at this arrival run."""
         backward, z = self.backward, self.modules[index].z
+        self.dist.all_reduce_([z.grad], what=f"matrix {index}'s compressed gradient sum")
         backward.norms.append(torch.linalg.vector_norm(z.grad))
         host, copied = self.link.to_host(z.grad)
         z.grad = None

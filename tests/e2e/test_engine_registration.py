@@ -16,7 +16,7 @@ from slimtune import cli, engines, memory, speed
 from slimtune.checkpoint import EngineState
 from slimtune.config import setting
 from slimtune.data import IGNORE_INDEX
-from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, to_float
+from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, step_divisor, to_float
 from slimtune.errors import UserError
 
 
@@ -32,8 +32,8 @@ class ToyConfig:
 class ToyEngine:
     name = "toy"
 
-    def __init__(self, stack, cfg, device, precision):
-        self.stack, self.device, self.train_cfg = stack, device, cfg.train
+    def __init__(self, stack, cfg, device, precision, dist):
+        self.stack, self.device, self.train_cfg, self.dist = stack, device, cfg.train, dist
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.SGD([p for _, p in self.named], lr=cfg.train.lr,
                                          momentum=cfg.section("toy").momentum)
@@ -52,15 +52,16 @@ class ToyEngine:
         for state in self.optimizer.state.values():
             yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
 
-    def step(self, micro_batches):
+    def step(self, micro_batches, total_targets=None):
         self.stack.model.train()
-        total = max(sum(b.num_targets for b in micro_batches), 1)
+        total = step_divisor(micro_batches, total_targets)
         with self.meter.measure(self._tensors()) as reading:
             loss = 0.0
             for batch in micro_batches:
                 part = self._loss_sum(batch)
                 (part / total).backward()
                 loss = loss + part.detach()
+            self.dist.all_reduce_(p.grad for _, p in self.named)  # under torchrun: summed across ranks
             grad_norm = torch.nn.utils.get_total_norm([p.grad for _, p in self.named])
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,94 @@
+"""dist.strategy=fsdp: the resident engine's blocks sharded across ranks with FSDP2
+(`torch.distributed.fsdp.fully_shard`).
+
+Each decoder block is its own FSDP unit: its weights, their gradients and AdamW's moments are held
+as DTensor shards (dim 0, 1/world each); the block's forward all-gathers its weights (the next
+block's gather is prefetched by FSDP) and its backward reduce-scatters the gradients. The slimtune
+step calls the blocks as modules (Stack.run_block), so FSDP's own hooks do this; nothing is patched.
+
+The edges (embedding, final norm, LM head: a tied pair is one tensor) stay whole on every rank: the
+loss reads the head's weight in vocabulary tiles rather than calling the head module, which FSDP
+would need to gather it; their gradients are summed across ranks as under ddp. So what fsdp divides
+by the world size is the blocks' weights, gradients and moments (the planner's per-device figure
+divides exactly those).
+
+Gradients are summed, not averaged, across ranks (divide factor 1): every engine divides its loss
+by the trained-token count of the whole step, summed over ranks, so a sum is the global gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slimtune.distributed import Dist
+
+
+def shard_blocks(blocks: nn.ModuleList, device: torch.device, dist: Dist) -> None:
+    """Every block becomes an FSDP2 unit over all ranks (a 1-D mesh on the run's device type)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.world_size,))
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+        block.set_gradient_divide_factor(1.0)
+
+
+def is_sharded(tensor: torch.Tensor | None) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def split_by_sharding(groups: list[tuple[list[torch.Tensor], float]]) -> list[tuple[list[torch.Tensor], float]]:
+    """Optimizer groups with sharded and whole tensors apart (fused AdamW takes one kind per group)."""
+    out = []
+    for params, decay in groups:
+        for kind in (True, False):
+            chosen = [p for p in params if is_sharded(p) == kind]
+            if chosen:
+                out.append((chosen, decay))
+    return out
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of whole and sharded gradients (a sharded norm is gathered: one all-reduce)."""
+    sharded = [g for g in grads if is_sharded(g)]
+    whole = [g for g in grads if not is_sharded(g)]
+    norms = [torch.nn.utils.get_total_norm(whole, foreach=True)] if whole else []
+    if sharded:
+        norms.append(torch.nn.utils.get_total_norm(sharded, foreach=True).full_tensor())
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def scale_(grads: list[torch.Tensor], coefficient: torch.Tensor) -> None:
+    """Multiply every gradient by the clipping coefficient (a DTensor takes a Python number)."""
+    sharded = [g for g in grads if is_sharded(g)]
+    whole = [g for g in grads if not is_sharded(g)]
+    if whole:
+        torch._foreach_mul_(whole, coefficient.to(whole[0].device))
+    if sharded:
+        torch._foreach_mul_(sharded, float(coefficient))
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on the host: a shard is gathered from every rank first (a collective: every
+    rank calls it, in the same order)."""
+    if is_sharded(tensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().cpu()
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy a whole tensor (a checkpoint's) into `target`; a sharded target keeps its own shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.no_grad():
+        if is_sharded(target):
+            # src_data_rank=None: every rank holds the whole source and cuts its own shard, no traffic.
+            shard = distribute_tensor(source.to(target.device, target.dtype), target.device_mesh, target.placements,
+                                      src_data_rank=None)
+            target.to_local().copy_(shard.to_local())
+        else:
+            target.copy_(source)
