@@ -1,0 +1,85 @@
+"""Data-parallel cases for every engine, run two ways: under torchrun by `python dist_cases.py OUT`
+(each rank trains its share of every step: micro-batches r, r + W, ...; rank 0 writes what it
+found to OUT/<case>.pt), and in one process on the whole step (`reference`). tests/unit/
+test_distributed.py compares the two."""
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
+
+from conftest import engine_config  # noqa: E402
+from test_slide import batches, model_of  # noqa: E402
+from slimtune import assembly, distributed, train  # noqa: E402
+from slimtune.engines.chunk import ChunkConfig  # noqa: E402
+from slimtune.config import DistConfig, TrainConfig  # noqa: E402
+from slimtune.engines.lsp import LspConfig  # noqa: E402
+from slimtune.engines.slide import SlideConfig  # noqa: E402
+from slimtune.model import Stack  # noqa: E402
+from slimtune.pipeline.settings import RoundPipeConfig  # noqa: E402
+
+CPU = torch.device("cpu")
+STEPS = 3
+TRAIN = dict(steps=STEPS, batch_size=2, lr=1e-2, weight_decay=0.1, warmup_steps=1, schedule="cosine",
+             max_grad_norm=0.5)
+# name -> (RunConfig fields, model settings[, training settings over TRAIN])
+CASES = {
+    "resident": (dict(engine="resident", method="full"), {}),
+    "resident_lora": (dict(engine="resident", method="lora"), {}),
+    "resident_fsdp": (dict(engine="resident", method="full", dist=DistConfig(strategy="fsdp")),
+                      {"tie_word_embeddings": True}),
+    "slide": (dict(engine="slide", method="full", sections={"slide": SlideConfig()}), {"tie_word_embeddings": True}),
+    "slide_chunk": (dict(engine="slide", method="full", sections={"slide": SlideConfig(working_set="chunk"),
+                                                                  "chunk": ChunkConfig(n_chunks=2)}), {}),
+    "lsp": (dict(engine="lsp", method="full", sections={"lsp": LspConfig(d=8, r=3, check_every=0, fit_iterations=3)}),
+            {}, {"weight_decay": 0.0}),
+    "chunk": (dict(engine="chunk", method="full", sections={"chunk": ChunkConfig(n_chunks=3)}), {}),
+    "roundpipe": (dict(engine="roundpipe", method="full", sections={"roundpipe": RoundPipeConfig(workers=2)}), {}),
+}
+
+
+def step_batches(vocab: int, step: int, count: int):
+    """Step `step`'s micro-batches, the whole job's (every rank draws the same)."""
+    return batches(vocab, 1000 + step, micro=count, rows=2)
+
+
+def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: str = "fp64"):
+    """(losses, grad norms, trained weights) after STEPS steps of `micro_per_rank` micro-batches on
+    each of dist's ranks (SINGLE: the whole step's in one process)."""
+    fields, model_settings, *train_settings = CASES[name]
+    fields = copy.deepcopy(fields)
+    settings = {**TRAIN, **(train_settings[0] if train_settings else {}), "grad_accum": micro_per_rank}
+    cfg = engine_config(TrainConfig(**settings), precision=precision, **fields)
+    cfg.validate()
+    model = model_of(3, dtype=torch.float64 if precision == "fp64" else torch.float32, **model_settings)
+    stack = assembly.stack_of(model, cfg, CPU, precision)
+    engine = assembly.assemble(cfg, stack, CPU, precision, dist)
+    if hasattr(engine, "use_sample"):
+        engine.use_sample(batches(model.config.vocab_size, 7, micro=2, rows=2))
+    losses, norms = [], []
+    for step in range(STEPS):
+        whole = step_batches(model.config.vocab_size, step, micro_per_rank * dist.world_size)
+        total = sum(b.num_targets for b in whole)
+        result = train.combine_ranks(dist, step, engine.step(dist.shard(whole), total))
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    weights = {k: v.detach().clone() for k, v in engine.trainable_state().items()}
+    return losses, norms, weights
+
+
+def main(out: Path) -> None:
+    dist = distributed.from_env(60.0)
+    micro = 2 if dist.world_size == 2 else 1
+    for name in CASES:
+        found = run_case(name, dist, micro)
+        if dist.is_main:
+            torch.save({"micro": micro, "world": dist.world_size, "found": found}, out / f"{name}.pt")
+    dist.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
