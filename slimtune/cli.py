@@ -297,7 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     code = _run(args)
     if argv is None and args.command == "plan":
         _exit_without_teardown(code)
+    if code != 0 and _in_a_failed_job():
+        _exit_without_teardown(code)
     return code
+
+
+def _in_a_failed_job() -> bool:
+    """A rank whose job failed: its process group may be broken, and tearing down the interpreter
+    with gloo's threads still waiting on it aborts the process (SIGABRT) or hangs."""
+    from slimtune import distributed
+
+    return distributed.joined()
 
 
 def _option(flag: str) -> str | None:

@@ -96,7 +96,7 @@ class Dist:
 
     # ------------------------------------------------------------ reductions
 
-    def all_reduce_(self, tensors: Iterable[torch.Tensor], host: bool = False, what: str = "gradients") -> None:
+    def all_reduce_(self, tensors: Iterable[torch.Tensor], host: bool = False, what: str = "the gradient sum") -> None:
         """Sum `tensors` in place across ranks, in flat buckets (one collective per bucket and dtype).
         `host`: host tensors summed over the gloo host group (call from one thread only: the host
         worker's). Every rank must pass tensors of the same shapes in the same order."""
@@ -159,10 +159,18 @@ class Dist:
         try:
             return call()
         except (RuntimeError, OSError) as err:  # gloo/NCCL: DistBackendError, DistNetworkError, timeouts
-            reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-            raise PeerFailed(
-                f"rank {self.rank} of {self.world_size}: another rank stopped answering during {what} (it died, "
-                f"or hung past dist.timeout_s={self.timeout_s:g} s; {reason}); the run stops on every rank.") from None
+            raise PeerFailed(f"rank {self.rank} of {self.world_size}: another rank {self._why(err)} during {what}; the"
+                             " run stops on every rank.") from None
+
+    def _why(self, err: BaseException) -> str:
+        """What the backend's message says happened to the peer, in words."""
+        text = str(err).lower()
+        if "timed out" in text or "timeout" in text:
+            return f"did not answer within dist.timeout_s={self.timeout_s:g} s (it hangs, or is far slower)"
+        if "connection" in text or "closed" in text or "reset" in text or "broken pipe" in text:
+            return "closed its connection (it died or was killed)"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"failed ({first[:120]})"
 
     def take_reduced_bytes(self) -> int:
         """Bytes summed since the last call (this rank's payload, per collective)."""

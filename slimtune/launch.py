@@ -9,11 +9,17 @@ torchrun's report.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from slimtune import checkpoint
 from slimtune.errors import UserError
+
+# Once a rank fails, the others get SIGTERM and this long to end before SIGKILL (torchrun's default
+# is 30 s; a rank that hangs ignores SIGTERM, and a rank that is well has nothing left to finish:
+# checkpoints are written whole or not at all).
+SHUTDOWN_S = 5
 
 
 def torchrun_args(nproc: int, train_args: list[str]) -> list[str]:
@@ -23,7 +29,8 @@ def torchrun_args(nproc: int, train_args: list[str]) -> list[str]:
     import uuid
 
     return ["--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
-            f"--rdzv-id={uuid.uuid4()}", "--max-restarts=0", "-m", "slimtune", "train", *train_args]
+            f"--rdzv-id={uuid.uuid4()}", "--max-restarts=0", f"--shutdown-timeout={SHUTDOWN_S}", "-m", "slimtune",
+            "train", *train_args]
 
 
 def run_local(nproc: int, train_args: list[str], output_dir: str) -> None:
@@ -35,12 +42,27 @@ def run_local(nproc: int, train_args: list[str], output_dir: str) -> None:
     # torchrun would set 1 and say so; the cores shared out is what a CPU rank should use.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config, entrypoint, args = torchrun.config_from_args(torchrun.parse_args(torchrun_args(nproc, train_args)))
+    # Its agent's own account of a failure (a warning per rank it stops) is said here in one sentence.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = _cause(err.failures)
         raise UserError(f"{_how_it_ended(rank, nproc, failure)}; torchrun stopped the other ranks. "
                         f"{_resume_hint(output_dir)}") from None
+
+
+def _cause(failures: dict) -> tuple[int, object]:
+    """The failure that ended the job: a rank killed by a signal (not torchrun's own SIGTERM to the
+    others), else one that exited with an error (it said why), else the first torchrun saw."""
+    import signal
+
+    def rank_of(item) -> tuple:
+        rank, failure = item
+        killed = failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM
+        return (not killed, failure.exitcode <= 0, failure.timestamp, rank)
+
+    return min(failures.items(), key=rank_of)
 
 
 def _how_it_ended(rank: int, nproc: int, failure) -> str:

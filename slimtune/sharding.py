@@ -33,6 +33,8 @@ def shard_blocks(blocks: nn.ModuleList, device: torch.device, dist: Dist) -> Non
     for block in blocks:
         fully_shard(block, mesh=mesh)
         block.set_gradient_divide_factor(1.0)
+        # Plain SUM collectives with the factor applied after (exactly 1): gloo has no PREMUL_SUM.
+        block.set_force_sum_reduction_for_comms(True)
 
 
 def is_sharded(tensor: torch.Tensor | None) -> bool:

@@ -244,11 +244,10 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     Under torchrun (distributed.launched) every rank calls it; the summary is rank 0's to print."""
     owned = run is None and distributed.launched()
     dist = run.dist if run is not None else distributed.from_env(cfg.dist.timeout_s)
-    try:
-        return _fit(cfg, progress and dist.is_main, run, dist)
-    finally:
-        if owned:
-            dist.close()
+    fitted = _fit(cfg, progress and dist.is_main, run, dist)
+    if owned:  # after a failure the group may be broken: the process ends without tearing it down (cli)
+        dist.close()
+    return fitted
 
 
 def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[Run, dict]:

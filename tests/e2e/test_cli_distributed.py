@@ -1,0 +1,141 @@
+"""Data parallelism through the CLI (`slimtune train --nproc N`: torchrun on this machine, gloo):
+two ranks under fsdp train what one process trains on the concatenated batch (fp32, 1e-6), a job
+killed with kill -9 as a whole resumes exactly (its sharded checkpoint, written by every rank with
+torch.distributed.checkpoint), one killed rank or one hung rank ends the job with a message and
+no hang, and a changed world size is refused in a sentence."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from e2e_helpers import slimtune, workdir  # noqa: F401  (workdir is a fixture)
+
+FULL = ["method=full", "train.schedule=constant", "train.lr=0.003", "train.warmup_steps=0", "train.eval_every=0",
+        "--no-progress", "dist.timeout_s=20"]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model" / "model.safetensors"))
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class Job:
+    """`slimtune train ... --nproc N` started in the background, its stderr kept line by line."""
+
+    def __init__(self, cwd: Path, *args: str):
+        self.began = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "slimtune.cli", "train", *args], cwd=cwd, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic() - self.began, line.rstrip()))
+
+    def wait_for(self, path: Path, limit: float = 120.0) -> None:
+        while not path.exists():
+            assert self.proc.poll() is None, f"the job ended before {path} appeared: {self.stderr()[-3000:]}"
+            assert time.monotonic() - self.began < limit, f"{path} did not appear within {limit} s"
+            time.sleep(0.01)
+
+    def ranks(self) -> dict[int, int]:
+        """rank -> pid of the processes torchrun started."""
+        found = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        out = {}
+        for pid in found:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                out[rank] = int(pid)
+        return out
+
+    def end(self, limit: float = 90.0) -> int:
+        try:
+            return self.proc.wait(timeout=limit)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stderr(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def test_fsdp_job_trains_as_one_process_and_resumes_exactly_after_kill_9(workdir):
+    steps = ["train.steps=40", "train.save_every=3"]
+    fsdp = [*FULL, *steps, "dist.strategy=fsdp", "--nproc", "2"]
+    slimtune("train", "run.yaml", *FULL, *steps, "train.grad_accum=2", "output_dir=one", cwd=workdir)
+    slimtune("train", "run.yaml", *fsdp, "output_dir=two", cwd=workdir)
+    one, two = weights(workdir / "one"), weights(workdir / "two")
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0, msg=key)
+    logged = records(workdir / "two")
+    assert [r["step"] for r in logged] == list(range(1, 41))  # rank 0 alone writes the log
+    assert all(r["allreduce_bytes"] > 0 for r in logged)
+    assert (workdir / "two" / "checkpoints" / "step-00000039" / "sharded" / ".metadata").is_file()
+
+    job = Job(workdir, "run.yaml", *fsdp, "output_dir=killed")
+    job.wait_for(workdir / "killed" / "checkpoints" / "step-00000003")
+    pids = [*job.ranks().values(), job.proc.pid]
+    for pid in pids:  # the whole job at once: the launcher and every rank
+        os.kill(pid, signal.SIGKILL)
+    job.end()
+    assert not (workdir / "killed" / "model").exists(), "the job finished before it was killed"
+    out = slimtune("train", "run.yaml", *fsdp, "output_dir=killed", cwd=workdir)
+    assert "resumed from" in out.stdout
+    resumed = weights(workdir / "killed")
+    for key in two:
+        assert torch.equal(resumed[key], two[key]), key
+    assert [r["loss"] for r in records(workdir / "killed")] == [r["loss"] for r in logged]
+
+    changed = slimtune("train", "run.yaml", *FULL, *steps, "dist.strategy=fsdp", "train.steps=45", "output_dir=two",
+                       cwd=workdir, check=False)
+    assert changed.returncode == 2
+    assert "world_size was 2, now 1" in changed.stderr and "Traceback" not in changed.stderr
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_lost_rank_ends_the_job_with_a_message(workdir, how):
+    timeout_s = 5
+    job = Job(workdir, "run.yaml", "lora.dropout=0", "train.steps=400", "train.save_every=3", "--no-progress",
+              f"dist.timeout_s={timeout_s}", "--nproc", "2", "output_dir=out")
+    job.wait_for(workdir / "out" / "checkpoints" / "step-00000003")
+    victim = job.ranks()[1]
+    lost_at = time.monotonic() - job.began
+    os.kill(victim, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    if how == "hung":
+        # Rank 0 says so once dist.timeout_s has passed; then the stopped rank may take its SIGTERM
+        # (torchrun's agent gives a stopped process 30 s before SIGKILL: its own grace, not ours).
+        deadline = time.monotonic() + 60
+        while not any("did not answer" in line for _, line in job.lines):
+            assert time.monotonic() < deadline, job.stderr()
+            time.sleep(0.05)
+        said_at = next(t for t, line in job.lines if "did not answer" in line)
+        assert timeout_s - 1 <= said_at - lost_at <= timeout_s + 15
+        os.kill(victim, signal.SIGCONT)
+    code = job.end(limit=60)
+    text = job.stderr()
+    assert code == 2, text
+    last = text.splitlines()[-1]
+    assert last.startswith("slimtune: error: rank ") and "torchrun stopped the other ranks" in last, text
+    assert "the same command resumes from it" in last and "Traceback" not in text
+    assert ("was killed by SIGKILL" in last) if how == "killed" else ("exit code 2" in last)
+    checkpoints = sorted((workdir / "out" / "checkpoints").iterdir())
+    assert checkpoints and all(not p.name.endswith(".tmp") for p in checkpoints)
+    latest = max(int(p.name.removeprefix("step-")) for p in checkpoints)
+    out = slimtune("train", "run.yaml", "lora.dropout=0", f"train.steps={latest + 2}", "--no-progress",
+                   "output_dir=out", "--nproc", "2", cwd=workdir)  # the last checkpoint stays usable
+    assert f"resumed from {latest}" in out.stdout

@@ -1,0 +1,92 @@
+"""Data parallelism: 2 and 3 processes under torchrun (gloo, CPU) give the weights one process gets on
+the concatenated batch, for every engine and for fsdp (float64, 1e-10), with the loss and gradient
+norm of every step; and the pieces: sharding, buckets, the combined step figures, the refusals."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_cases
+from conftest import engine_config
+from slimtune import distributed, train
+from slimtune.config import DistConfig
+from slimtune.data import BatchStream
+from slimtune.engines.base import StepResult
+from slimtune.errors import UserError
+
+TESTS = Path(__file__).resolve().parent.parent
+
+
+def torchrun(nproc: int, script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node nproc script args` as a user starts it."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=0", str(script), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=TESTS,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_train_as_one_process_on_the_whole_batch(world, tmp_path):
+    proc = torchrun(world, TESTS / "dist_cases.py", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name in dist_cases.CASES:
+        saved = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        assert saved["world"] == world
+        losses, norms, weights = saved["found"]
+        ref_losses, ref_norms, ref_weights = dist_cases.run_case(name, distributed.SINGLE, saved["micro"] * world)
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0), name
+        assert norms == pytest.approx(ref_norms, abs=1e-10, rel=0), name
+        assert weights.keys() == ref_weights.keys(), name
+        for key, value in ref_weights.items():
+            torch.testing.assert_close(weights[key], value, atol=1e-10, rtol=0, msg=f"{name}: {key}")
+        # The sum across ranks is what makes them agree: one rank's share alone trains other weights.
+        alone = dist_cases.run_case(name, distributed.SINGLE, saved["micro"])[2]
+        assert max((alone[k] - ref_weights[k]).abs().max().item() for k in ref_weights) > 1e-6, name
+
+
+def test_shard_takes_every_world_th_item():
+    dist = distributed.Dist(rank=1, world_size=3)
+    assert dist.shard(list(range(8))) == [1, 4, 7]
+    assert distributed.SINGLE.shard([1, 2]) == [1, 2]
+
+
+def test_buckets_keep_order_dtype_and_size(monkeypatch):
+    monkeypatch.setattr(distributed, "BUCKET_BYTES", 64)
+    tensors = [torch.zeros(4), torch.zeros(4), torch.zeros(12), torch.zeros(2, dtype=torch.float64), torch.zeros(40)]
+    sizes = [[t.numel() for t in bucket] for bucket in distributed._buckets(tensors)]
+    assert sizes == [[4, 4], [12], [2], [40]]  # 32 B + 48 B > 64; a dtype change cuts; a large one stands alone
+
+
+def test_a_single_process_reduces_nothing():
+    grads = [torch.ones(3)]
+    distributed.SINGLE.all_reduce_(grads)
+    assert grads[0].tolist() == [1.0, 1.0, 1.0] and distributed.SINGLE.reduced_bytes == 0
+    result = StepResult(loss=1.0, tokens=3, seen_tokens=4, lr=0.1, grad_norm=2.0, device_peak_bytes=5,
+                        host_link_bytes=0)
+    assert train.combine_ranks(distributed.SINGLE, 1, result) is result
+
+
+def test_the_stream_position_is_tied_to_the_world_size():
+    from slimtune.data import Example
+
+    examples = [Example([1, 2, 3, 4], [-100, 2, 3, 4]) for _ in range(8)]
+    saved = BatchStream(examples, 2, 8, False, 0, 0, world_size=2).state_dict()
+    with pytest.raises(UserError, match="world_size was 2, now 3"):
+        BatchStream(examples, 2, 8, False, 0, 0, world_size=3).load_state_dict(saved)
+
+
+def test_fsdp_is_refused_where_an_engine_does_not_shard():
+    cfg = engine_config(engine="slide", method="full", dist=DistConfig(strategy="fsdp"))
+    with pytest.raises(UserError, match="dist.strategy=fsdp is not available with engine slide"):
+        cfg.validate()
+    engine_config(engine="resident", method="full", dist=DistConfig(strategy="fsdp")).validate()
+
+
+def test_outside_torchrun_there_is_one_process(monkeypatch):
+    for name in distributed.ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert not distributed.launched() and distributed.env_rank() == 0
+    assert distributed.from_env(10.0) is distributed.SINGLE
