@@ -53,8 +53,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
     plan.add_argument("--method", choices=("lora", "full"), default="lora")
     plan.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
-    plan.add_argument("--gpus", type=int, default=1,
-                      help="cards of that kind (default 1): engines that use several (roundpipe) get one worker each")
+    plan.add_argument("--gpus", "--gpus-per-node", dest="gpus", type=int, default=1,
+                      help="cards of that kind per machine (default 1): one rank each under data parallelism, or one"
+                           " worker each for an engine that uses several (roundpipe)")
+    plan.add_argument("--nodes", type=int, default=1,
+                      help="machines alike, trained together with torchrun (default 1); figures stay per device")
     plan.add_argument("--host-ram", help="the host's RAM to plan for, e.g. 64GiB (default: this machine's)")
     plan.add_argument("--disk", help="free disk to plan for, e.g. 500GB (default: free here)")
     plan.add_argument("--max-seq", action="store_true", help="also find each plan's longest sequence that fits")
@@ -207,7 +210,7 @@ def _plan(args: argparse.Namespace) -> None:
     if args.seq <= 0 or args.batch <= 0 or args.rank <= 0:
         raise UserError("--seq, --batch and --rank must be positive.")
     model_config = presets.model_config(args.model)
-    machine = planner.Machine.named(args.gpu, args.host_ram, args.disk, cards=args.gpus)
+    machine = planner.Machine.named(args.gpu, args.host_ram, args.disk, cards=args.gpus, nodes=args.nodes)
     base = planner.planning_config(args.method, args.rank)
     results = planner.plan(model_config, base, machine, args.batch, args.seq, max_seq=args.max_seq)
     title = f"slimtune plan: {args.model}, {args.method}, batch {args.batch} x seq {args.seq}, on {machine.describe()}"

@@ -189,6 +189,18 @@ class Dist:
 SINGLE = Dist()
 
 
+class Counting(Dist):
+    """One process that counts what it would send: the bytes each all_reduce_ would sum across
+    ranks, with nothing sent and nothing changed (the planner's fake step: every engine's gradient
+    payload per step, measured on the real code path)."""
+
+    def all_reduce_(self, tensors: Iterable[torch.Tensor], host: bool = False, what: str = "the gradient sum") -> None:
+        del host, what
+        counted = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        with self._lock:
+            self.reduced_bytes += counted
+
+
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Consecutive runs of one dtype and device, each at most BUCKET_BYTES (a larger tensor alone)."""
     out: list[list[torch.Tensor]] = []

@@ -18,7 +18,7 @@ from torch import nn
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from slimtune import assembly, engines, memory
+from slimtune import assembly, distributed, engines, memory
 from slimtune.config import RunConfig
 from slimtune.data import IGNORE_INDEX, Batch
 from slimtune.model import Stack
@@ -38,6 +38,9 @@ class Estimate:
     host_link_bytes: int  # per optimizer step
     trainable_params: int
     total_params: int
+    # Bytes a rank's engine sums across ranks per step under data parallelism (counted on the fake
+    # step's real code path: distributed.Counting): the gradient payload of every all-reduce.
+    allreduce_bytes: int = 0
 
     def counts(self) -> StepCounts:
         """What the time model needs of it."""
@@ -111,8 +114,9 @@ def _step(config, cfg: RunConfig, real_batch: Batch, segments: bool = False) -> 
     precision = assembly.resolve_precision(cfg.precision, torch.device("cuda"))  # planned for a GPU
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     stack = Stack(fake_model(config, assembly.run_weight_dtype(cfg, precision), mode))
+    counting = distributed.Counting()
     with mode:
-        engine = assembly.assemble(cfg, stack, assembly.HOST, precision)
+        engine = assembly.assemble(cfg, stack, assembly.HOST, precision, counting)
         if segments:
             engine.meter = memory.CpuMeter(segments=True)
         tensors = (real_batch.input_ids, real_batch.targets, real_batch.position_ids, real_batch.trained_positions)
@@ -128,6 +132,7 @@ def _step(config, cfg: RunConfig, real_batch: Batch, segments: bool = False) -> 
         host_link_bytes=results[-1].host_link_bytes,
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         total_params=sum(p.numel() for p in model.parameters()),
+        allreduce_bytes=counting.take_reduced_bytes() // STEPS,
     )
     return found, (engine.meter.last_reading.segments if segments else None)
 
@@ -187,7 +192,8 @@ def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tu
 
     return Estimate(device_peak_bytes=peak, breakdown=breakdown, host_bytes=line("host_bytes"),
                     disk_bytes=line("disk_bytes"), host_link_bytes=line("host_link_bytes"),
-                    trainable_params=line("trainable_params"), total_params=line("total_params"))
+                    trainable_params=line("trainable_params"), total_params=line("total_params"),
+                    allreduce_bytes=line("allreduce_bytes"))
 
 
 def _segment_fits(low: dict, high: dict, probes: tuple[int, int], margin: int) -> list | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slimtune import config as config_module
-from slimtune import engines, estimate, planning_worker, presets, speed
+from slimtune import engines, estimate, planning_worker, presets, rank_plan, speed
 from slimtune.estimate_cache import cached_estimate, is_cached
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
@@ -37,29 +37,39 @@ class Machine:
     gpu: presets.GpuProfile
     ram_bytes: int  # the host's RAM; plans may hold HOST_RAM_SHARE of it
     disk_bytes: int  # free disk for scratch files (block inputs, memory-mapped moments)
-    cards: int = 1  # cards of that kind: an engine that uses several is weighed on all (EngineSpec.on_cards)
+    cards: int = 1  # cards of that kind per machine: an engine that uses several is weighed on all (EngineSpec.on_cards)
+    nodes: int = 1  # machines alike, trained together with data parallelism (torchrun; rank_plan.py)
 
     @classmethod
     def named(cls, gpu: str, host_ram: str | None = None, disk: str | None = None, folder: str = ".",
-              cards: int = 1) -> Machine:
+              cards: int = 1, nodes: int = 1) -> Machine:
         """`gpu` as presets.gpu_profile reads it; sizes such as 64GiB; unset: this machine's RAM and
-        the free disk under `folder`."""
+        the free disk under `folder` (RAM and disk are each machine's)."""
         if cards < 1:
-            raise UserError(f"--gpus must be at least 1, got {cards}.")
+            raise UserError(f"--gpus-per-node must be at least 1, got {cards}.")
+        if nodes < 1:
+            raise UserError(f"--nodes must be at least 1, got {nodes}.")
         ram = presets.memory_size(host_ram, "--host-ram") if host_ram else presets.physical_ram_bytes()
         free = presets.memory_size(disk, "--disk") if disk else shutil.disk_usage(folder).free
-        return cls(presets.gpu_profile(gpu), ram, free, cards)
+        return cls(presets.gpu_profile(gpu), ram, free, cards, nodes)
+
+    def ranks(self, engine: str) -> int:
+        """Processes a plan of `engine` runs as on this machine set (one per card, or per machine)."""
+        return rank_plan.ranks(engines.get(engine).uses_cards, self.nodes, self.cards)
 
     def describe(self) -> str:
         cards = f"{self.cards} x " if self.cards > 1 else ""
-        return (f"{cards}{self.gpu.name} ({human_bytes(self.gpu.memory_bytes)}), {human_bytes(self.ram_bytes)} host RAM,"
-                f" {human_bytes(self.disk_bytes)} free disk")
+        nodes = f"{self.nodes} machines, each " if self.nodes > 1 else ""
+        return (f"{nodes}{cards}{self.gpu.name} ({human_bytes(self.gpu.memory_bytes)}), {human_bytes(self.ram_bytes)}"
+                f" host RAM, {human_bytes(self.disk_bytes)} free disk")
 
-    def shortfalls(self, found: estimate.Estimate) -> dict[str, tuple[int, int]]:
-        """What a plan lacks: {"device" | "host RAM" | "disk": (needed, available)}, empty when it fits."""
+    def shortfalls(self, found: estimate.Estimate, ranks: int = 1) -> dict[str, tuple[int, int]]:
+        """What a plan lacks: {"device" | "host RAM" | "disk": (needed, available)}, empty when it fits.
+        `ranks`: processes of the job; those on one machine share its RAM and disk."""
+        here = max(ranks // self.nodes, 1)
         needs = {"device": (found.device_peak_bytes + CUDA_OVERHEAD_BYTES, self.gpu.memory_bytes),
-                 "host RAM": (found.host_bytes, int(HOST_RAM_SHARE * self.ram_bytes)),
-                 "disk": (found.disk_bytes, self.disk_bytes)}
+                 "host RAM": (found.host_bytes * here, int(HOST_RAM_SHARE * self.ram_bytes)),
+                 "disk": (found.disk_bytes * here, self.disk_bytes)}
         return {what: (need, have) for what, (need, have) in needs.items() if need > have}
 
 
@@ -73,6 +83,9 @@ class PlanResult:
     short: dict[str, tuple[int, int]] = field(default_factory=dict)  # Machine.shortfalls
     recommended: bool = False
     max_seq: int | None = None  # --max-seq: the longest sequence that fits (0: none)
+    ranks: int = 1  # processes under data parallelism (Machine.ranks); the figures are per device
+    sync_s: float = 0.0  # modelled seconds a step spends summing gradients across ranks
+    derived: bool = False  # the device figures are derived from the measurement by a formula (fsdp)
 
     @property
     def fits(self) -> bool:
@@ -92,7 +105,12 @@ class PlanResult:
             "engine": self.engine,
             "options": self.options,
             "device_peak_bytes": e.device_peak_bytes,
-            "device_peak_kind": "measured on fake tensors (training meter)",
+            "device_peak_kind": ("derived: one device's measurement on fake tensors, the blocks' state divided by"
+                                 " the ranks (rank_plan.sharded)") if self.derived
+                                else "measured on fake tensors (training meter)",
+            "ranks": self.ranks,
+            "allreduce_bytes": e.allreduce_bytes,
+            "sync_s_modelled": self.sync_s,
             "breakdown": e.breakdown,
             "host_bytes": e.host_bytes,
             "disk_bytes": e.disk_bytes,
@@ -132,14 +150,26 @@ def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_siz
     """One plan: its device peak, host RAM and disk on fake tensors, its modelled time on the card,
     what it lacks on `machine`, and (`max_seq`) the longest sequence that fits."""
     cfg = _run_config(base, plan)
-    found = cached_estimate(model_config, cfg, batch_size, seq_len)
+    ranks, derived = machine.ranks(cfg.engine), cfg.dist.strategy == "fsdp"
+    found = per_device_estimate(model_config, cfg, machine, batch_size, seq_len)
     time = engines.get(cfg.engine).step_time(model_config, cfg, found.counts(), machine.gpu, batch_size, seq_len)
     tokens = batch_size * seq_len * cfg.train.grad_accum
+    sync = rank_plan.sync_seconds(found.allreduce_bytes, ranks, machine.nodes, machine.gpu)
     options = {k: v for k, v in plan.items() if k != "engine"}
-    result = PlanResult(plan["engine"], options, found, time, time.tokens_per_s(tokens), machine.shortfalls(found))
+    result = PlanResult(plan["engine"], options, found, time, rank_plan.job_tokens_per_s(time, tokens, ranks, sync),
+                        machine.shortfalls(found, ranks), ranks=ranks, sync_s=sync, derived=derived)
     if max_seq:
         result.max_seq = longest_fitting_seq(model_config, cfg, machine, batch_size, seq_len, result.fits)
     return result
+
+
+def per_device_estimate(model_config, cfg: RunConfig, machine: Machine, batch_size: int,
+                        seq_len: int) -> estimate.Estimate:
+    """What one device holds: the measured estimate; under fsdp derived from it (rank_plan.sharded)."""
+    found = cached_estimate(model_config, cfg, batch_size, seq_len)
+    if cfg.dist.strategy == "fsdp":
+        found = rank_plan.sharded(found, model_config, machine.ranks(cfg.engine))
+    return found
 
 
 def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_size: int, known: int,
@@ -150,7 +180,8 @@ def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_si
     limit = getattr(model_config, "max_position_embeddings", None) or 2**20
 
     def fits(seq: int) -> bool:
-        return not machine.shortfalls(cached_estimate(model_config, cfg, batch_size, seq))
+        found = per_device_estimate(model_config, cfg, machine, batch_size, seq)
+        return not machine.shortfalls(found, machine.ranks(cfg.engine))
 
     low, high = (min(known, limit), None) if known_fits else (0, known)  # low fits (or is 0); high does not
     while high is None and low < limit:
@@ -186,15 +217,18 @@ def first_fitting(model_config, cfg: RunConfig, candidates: list[dict], machine:
     return _run_config(cfg, candidates[high]), found
 
 
-def applicable_plans(base: RunConfig, cards: int = 1) -> list[dict]:
-    """Every engine's plans for the run's method on `cards` cards, less those an engine refuses for
-    the run's other settings (e.g. lsp under train.weight_decay > 0): those are not candidates, not
-    errors. The device peak of a plan is per card (per worker, for an engine using several)."""
-    found = []
+def applicable_plans(base: RunConfig, machine: Machine | None = None) -> list[dict]:
+    """Every engine's plans for the run's method on the machine's cards, less those an engine refuses
+    for the run's other settings (e.g. lsp under train.weight_decay > 0) and sharded plans where
+    there is one rank: those are not candidates, not errors. The device peak of a plan is per card
+    (per worker, for an engine using several)."""
+    cards, found = machine.cards if machine else 1, []
     for plan in engines.plans_for(base.method, cards):
         try:
             _run_config(base, plan)
         except UserError:
+            continue
+        if plan.get("dist.strategy") == "fsdp" and (machine is None or machine.ranks(plan["engine"]) < 2):
             continue
         found.append(plan)
     return found
@@ -206,7 +240,7 @@ def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int,
     thread pool) takes the next plan the moment it is free; results keep the plans' order."""
     import os
 
-    jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq) for p in applicable_plans(base, machine.cards)]
+    jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq) for p in applicable_plans(base, machine)]
     # Answers already in the cache cost nothing: only the others are worth a worker.
     results = {i: weigh(*job) for i, job in enumerate(jobs)
                if not max_seq and is_cached(model_config, _run_config(base, job[2]), batch_size, seq_len)}
@@ -319,7 +353,7 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
     rows = [head + ["fits"]]
     for r in results:
         e = r.estimate
-        row = [r.engine, r.label, human_bytes(e.device_peak_bytes),
+        row = [r.engine, r.label, human_bytes(e.device_peak_bytes) + ("**" if r.derived else ""),
                *(human_bytes(e.breakdown.get(c, 0)) for c in (_DETAIL if detail else ())),
                human_bytes(e.host_bytes), human_bytes(e.disk_bytes), human_bytes(e.host_link_bytes),
                f"{r.tokens_per_s:,.0f}"]
@@ -339,9 +373,26 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
     if with_seq:
         lines.append("max seq: the longest sequence whose step fits (one token more does not), by bisection on the "
                      "same estimate.")
+    if machine.nodes * machine.cards > 1:
+        lines += _data_parallel_notes(results, machine)
     chosen = recommended(results)
     lines.append(f"recommended: {chosen.engine} {chosen.label}" if chosen else f"no plan fits: {_smallest_need(results)}.")
     return "\n".join(lines)
+
+
+def _data_parallel_notes(results: list[PlanResult], machine: Machine) -> list[str]:
+    """What the figures mean on several cards or machines: per device, per rank, and for the job."""
+    ranks = sorted({r.ranks for r in results})
+    lines = [f"Data parallelism (torchrun) on {machine.nodes} machine(s) x {machine.cards} card(s): each plan runs as "
+             f"{' or '.join(map(str, ranks))} ranks, and every figure but tokens/s is per device (per rank): under ddp"
+             " each rank holds what one device holds alone. tokens/s is the whole job's: ranks x a rank's tokens over"
+             " its step plus the gradient sum across ranks; a fit counts the host RAM and disk of every rank on a"
+             " machine (a ring all-reduce of the bytes the engine's fake step"
+             f" hands to its all-reduces, over the host link{' and an assumed %g GB/s network' % rank_plan.NETWORK_GBPS if machine.nodes > 1 else ''}; modelled, not overlapped)."]
+    if any(r.derived for r in results):
+        lines.append("** derived, not measured: the one-device measurement with the blocks' weights, gradients and"
+                     " AdamW moments divided by the ranks and two blocks gathered whole (FSDP2; rank_plan.sharded).")
+    return lines
 
 
 def to_json(results: list[PlanResult]) -> str:

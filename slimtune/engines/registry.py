@@ -90,6 +90,9 @@ class EngineSpec:
     # dist.strategy values it runs under torchrun: every engine sums its gradients across ranks (ddp);
     # one that also shards its state across ranks names fsdp too.
     strategies: tuple[str, ...] = ("ddp",)
+    # True: one rank spreads over every card of its machine it is given (on_cards), so data
+    # parallelism has one rank per machine, not one per card (planner.Machine.ranks).
+    uses_cards: bool = False
     module: str = field(default="", compare=False)  # who registered it (set by register)
 
 

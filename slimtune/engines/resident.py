@@ -19,6 +19,7 @@ from slimtune.distributed import SINGLE, Dist
 from slimtune.engines.base import (StepResult, check_resumable, evaluate_batches, model_loss, step_divisor,
                                    to_float)
 from slimtune.engines.registry import EngineSpec, register
+from slimtune.errors import UserError
 from slimtune.loss import LossOutput
 from slimtune.model import Stack
 from slimtune.optim import rules
@@ -170,11 +171,27 @@ def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch
                                   dequant)
 
 
+def validate(cfg: RunConfig) -> None:
+    """dist.strategy=fsdp: FSDP gathers a block when the block module is called, which the block
+    checkpointing of activations.py does in parts, and it shards float tensors, not 4-bit codes."""
+    if cfg.dist.strategy != "fsdp":
+        return
+    if cfg.activations.checkpoint != "none":
+        raise UserError(f"dist.strategy=fsdp runs without block checkpointing; set activations.checkpoint=none (it is"
+                        f" {cfg.activations.checkpoint}), or use dist.strategy=ddp.")
+    if cfg.quant.scheme != "none":
+        raise UserError("dist.strategy=fsdp shards float weights, not a 4-bit base; set quant.scheme=none or use"
+                        " dist.strategy=ddp.")
+
+
 def plans(method: str) -> list[dict]:
     """bf16 and fp32, checkpointing in each store, and for LoRA a 4-bit base with and without them
-    and the whole LoRA peak-memory stack."""
+    and the whole LoRA peak-memory stack; for full fine-tuning also the blocks sharded across ranks
+    (weighed only where there are several: planner.Machine.ranks)."""
     options = [{"precision": precision} for precision in ("bf16", "fp32")]
     options += [{"precision": "bf16", "activations.checkpoint": store} for store in ("recompute", "host", "disk")]
+    if method == "full":
+        options.append({"precision": "bf16", "dist.strategy": "fsdp"})
     if method == "lora":
         nf4 = {"precision": "bf16", "quant.scheme": "nf4"}
         options += [nf4, *({**nf4, "activations.checkpoint": store} for store in ("recompute", "host", "disk"))]
@@ -184,4 +201,4 @@ def plans(method: str) -> list[dict]:
 
 register(EngineSpec(
     name="resident", summary="everything on the device (the baseline every other engine is checked against).",
-    build=ResidentEngine, step_time=step_time, plans=plans, strategies=("ddp", "fsdp")))
+    build=ResidentEngine, step_time=step_time, plans=plans, validate=validate, strategies=("ddp", "fsdp")))

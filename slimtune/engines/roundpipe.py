@@ -460,6 +460,6 @@ register(EngineSpec(
     name="roundpipe", summary="stateless workers on several devices, stages dispatched round robin, state on the host"
     " (a box of consumer cards).",
     build=RoundPipeEngine, step_time=step_time, section=RoundPipeConfig, validate=validate, plans=plans,
-    model_on_host=True, on_cards=on_cards,
+    model_on_host=True, on_cards=on_cards, uses_cards=True,
     # A stage holds several blocks and the partition depends on the whole model: estimated at full depth.
     by_depth=lambda cfg: False))
