@@ -459,6 +459,8 @@ def summary_table(summary: dict) -> str:
     ]
     if summary["eval_loss"] is not None:
         rows.append(("eval loss / perplexity", f"{summary['eval_loss']:.4f} / {summary['eval_ppl']:.2f}"))
+    if summary.get("world_size", 1) > 1:
+        rows.append(("ranks", f"{summary['world_size']} (data parallel: torchrun)"))
     rows += [
         ("tokens/s (after step 1)", f"{summary['tokens_per_s']:.0f}"),
         ("devices", _devices_text(summary.get("devices", []))),

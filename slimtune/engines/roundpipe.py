@@ -72,6 +72,10 @@ class RoundPipeEngine:
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.section: RoundPipeConfig = cfg.section("roundpipe")
         self.devices = worker_devices(self.section, device)
+        if device.type == "cuda" and dist.local_world_size > 1:
+            # Its workers take the machine's cards from cuda:0: two ranks of one machine would share them.
+            raise UserError(f"engine=roundpipe spreads one rank over this machine's cards, and torchrun started "
+                            f"{dist.local_world_size} here; start one process per machine (--nproc-per-node 1).")
         self.device = self.devices[0]
         self._refuse_dropout(stack)
         if getattr(stack.head, "bias", None) is not None:
