@@ -8,7 +8,9 @@ A checkpoint is a folder `checkpoints/step-<N>/`:
 State sharded across ranks (dist.strategy=fsdp: DTensors) is written by every rank at once with
 torch.distributed.checkpoint into `sharded/` in place of the two safetensors files, keyed the same
 way (`trainable/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>`); rank 0 writes the rest. It loads
-into whatever the resuming engine holds (whole tensors or shards of any world size): DCP reshards.
+into whatever the resuming engine holds (whole tensors or shards): DCP reshards. The training loop
+resumes a run only on the world size that wrote it, since the data position means those steps
+(data.BatchStream's fingerprint); another engine, or an export, may read it on any.
 Under data parallelism without sharding every rank holds the same state and rank 0 alone writes.
 Every engine writes this one format (`EngineState`): the optimizer state is kept by parameter name,
 not in an engine's own layout, so a checkpoint resumes under another engine (plan=auto on another
@@ -98,18 +100,24 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def process_rng_state() -> dict:
-    """Every generator the loop draws from (Python's, torch's, each CUDA device's): what resume restores."""
+    """Every generator the loop draws from (Python's, torch's, each CUDA device's): what resume
+    restores; and the current device's apart ("cuda_own": under torchrun, the rank's own card)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_own"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
 def set_process_rng_state(state: dict) -> None:
+    """Rank 0 writes the state; every rank of a job draws alike (one seed, the same ops), so rank r's
+    own card takes rank 0's own card's state, not rank 0's copy of card r's (which it never used)."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+        if "cuda_own" in state:
+            torch.cuda.set_rng_state(state["cuda_own"], torch.cuda.current_device())
 
 
 def _host(tensors: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     parser.add_argument("--version", action="version", version=f"slimtune {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
-        "train", help="fine-tune from a YAML config (no config: run the demo)",
+        "train", help="fine-tune from a YAML config (no config: run the demo)", allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=TRAIN_EPILOG.format(fields="\n".join(help_text())),
     )
@@ -180,6 +180,11 @@ def _train(args: argparse.Namespace) -> None:
     if args.gpu:
         overrides.append(f"gpu={args.gpu}")
     _refuse_nonpositive(("--nproc", args.nproc))
+    if args.nproc is not None and args.nproc > 1:
+        from slimtune import distributed
+
+        if distributed.launched():
+            raise UserError("--nproc starts torchrun itself; under torchrun leave it out (each rank is one process).")
     cfg = config.load(path, overrides)  # checked here, once, before any rank starts
     if args.nproc is not None and args.nproc > 1:
         from slimtune import launch
@@ -297,7 +302,22 @@ def main(argv: list[str] | None = None) -> int:
 
         planning_worker.start(_option("--model"))  # it imports slimtune while this process parses and loads
     args = _parse(argv)
-    code = _run(args)
+    try:
+        code = _run(args)
+    except Exception as err:  # a bug, or a collective that failed inside torch (FSDP's own)
+        if not _in_a_failed_job():
+            raise
+        import torch.distributed as tdist
+
+        if isinstance(err, tdist.DistError):  # a peer lost inside torch's own collectives: not a bug
+            print(f"slimtune: error: {_rank_prefix()}another rank stopped answering inside torch's collectives"
+                  f" ({str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__}); the run"
+                  " stops on every rank. The same command resumes from the last checkpoint.", file=sys.stderr)
+        else:
+            import traceback
+
+            traceback.print_exc()
+        _exit_without_teardown(1)
     if argv is None and args.command == "plan":
         _exit_without_teardown(code)
     if code != 0 and _in_a_failed_job():
@@ -330,7 +350,7 @@ def _run(args: argparse.Namespace) -> int:
                     "chat": _chat, "eval": _eval}
         commands[args.command](args)
     except UserError as err:
-        if not _said_by_rank0(err):
+        if not getattr(err, "said", False) and not _said_by_rank0(err):
             print(f"slimtune: error: {_rank_prefix()}{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -345,7 +365,7 @@ def _said_by_rank0(err: UserError) -> bool:
     refusal handed on as distributed.Echo); the others end without repeating it."""
     from slimtune import distributed
 
-    if distributed.env_rank() == 0:
+    if distributed.env_rank() == 0 or isinstance(err, distributed.JoinFailed):
         return False
     return isinstance(err, distributed.Echo) or not distributed.joined()  # before the job formed: a setting
 

@@ -46,6 +46,20 @@ class Echo(UserError):
     """Rank 0's error, raised on the other ranks too so that all stop: rank 0 alone says it."""
 
 
+class JoinFailed(UserError):
+    """This rank could not join its job (each rank says its own)."""
+
+
+def say_error(err: BaseException) -> None:
+    """Say a UserError now, in the CLI's words, and mark it said (the CLI does not repeat it); other
+    errors keep their traceback for the CLI."""
+    if isinstance(err, UserError) and not getattr(err, "said", False):
+        import sys
+
+        print(f"slimtune: error: {err}", file=sys.stderr, flush=True)
+        err.said = True
+
+
 _JOINED = threading.Event()  # set once this process has joined its job's process group
 
 
@@ -158,7 +172,7 @@ class Dist:
         """Run one collective; a rank lost on the way is said in one sentence (PeerFailed)."""
         try:
             return call()
-        except (RuntimeError, OSError) as err:  # gloo/NCCL: DistBackendError, DistNetworkError, timeouts
+        except (RuntimeError, OSError, _checkpoint_error()) as err:  # gloo/NCCL errors, timeouts, DCP's
             raise PeerFailed(f"rank {self.rank} of {self.world_size}: another rank {self._why(err)} during {what}; the"
                              " run stops on every rank.") from None
 
@@ -187,6 +201,13 @@ class Dist:
 
 
 SINGLE = Dist()
+
+
+def _checkpoint_error() -> type:
+    """torch.distributed.checkpoint's CheckpointException (a BaseException): a rank's failed write."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 class Counting(Dist):
@@ -227,12 +248,12 @@ def from_env(timeout_s: float) -> Dist:
 
     missing = [name for name in ENV if name not in os.environ]
     if missing:
-        raise UserError(f"the launcher's environment lacks {', '.join(missing)}; start with torchrun "
+        raise JoinFailed(f"the launcher's environment lacks {', '.join(missing)}; start with torchrun "
                         "(or slimtune train --nproc N).")
     local_rank = int(os.environ["LOCAL_RANK"])
     timeout = datetime.timedelta(seconds=timeout_s)
     cuda = torch.cuda.is_available()
-    if cuda:
+    if cuda and local_rank < torch.cuda.device_count():  # else assembly.resolve_device says so (device=cuda)
         torch.cuda.set_device(local_rank)
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     try:
@@ -240,7 +261,7 @@ def from_env(timeout_s: float) -> Dist:
             tdist.init_process_group(backend=backend, timeout=timeout)
         host_group = tdist.new_group(backend="gloo", timeout=timeout)
     except (RuntimeError, OSError, ValueError) as err:
-        raise UserError(f"could not join the job at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} as rank "
+        raise JoinFailed(f"could not join the job at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} as rank "
                         f"{os.environ['RANK']} of {os.environ['WORLD_SIZE']} ({str(err).splitlines()[0][:160]}).") from None
     _JOINED.set()
     return Dist(rank=tdist.get_rank(), local_rank=local_rank, world_size=tdist.get_world_size(),

@@ -39,6 +39,9 @@ class Machine:
     disk_bytes: int  # free disk for scratch files (block inputs, memory-mapped moments)
     cards: int = 1  # cards of that kind per machine: an engine that uses several is weighed on all (EngineSpec.on_cards)
     nodes: int = 1  # machines alike, trained together with data parallelism (torchrun; rank_plan.py)
+    # True under a running torchrun job that has a rank per card: an engine spanning a machine's
+    # cards (EngineSpec.uses_cards) cannot be chosen for it.
+    rank_per_card: bool = False
 
     @classmethod
     def named(cls, gpu: str, host_ram: str | None = None, disk: str | None = None, folder: str = ".",
@@ -110,6 +113,9 @@ class PlanResult:
                                 else "measured on fake tensors (training meter)",
             "ranks": self.ranks,
             "allreduce_bytes": e.allreduce_bytes,
+            "allreduce_bytes_kind": "derived (rank_plan.sharded)" if self.derived
+                                    else "counted on the fake step (distributed.Counting)",
+            "breakdown_kind": "derived (rank_plan.sharded)" if self.derived else "measured on fake tensors",
             "sync_s_modelled": self.sync_s,
             "breakdown": e.breakdown,
             "host_bytes": e.host_bytes,
@@ -168,7 +174,7 @@ def per_device_estimate(model_config, cfg: RunConfig, machine: Machine, batch_si
     """What one device holds: the measured estimate; under fsdp derived from it (rank_plan.sharded)."""
     found = cached_estimate(model_config, cfg, batch_size, seq_len)
     if cfg.dist.strategy == "fsdp":
-        found = rank_plan.sharded(found, model_config, machine.ranks(cfg.engine))
+        found = rank_plan.sharded(found, model_config, machine.ranks(cfg.engine), cfg.train.grad_accum)
     return found
 
 
@@ -229,6 +235,8 @@ def applicable_plans(base: RunConfig, machine: Machine | None = None) -> list[di
         except UserError:
             continue
         if plan.get("dist.strategy") == "fsdp" and (machine is None or machine.ranks(plan["engine"]) < 2):
+            continue
+        if machine is not None and machine.rank_per_card and machine.cards > 1 and engines.get(plan["engine"]).uses_cards:
             continue
         found.append(plan)
     return found
@@ -354,7 +362,7 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
     for r in results:
         e = r.estimate
         row = [r.engine, r.label, human_bytes(e.device_peak_bytes) + ("**" if r.derived else ""),
-               *(human_bytes(e.breakdown.get(c, 0)) for c in (_DETAIL if detail else ())),
+               *(human_bytes(e.breakdown.get(c, 0)) + ("**" if r.derived else "") for c in (_DETAIL if detail else ())),
                human_bytes(e.host_bytes), human_bytes(e.disk_bytes), human_bytes(e.host_link_bytes),
                f"{r.tokens_per_s:,.0f}"]
         row += [f"{r.max_seq:,}" if r.max_seq else "-"] if with_seq else []

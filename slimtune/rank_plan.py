@@ -47,8 +47,11 @@ def block_params(model_config, total_params: int) -> int:
     return total_params - vocab * hidden * (1 if tied else 2) - hidden
 
 
-def sharded(found: estimate.Estimate, model_config, ranks_: int) -> estimate.Estimate:
-    """The per-device figures of fsdp on `ranks_` ranks, derived from the one-device estimate."""
+def sharded(found: estimate.Estimate, model_config, ranks_: int, micro_batches: int = 1) -> estimate.Estimate:
+    """The per-device figures of fsdp on `ranks_` ranks, derived from the one-device estimate; its
+    payload too: every micro-batch gathers the blocks twice (forward, backward) and reduce-scatters
+    their gradients. Weights are gathered in their own dtype, fp32 (sharding.py sets no
+    MixedPrecisionPolicy)."""
     if ranks_ <= 1:
         return found
     share = block_params(model_config, found.total_params) / max(found.trainable_params, 1)
@@ -63,9 +66,10 @@ def sharded(found: estimate.Estimate, model_config, ranks_: int) -> estimate.Est
     gathered = int(FSDP_GATHERED_BLOCKS * per_block + per_block)  # two blocks' weights, one's gradients
     breakdown["weights"] = breakdown.get("weights", 0) + int(FSDP_GATHERED_BLOCKS * per_block)
     breakdown["gradients"] = breakdown.get("gradients", 0) + int(per_block)
-    blocks = 4 * block_params(model_config, found.total_params) * (ranks_ - 1) / ranks_
-    # Two all-gathers and a reduce-scatter, each half an all-reduce's traffic; the edges summed as under ddp.
-    payload = int(1.5 * blocks + found.allreduce_bytes * (1 - share))
+    blocks = 4 * block_params(model_config, found.total_params)
+    # As all-reduce payloads (sync_seconds applies the ring's 2(R-1)/R): two all-gathers and a
+    # reduce-scatter a micro-batch, each half an all-reduce's traffic; the edges summed as under ddp.
+    payload = int(1.5 * blocks * micro_batches + found.allreduce_bytes * (1 - share))
     return dataclasses.replace(found, device_peak_bytes=found.device_peak_bytes - saved + gathered,
                                breakdown=breakdown, allreduce_bytes=payload)
 

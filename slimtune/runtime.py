@@ -348,23 +348,35 @@ class HostWorker:
             self.executor.shutdown(wait=True, cancel_futures=True)
 
 
+def _host_tag() -> str:
+    """This machine, in a scratch folder's name: a pid means something only on the machine it runs on
+    (ranks of several machines may share one output_dir)."""
+    import hashlib
+    import socket
+
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
 def scratch_folder(root: Path, kind: str, setting: str) -> Path:
-    """A new private folder `<kind>-<pid>-<random>` under `root` for this process's files. `setting`:
-    the key that named `root`, for the sentence when it is not usable."""
+    """A new private folder `<kind>-<pid>@<host>-<random>` under `root` for this process's files.
+    `setting`: the key that named `root`, for the sentence when it is not usable."""
     try:
         root.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}-", dir=root))
+        return Path(tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}@{_host_tag()}-", dir=root))
     except OSError as err:
         raise UserError(f"{setting} '{root}' is not a usable folder ({err}).") from None
 
 
 def remove_orphans(root: Path, kind: str) -> list[Path]:
-    """Delete the `<kind>-<pid>-*` folders under `root` whose process is gone (a kill -9 runs no
-    clean-up); those of live processes, e.g. another run sharing the folder, stay. Returns the removed."""
+    """Delete the `<kind>-<pid>@<host>-*` folders of this machine under `root` whose process is gone
+    (a kill -9 runs no clean-up); those of live processes, e.g. another run sharing the folder, and
+    those of other machines stay. Returns the removed."""
     removed = []
     for folder in sorted(root.glob(f"{kind}-*")) if root.is_dir() else []:
-        found = re.fullmatch(rf"{re.escape(kind)}-(\d+)-.+", folder.name)
-        if folder.is_dir() and found and not _alive(int(found.group(1))):
+        found = re.fullmatch(rf"{re.escape(kind)}-(\d+)(?:@([0-9a-f]+))?-.+", folder.name)
+        if not found or found.group(2) not in (None, _host_tag()):
+            continue
+        if folder.is_dir() and not _alive(int(found.group(1))):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed

@@ -2,8 +2,9 @@
 (`torch.distributed.fsdp.fully_shard`).
 
 Each decoder block is its own FSDP unit: its weights, their gradients and AdamW's moments are held
-as DTensor shards (dim 0, 1/world each); the block's forward all-gathers its weights (the next
-block's gather is prefetched by FSDP) and its backward reduce-scatters the gradients. The slimtune
+as DTensor shards (dim 0, 1/world each); the block's forward all-gathers its weights and frees them
+after, its backward gathers them again and reduce-scatters the gradients. The weights are gathered
+in their own dtype (fp32; no MixedPrecisionPolicy: autocast casts for the matmuls). The slimtune
 step calls the blocks as modules (Stack.run_block), so FSDP's own hooks do this; nothing is patched.
 
 The edges (embedding, final norm, LM head: a tied pair is one tensor) stay whole on every rank: the
@@ -31,7 +32,9 @@ def shard_blocks(blocks: nn.ModuleList, device: torch.device, dist: Dist) -> Non
 
     mesh = init_device_mesh(device.type, (dist.world_size,))
     for block in blocks:
-        fully_shard(block, mesh=mesh)
+        # Each block is its own FSDP root (no parent unit: the edges stay whole), and a root left to
+        # its default keeps its weights gathered from forward to backward: re-shard them explicitly.
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
         block.set_gradient_divide_factor(1.0)
         # Plain SUM collectives with the factor applied after (exactly 1): gloo has no PREMUL_SUM.
         block.set_force_sum_reduction_for_comms(True)
@@ -74,12 +77,12 @@ def scale_(grads: list[torch.Tensor], coefficient: torch.Tensor) -> None:
         torch._foreach_mul_(sharded, float(coefficient))
 
 
-def full(tensor: torch.Tensor) -> torch.Tensor:
+def full(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
     """The whole tensor on the host: a shard is gathered from every rank first (a collective: every
-    rank calls it, in the same order)."""
+    rank calls it, in the same order); `keep=False` (a rank that writes nothing) gathers and drops it."""
     if is_sharded(tensor):
         tensor = tensor.full_tensor()
-    return tensor.detach().cpu()
+    return tensor.detach().cpu() if keep else None
 
 
 def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:

@@ -69,32 +69,36 @@ class Run:
         return batches[: t.eval_batches] if t.eval_batches else batches
 
 
-def _machine(cfg: RunConfig, gpu: presets.GpuProfile) -> planner.Machine:
-    """The card to plan for, with this machine's RAM and the free disk where the run writes."""
+def _machine(cfg: RunConfig, gpu: presets.GpuProfile, dist: Dist = SINGLE) -> planner.Machine:
+    """The card to plan for, with this machine's RAM and the free disk where the run writes; under
+    torchrun as many cards and machines as the job has (its ranks share a machine's RAM)."""
     folder = Path(cfg.output_dir).absolute()
     while not folder.exists():
         folder = folder.parent
-    return planner.Machine(gpu, presets.physical_ram_bytes(), shutil.disk_usage(folder).free)
+    return planner.Machine(gpu, presets.physical_ram_bytes(), shutil.disk_usage(folder).free,
+                           cards=dist.local_world_size if dist.active else 1, nodes=dist.nodes if dist.active else 1,
+                           rank_per_card=dist.active)
 
 
-def _auto_plan(cfg: RunConfig, device: torch.device) -> RunConfig:
-    """plan=auto: the planner's recommended engine and options for the run's card."""
+def _auto_plan(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE) -> RunConfig:
+    """plan=auto: the planner's recommended engine and options for the run's card (and its ranks)."""
     gpu = presets.gpu_profile(cfg.gpu) if cfg.gpu else presets.device_profile(device)
-    planned, chosen = planner.apply_recommended(cfg, presets.model_config(cfg.model), _machine(cfg, gpu))
+    planned, chosen = planner.apply_recommended(cfg, presets.model_config(cfg.model), _machine(cfg, gpu, dist))
     print(f"plan=auto on {gpu.name}: {chosen.engine} {chosen.label} "
           f"(device peak {human_bytes(chosen.estimate.device_peak_bytes)}, measured on fake tensors; "
           f"{chosen.tokens_per_s:,.0f} tokens/s modelled)")
     return planned
 
 
-def _settle_open(cfg: RunConfig, device: torch.device) -> RunConfig:
+def _settle_open(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE) -> RunConfig:
     """Settings the run left to the planner (EngineSpec.open_settings): the engine's first candidate
     that fits the run's card."""
     candidates = engines.get(cfg.engine).open_settings(cfg)
     if not candidates:
         return cfg
     gpu = presets.gpu_profile(cfg.gpu) if cfg.gpu else presets.device_profile(device)
-    settled, chosen = planner.first_fitting(presets.model_config(cfg.model), cfg, candidates, _machine(cfg, gpu))
+    settled, chosen = planner.first_fitting(presets.model_config(cfg.model), cfg, candidates,
+                                            _machine(cfg, gpu, dist))
     print(f"settled for {gpu.name}: {chosen.label} (device peak {human_bytes(chosen.estimate.device_peak_bytes)},"
           " measured on fake tensors)")
     return settled
@@ -106,8 +110,8 @@ def build(cfg: RunConfig, dist: Dist = SINGLE) -> Run:
     device = assembly.resolve_device(cfg.device, dist)
 
     def planned() -> RunConfig:
-        settled = _auto_plan(cfg, device) if cfg.plan == "auto" else cfg
-        return _settle_open(settled, device)
+        settled = _auto_plan(cfg, device, dist) if cfg.plan == "auto" else cfg
+        return _settle_open(settled, device, dist)
 
     cfg = _on_rank0(dist, planned, "the plan")
     precision = assembly.resolve_precision(cfg.precision, device)
@@ -136,9 +140,10 @@ def _on_rank0(dist: Dist, work, what: str):
     if dist.is_main:
         try:
             outcome = ("done", work())
-        except UserError as err:
-            outcome = ("failed", str(err))
-            dist.broadcast_object(outcome, what)
+        except BaseException as err:
+            # Said here, before the others learn of it and end (torchrun then stops this rank too).
+            distributed.say_error(err)
+            dist.broadcast_object(("failed", str(err) or type(err).__name__), what)
             raise
     kind, value = dist.broadcast_object(outcome, what)
     if kind == "failed":

@@ -32,7 +32,7 @@ class ResidentEngine:
         self.stack, self.device, self.precision, self.dist = stack, device, precision, dist
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
-        self.sharded = cfg.dist.strategy == "fsdp" and dist.active
+        self.sharded, self.method = cfg.dist.strategy == "fsdp" and dist.active, cfg.method
         if self.sharded:
             sharding.shard_blocks(stack.blocks, device, dist)
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
@@ -124,10 +124,14 @@ class ResidentEngine:
         return evaluate_batches(batches, lambda b: self._loss(b.to(self.device), training=False).exact_sum)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """The trained weights by name; under fsdp whole, gathered one at a time to the host (a
-        collective: export calls it on every rank)."""
+        """The trained weights by name. Under fsdp gathered whole one at a time to the host: a
+        collective, so every rank calls it (export does), and only rank 0 keeps what it gathers; for
+        full fine-tuning the frozen sharded tensors too (export writes the whole model from it)."""
         if self.sharded:
-            return {n: sharding.full(p) for n, p in self.named}
+            whole_model = self.method == "full"
+            gathered = ((n, sharding.full(p, self.dist.is_main)) for n, p in self.stack.model.named_parameters()
+                        if p.requires_grad or (whole_model and sharding.is_sharded(p)))
+            return {n: t for n, t in gathered if t is not None}
         return {n: p.detach() for n, p in self.named}
 
     def host_bytes(self) -> int:

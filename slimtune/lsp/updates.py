@@ -81,6 +81,10 @@ class UpdatePipeline:
     def _complete_block(self) -> None:
         backward = self.backward
         self.clock.arrived(len(backward.open))
+        # Summed across ranks first, in matrix order (not autograd's hook order): every rank's
+        # collectives pair the same matrices. One bucket for the block's matrices.
+        self.dist.all_reduce_([self.modules[i].z.grad for i in sorted(backward.open)],
+                              what="a block's compressed gradient sum")
         for index in backward.open:
             self._finalize(index)
         backward.open = []
@@ -88,7 +92,6 @@ class UpdatePipeline:
     def _finalize(self, index: int) -> None:
         """Matrix `index`'s G_c is complete: it goes down now, and the actions due at this arrival run."""
         backward, z = self.backward, self.modules[index].z
-        self.dist.all_reduce_([z.grad], what=f"matrix {index}'s compressed gradient sum")
         backward.norms.append(torch.linalg.vector_norm(z.grad))
         host, copied = self.link.to_host(z.grad)
         z.grad = None

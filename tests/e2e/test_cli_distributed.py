@@ -74,7 +74,7 @@ class Job:
 
 
 def test_fsdp_job_trains_as_one_process_and_resumes_exactly_after_kill_9(workdir):
-    steps = ["train.steps=40", "train.save_every=3"]
+    steps = ["train.steps=24", "train.save_every=3"]
     fsdp = [*FULL, *steps, "dist.strategy=fsdp", "--nproc", "2"]
     slimtune("train", "run.yaml", *FULL, *steps, "train.grad_accum=2", "output_dir=one", cwd=workdir)
     slimtune("train", "run.yaml", *fsdp, "output_dir=two", cwd=workdir)
@@ -83,9 +83,9 @@ def test_fsdp_job_trains_as_one_process_and_resumes_exactly_after_kill_9(workdir
     for key in one:
         torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0, msg=key)
     logged = records(workdir / "two")
-    assert [r["step"] for r in logged] == list(range(1, 41))  # rank 0 alone writes the log
+    assert [r["step"] for r in logged] == list(range(1, 25))  # rank 0 alone writes the log
     assert all(r["allreduce_bytes"] > 0 for r in logged)
-    assert (workdir / "two" / "checkpoints" / "step-00000039" / "sharded" / ".metadata").is_file()
+    assert (workdir / "two" / "checkpoints" / "step-00000024" / "sharded" / ".metadata").is_file()
 
     job = Job(workdir, "run.yaml", *fsdp, "output_dir=killed")
     job.wait_for(workdir / "killed" / "checkpoints" / "step-00000003")
@@ -101,7 +101,7 @@ def test_fsdp_job_trains_as_one_process_and_resumes_exactly_after_kill_9(workdir
         assert torch.equal(resumed[key], two[key]), key
     assert [r["loss"] for r in records(workdir / "killed")] == [r["loss"] for r in logged]
 
-    changed = slimtune("train", "run.yaml", *FULL, *steps, "dist.strategy=fsdp", "train.steps=45", "output_dir=two",
+    changed = slimtune("train", "run.yaml", *FULL, *steps, "dist.strategy=fsdp", "train.steps=30", "output_dir=two",
                        cwd=workdir, check=False)
     assert changed.returncode == 2
     assert "world_size was 2, now 1" in changed.stderr and "Traceback" not in changed.stderr
@@ -139,3 +139,13 @@ def test_a_lost_rank_ends_the_job_with_a_message(workdir, how):
     out = slimtune("train", "run.yaml", "lora.dropout=0", f"train.steps={latest + 2}", "--no-progress",
                    "output_dir=out", "--nproc", "2", cwd=workdir)  # the last checkpoint stays usable
     assert f"resumed from {latest}" in out.stdout
+
+
+def test_what_rank_0_refuses_is_said_once_and_ends_every_rank(workdir):
+    slimtune("train", "run.yaml", "train.steps=2", "--no-progress", cwd=workdir)
+    out = slimtune("train", "run.yaml", "train.steps=2", "train.resume=false", "--no-progress", "--nproc", "2",
+                   cwd=workdir, check=False)
+    assert out.returncode == 2
+    refusal = [line for line in out.stderr.splitlines() if "train.overwrite=true" in line]
+    assert len(refusal) == 1 and refusal[0].startswith("slimtune: error: "), out.stderr  # rank 0's, once
+    assert out.stderr.splitlines()[-1].startswith("slimtune: error: rank 0 of 2") and "Traceback" not in out.stderr

@@ -217,12 +217,18 @@ def test_every_checkpoint_damaged_is_one_sentence(here, capsys):
 
 def test_scratch_folders_of_killed_runs_are_removed_at_the_next_start(here):
     blocks = here / "out" / "activations"
-    dead, alive = blocks / "blocks-999999-x", blocks / f"blocks-{os.getpid()}-y"  # pid 999999: no such process
-    for folder in (dead, alive):
+    from slimtune import runtime
+
+    here_tag = runtime._host_tag()
+    dead, alive = blocks / f"blocks-999999@{here_tag}-x", blocks / f"blocks-{os.getpid()}@{here_tag}-y"
+    legacy = blocks / "blocks-999999-z"  # named before the machine was in the name: judged here
+    elsewhere = blocks / "blocks-999999@0badc0de-w"  # another machine's (a shared output_dir): not ours to judge
+    for folder in (dead, alive, legacy, elsewhere):  # pid 999999: no such process here
         folder.mkdir(parents=True)
         (folder / "block-0.bin").write_bytes(b"0" * 64)
     assert run("train.steps=2", "activations.checkpoint=disk") == 0
-    assert not dead.exists() and alive.exists()  # another live process's folder is left alone
+    assert not dead.exists() and not legacy.exists()
+    assert alive.exists() and elsewhere.exists()  # another live process's folder, another machine's, left alone
 
 
 # ---------------------------------------------------------------- 8. export says what it exports

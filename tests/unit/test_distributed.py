@@ -90,3 +90,15 @@ def test_outside_torchrun_there_is_one_process(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert not distributed.launched() and distributed.env_rank() == 0
     assert distributed.from_env(10.0) is distributed.SINGLE
+
+
+def test_nproc_is_spelled_out_and_not_nested(monkeypatch, capsys):
+    from slimtune import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "run.yaml", "--npro", "2"])  # an abbreviation would survive into every rank
+    assert "unrecognized arguments: --npro" in capsys.readouterr().err
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["train", "--nproc", "2", "model=m", "data.path=d"]) == 2
+    assert "under torchrun leave it out" in capsys.readouterr().err
