@@ -23,6 +23,13 @@ from slimtune.model import Stack  # noqa: E402
 from slimtune.pipeline.settings import RoundPipeConfig  # noqa: E402
 
 CPU = torch.device("cpu")
+# fp32 sums the ranks' gradients in another order than one process does. Where contributions cancel,
+# the residue differs (~1e-9) and AdamW, which divides by sqrt(v) + eps, turns a residue near eps
+# into a step near lr / 10: up to 3e-5 apart at lr 1e-3, eps 1e-8 on this tiny random model (the
+# fsdp CLI test, real text, stays within 1e-6 at eps 1e-8). fp32 cases use eps 1e-6, where such
+# residues cannot steer and ordinary gradients (1e-4 and up) are unaffected; fp64 keeps 1e-8.
+LR = {"fp64": 1e-2, "fp32": 1e-3}
+EPS = {"fp64": 1e-8, "fp32": 1e-6}
 STEPS = 3
 TRAIN = dict(steps=STEPS, batch_size=2, lr=1e-2, weight_decay=0.1, warmup_steps=1, schedule="cosine",
              max_grad_norm=0.5)
@@ -47,12 +54,14 @@ def step_batches(vocab: int, step: int, count: int):
     return batches(vocab, 1000 + step, micro=count, rows=2)
 
 
-def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: str = "fp64"):
+def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: str = "fp64", lr: float | None = None):
     """(losses, grad norms, trained weights) after STEPS steps of `micro_per_rank` micro-batches on
     each of dist's ranks (SINGLE: the whole step's in one process)."""
     fields, model_settings, *train_settings = CASES[name]
     fields = copy.deepcopy(fields)
     settings = {**TRAIN, **(train_settings[0] if train_settings else {}), "grad_accum": micro_per_rank}
+    settings["lr"] = lr if lr is not None else LR[precision]
+    settings["eps"] = EPS[precision]
     cfg = engine_config(TrainConfig(**settings), precision=precision, **fields)
     cfg.validate()
     model = model_of(3, dtype=torch.float64 if precision == "fp64" else torch.float32, **model_settings)
@@ -71,13 +80,17 @@ def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: 
     return losses, norms, weights
 
 
+PRECISIONS = ("fp64", "fp32")
+
+
 def main(out: Path) -> None:
     dist = distributed.from_env(60.0)
     micro = 2 if dist.world_size == 2 else 1
-    for name in CASES:
-        found = run_case(name, dist, micro)
-        if dist.is_main:
-            torch.save({"micro": micro, "world": dist.world_size, "found": found}, out / f"{name}.pt")
+    for precision in PRECISIONS:
+        for name in CASES:
+            found = run_case(name, dist, micro, precision)
+            if dist.is_main:
+                torch.save({"micro": micro, "world": dist.world_size, "found": found}, out / f"{name}-{precision}.pt")
     dist.close()
 
 

@@ -1,6 +1,7 @@
 """Data parallelism: 2 and 3 processes under torchrun (gloo, CPU) give the weights one process gets on
-the concatenated batch, for every engine and for fsdp (float64, 1e-10), with the loss and gradient
-norm of every step; and the pieces: sharding, buckets, the combined step figures, the refusals."""
+the concatenated batch, for every engine and for fsdp (float64 to 1e-10, float32 to 1e-6), with the
+loss and gradient norm of every step; and the pieces: sharding, buckets, the combined step figures,
+the refusals."""
 
 import subprocess
 import sys
@@ -32,19 +33,23 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 300) -> subp
 def test_ranks_train_as_one_process_on_the_whole_batch(world, tmp_path):
     proc = torchrun(world, TESTS / "dist_cases.py", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for name in dist_cases.CASES:
-        saved = torch.load(tmp_path / f"{name}.pt", weights_only=False)
-        assert saved["world"] == world
-        losses, norms, weights = saved["found"]
-        ref_losses, ref_norms, ref_weights = dist_cases.run_case(name, distributed.SINGLE, saved["micro"] * world)
-        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0), name
-        assert norms == pytest.approx(ref_norms, abs=1e-10, rel=0), name
-        assert weights.keys() == ref_weights.keys(), name
-        for key, value in ref_weights.items():
-            torch.testing.assert_close(weights[key], value, atol=1e-10, rtol=0, msg=f"{name}: {key}")
-        # The sum across ranks is what makes them agree: one rank's share alone trains other weights.
-        alone = dist_cases.run_case(name, distributed.SINGLE, saved["micro"])[2]
-        assert max((alone[k] - ref_weights[k]).abs().max().item() for k in ref_weights) > 1e-6, name
+    for precision, tol in (("fp64", 1e-10), ("fp32", 1e-6)):
+        for name in dist_cases.CASES:
+            case = f"{name} ({precision})"
+            saved = torch.load(tmp_path / f"{name}-{precision}.pt", weights_only=False)
+            assert saved["world"] == world
+            losses, norms, weights = saved["found"]
+            ref_losses, ref_norms, ref_weights = dist_cases.run_case(name, distributed.SINGLE, saved["micro"] * world,
+                                                                     precision)
+            assert losses == pytest.approx(ref_losses, abs=tol, rel=0), case
+            assert norms == pytest.approx(ref_norms, abs=tol, rel=0), case
+            assert weights.keys() == ref_weights.keys(), case
+            for key, value in ref_weights.items():
+                torch.testing.assert_close(weights[key], value, atol=tol, rtol=0, msg=f"{case}: {key}")
+            if precision == "fp64":
+                # The sum across ranks is what makes them agree: one rank's share alone trains other weights.
+                alone = dist_cases.run_case(name, distributed.SINGLE, saved["micro"])[2]
+                assert max((alone[k] - ref_weights[k]).abs().max().item() for k in ref_weights) > 1e-6, case
 
 
 def test_shard_takes_every_world_th_item():
