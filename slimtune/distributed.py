@@ -117,7 +117,7 @@ class Dist:
         if not self.active:
             return
         group = self.host_group if host else self.device_group
-        for bucket in _buckets([t for t in tensors if t is not None and t.numel()]):
+        for bucket in buckets([t for t in tensors if t is not None and t.numel()]):
             if len(bucket) == 1:
                 self._reduce(bucket[0], group, what)
                 continue
@@ -222,7 +222,7 @@ class Counting(Dist):
             self.reduced_bytes += counted
 
 
-def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Consecutive runs of one dtype and device, each at most BUCKET_BYTES (a larger tensor alone)."""
     out: list[list[torch.Tensor]] = []
     size = 0

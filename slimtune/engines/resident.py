@@ -1,9 +1,9 @@
 """Engine `resident`: everything on the device; the baseline every other engine is checked against.
 
-Under torchrun: dist.strategy=ddp sums the gradients across ranks after the step's backward (flat
-buckets, distributed.Dist.all_reduce_) before clipping and AdamW; dist.strategy=fsdp shards the
-blocks' weights, gradients and moments across ranks with FSDP2 (sharding.py), the edges summed as
-under ddp."""
+Under torchrun: dist.strategy=ddp sums the gradients across ranks while the step's last backward
+runs (flat buckets launched as they fill: grad_buckets.py) and waits for the sums before clipping
+and AdamW; dist.strategy=fsdp shards the blocks' weights, gradients and moments across ranks with
+FSDP2 (sharding.py), the edges summed after backward."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from slimtune.distributed import SINGLE, Dist
 from slimtune.engines.base import (StepResult, check_resumable, evaluate_batches, model_loss, step_divisor,
                                    to_float)
 from slimtune.engines.registry import EngineSpec, register
+from slimtune.grad_buckets import GradientBuckets
 from slimtune.errors import UserError
 from slimtune.loss import LossOutput
 from slimtune.model import Stack
@@ -44,6 +45,8 @@ class ResidentEngine:
             [{"params": params, "weight_decay": decay} for params, decay in sharding.split_by_sharding(groups)],
             **rules.adamw_settings(cfg.train), fused=True)
         rules.init_adamw_state(self.optimizer)
+        # ddp: sums launched during the last backward (the planner's Counting dist counts instead).
+        self.buckets = GradientBuckets(dist, self.params) if dist.active and not self.sharded else None
         self.step_count = 0  # optimizer steps taken: the learning-rate schedule's position
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
         self._reading = None  # the meter reading of the step in progress
@@ -53,6 +56,8 @@ class ResidentEngine:
     def _tag_gradient(self, param: torch.Tensor) -> None:
         if self._reading is not None:
             self._reading.retag(param.grad, "gradients")
+        if self.buckets is not None:
+            self.buckets.ready(param)
 
     def _resident_tensors(self):
         yield from ((p, "weights") for p in self.stack.model.parameters())
@@ -73,14 +78,18 @@ class ResidentEngine:
             self._reading = reading
             exact_sum, excluded_sum = 0.0, 0.0
             with block_stores.open_store(self.activations_cfg, self.device, self.store_dir) as store:
-                for batch in micro_batches:
+                for k, batch in enumerate(micro_batches):
                     out = self._loss(batch.to(self.device), reading, store=store)
+                    if self.buckets is not None and k == len(micro_batches) - 1:
+                        self.buckets.arm()
                     (out.loss_sum / total).backward()
                     # The exact loss is what is logged: a subset objective is only a lower bound of it.
                     exact_sum, excluded_sum = exact_sum + out.exact_sum, excluded_sum + out.excluded_mass_sum
             memory.mark("update")
-            # Summed across ranks (the whole tensors; fsdp's shards were reduce-scattered in backward).
-            self.dist.all_reduce_(p.grad for p in self.params if not sharding.is_sharded(p.grad))
+            if self.buckets is not None:
+                self.buckets.finish()
+            else:  # the edges under fsdp (its shards were reduce-scattered in backward); Counting's count
+                self.dist.all_reduce_(p.grad for p in self.params if not sharding.is_sharded(p.grad))
             grad_norm = self._clip()
             applied = rules.is_finite(grad_norm) and rules.is_finite(exact_sum)
             for group in self.optimizer.param_groups:

@@ -61,7 +61,7 @@ def test_shard_takes_every_world_th_item():
 def test_buckets_keep_order_dtype_and_size(monkeypatch):
     monkeypatch.setattr(distributed, "BUCKET_BYTES", 64)
     tensors = [torch.zeros(4), torch.zeros(4), torch.zeros(12), torch.zeros(2, dtype=torch.float64), torch.zeros(40)]
-    sizes = [[t.numel() for t in bucket] for bucket in distributed._buckets(tensors)]
+    sizes = [[t.numel() for t in bucket] for bucket in distributed.buckets(tensors)]
     assert sizes == [[4, 4], [12], [2], [40]]  # 32 B + 48 B > 64; a dtype change cuts; a large one stands alone
 
 
@@ -107,3 +107,35 @@ def test_nproc_is_spelled_out_and_not_nested(monkeypatch, capsys):
         monkeypatch.setenv(name, value)
     assert cli.main(["train", "--nproc", "2", "model=m", "data.path=d"]) == 2
     assert "under torchrun leave it out" in capsys.readouterr().err
+
+
+def test_gradient_buckets_launch_in_bucket_order_as_they_fill(monkeypatch):
+    """Hooks may fire in any order; buckets go out in one order on every rank, each as soon as it
+    and those before it are full (one rank of gloo in this process: the sums are the gradients)."""
+    import torch.distributed as tdist
+
+    from slimtune.grad_buckets import GradientBuckets
+
+    monkeypatch.setattr(distributed, "BUCKET_BYTES", 16)
+    tdist.init_process_group("gloo", rank=0, world_size=1, store=tdist.HashStore())
+    try:
+        params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(4)]  # 16 bytes each: a bucket each
+        for i, p in enumerate(params):
+            p.grad = torch.full((4,), float(i))
+        dist = distributed.Dist(device_group=tdist.group.WORLD)
+        buckets = GradientBuckets(dist, params)
+        assert [bucket[0] is p for bucket, p in zip(buckets.buckets, reversed(params))] == [True] * 4
+        buckets.arm()
+        buckets.ready(params[1])  # bucket 2: waits for buckets 0 and 1
+        assert len(buckets._flights) == 0
+        buckets.ready(params[3])  # bucket 0 goes
+        assert [f[0][0] is params[3].grad for f in buckets._flights] == [True]
+        buckets.ready(params[2])  # bucket 1, then the waiting bucket 2
+        assert [f[0][0] for f in buckets._flights] == [params[3].grad, params[2].grad, params[1].grad]
+        buckets.finish()  # bucket 3 (params[0]) never got its hook: sent at the end
+        assert [p.grad.tolist() for p in params] == [[float(i)] * 4 for i in range(4)]
+        assert dist.take_reduced_bytes() == 4 * 16 and not buckets.armed
+        buckets.ready(params[0])  # not armed: earlier micro-batches only accumulate
+        assert buckets._flights == []
+    finally:
+        tdist.destroy_process_group()
