@@ -260,8 +260,7 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
 
     say = tqdm.write if progress else (print if dist.is_main else _silent)
     with RunFolder(cfg) if dist.is_main else contextlib.nullcontext() as folder:
-        # A missing wandb or mlflow is said before the model loads.
-        _on_rank0(dist, lambda: (folder.inspect(), check_trackers(cfg.log)) and None, "the run folder's check")
+        _on_rank0(dist, lambda: _check_before_loading(folder, cfg), "the run folder's check")
         run = run or build(cfg, dist)
         out = Path(run.cfg.output_dir)
         stream, start = _begin(run, folder, say)
@@ -289,6 +288,13 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
     if dist.is_main:
         log.plot(out / "metrics.png")
     return run, summary
+
+
+def _check_before_loading(folder: RunFolder, cfg: RunConfig) -> None:
+    """The folder may take this run, and a wanted wandb or mlflow is installed: said before the
+    model loads."""
+    folder.inspect()
+    check_trackers(cfg.log)
 
 
 def _silent(*args, **kwargs) -> None:

@@ -30,7 +30,7 @@ CPU = torch.device("cpu")
 # residues cannot steer and ordinary gradients (1e-4 and up) are unaffected; fp64 keeps 1e-8.
 LR = {"fp64": 1e-2, "fp32": 1e-3}
 EPS = {"fp64": 1e-8, "fp32": 1e-6}
-STEPS = 3
+STEPS = 2
 TRAIN = dict(steps=STEPS, batch_size=2, lr=1e-2, weight_decay=0.1, warmup_steps=1, schedule="cosine",
              max_grad_norm=0.5)
 # name -> (RunConfig fields, model settings[, training settings over TRAIN])

@@ -46,7 +46,7 @@ def test_ranks_train_as_one_process_on_the_whole_batch(world, tmp_path):
             assert weights.keys() == ref_weights.keys(), case
             for key, value in ref_weights.items():
                 torch.testing.assert_close(weights[key], value, atol=tol, rtol=0, msg=f"{case}: {key}")
-            if precision == "fp64":
+            if precision == "fp64" and world == 2:
                 # The sum across ranks is what makes them agree: one rank's share alone trains other weights.
                 alone = dist_cases.run_case(name, distributed.SINGLE, saved["micro"])[2]
                 assert max((alone[k] - ref_weights[k]).abs().max().item() for k in ref_weights) > 1e-6, case
