@@ -38,7 +38,6 @@ from slimtune.errors import UserError
 PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
 FORMAT = 2  # meta.json "format"; checkpoints without one kept engine-specific optimizer state
-FILES = ("trainable.safetensors", "moments.safetensors", "state.pt")  # sized and checksummed in meta.json
 SHARDED = "sharded"  # the folder torch.distributed.checkpoint writes sharded state into
 
 
@@ -131,7 +130,7 @@ def save(root: Path, step: int, state: EngineState, stream_state: dict, keep_las
     sharded = is_sharded(state)
     if not dist.is_main and not sharded:
         return folder
-    with atomic_folder(folder) if dist.is_main else _made_by_rank0(folder, dist) as tmp:
+    with atomic_folder(folder) if dist.is_main else _made_by_rank0(folder) as tmp:
         if sharded:
             _save_sharded(state, tmp, dist)
         else:
@@ -170,9 +169,8 @@ def _save_sharded(state: EngineState, tmp: Path, dist: Dist) -> None:
 
 
 @contextmanager
-def _made_by_rank0(folder: Path, dist: Dist):
+def _made_by_rank0(folder: Path):
     """A rank other than 0 writes its shards into the temporary folder rank 0 made and renames."""
-    del dist
     yield folder.with_name(folder.name + TMP_SUFFIX)
 
 

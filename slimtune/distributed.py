@@ -123,16 +123,31 @@ class Dist:
                 continue
             flat = torch.cat([t.reshape(-1) for t in bucket])
             self._reduce(flat, group, what)
-            start = 0
-            for t in bucket:
-                t.copy_(flat[start : start + t.numel()].view_as(t))
-                start += t.numel()
+            _copy_back(flat, bucket)
+
+    def start_sum(self, tensors: list[torch.Tensor], what: str) -> tuple:
+        """Begin summing `tensors` (one flat copy) over the device group without waiting; `finish_sum`
+        waits and writes the sums back. Launches must be in the same order on every rank."""
+        import torch.distributed as tdist
+
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self._count(flat)
+        work = self.collective(lambda: tdist.all_reduce(flat, group=self.device_group, async_op=True), what)
+        return tensors, flat, work, what
+
+    def finish_sum(self, flight: tuple) -> None:
+        tensors, flat, work, what = flight
+        self.collective(work.wait, what)
+        _copy_back(flat, tensors)
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self.reduced_bytes += tensor.numel() * tensor.element_size()
 
     def _reduce(self, tensor: torch.Tensor, group, what: str, op=None) -> None:
         import torch.distributed as tdist
 
-        with self._lock:
-            self.reduced_bytes += tensor.numel() * tensor.element_size()
+        self._count(tensor)
         self.collective(lambda: tdist.all_reduce(tensor, op=op or tdist.ReduceOp.SUM, group=group), what)
 
     def sum_floats(self, values: Sequence[float], what: str) -> list[float]:
@@ -220,6 +235,13 @@ class Counting(Dist):
         counted = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         with self._lock:
             self.reduced_bytes += counted
+
+
+def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    start = 0
+    for t in tensors:
+        t.copy_(flat[start : start + t.numel()].view_as(t))
+        start += t.numel()
 
 
 def buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

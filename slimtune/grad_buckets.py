@@ -25,7 +25,7 @@ class GradientBuckets:
         self.armed = False
         self._ready: list[int] = []
         self._next = 0
-        self._flights: list[tuple[list[torch.Tensor], torch.Tensor, object]] = []
+        self._flights: list[tuple] = []  # Dist.start_sum's, in launch order
 
     def arm(self) -> None:
         """The coming backward completes the step's gradients: sum each bucket as it fills."""
@@ -41,17 +41,9 @@ class GradientBuckets:
             self._next += 1
 
     def _launch(self, k: int) -> None:
-        import torch.distributed as tdist
-
         grads = [p.grad for p in self.buckets[k] if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        with self.dist._lock:
-            self.dist.reduced_bytes += flat.numel() * flat.element_size()
-        work = self.dist.collective(lambda: tdist.all_reduce(flat, group=self.dist.device_group, async_op=True),
-                                    "the gradient sum")
-        self._flights.append((grads, flat, work))
+        if grads:
+            self._flights.append(self.dist.start_sum(grads, "the gradient sum"))
 
     def finish(self) -> None:
         """Every bucket launched (those whose tensors got no gradient this step: what they have), all
@@ -60,9 +52,5 @@ class GradientBuckets:
             self._launch(self._next)
             self._next += 1
         flights, self._flights, self.armed = self._flights, [], False
-        for grads, flat, work in flights:
-            self.dist.collective(work.wait, "the gradient sum")
-            start = 0
-            for g in grads:
-                g.copy_(flat[start : start + g.numel()].view_as(g))
-                start += g.numel()
+        for flight in flights:
+            self.dist.finish_sum(flight)

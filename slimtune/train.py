@@ -180,7 +180,7 @@ def evaluate(run: Run, batches: list[data.Batch]) -> dict:
     rank runs them all (a sharded block's forward is a collective: the ranks must run alike)."""
     if not batches:
         return {}
-    sharded = getattr(run.engine, "sharded", False)
+    sharded = run.cfg.dist.strategy == "fsdp" and run.dist.active
     mine = batches if sharded or not run.dist.active else run.dist.shard(batches)
     loss_sum, tokens = run.engine.evaluate(mine) if mine else (0.0, 0)
     if run.dist.active and not sharded:

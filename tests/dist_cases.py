@@ -19,7 +19,6 @@ from slimtune.engines.chunk import ChunkConfig  # noqa: E402
 from slimtune.config import DistConfig, TrainConfig  # noqa: E402
 from slimtune.engines.lsp import LspConfig  # noqa: E402
 from slimtune.engines.slide import SlideConfig  # noqa: E402
-from slimtune.model import Stack  # noqa: E402
 from slimtune.pipeline.settings import RoundPipeConfig  # noqa: E402
 
 CPU = torch.device("cpu")
