@@ -305,26 +305,30 @@ def _sliced_head_grads(x, targets, lse, head: _Head, chunk: int, slices, scale: 
     """The active rows' gradients of a sliced head's weight and bias, times `scale`, added into their
     side buffers: per tile of rows and token chunk, softmax(z) - onehot(y) on those rows' logits
     (from the saved log-sum-exp), then its transpose @ x for the weight, its column sums for the
-    bias. Rows go in CAST_TILE_ROWS tiles, so a head narrower than the logits is cast a tile at a time."""
+    bias. Rows go in CAST_TILE_ROWS tiles, so a head narrower than the logits is cast a tile at a time;
+    with a sink (chunk.gradients=host) each tile's gradient is handed over when complete."""
     dtype = lse.dtype
     for active, is_bias in zip(slices, (False, True)):
         live, rows = _slice_rows(active)
         if not live:
             continue
-        if active.grad is None:
-            active.grad = x.new_zeros(active.shape, dtype=torch.promote_types(active.param.dtype, torch.float32))
         a, b = rows
-        for r0 in memory.representative(range(a, b, CAST_TILE_ROWS), x):
+        tiles = range(a, b, CAST_TILE_ROWS)
+        # every tile under a sink, fake tensors too: each crosses the link, and the link's bytes are counted
+        for r0 in tiles if active.sink is not None else memory.representative(tiles, x):
             r1 = min(r0 + CAST_TILE_ROWS, b)
             tile = head.weight[r0:r1].to(dtype)  # (r, D): a view when the head is in the logits dtype
+            target = active.rows(r0 - a, r1 - a, x)  # the side buffer's rows, or a tile for the sink
             for start in memory.representative(range(0, x.shape[0], chunk), x):
                 x_c = x[start : start + chunk].to(dtype)  # (c, D)
                 g = _rows_gradient(x_c, tile, head, r0, r1, targets[start : start + chunk],
                                    lse[start : start + chunk], scale)
                 if is_bias:
-                    active.grad[r0 - a : r1 - a] += g.sum(0)
+                    target += g.sum(0)
                 else:
-                    active.grad[r0 - a : r1 - a].addmm_(g.T, x_c)
+                    target.addmm_(g.T, x_c)
+            active.rows_done(r0 - a, target)
+            del target
 
 
 def _rows_gradient(x_c, tile, head: _Head, r0: int, r1: int, t, lse, scale) -> torch.Tensor:

@@ -58,6 +58,9 @@ class ActiveSlice:
         self.param, self.axis = param, axis
         self.start = self.stop = 0
         self.grad: torch.Tensor | None = None
+        # Where contributions go instead of `grad` when set: a chunk.downlink.Downlink streaming them
+        # to host accumulators as backward makes them (engine chunk, chunk.gradients=host).
+        self.sink = None
 
     def __repr__(self) -> str:
         return f"ActiveSlice(shape={tuple(self.param.shape)}, axis={self.axis}, range=[{self.start}, {self.stop}))"
@@ -81,24 +84,55 @@ class ActiveSlice:
         shape[self.axis] = self.stop - self.start
         return torch.Size(shape)
 
+    def _check(self, g: torch.Tensor, rows: int | None = None) -> None:
+        shape = self.shape if rows is None else self._rows_shape(rows)
+        if g.shape != shape:
+            raise ValueError(f"Gradient of shape {tuple(g.shape)} for a slice of shape {tuple(shape)}.")
+
+    def _rows_shape(self, rows: int) -> torch.Size:
+        shape = list(self.shape)
+        shape[self.axis] = rows
+        return torch.Size(shape)
+
+    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """The side buffer, made zero on first use."""
+        if self.grad is None:
+            self.grad = like.new_zeros(self.shape, dtype=side_dtype(self.param.dtype))
+        return self.grad
+
     def add(self, g: torch.Tensor) -> None:
         """Accumulates g, the gradient of the active slice, into the side buffer (a copy on first
-        use: never the caller's tensor)."""
-        if g.shape != self.shape:
-            raise ValueError(f"Gradient of shape {tuple(g.shape)} for a slice of shape {tuple(self.shape)}.")
-        if self.grad is None:
+        use: never the caller's tensor), or hands it to the sink."""
+        self._check(g)
+        if self.sink is not None:
+            self.sink.add(self, 0, g)
+        elif self.grad is None:
             self.grad = g.to(dtype=side_dtype(self.param.dtype), copy=True)
         else:
             self.grad.add_(g)
 
-    def add_scaled(self, g: torch.Tensor, scale: torch.Tensor) -> None:
-        """Accumulates g * scale (a 0-dim tensor) without a scaled copy of g when the buffer exists."""
-        if g.shape != self.shape:
-            raise ValueError(f"Gradient of shape {tuple(g.shape)} for a slice of shape {tuple(self.shape)}.")
-        if self.grad is None:
-            self.grad = (g * scale.to(g.dtype)).to(dtype=side_dtype(self.param.dtype))
+    def rows(self, lo: int, hi: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer to accumulate the gradient of the slice's positions [lo, hi) along its axis in
+        (an LM-head tile's rows): a view of the side buffer, or, with a sink, a zeroed tensor that
+        `rows_done` then hands over."""
+        if self.sink is not None:
+            return like.new_zeros(self._rows_shape(hi - lo), dtype=side_dtype(self.param.dtype))
+        return self._buffer(like).narrow(self.axis, lo, hi - lo)
+
+    def rows_done(self, lo: int, buffer: torch.Tensor) -> None:
+        """The buffer `rows(lo, ...)` gave is complete."""
+        if self.sink is not None:
+            self.sink.add(self, lo, buffer)
+
+    def add_indexed(self, ids: torch.Tensor, source: torch.Tensor) -> None:
+        """Adds source's rows (n, ...) at the slice's positions ids (n,) along axis 0 (an
+        embedding's rows by token id; rows outside the slice masked to zero by the caller)."""
+        if self.axis != 0:
+            raise ValueError("add_indexed adds rows along axis 0.")
+        if self.sink is not None:
+            self.sink.add_indexed(self, ids, source)
         else:
-            self.grad.addcmul_(g.to(self.grad.dtype), scale.to(self.grad.dtype))
+            self._buffer(source).index_add_(0, ids, source)
 
     def take(self) -> torch.Tensor | None:
         """The accumulated gradient (None if nothing was added); the buffer starts again empty."""
@@ -198,7 +232,8 @@ class SlicedLinear(nn.Linear):
 # ---------------------------------------------------------------- Embedding
 
 
-def _embedding_rows_grad(dy: torch.Tensor, ids: torch.Tensor, rng: tuple[int, int], padding_idx: int | None):
+def _add_embedding_rows(active: ActiveSlice, dy: torch.Tensor, ids: torch.Tensor, rng: tuple[int, int],
+                        padding_idx: int | None) -> None:
     """Rows a:b of the embedding gradient: output gradients of the tokens whose id is in [a, b) and
     is not padding_idx, scatter-added by id. Masks instead of boolean indexing: no data-dependent
     shape, so it runs under fake tensors."""
@@ -208,9 +243,7 @@ def _embedding_rows_grad(dy: torch.Tensor, ids: torch.Tensor, rng: tuple[int, in
     keep = (ids >= a) & (ids < b)
     if padding_idx is not None:
         keep &= ids != padding_idx
-    local = torch.where(keep, ids - a, 0)
-    source = dy.to(dtype) * keep[:, None].to(dtype)
-    return dy.new_zeros((b - a, dy.shape[1]), dtype=dtype).index_add_(0, local, source)
+    active.add_indexed(torch.where(keep, ids - a, 0), dy.to(dtype) * keep[:, None].to(dtype))
 
 
 class _SlicedEmbeddingFn(torch.autograd.Function):
@@ -228,7 +261,7 @@ class _SlicedEmbeddingFn(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         if ctx.w_range:
             with torch.autocast(dy.device.type, enabled=False):
-                ctx.w_slice.add(_embedding_rows_grad(dy, ids, ctx.w_range, ctx.padding_idx))
+                _add_embedding_rows(ctx.w_slice, dy, ids, ctx.w_range, ctx.padding_idx)
         return None, None, None, None
 
 

@@ -89,6 +89,7 @@ class ChunkState:
         self.adams, self.members = self._optimizers()
         self.visited = [False] * len(self.chunks)
         self.sweep = self.position = self.done_on_active = 0
+        self.planned = self.heaviest()  # the chunk the planner's fake step runs; an engine may choose another
 
     # ------------------------------------------------------------ building
 
@@ -135,8 +136,8 @@ class ChunkState:
 
     @property
     def active(self) -> int:
-        """The active chunk; under fake tensors (the planner's step) the heaviest one."""
-        return self.heaviest() if self.fake else self.order(self.sweep)[self.position]
+        """The active chunk; under fake tensors (the planner's step) the planned one."""
+        return self.planned if self.fake else self.order(self.sweep)[self.position]
 
     def heaviest(self) -> int:
         """The chunk with the most numbers: every chunk's step holds the same activations and its own
@@ -144,6 +145,12 @@ class ChunkState:
         only (a norm's or a bias's weight-gradient sums while its range is live: within 0.1% on the
         test model)."""
         return max(range(len(self.chunks)), key=self.numel)
+
+    def most_of(self, name: str) -> int:
+        """The chunk holding the most of tensor `name` (the first of equals)."""
+        def share(k: int) -> int:
+            return sum(self.piece_shape(p).numel() for p in self.chunks[k] if p.name == name)
+        return max(range(len(self.chunks)), key=share)
 
     def advance(self) -> None:
         """After a successful step: the next chunk once this one had switch_every of them."""

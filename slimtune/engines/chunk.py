@@ -10,7 +10,10 @@ round-robin order or a fresh random order each sweep.
 Where things live. Device: every weight in the run's dtype (bf16 on a GPU), the activations of full
 fine-tuning, and the active chunk's gradient (fp32, allocated when the step begins: the
 slice-aware ops of chunk/sliced.py add into it, so no dense .grad ever exists and input gradients
-are exact). Host: per chunk a HostAdam (the shared host optimizer: torch's fused CPU AdamW) over
+are exact). With chunk.gradients=host not even that: each op's contribution goes down to the host
+accumulators as backward makes it (chunk/downlink.py), a window of at most 128 MiB held on the
+device, so the device peak no longer depends on N (the link carries the chunk's gradient every
+micro-batch instead of once a step). Host: per chunk a HostAdam (the shared host optimizer: torch's fused CPU AdamW) over
 its pieces: fp32 masters, AdamW moments and a step count of its own, in RAM or memory-mapped files
 (chunk.state=disk; masters too), made when the engine is built and filled from the weights on the
 chunk's first visit. One set of gradient accumulators and bf16 shadows, sized for the largest
@@ -40,6 +43,7 @@ host side is chunk/state.py's, shared.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -50,7 +54,8 @@ from torch._subclasses.fake_tensor import is_fake
 from slimtune import block_stores, memory, runtime, speed
 from slimtune.checkpoint import EngineState
 from slimtune.chunk import sliced
-from slimtune.chunk.state import ChunkState, axis_of, narrow, open_settings, scratch
+from slimtune.chunk.downlink import Downlink
+from slimtune.chunk.state import ChunkState, Member, axis_of, narrow, open_settings, scratch
 from slimtune.config import RunConfig, positive, setting
 from slimtune.data import Batch
 from slimtune.distributed import SINGLE, Dist
@@ -78,6 +83,10 @@ class ChunkConfig:
         "ram", "chunk working set: fp32 masters and AdamW moments of every chunk in host RAM, or in memory-mapped"
                " files (12 B a number off the RAM).")
     state_dir: str | None = setting(None, "chunk.state=disk: where the state files go (default: output_dir/chunk-state).")
+    gradients: Literal["device", "host"] = setting(
+        "device", "engine=chunk: the active chunk's gradient sums on the device (4 B a number of 1/N of them), or"
+                  " goes to its host accumulators while backward makes it (a window of at most 128 MiB on the"
+                  " device; the link carries it every micro-batch).")
 
     def validate(self) -> None:
         if self.n_chunks < 0:
@@ -109,8 +118,24 @@ class ChunkEngine:
                                 {n: s.axis for n, s in self.slices.items()}, cfg, device, self.fake,
                                 lambda name: self.slices[name].param)
         self.link = runtime.Link(device)
+        self.downlink = None
+        if cfg.section("chunk").gradients == "host":
+            worker = runtime.HostWorker(inline=self.fake)  # the additions into the host accumulators
+            weakref.finalize(self, worker.close)
+            self.downlink = Downlink(self.link, worker)
+            self._plan_the_head_chunk()
         self.step_count = 0  # optimizer steps taken: the lr schedule's position
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
+
+    def _plan_the_head_chunk(self) -> None:
+        """With gradients on the host the planner's step runs the chunk with most of the LM head's
+        rows, not the heaviest: no chunk-sized buffer is on the device, and the head's gradient tiles
+        are made at the loss, where the step peaks (every block input still held); the blocks'
+        contributions come as memory falls."""
+        head = self.stack.model.get_output_embeddings()
+        name = next((n for n, s in self.slices.items() if head is not None and s.param is head.weight), None)
+        if name is not None:
+            self.state.planned = self.state.most_of(name)
 
     # ------------------------------------------------------------ one step
 
@@ -119,15 +144,28 @@ class ChunkEngine:
         yield from ((b, "weights") for b in self.stack.model.buffers())
 
     def _open(self, k: int, reading) -> None:
-        """Chunk k's pieces become the active ranges, with zeroed gradients on the device."""
+        """Chunk k's pieces become the active ranges, with zeroed gradients on the device, or with
+        their host accumulators as where their gradients go (chunk.gradients=host)."""
         for active in self.slices.values():
             active.take()
             active.set(0, 0)
+        for piece, _, _ in self.state.members[k]:
+            self.slices[piece.name].set(piece.start, piece.stop)
+        if self.downlink is not None:
+            self.downlink.open([(self.slices[piece.name], grad) for (piece, _, _), grad in self.state.grad_views(k)],
+                               retag=lambda t: reading.retag(t, "gradients"))
+            return
         with reading.phase("gradients"):
             for piece, _, _ in self.state.members[k]:
                 active = self.slices[piece.name]
-                active.set(piece.start, piece.stop)
                 active.grad = torch.zeros(active.shape, dtype=self.state.dtype, device=self.device)
+
+    def _gradients(self, k: int) -> list[tuple[Member, torch.Tensor]]:
+        """After backward: chunk k's summed gradients, on the device or in the host accumulators."""
+        if self.downlink is None:
+            return [(member, self.slices[member[0].name].take()) for member in self.state.members[k]]
+        self.downlink.close(self.slices.values())
+        return self.state.grad_views(k)
 
     def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
         self.stack.model.train()
@@ -144,12 +182,15 @@ class ChunkEngine:
                     (out.loss_sum / total).backward()
                     exact_sum = exact_sum + out.exact_sum
             memory.mark("update")
-            grads = [(member, self.slices[member[0].name].take()) for member in self.state.members[k]]
-            self.dist.all_reduce_((grad for _, grad in grads), what="the active chunk's gradient sum")
+            grads = self._gradients(k)
+            on_host = self.downlink is not None
+            self.dist.all_reduce_((grad for _, grad in grads), host=on_host, what="the active chunk's gradient sum")
             norm = torch.nn.utils.get_total_norm([grad for _, grad in grads], foreach=True)
             applied = rules.is_finite(norm) and rules.is_finite(exact_sum)
             if applied:
-                self._update(k, grads, lr, rules.clip_coefficient(norm, self.train_cfg.max_grad_norm))
+                self._update(k, [] if on_host else grads, lr, rules.clip_coefficient(norm, self.train_cfg.max_grad_norm))
+            elif on_host:
+                self.state.discard(k)
             del grads
         self.step_count += 1  # the schedule moves on, as on every engine; the chunk only after an update
         if applied:
@@ -165,7 +206,8 @@ class ChunkEngine:
             extras={"chunk": k}, applied=applied)
 
     def _update(self, k: int, grads: list, lr: float, clip: torch.Tensor) -> None:
-        """Gradients down, host AdamW over chunk k, the rounded masters up into the weight slices."""
+        """Device gradients (none when they are on the host already) down, host AdamW over chunk k,
+        the rounded masters up into the weight slices."""
         adam = self.state.adams[k]
         events = [self.link.copy_down(adam.member(g, i).grad, grad) for (_, g, i), grad in grads]
         for event in events:
@@ -229,11 +271,14 @@ def weight_dtype(precision: str, method: str) -> torch.dtype:
 
 
 def plans(method: str) -> list[dict]:
-    """Full fine-tuning at 16 chunks, every block recomputed (the spec's default checkpointing): one
-    plan, as each is estimated at full depth; other N are a setting away (chunk.n_chunks)."""
+    """Full fine-tuning, every block recomputed (the spec's default checkpointing): 16 chunks with
+    their gradient on the device, and 4 with it streamed to the host (the device peak of the first
+    at a quarter of the chunks: each tensor updated four times as often). Two plans only, as each is
+    estimated at full depth; other N are a setting away (chunk.n_chunks)."""
     if method != "full":
         return []
-    return [{"precision": "bf16", "activations.checkpoint": "recompute", "chunk.n_chunks": 16}]
+    plan = {"precision": "bf16", "activations.checkpoint": "recompute"}
+    return [{**plan, "chunk.n_chunks": 16}, {**plan, "chunk.n_chunks": 4, "chunk.gradients": "host"}]
 
 
 register(EngineSpec(
