@@ -14,7 +14,10 @@ def time_to_accuracy(name: str, variant: dict, steps: int, every: int, root: Pat
     settings = copy.deepcopy(demo.SETTINGS)
     settings.update({k: v for k, v in variant.items() if k != "train"})
     settings["train"].update(schedule="constant", warmup_steps=10, eval_every=0, log_every=1, measure_memory=False,
-                             resume=True, save_every=every, **variant["train"])
+                             resume=True, save_every=every)
+    settings["train"].update(variant["train"])
+    if settings["train"]["schedule"] != "constant":
+        every = steps  # a decaying schedule is sized by train.steps: one run, scored at its end
     settings["output_dir"] = str(root / name.replace(" ", "_").replace("=", "").replace("(", "").replace(")", ""))
     curve, records = [], []
     for upto in range(every, steps + 1, every):
