@@ -33,8 +33,10 @@ the device, which is what the device budget of this engine is for.
 Learning rate: per_step follows the run's schedule step by step; per_sweep holds each sweep at the
 lr of its first step, on the same total-step schedule (the reference stretched it by N: pitfall 8).
 
-The planner's fake step runs the chunk with the most numbers (ChunkState.heaviest), at full depth:
-which blocks hold the active pieces differs with the depth, so the estimate by depth does not apply.
+The planner's fake step runs the chunk with the most numbers (ChunkState.heaviest), or, with the
+gradient on the host, the chunk with most of the LM head (its tiles are made where the step peaks),
+at full depth: which blocks hold the active pieces differs with the depth, so the estimate by depth
+does not apply.
 chunk.n_chunks=0 is settled when a run starts: the fewest chunks whose step fits the card.
 
 The same working set runs on the sliding window too (engine slide, slide.working_set=chunk): the
@@ -271,14 +273,15 @@ def weight_dtype(precision: str, method: str) -> torch.dtype:
 
 
 def plans(method: str) -> list[dict]:
-    """Full fine-tuning, every block recomputed (the spec's default checkpointing): 16 chunks with
-    their gradient on the device, and 4 with it streamed to the host (the device peak of the first
-    at a quarter of the chunks: each tensor updated four times as often). Two plans only, as each is
-    estimated at full depth; other N are a setting away (chunk.n_chunks)."""
+    """Full fine-tuning at 16 chunks, every block recomputed (the spec's default checkpointing), the
+    gradient streamed to the host: at one micro-batch a step it crosses the link as often as from the
+    device (bf16 where the device mode sends fp32), and the device holds no chunk-sized buffer. One
+    plan, as each is estimated at full depth; the device mode and other N are a setting away
+    (chunk.gradients, chunk.n_chunks)."""
     if method != "full":
         return []
-    plan = {"precision": "bf16", "activations.checkpoint": "recompute"}
-    return [{**plan, "chunk.n_chunks": 16}, {**plan, "chunk.n_chunks": 4, "chunk.gradients": "host"}]
+    return [{"precision": "bf16", "activations.checkpoint": "recompute", "chunk.n_chunks": 16,
+             "chunk.gradients": "host"}]
 
 
 register(EngineSpec(
