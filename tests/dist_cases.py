@@ -44,6 +44,8 @@ CASES = {
     "lsp": (dict(engine="lsp", method="full", sections={"lsp": LspConfig(d=8, r=3, check_every=0, fit_iterations=3)}),
             {}, {"weight_decay": 0.0}),
     "chunk": (dict(engine="chunk", method="full", sections={"chunk": ChunkConfig(n_chunks=3)}), {}),
+    "chunk_host": (dict(engine="chunk", method="full", sections={"chunk": ChunkConfig(n_chunks=3, gradients="host")}),
+                   {"tie_word_embeddings": True}),
     "roundpipe": (dict(engine="roundpipe", method="full", sections={"roundpipe": RoundPipeConfig(workers=2)}), {}),
 }
 

@@ -18,7 +18,7 @@ def wide_model_dir(tmp_path_factory):
     """A config (only a config: the planner reads no weights) wide and deep enough for the worker:
     layers x hidden >= planner.PARALLEL_FROM."""
     folder = tmp_path_factory.mktemp("wide-llama")
-    LlamaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=8,
+    LlamaConfig(hidden_size=4096, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=32,
                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512).save_pretrained(folder)
     config = presets.model_config(str(folder))
     assert config.num_hidden_layers * config.hidden_size >= planner.PARALLEL_FROM

@@ -29,8 +29,11 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 300) -> subp
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_train_as_one_process_on_the_whole_batch(world, tmp_path):
+def test_ranks_train_as_one_process_on_the_whole_batch(tmp_path):
+    """Three ranks (uneven shards under fsdp, an odd count for every sum): two add nothing a missing
+    or doubled reduction would not already break here, and --nproc 2 runs end to end
+    (tests/e2e/test_cli_distributed.py)."""
+    world = 3
     proc = torchrun(world, TESTS / "dist_cases.py", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     for precision, tol in (("fp64", 1e-10), ("fp32", 1e-6)):
@@ -46,7 +49,7 @@ def test_ranks_train_as_one_process_on_the_whole_batch(world, tmp_path):
             assert weights.keys() == ref_weights.keys(), case
             for key, value in ref_weights.items():
                 torch.testing.assert_close(weights[key], value, atol=tol, rtol=0, msg=f"{case}: {key}")
-            if precision == "fp64" and world == 2:
+            if precision == "fp64":
                 # The sum across ranks is what makes them agree: one rank's share alone trains other weights.
                 alone = dist_cases.run_case(name, distributed.SINGLE, saved["micro"])[2]
                 assert max((alone[k] - ref_weights[k]).abs().max().item() for k in ref_weights) > 1e-6, case
