@@ -18,10 +18,12 @@ on the CPU the live-tensor meter. What it records:
 5. lsp: the bf16 compressed gradient against float64 (rtol 1e-3); lsp's step time (d = 512) against
    resident full fine-tuning (goal <= 1.17x) and against its own synchronous schedule, with a
    profiler summary of its step (lsp also joins estimate_vs_device).
-6. chunk: the fake-tensor estimate (the heaviest chunk's step) beside the measured peak of every
-   chunk's step over a sweep, for chunk (N = 4, recompute) and slide with a chunk working set; the
-   device peak for N in {1, 2, 4, 8} (gradients scale as 1/N beside fixed weights and activations);
-   chunk's median step time against resident full fine-tuning (bf16, the 1B shapes).
+6. chunk: the fake-tensor estimate (the planned chunk's step) beside the measured peak of every
+   chunk's step over a sweep, for chunk (N = 4, recompute), chunk with the gradient on the host and
+   slide with a chunk working set; the device peak for N in {1, 2, 4, 8} (gradients scale as 1/N
+   beside fixed weights and activations); chunk's median step time against resident full
+   fine-tuning (bf16, the 1B shapes); chunk.gradients=host against the device mode (losses, peak,
+   step time).
 7. roundpipe: 1-4 virtual workers on the one card (threads, each with its own streams) against
    resident, fp32, 3 steps, a tiny model: loss and weight differences (goal 1e-5); the estimate
    beside the measured peak for one worker (bf16, the 1B shapes); median step time for 1, 2 and 4
@@ -260,6 +262,8 @@ def chunk_checks(quick: bool, output_dir: str) -> dict:
     seq = 256 if quick else 1024
     model, batch, out = random_model(config), one_batch(config.vocab_size, seq), {"estimate_vs_device": []}
     plans = {"chunk": {"engine": "chunk", "activations.checkpoint": "recompute", "chunk.n_chunks": 4},
+             "chunk_host": {"engine": "chunk", "activations.checkpoint": "recompute", "chunk.n_chunks": 4,
+                            "chunk.gradients": "host"},
              "slide_chunk": {"engine": "slide", "activations.checkpoint": "host", "slide.working_set": "chunk",
                              "chunk.n_chunks": 4}}
     for name, plan in plans.items():
@@ -283,9 +287,40 @@ def chunk_checks(quick: bool, output_dir: str) -> dict:
     _, times = sweep_peaks(build_engine(model, resident_cfg, device()), batch, 4)
     out["resident_median_step_s"] = statistics.median(times[1:])
     out["chunk_n4_over_resident_time"] = out["peak_by_n"][4]["median_step_s"] / out["resident_median_step_s"]
+    out["gradients_on_host"] = host_gradient_checks(model, batch, output_dir)
     print(f"chunk: peaks by N {[(n, round(v['max_peak_bytes'] / GIB, 3)) for n, v in out['peak_by_n'].items()]} GiB,"
           f" N=4 step time over resident {out['chunk_n4_over_resident_time']:.2f}", flush=True)
     return out
+
+
+def host_gradient_checks(model, batch: Batch, output_dir: str) -> dict:
+    """chunk.gradients=host against the device mode, N = 4, a sweep of steps each: the losses (the
+    same numbers but for the order of fp32 additions in a head tile: bf16 keeps them apart only by
+    rounding), the peaks and the median step times (the cost of the per-op copies on a real link)."""
+    runs = {}
+    for mode in ("device", "host"):
+        cfg = run_config({"method": "full", "precision": "bf16", "engine": "chunk",
+                          "activations.checkpoint": "recompute", "chunk.n_chunks": 4, "chunk.gradients": mode},
+                         output_dir)
+        engine = build_engine(model, cfg, device())
+        losses, peaks, times = [], [], []
+        for _ in range(5):
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            began = time.perf_counter()
+            result = engine.step([batch])
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - began)
+            losses.append(result.loss)
+            peaks.append(result.device_peak_bytes)
+        runs[mode] = {"losses": losses, "max_peak_bytes": max(peaks), "median_step_s": statistics.median(times[1:])}
+    runs["max_loss_difference"] = max(abs(a - b) for a, b in zip(runs["device"]["losses"], runs["host"]["losses"]))
+    runs["host_over_device_time"] = runs["host"]["median_step_s"] / runs["device"]["median_step_s"]
+    print(f"chunk.gradients=host: loss difference {runs['max_loss_difference']:.2e}, peak"
+          f" {runs['host']['max_peak_bytes'] / GIB:.3f} against {runs['device']['max_peak_bytes'] / GIB:.3f} GiB,"
+          f" step time {runs['host_over_device_time']:.2f}x", flush=True)
+    return runs
 
 
 def roundpipe_checks(quick: bool, output_dir: str) -> dict:

@@ -42,9 +42,9 @@ def test_full_finetune_writes_a_loadable_model(workdir):
 
 
 def test_resume_after_kill_is_bit_exact(workdir):
-    slimtune("train", "run.yaml", "train.steps=16", "output_dir=straight", "--no-progress", cwd=workdir)
+    slimtune("train", "run.yaml", "train.steps=8", "output_dir=straight", "--no-progress", cwd=workdir)
     # kill -9 once a checkpoint exists, then resume with the same command
-    cmd = [sys.executable, "-m", "slimtune.cli", "train", "run.yaml", "train.steps=16", "output_dir=killed",
+    cmd = [sys.executable, "-m", "slimtune.cli", "train", "run.yaml", "train.steps=8", "output_dir=killed",
            "train.save_every=1", "train.keep_last=3", "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -54,8 +54,8 @@ def test_resume_after_kill_is_bit_exact(workdir):
     proc.wait()
     stopped_at = json.loads(sorted((workdir / "killed" / "checkpoints").glob("step-*[0-9]"))[-1]
                             .joinpath("meta.json").read_text())["step"]
-    assert stopped_at < 16, "the run finished before it was killed; the test proved nothing"
-    out = slimtune("train", "run.yaml", "train.steps=16", "output_dir=killed", "train.save_every=1",
+    assert stopped_at < 8, "the run finished before it was killed; the test proved nothing"
+    out = slimtune("train", "run.yaml", "train.steps=8", "output_dir=killed", "train.save_every=1",
                    "train.keep_last=3", "--no-progress", cwd=workdir)
     assert f"resumed from {stopped_at}" in out.stdout
     assert losses(workdir / "killed") == losses(workdir / "straight")
