@@ -88,7 +88,8 @@ class ChunkConfig:
     gradients: Literal["device", "host"] = setting(
         "device", "engine=chunk: the active chunk's gradient sums on the device (4 B a number of 1/N of them), or"
                   " goes to its host accumulators while backward makes it (a window of at most 128 MiB on the"
-                  " device; the link carries it every micro-batch).")
+                  " device; the link carries it every micro-batch). slide's working set always sends its gradients"
+                  " to the host.")
 
     def validate(self) -> None:
         if self.n_chunks < 0:
