@@ -321,9 +321,15 @@ class SlotBinding:
 class HostWorker:
     """Host work in submission order on one thread; `barrier` waits for it and re-raises errors."""
 
-    def __init__(self, inline: bool = False):
+    def __init__(self, inline: bool = False, device: torch.device | None = None):
+        """`device`: a CUDA device the jobs wait on (events) is made the thread's own, so a rank's
+        worker never touches another rank's card (a new thread starts on cuda:0)."""
         self.inline = inline
-        self.executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix="slimtune-host")
+        cuda = not inline and device is not None and device.type == "cuda"
+        index = (torch.cuda.current_device() if device.index is None else device.index) if cuda else None
+        self.executor = None if inline else ThreadPoolExecutor(
+            1, thread_name_prefix="slimtune-host", initializer=torch.cuda.set_device if cuda else None,
+            initargs=(index,) if cuda else ())
         self.pending: list[Future] = []
 
     def submit(self, fn, *args) -> Future:

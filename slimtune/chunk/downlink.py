@@ -10,10 +10,13 @@ the host worker adds it into the slice's fp32 accumulator, the host optimizer's 
 Working set): the same numbers a device buffer would add, so the update is unchanged but for the
 order of fp32 additions within a head tile.
 
-The window: contributions stay referenced until their addition is done, and a new one waits for the
-oldest while more than IN_FLIGHT_BYTES are held. The link's pace, not the compute's, then bounds the
-device memory; and since the references are kept on every device, the CPU meter and the planner's
-fake step see the same window a GPU holds.
+The window: a contribution stays referenced on the device until its copy has landed, and a new one
+waits for the oldest copy while more than IN_FLIGHT_BYTES are held (so the device holds at most
+that plus the contribution being made). The link's pace, not the compute's, then bounds the device
+memory; and since the references are kept on every device, the CPU meter and the planner's fake
+step see the same window a GPU holds. The host additions run behind the copies, never holding up
+the backward: only their pinned staging, past HOST_STAGING_BYTES, makes the next send wait for the
+oldest addition.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import torch
 from slimtune import runtime
 from slimtune.chunk.sliced import ActiveSlice
 
-# Device bytes of contributions held at once awaiting their copy and addition (one more may be
-# made beside them). Two of the largest Llama-8B contributions: an MLP matrix's bf16 gradient is
-# 112 MiB, a head tile's (8192 rows) 128 MiB.
+# Device bytes of contributions held at once awaiting their copy (one more may be made beside
+# them). The largest Llama-8B contributions: an MLP matrix's bf16 gradient is 112 MiB, a head
+# tile's (8192 rows, fp32) 128 MiB.
 IN_FLIGHT_BYTES = 128 * 2**20
+# Pinned host bytes of copies awaiting their addition into the accumulators.
+HOST_STAGING_BYTES = 512 * 2**20
 
 
 class Downlink:
@@ -39,8 +44,9 @@ class Downlink:
     def __init__(self, link: runtime.Link, worker: runtime.HostWorker):
         self.link, self.worker = link, worker
         self.targets: dict[int, torch.Tensor] = {}  # id(ActiveSlice) -> its active range's host accumulator
-        self.window: deque[tuple[tuple[torch.Tensor, ...], int, Future]] = deque()
-        self.held = 0
+        self.window: deque[tuple[tuple[torch.Tensor, ...], int, object]] = deque()  # (tensors, bytes, copy event)
+        self.staged: deque[tuple[int, Future]] = deque()  # (pinned bytes, its addition)
+        self.held = self.staging = 0
         self.retag: Callable[[torch.Tensor], None] = lambda t: None
 
     def open(self, targets: list[tuple[ActiveSlice, torch.Tensor]], retag=None) -> None:
@@ -57,6 +63,27 @@ class Downlink:
     def close(self, slices) -> None:
         """Waits for every addition; the slices hold their gradients on the device again."""
         self.drain()
+        self._detach(slices)
+
+    def abandon(self, slices) -> None:
+        """After a step that raised: waits for everything in flight, whatever the host work's errors
+        (the step's own error is the one to report), and detaches the slices. The accumulators then
+        hold a partial sum: the caller zeroes them."""
+        for _, _, event in self.window:
+            if event is not None:
+                event.synchronize()
+        for _, job in self.staged:
+            job.exception()  # waits, and keeps the error to itself
+        self.window.clear()
+        self.staged.clear()
+        self.held = self.staging = 0
+        try:
+            self.worker.barrier()
+        except Exception:  # noqa: BLE001 - already waited for above; only its list is emptied here
+            pass
+        self._detach(slices)
+
+    def _detach(self, slices) -> None:
         for active in slices:
             active.sink = None
         self.targets = {}
@@ -64,7 +91,9 @@ class Downlink:
     def drain(self) -> None:
         """Every contribution sent so far is in its accumulator (errors of the host work re-raised)."""
         while self.window:
-            self._retire()
+            self._retire_copy()
+        while self.staged:
+            self._retire_addition()
         self.worker.barrier()
 
     # ------------------------------------------------------------ what the ops call
@@ -84,18 +113,29 @@ class Downlink:
     def _send(self, tensors: tuple[torch.Tensor, ...], apply: Callable[[list[torch.Tensor]], object]) -> None:
         size = sum(runtime.nbytes(t) for t in tensors)
         while self.window and self.held + size > IN_FLIGHT_BYTES:
-            self._retire()
+            self._retire_copy()
+        while self.staged and self.staging + size > HOST_STAGING_BYTES:
+            self._retire_addition()
         copies = [self.link.to_host(t.detach()) for t in tensors]  # one stream: the last event is after all
-        job = self.worker.submit(_apply, copies[-1][1], apply, [host for host, _ in copies])
+        event = copies[-1][1]
+        self.staged.append((size, self.worker.submit(_apply, event, apply, [host for host, _ in copies])))
+        self.staging += size
         for t in tensors:
             self.retag(t)
-        self.window.append((tensors, size, job))
+        self.window.append((tensors, size, event))
         self.held += size
 
-    def _retire(self) -> None:
-        _, size, job = self.window.popleft()
-        job.result()
+    def _retire_copy(self) -> None:
+        """The oldest contribution has landed on the host: its device tensors may go."""
+        _, size, event = self.window.popleft()
+        if event is not None:
+            event.synchronize()
         self.held -= size
+
+    def _retire_addition(self) -> None:
+        size, job = self.staged.popleft()
+        job.result()
+        self.staging -= size
 
 
 def _apply(event, apply, hosts: list[torch.Tensor]) -> None:

@@ -122,6 +122,7 @@ class ActiveSlice:
     def rows_done(self, lo: int, buffer: torch.Tensor) -> None:
         """The buffer `rows(lo, ...)` gave is complete."""
         if self.sink is not None:
+            self._check(buffer, rows=buffer.shape[self.axis])
             self.sink.add(self, lo, buffer)
 
     def add_indexed(self, ids: torch.Tensor, source: torch.Tensor) -> None:

@@ -11,9 +11,10 @@ Where things live. Device: every weight in the run's dtype (bf16 on a GPU), the 
 fine-tuning, and the active chunk's gradient (fp32, allocated when the step begins: the
 slice-aware ops of chunk/sliced.py add into it, so no dense .grad ever exists and input gradients
 are exact). With chunk.gradients=host not even that: each op's contribution goes down to the host
-accumulators as backward makes it (chunk/downlink.py), a window of at most 128 MiB held on the
-device, so the device peak no longer depends on N (the link carries the chunk's gradient every
-micro-batch instead of once a step). Host: per chunk a HostAdam (the shared host optimizer: torch's fused CPU AdamW) over
+accumulators as backward makes it (chunk/downlink.py), a window of 128 MiB (and the one being
+made) held on the device, so the device peak no longer depends on N (the link carries the chunk's
+gradient every micro-batch instead of once a step). Host: per chunk a HostAdam (the shared host
+optimizer: torch's fused CPU AdamW) over
 its pieces: fp32 masters, AdamW moments and a step count of its own, in RAM or memory-mapped files
 (chunk.state=disk; masters too), made when the engine is built and filled from the weights on the
 chunk's first visit. One set of gradient accumulators and bf16 shadows, sized for the largest
@@ -87,7 +88,7 @@ class ChunkConfig:
     state_dir: str | None = setting(None, "chunk.state=disk: where the state files go (default: output_dir/chunk-state).")
     gradients: Literal["device", "host"] = setting(
         "device", "engine=chunk: the active chunk's gradient sums on the device (4 B a number of 1/N of them), or"
-                  " goes to its host accumulators while backward makes it (a window of at most 128 MiB on the"
+                  " goes to its host accumulators while backward makes it (a window of 128 MiB, and the one being made, on the"
                   " device; the link carries it every micro-batch). slide's working set always sends its gradients"
                   " to the host.")
 
@@ -123,7 +124,7 @@ class ChunkEngine:
         self.link = runtime.Link(device)
         self.downlink = None
         if cfg.section("chunk").gradients == "host":
-            worker = runtime.HostWorker(inline=self.fake)  # the additions into the host accumulators
+            worker = runtime.HostWorker(inline=self.fake, device=device)  # the additions into the host accumulators
             weakref.finalize(self, worker.close)
             self.downlink = Downlink(self.link, worker)
             self._plan_the_head_chunk()
@@ -177,13 +178,8 @@ class ChunkEngine:
         link_before = self.link.bytes
         with self.meter.measure(self._resident_tensors()) as reading:
             self._open(k, reading)
-            exact_sum = 0.0
             with block_stores.open_store(self.activations_cfg, self.device, self.store_dir) as store:
-                for batch in micro_batches:
-                    out = model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision,
-                                     batch.to(self.device), reading, store=store)
-                    (out.loss_sum / total).backward()
-                    exact_sum = exact_sum + out.exact_sum
+                exact_sum = self._backward(micro_batches, total, reading, store)
             memory.mark("update")
             grads = self._gradients(k)
             on_host = self.downlink is not None
@@ -207,6 +203,24 @@ class ChunkEngine:
             disk_peak_bytes=self.state.disk_bytes() + (
                 store.peak_bytes if self.activations_cfg.checkpoint == "disk" else 0),
             extras={"chunk": k}, applied=applied)
+
+    def _backward(self, micro_batches: list[Batch], total: int, reading, store) -> torch.Tensor | float:
+        """Forward and backward of every micro-batch; their exact loss sum. A step that raises with
+        the gradient on the host leaves nothing in flight and empty accumulators behind it."""
+        exact_sum = 0.0
+        try:
+            for batch in micro_batches:
+                out = model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision,
+                                 batch.to(self.device), reading, store=store)
+                (out.loss_sum / total).backward()
+                exact_sum = exact_sum + out.exact_sum
+        except BaseException:
+            if self.downlink is not None:
+                self.downlink.abandon(self.slices.values())
+                with torch.no_grad():
+                    self.state.working.grad.zero_()
+            raise
+        return exact_sum
 
     def _update(self, k: int, grads: list, lr: float, clip: torch.Tensor) -> None:
         """Device gradients (none when they are on the host already) down, host AdamW over chunk k,

@@ -132,7 +132,7 @@ class LspEngine:
         self.others = self._others(cfg.train.weight_decay)
         self.adams = [self._host_adam(m, cfg.train) for m in self.modules]
         self.link = runtime.Link(device)
-        worker = runtime.HostWorker(inline=self.fake)
+        worker = runtime.HostWorker(inline=self.fake, device=device)
         weakref.finalize(self, worker.close)
         knobs = (self.lsp.k, self.lsp.p, self.lsp.h, self.lsp.u)
         schedule = lsp_schedule.initial(len(self.modules), *knobs, self.lsp.schedule == "sync")

@@ -148,7 +148,7 @@ class SlideEngine:
         self.staging_turn = 0
         self.head_tiles = self._make_head_tiles(weight_dtype)
         self.tiles_free: list = [None] * len(self.head_tiles)  # per tile buffer: its last reader is done
-        self.worker = runtime.HostWorker(inline=any(is_fake(p) for p in stack.model.parameters()))
+        self.worker = runtime.HostWorker(inline=any(is_fake(p) for p in stack.model.parameters()), device=device)
         weakref.finalize(self, self.worker.close)  # its thread goes with the engine
         self.step_count = 0
         self.meter = memory.meter_for(device, cfg.train.measure_memory)

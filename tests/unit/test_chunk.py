@@ -278,6 +278,27 @@ def test_gradients_on_host_hold_a_bounded_window_on_the_device_whatever_n(monkey
     assert peaks["device"] - peaks["host"] >= all_grads - largest
 
 
+def test_a_step_that_raises_with_gradients_on_the_host_leaves_nothing_behind():
+    """Contributions already sent when backward fails are waited for and dropped: the next step
+    equals a step of an engine that never failed."""
+    model = model_of(layers=2)
+    cfg = run_cfg(ChunkConfig(n_chunks=1, gradients="host"))
+    failed, twin = engine_of(copy.deepcopy(model), cfg), engine_of(copy.deepcopy(model), cfg)
+
+    def fail(*_):
+        raise RuntimeError("injected")
+    hook = failed.stack.model.model.layers[0].register_full_backward_hook(fail)  # after the head's and block 1's
+    with pytest.raises(RuntimeError, match="injected"):
+        failed.step(batches(model.config.vocab_size, 0))
+    hook.remove()
+    assert all(s.sink is None for s in failed.slices.values()) and not failed.downlink.window
+    assert not failed.state.working.grad.any()
+    a, b = failed.step(batches(model.config.vocab_size, 1)), twin.step(batches(model.config.vocab_size, 1))
+    assert a.loss == b.loss and a.grad_norm == b.grad_norm
+    for name, want in twin.trainable_state().items():
+        assert torch.equal(failed.trainable_state()[name], want), name
+
+
 # ---------------------------------------------------------------- T7: resume, disk, non-finite steps
 
 
