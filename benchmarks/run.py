@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import importlib.util
 import json
 import os
@@ -57,8 +58,14 @@ def git_commit() -> str | None:
         return None
 
 
+def _version(module: str) -> str | None:
+    try:
+        return importlib.import_module(module).__version__
+    except ImportError:  # peft on a lent machine may be missing or built for another transformers
+        return None
+
+
 def environment(device: str, date: str) -> dict:
-    import peft
     import torch
     import transformers
 
@@ -70,7 +77,7 @@ def environment(device: str, date: str) -> dict:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "peft": peft.__version__,
+        "peft": _version("peft"),
         "git_commit": git_commit(),
     }
 

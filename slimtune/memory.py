@@ -311,8 +311,15 @@ NO_READING = _TotalsOnly()  # for code paths that are not measured (evaluation)
 
 
 class _CudaReading(_TotalsOnly):
-    def __init__(self):
-        self.peak = 0
+    """The allocator's peak since the step began: live while it runs (lsp keeps its projector pass's
+    peak mid-step), fixed when the meter closes."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.final = device, None
+
+    @property
+    def peak(self) -> int:
+        return self.final if self.final is not None else torch.cuda.max_memory_allocated(self.device)
 
 
 class CudaMeter:
@@ -327,11 +334,11 @@ class CudaMeter:
     def measure(self, resident: Iterable[tuple[torch.Tensor | None, str]]) -> Iterator[_CudaReading]:
         del resident  # the allocator already knows every live tensor
         torch.cuda.reset_peak_memory_stats(self.device)
-        reading = _CudaReading()
+        reading = _CudaReading(self.device)
         try:
             yield reading
         finally:
-            reading.peak = torch.cuda.max_memory_allocated(self.device)
+            reading.final = torch.cuda.max_memory_allocated(self.device)
 
 
 class NullMeter:

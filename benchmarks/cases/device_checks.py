@@ -88,7 +88,9 @@ def one_batch(vocab: int, seq: int, rows: int = 1) -> Batch:
 
 
 def run_config(overrides: dict, output_dir: str):
-    base = {"model": "(checks)", "data": "(checks)", "output_dir": output_dir, "train": {"batch_size": 1}}
+    # a roundpipe worker that waits a minute for a hand-off has hung: end the check, not the device time
+    base = {"model": "(checks)", "data": "(checks)", "output_dir": output_dir, "train": {"batch_size": 1},
+            "roundpipe": {"timeout_s": 60.0}}
     return config_module.load(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
 
 
@@ -356,15 +358,40 @@ def roundpipe_checks(quick: bool, output_dir: str) -> dict:
     return out
 
 
-def run(quick: bool) -> dict:
-    import tempfile
+SECTIONS = (("estimate_vs_device", lambda quick, out: estimate_vs_device(quick, out)),
+            ("context", lambda quick, out: context_bytes()), ("parity", lambda quick, out: parity(out)),
+            ("speed", speed), ("lsp_compressed_gradient", lambda quick, out: lsp_compressed_gradient(quick)),
+            ("lsp_speed", lsp_speed), ("chunk", chunk_checks), ("roundpipe", roundpipe_checks))
 
+
+def run(quick: bool) -> dict:
+    """Each section on its own: one that raises is recorded with its error and the others still run;
+    after each, the result so far goes to $SLIMTUNE_CHECKS_PARTIAL when set (the device machine's
+    $OUT), so a run cut off by its time limit keeps what it measured."""
+    import gc
+    import json
+    import os
+    import tempfile
+    import traceback
+
+    partial = os.environ.get("SLIMTUNE_CHECKS_PARTIAL")
+    result = {"device": str(device()),
+              "data_parallel": "skipped: ranks on one card measure contention, not data parallelism"}
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="slimtune-checks-") as out:
-        began = time.perf_counter()
-        result = {"device": str(device()), "estimate_vs_device": estimate_vs_device(quick, out),
-                  "context": context_bytes(), "parity": parity(out), "speed": speed(quick, out),
-                  "lsp_compressed_gradient": lsp_compressed_gradient(quick), "lsp_speed": lsp_speed(quick, out),
-                  "chunk": chunk_checks(quick, out), "roundpipe": roundpipe_checks(quick, out),
-                  "data_parallel": "skipped: ranks on one card measure contention, not data parallelism"}
-        result["seconds"] = time.perf_counter() - began
+        for name, section in SECTIONS:
+            started = time.perf_counter()
+            try:
+                result[name] = section(quick, out)
+            except Exception as error:  # noqa: BLE001 - recorded, and the next section runs
+                result[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+                print(f"{name}: FAILED {type(error).__name__}: {error}", flush=True)
+            result.setdefault("section_seconds", {})[name] = time.perf_counter() - started
+            gc.collect()  # the section's engines, weights and optimizer state off the card before the next
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if partial:
+                with open(partial, "w") as f:
+                    json.dump(result, f, indent=2, default=str)
+    result["seconds"] = time.perf_counter() - began
     return result

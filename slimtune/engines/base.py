@@ -4,6 +4,7 @@ engine shares (evaluation, loading trainable state, scalars that may be fake).""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -70,6 +71,21 @@ class Engine(Protocol):
     def host_bytes(self) -> int:
         """Host RAM the engine holds for the device (masters, moments, staging), for the planner."""
         ...
+
+
+def weak_hook(method, *bound) -> Callable:
+    """A tensor hook that calls an engine's bound `method` (with `bound` arguments first) while the
+    engine lives. Autograd holds hooks from C++, where Python's collector cannot see the cycle
+    engine -> model -> parameter -> hook -> engine: a hook holding the engine strongly keeps it,
+    its weights and its optimizer state alive after the last reference (a second engine in one
+    process, as device_checks and tests build, then shares the card with the first)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        target = ref()
+        if target is not None:
+            target(*bound, *args)
+    return hook
 
 
 def step_divisor(micro_batches: list[Batch], total_targets: int | None) -> int:

@@ -47,7 +47,7 @@ from slimtune.config import RunConfig, TrainConfig, positive, setting
 from slimtune.data import Batch
 from slimtune.distributed import SINGLE, Dist
 from slimtune.engines.base import (StepResult, check_resumable, copy_named, evaluate_batches, model_loss,
-                                   step_divisor, to_float)
+                                   step_divisor, to_float, weak_hook)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.host_unit import StepGuard
@@ -147,10 +147,10 @@ class LspEngine:
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
         self._reading = None
         for module in self.modules:
-            module.before_forward = self._complete
-            module.z.register_post_accumulate_grad_hook(functools.partial(self._arrived, module.index))
+            module.before_forward = weak_hook(self._complete)  # weakly, as the hooks (weak_hook)
+            module.z.register_post_accumulate_grad_hook(weak_hook(self._arrived, module.index))
         for _, param in self.others:
-            param.register_post_accumulate_grad_hook(self._tag_gradient)
+            param.register_post_accumulate_grad_hook(weak_hook(self._tag_gradient))
 
     # ------------------------------------------------------------ building
 

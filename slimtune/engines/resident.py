@@ -17,7 +17,7 @@ from slimtune.config import RunConfig
 from slimtune.data import Batch
 from slimtune.distributed import SINGLE, Dist
 from slimtune.engines.base import (StepResult, check_resumable, evaluate_batches, model_loss, step_divisor,
-                                   to_float)
+                                   to_float, weak_hook)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.grad_buckets import GradientBuckets
 from slimtune.errors import UserError
@@ -51,7 +51,7 @@ class ResidentEngine:
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
         self._reading = None  # the meter reading of the step in progress
         for param in self.params:  # a gradient made in backward is counted as a gradient
-            param.register_post_accumulate_grad_hook(self._tag_gradient)
+            param.register_post_accumulate_grad_hook(weak_hook(self._tag_gradient))
 
     def _tag_gradient(self, param: torch.Tensor) -> None:
         if self._reading is not None:
