@@ -196,8 +196,9 @@ class SlideEngine:
         dtype = weight_dtype or self.edge_head_weight().dtype
         per_row = runtime.nbytes_of((width,), dtype)
         rows = max(1, min(vocab, int(self.slide_cfg.head_tile_mb * 2**20) // per_row))
-        return [torch.empty((rows, width), dtype=dtype, device=self.device)
-                for _ in range(2 if self.device.type == "cuda" else 1)]
+        # Two, so a tile's copy up overlaps the compute on the other; two on every device, so the
+        # planner's step (fake tensors on the CPU) counts what a GPU holds.
+        return [torch.empty((rows, width), dtype=dtype, device=self.device) for _ in range(2)]
 
     def edge_head_weight(self) -> torch.Tensor:
         """The LM head weight as it goes up: the narrow shadow of its master, or the host tensor."""
