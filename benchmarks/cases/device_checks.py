@@ -187,9 +187,23 @@ def profile_summary(engine, batch: Batch) -> dict:
     copies = [(s, t) for n, s, t in spans if "Memcpy" in n or "memcpy" in n]
     kernels = [(s, t) for n, s, t in spans if not ("Memcpy" in n or "memcpy" in n or "Memset" in n)]
     copy_us = sum(t - s for s, t in copies)
-    overlap_us = sum(max(0, min(t, kt) - max(s, ks)) for s, t in copies for ks, kt in kernels)
-    return {"copy_us": copy_us, "kernel_us": sum(t - s for s, t in kernels), "copy_overlapping_kernels_us": overlap_us,
-            "events": len(spans), "note": "CUDA spans only; on the CPU these are empty"}
+    busy = merged(kernels)  # kernels of several streams at once count once: the overlap never exceeds the copy
+    overlap_us = sum(max(0, min(t, kt) - max(s, ks)) for s, t in copies for ks, kt in busy)
+    return {"copy_us": copy_us, "kernel_us": sum(t - s for s, t in kernels),
+            "kernel_busy_us": sum(t - s for s, t in busy), "copy_overlapping_kernels_us": overlap_us,
+            "events": len(spans),
+            "note": "CUDA spans only; on the CPU these are empty"}
+
+
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of time spans, as disjoint spans in order."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 def lsp_compressed_gradient(quick: bool) -> dict:

@@ -114,6 +114,8 @@ class Worker:
         for name, buffer in list(rotary._buffers.items()):
             if buffer is not None:
                 rotary._buffers[name] = self.link.ready(self.link.to_device(buffer))
+        if self.cuda:  # once, before any job: the worker's own stream is not ordered after these copies
+            self.link.stream.synchronize()
         return [b for b in rotary.buffers()]
 
     # ------------------------------------------------------------ running jobs
