@@ -258,9 +258,9 @@ def lsp_speed(quick: bool, output_dir: str) -> dict:
     return out
 
 
-def sweep_peaks(engine, batch: Batch, steps: int) -> tuple[list[int], list[float]]:
-    """The measured peak and wall time of each of `steps` steps (a sweep's chunks, one each)."""
-    peaks, times = [], []
+def timed_steps(engine, batch: Batch, steps: int) -> list[tuple[object, float]]:
+    """(StepResult, wall seconds) of each of `steps` steps, each from a fresh allocator peak."""
+    out = []
     for _ in range(steps):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -268,9 +268,14 @@ def sweep_peaks(engine, batch: Batch, steps: int) -> tuple[list[int], list[float
         result = engine.step([batch])
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
-        peaks.append(result.device_peak_bytes)
-    return peaks, times
+        out.append((result, time.perf_counter() - began))
+    return out
+
+
+def sweep_peaks(engine, batch: Batch, steps: int) -> tuple[list[int], list[float]]:
+    """The measured peak and wall time of each of `steps` steps (a sweep's chunks, one each)."""
+    steps_run = timed_steps(engine, batch, steps)
+    return [r.device_peak_bytes for r, _ in steps_run], [t for _, t in steps_run]
 
 
 def chunk_checks(quick: bool, output_dir: str) -> dict:
@@ -318,19 +323,10 @@ def host_gradient_checks(model, batch: Batch, output_dir: str) -> dict:
         cfg = run_config({"method": "full", "precision": "bf16", "engine": "chunk",
                           "activations.checkpoint": "recompute", "chunk.n_chunks": 4, "chunk.gradients": mode},
                          output_dir)
-        engine = build_engine(model, cfg, device())
-        losses, peaks, times = [], [], []
-        for _ in range(5):
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            began = time.perf_counter()
-            result = engine.step([batch])
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - began)
-            losses.append(result.loss)
-            peaks.append(result.device_peak_bytes)
-        runs[mode] = {"losses": losses, "max_peak_bytes": max(peaks), "median_step_s": statistics.median(times[1:])}
+        steps_run = timed_steps(build_engine(model, cfg, device()), batch, 5)
+        runs[mode] = {"losses": [r.loss for r, _ in steps_run],
+                      "max_peak_bytes": max(r.device_peak_bytes for r, _ in steps_run),
+                      "median_step_s": statistics.median(t for _, t in steps_run[1:])}
     runs["max_loss_difference"] = max(abs(a - b) for a, b in zip(runs["device"]["losses"], runs["host"]["losses"]))
     runs["host_over_device_time"] = runs["host"]["median_step_s"] / runs["device"]["median_step_s"]
     print(f"chunk.gradients=host: loss difference {runs['max_loss_difference']:.2e}, peak"
