@@ -87,6 +87,7 @@ class Downlink:
         for active in slices:
             active.sink = None
         self.targets = {}
+        self.retag = lambda t: None  # the step's meter reading goes with the step
 
     def drain(self) -> None:
         """Every contribution sent so far is in its accumulator (errors of the host work re-raised)."""
