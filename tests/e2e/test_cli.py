@@ -106,9 +106,8 @@ def test_export_of_a_non_run_folder_is_refused(workdir):
 
 def test_slide_trains_resumes_exactly_and_exports(workdir):
     """engine=slide through the CLI: full fine-tuning, stopped after 3 steps and resumed to 6,
-    logs the same losses as 6 steps straight; a resident checkpoint resumes under slide, and that
-    run's losses (3 of resident's, then 3 of slide's) are close to slide's straight ones; the export
-    loads."""
+    logs the same losses as 6 steps straight; the export loads. (A resident checkpoint resuming
+    under slide, and back, is exact in float64: tests/unit/test_checkpoint.py.)"""
     from transformers import AutoModelForCausalLM
 
     common = ("run.yaml", "engine=slide", "method=full", "train.schedule=constant")
@@ -116,14 +115,8 @@ def test_slide_trains_resumes_exactly_and_exports(workdir):
     slimtune("train", *common, "train.steps=3", "output_dir=split", "--no-progress", cwd=workdir)
     out = slimtune("train", *common, "train.steps=6", "output_dir=split", "--no-progress", cwd=workdir)
     assert "resumed from 3" in out.stdout
+    assert len(losses(workdir / "straight")) == 6
     assert losses(workdir / "split") == losses(workdir / "straight")
-    # A resident checkpoint resumed under slide: the run goes on where resident left it.
-    slimtune("train", "run.yaml", "method=full", "train.schedule=constant", "train.steps=3",
-             "output_dir=mixed", "--no-progress", cwd=workdir)
-    out = slimtune("train", *common, "train.steps=6", "output_dir=mixed", "--no-progress", cwd=workdir)
-    assert "resumed from 3" in out.stdout
-    assert len(losses(workdir / "mixed")) == 6
-    assert losses(workdir / "mixed") == pytest.approx(losses(workdir / "straight"), rel=1e-4)
     model = AutoModelForCausalLM.from_pretrained(str(workdir / "straight" / "model"), local_files_only=True)
     assert model.config.model_type == "llama"
 
