@@ -25,6 +25,7 @@ torchrun then stops what is left of the job.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -208,11 +209,17 @@ class Dist:
         return taken
 
     def close(self) -> None:
+        """Leave the job. The groups' C++ objects go now, while the interpreter is alive: gloo's
+        worker threads may still hold the last collective's tensors, and a tensor released on such
+        a thread during interpreter shutdown takes the GIL there and aborts the process
+        ("terminate called without an active exception", pytorch/pytorch#179291)."""
         if self.active:
             import torch.distributed as tdist
 
             if tdist.is_initialized():
                 tdist.destroy_process_group()
+            self.device_group = self.host_group = None
+            gc.collect()  # engines in reference cycles may hold the groups' last references
 
 
 SINGLE = Dist()
