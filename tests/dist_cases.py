@@ -24,9 +24,9 @@ from slimtune.pipeline.settings import RoundPipeConfig  # noqa: E402
 CPU = torch.device("cpu")
 # fp32 sums the ranks' gradients in another order than one process does. Where contributions cancel,
 # the residue differs (~1e-9) and AdamW, which divides by sqrt(v) + eps, turns a residue near eps
-# into a step near lr / 10: up to 3e-5 apart at lr 1e-3, eps 1e-8 on this tiny random model (the
-# fsdp CLI test, real text, stays within 1e-6 at eps 1e-8). fp32 cases use eps 1e-6, where such
-# residues cannot steer and ordinary gradients (1e-4 and up) are unaffected; fp64 keeps 1e-8.
+# into a step near lr / 10: up to 3e-5 apart at lr 1e-3, eps 1e-8 on this tiny random model. fp32
+# cases use eps 1e-6, where such residues cannot steer and ordinary gradients (1e-4 and up) are
+# unaffected; fp64 keeps 1e-8.
 LR = {"fp64": 1e-2, "fp32": 1e-3}
 EPS = {"fp64": 1e-8, "fp32": 1e-6}
 STEPS = 2

@@ -1,8 +1,9 @@
 """Data parallelism through the CLI (`slimtune train --nproc N`: torchrun on this machine, gloo):
-two ranks under fsdp train what one process trains on the concatenated batch (fp32, 1e-6), a job
-killed with kill -9 as a whole resumes exactly (its sharded checkpoint, written by every rank with
-torch.distributed.checkpoint), one killed rank or one hung rank ends the job with a message and
-no hang, and what rank 0 refuses is said once."""
+an fsdp job of two ranks trains and logs every step, a job killed with kill -9 as a whole resumes
+exactly (its sharded checkpoint, written by every rank with torch.distributed.checkpoint), one
+killed rank or one hung rank ends the job with a message and no hang, and what rank 0 refuses is
+said once. That ranks train what one process trains on the whole batch, fsdp included, is
+tests/unit/test_distributed.py's (three ranks, every engine, fp64 and fp32)."""
 
 import json
 import os
@@ -73,15 +74,11 @@ class Job:
         return "\n".join(line for _, line in self.lines)
 
 
-def test_fsdp_job_trains_as_one_process_and_resumes_exactly_after_kill_9(workdir):
+def test_fsdp_job_trains_and_resumes_exactly_after_kill_9(workdir):
     steps = ["train.steps=6", "train.save_every=3"]
     fsdp = [*FULL, *steps, "dist.strategy=fsdp", "--nproc", "2"]
-    slimtune("train", "run.yaml", *FULL, *steps, "train.grad_accum=2", "output_dir=one", cwd=workdir)
     slimtune("train", "run.yaml", *fsdp, "output_dir=two", cwd=workdir)
-    one, two = weights(workdir / "one"), weights(workdir / "two")
-    assert one.keys() == two.keys()
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0, msg=key)
+    two = weights(workdir / "two")
     logged = records(workdir / "two")
     assert [r["step"] for r in logged] == list(range(1, 7))  # rank 0 alone writes the log
     assert all(r["allreduce_bytes"] > 0 for r in logged)

@@ -77,12 +77,12 @@ PHASES = {
 }
 
 
-@pytest.mark.parametrize("phases", PHASES)
-@pytest.mark.parametrize("method, plan", PLANS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
-def test_phases_that_grow_with_depth_at_other_rates_are_segments_apart(method, plan, phases):
+@pytest.mark.parametrize("phases, method, plan", shapes_in_turn(PLANS, list(PHASES)), ids=plan_id)
+def test_phases_that_grow_with_depth_at_other_rates_are_segments_apart(phases, method, plan):
     """Two phases of the step hold the peak in turn as the stack deepens (tied Qwen2, depth 12); if
     one segment held both, its peak would be the larger of two lines and the estimate by depth
-    would fall short at full depth."""
+    would fall short at full depth. Each plan meets one pair of phases, in turn, and every engine
+    meets both (shapes_in_turn), as the test above meets the shapes."""
     settings, shape = PHASES[phases]
     cfg = run_config(method, {**plan, **settings})
     model_config = tiny_config("qwen2", num_hidden_layers=12, tie_word_embeddings=True, **shape)
