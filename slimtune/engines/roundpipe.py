@@ -90,8 +90,9 @@ class RoundPipeEngine:
         self.embedding = None if stack.tied else HostUnit("embedding", [stack.embed], self.device, None, cfg.train, None)
         fake = any(is_fake(p) for p in stack.model.parameters())
         self.workers = [Worker(i, d, stack.model, inline=fake) for i, d in enumerate(self.devices)]
-        self.host = runtime.HostWorker(inline=fake)  # gradient additions and the AdamW
-        self.optimizer_thread = runtime.HostWorker(inline=fake)  # async: the update beside the next step
+        # The host threads wait on the workers' copy events; each is given this run's first card.
+        self.host = runtime.HostWorker(inline=fake, device=self.device)  # gradient additions and the AdamW
+        self.optimizer_thread = runtime.HostWorker(inline=fake, device=self.device)  # async: the next step's update
         for owner in (*self.workers, self.host, self.optimizer_thread):
             weakref.finalize(self, owner.close)
         self.layer_times = LayerTimes(len(self.units), costs_from_bytes(
