@@ -75,7 +75,8 @@ class ChunkConfig:
     n_chunks: int = setting(8, "chunk working set (engine=chunk, slide.working_set=chunk): chunks of equal bytes"
                                " the trainable tensors are cut into; one has gradients at a time. 0: the fewest (a"
                                " power of two up to 256) whose step fits the card, found by the planner at the start.")
-    switch_every: int = setting(1, "chunk working set: optimizer steps on a chunk before the next one.")
+    switch_every: int = setting(1, "chunk working set: optimizer steps on a chunk before the next one (at N >= 4,"
+                                   " 20-50 with order random trains far better than 1: benchmarks/README.md).")
     order: Literal["round_robin", "random"] = setting(
         "round_robin", "chunk working set: visit the chunks in model order, or in a new seeded random order each"
                        " sweep.")
