@@ -55,6 +55,26 @@ def test_ranks_train_as_one_process_on_the_whole_batch(tmp_path):
                 assert max((alone[k] - ref_weights[k]).abs().max().item() for k in ref_weights) > 1e-6, case
 
 
+def test_close_frees_the_process_groups_before_the_interpreter_ends():
+    """A group freed during interpreter shutdown can abort the process (gloo's thread releases a
+    tensor there, pytorch/pytorch#179291): close() must leave no reference of its own behind. One
+    in-process gloo group stands for a job's (close reads only `active`)."""
+    import datetime
+    import weakref
+
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", rank=0, world_size=1, store=tdist.HashStore(),
+                             timeout=datetime.timedelta(seconds=30))
+    host = tdist.new_group(backend="gloo")
+    dist = distributed.Dist(rank=0, world_size=2, device_group=tdist.group.WORLD, host_group=host)
+    groups = [weakref.ref(host), weakref.ref(tdist.group.WORLD)]
+    del host
+    dist.close()
+    assert not tdist.is_initialized()
+    assert all(group() is None for group in groups)
+
+
 def test_shard_takes_every_world_th_item():
     dist = distributed.Dist(rank=1, world_size=3)
     assert dist.shard(list(range(8))) == [1, 4, 7]
