@@ -50,22 +50,29 @@ def test_worker_answers_passes_errors_back_and_is_stopped():
     assert not process.is_alive()
 
 
-def test_plans_shared_with_a_worker_equal_the_plans_made_alone(wide_model_dir, monkeypatch, tmp_path):
+@pytest.fixture(scope="module")
+def alone(wide_model_dir, tmp_path_factory) -> list[dict]:
+    """LoRA's plans at seq 48 made alone, once for both comparisons below."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _alone(wide_model_dir, "lora", 48, tmp_path_factory.mktemp("alone"), monkeypatch)
+
+
+def test_plans_shared_with_a_worker_equal_the_plans_made_alone(wide_model_dir, monkeypatch, alone):
     served = []
     run = planning_worker.Worker.run
     monkeypatch.setattr(planning_worker.Worker, "run", lambda self, *call: served.append(call) or run(self, *call))
     model_config = presets.model_config(str(wide_model_dir))
     shared = planner.plan(model_config, planner.planning_config("lora"), planner.Machine.named("1GiB"), 1, 48)
     assert served, "the worker took no plan"
-    assert json.loads(planner.to_json(shared)) == _alone(wide_model_dir, "lora", 48, tmp_path / "alone", monkeypatch)
+    assert json.loads(planner.to_json(shared)) == alone
 
 
-def test_the_command_line_with_its_early_worker_prints_the_same_plans(wide_model_dir, tmp_path, monkeypatch):
+def test_the_command_line_with_its_early_worker_prints_the_same_plans(wide_model_dir, tmp_path, alone):
     """The CLI starts the worker before its own imports, warmed for --model, and ends without the
     interpreter's teardown: what it prints must still be whole and equal to the planner's answer."""
     done = subprocess.run(
         [sys.executable, "-m", "slimtune.cli", "plan", "--model", str(wide_model_dir), "--gpu", "1GiB",
-         "--seq", "40", "--method", "full", "--json"],
+         "--seq", "48", "--method", "lora", "--json"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cli")})
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == _alone(wide_model_dir, "full", 40, tmp_path / "alone", monkeypatch)
+    assert json.loads(done.stdout) == alone
