@@ -108,14 +108,18 @@ def test_max_seq_is_the_longest_that_fits_and_one_token_more_does_not(tiny_model
     plans = json.loads(capsys.readouterr().out)
     model_config = presets.model_config(str(tiny_model_dir))
     machine = planner.Machine.named("2MiB")
-    checked = 0
+    checked, engines_seen = 0, set()
     for found in plans:
         cfg = run_config("full", {"engine": found["engine"], **found["options"]})
         longest = found["max_seq"]
+        capped = longest == model_config.max_position_embeddings
+        if capped and found["engine"] in engines_seen:
+            continue  # fits at the model's own limit: one such plan an engine is checked
+        engines_seen.add(found["engine"])
         if longest:
             assert not machine.shortfalls(estimate.estimate(model_config, cfg, 1, longest))
             checked += 1
-        if longest < model_config.max_position_embeddings:
+        if not capped:
             assert machine.shortfalls(estimate.estimate(model_config, cfg, 1, longest + 1))
     assert checked >= 2
 
