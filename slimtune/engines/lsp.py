@@ -147,7 +147,7 @@ class LspEngine:
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
         self._reading = None
         for module in self.modules:
-            module.before_forward = weak_hook(self._complete)  # weakly, as the hooks (weak_hook)
+            module.before_forward = weak_hook(self._complete)  # the module would keep the engine alive too
             module.z.register_post_accumulate_grad_hook(weak_hook(self._arrived, module.index))
         for _, param in self.others:
             param.register_post_accumulate_grad_hook(weak_hook(self._tag_gradient))
