@@ -37,6 +37,7 @@ its next job, which it prefetches only after the current job's inputs are queued
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -70,6 +71,7 @@ class RoundPipeEngine:
     def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
         self.stack, self.precision, self.dist = stack, precision, dist
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
+        self.max_tokens = cfg.data.max_length  # no micro-batch is longer: the tail's shards stay non-empty
         self.section: RoundPipeConfig = cfg.section("roundpipe")
         self.devices = worker_devices(self.section, device)
         if device.type == "cuda" and dist.local_world_size > 1:
@@ -126,8 +128,9 @@ class RoundPipeEngine:
         if all(d.type == "cuda" for d in self.devices):
             free = min(torch.cuda.mem_get_info(d)[0] for d in self.devices)
             cap = int(self.section.memory_fraction * free / 2)
+        shards = min(self.section.tail_shards or len(self.workers), self.max_tokens)
         try:
-            return plan_stages(self.layer_times.costs(), len(self.workers), memory_cap=cap)
+            return plan_stages(self.layer_times.costs(), len(self.workers), memory_cap=cap, max_tail_shards=shards)
         except ValueError as err:
             raise UserError(f"engine=roundpipe cannot cut the model into stages: {err}") from None
 
@@ -154,7 +157,10 @@ class RoundPipeEngine:
         """Where a trainable tensor's downloaded gradient is added (async: the step's own buffers)."""
         return self.incoming[id(param)] if self.asynchronous else self.accumulators[id(param)]
 
-    def _add_grad(self, param: torch.Tensor, host: torch.Tensor, event: object) -> None:
+    def _add_grad(self, deferred: list, param: torch.Tensor, host: torch.Tensor, event: object,
+                  order: int | None = None) -> None:
+        """Added on the host worker now, or (a tail shard's, `order` its shard) after the step's
+        jobs in shard order, so that a sum over shards does not depend on which ended first."""
         accumulator = self._accumulator(param)
 
         def add() -> None:
@@ -162,7 +168,10 @@ class RoundPipeEngine:
                 event.synchronize()
             accumulator.add_(host)
 
-        self.host.submit(add)
+        if order is None:
+            self.host.submit(add)
+        else:
+            deferred.append(((0, order), add))
 
     def _embedding_weight(self) -> tuple[torch.Tensor, runtime.SlotTensor | None]:
         weight = self.stack.embed.weight
@@ -195,7 +204,7 @@ class RoundPipeEngine:
                     rows[ids == padding] = 0
                 accumulator.index_add_(0, ids, rows)
 
-            deferred.append((m, job))
+            deferred.append(((1, m), job))  # after a sharded tail's head gradients
 
         return add, found is not None and found.trainable
 
@@ -211,9 +220,12 @@ class RoundPipeEngine:
 
     def _context(self, pieces: list[Batch], total: int, deferred: list) -> jobs.StepContext:
         add_embedding_grad, embedding_trainable = self._add_embedding_grad(pieces, deferred)
+        first_tail = len(self.partition.forward)
         return jobs.StepContext(
             pieces=pieces, total=total, units=self.units, mailbox=Mailbox(self.section.timeout_s),
-            source=self._source, add_grad=self._add_grad, add_embedding_grad=add_embedding_grad,
+            source=self._source, add_grad=functools.partial(self._add_grad, deferred),
+            add_embedding_grad=add_embedding_grad,
+            tail_jobs=range(first_tail, first_tail + self.partition.tail.shards),
             saved_at=self._saved_at(), precision=self.precision, grain=self.section.grain, loss_cfg=self.loss_cfg,
             activations_cfg=self.activations_cfg, embedding_trainable=embedding_trainable, next_job={})
 
@@ -260,7 +272,7 @@ class RoundPipeEngine:
         for _, add in sorted(deferred, key=lambda item: item[0]):
             self.host.submit(add)
         self.host.barrier()
-        loss_sum = sum(_complete(handoff) for handoff in ctx.losses)
+        loss_sum = sum(_complete(ctx.losses[key]) for key in sorted(ctx.losses))
         self._observe(ctx)
         # The host worker is idle (barrier): its gloo group is this thread's until the next job.
         self.dist.all_reduce_(self._gradients(), host=True, what="the stages' gradient sum")

@@ -6,7 +6,11 @@
   tail      weights up with gradients; per micro-batch: input with grad, the remaining blocks, the
             final norm, LM head and exact loss, backward, the input gradient down. Nothing is
             recomputed. The parameter gradients, summed over the micro-batches on the worker, go
-            down when the job ends.
+            down when the job ends. A tail cut into token shards (stages.py) is one job a shard:
+            each takes the whole input (the last forward job hands it to every shard at once),
+            runs the norm, head and loss on its own token slice, and sends down that slice's input
+            gradient; the first backward job joins the slices. The shards' parameter gradients are
+            added in shard order after the step's jobs, so the sum does not depend on timing.
   backward  weights up with gradients; per micro-batch: the saved input up and the stage recomputed
             (before waiting for the gradient from above, so the two overlap), then backward and the
             input gradient down; grain=layer recomputes and back-propagates layer by layer from
@@ -31,7 +35,8 @@ from slimtune.engines.base import autocast_for
 from slimtune.host_unit import HostUnit
 from slimtune.loss import causal_lm_loss
 from slimtune.pipeline.mailbox import Mailbox
-from slimtune.pipeline.stages import Job
+from slimtune.pipeline.row_split import token_slice
+from slimtune.pipeline.stages import Job, token_range
 from slimtune.pipeline.timing import BackwardTiming, StepTimes
 from slimtune.pipeline.worker import Prefetch, Worker
 
@@ -47,7 +52,7 @@ class StepContext:
     units: list[HostUnit]  # per layer
     mailbox: Mailbox
     source: Callable  # slot tensor -> the host tensor its upload reads (compute weights)
-    add_grad: Callable  # (original param, host gradient, event) -> added on the host worker
+    add_grad: Callable  # (original param, host gradient, event, order=None) -> added on the host worker
     add_embedding_grad: Callable  # (micro-batch, host gradient of the rows, event)
     saved_at: frozenset[int]  # layers whose input the forward keeps for a backward stage
     precision: str
@@ -56,14 +61,13 @@ class StepContext:
     activations_cfg: ActivationsConfig
     embedding_trainable: bool
     next_job: dict[int, Job | None]  # job index -> the same worker's next job this step (prefetch)
-    losses: list = field(default_factory=list)  # exact loss sum per micro-batch (host scalars)
+    tail_jobs: range = range(0)  # the job indices of the tail's token shards (one: not cut)
+    losses: dict = field(default_factory=dict)  # (micro-batch, shard) -> exact loss sum (host scalar)
     times: StepTimes = field(default_factory=StepTimes)  # what the jobs timed, per layer
     host_bytes: int = 0  # hand-offs and saved inputs alive on the host now
     host_peak: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        self.losses = [None] * len(self.pieces)
+    _takers: dict[int, int] = field(default_factory=dict)  # id of a host tensor put under several keys -> takes left
 
     def held(self, delta: int) -> None:
         with self._lock:
@@ -75,10 +79,39 @@ class StepContext:
         self.held(_nbytes(handoff[0]))
         self.mailbox.put(key, handoff)
 
+    def fan_out(self, keys: list[tuple], handoff: tuple) -> None:
+        """One hand-off for several takers (the tail's shards): its bytes held once, until the last take."""
+        self.held(_nbytes(handoff[0]))
+        with self._lock:
+            self._takers[id(handoff[0])] = len(keys)
+        for key in keys:
+            self.mailbox.put(key, handoff)
+
     def take(self, key: tuple) -> tuple:
         handoff = self.mailbox.take(key)
-        self.held(-_nbytes(handoff[0]))
+        with self._lock:
+            left = self._takers.pop(id(handoff[0]), 1) - 1
+            if left:
+                self._takers[id(handoff[0])] = left
+        if not left:
+            self.held(-_nbytes(handoff[0]))
         return handoff
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.tail_jobs) > 1
+
+    def hand_on(self, job: Job, m: int, handoff: tuple) -> None:
+        """A forward job's output of micro-batch m, to the next job (or to every tail shard)."""
+        if self.sharded and job.index + 1 == self.tail_jobs.start:
+            self.fan_out([(job.index, m, shard) for shard in range(len(self.tail_jobs))], handoff)
+        else:
+            self.put((job.index, m), handoff)
+
+    def tail_input(self, job: Job, m: int) -> tuple:
+        if self.sharded:
+            return self.take((self.tail_jobs.start - 1, m, job.shard))
+        return self.take((job.index - 1, m))
 
     def save(self, layer: int, m: int, handoff: tuple) -> None:
         """Keep layer `layer`'s input of micro-batch m for its backward stage (which may be waiting)."""
@@ -116,7 +149,8 @@ def run(worker: Worker, job: Job, ctx: StepContext) -> None:
         worker.unbind(units)
     for original, leaf in pairs:
         if leaf.grad is not None:
-            ctx.add_grad(original, *worker.link.to_host(leaf.grad))
+            order = job.shard if job.stage.shards > 1 else None  # shards: added in shard order after the jobs
+            ctx.add_grad(original, *worker.link.to_host(leaf.grad), order=order)
 
 
 def _upload_input(worker: Worker, handoff: tuple, requires_grad: bool = False) -> torch.Tensor:
@@ -158,18 +192,20 @@ def _forward_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, pie
             began = worker.clock.mark()
             x = activations.block_forward(stack, layer, x, inputs, chunk)
             ctx.times.forwards.append((layer, began, worker.clock.mark()))
-    ctx.put((job.index, m), _down(worker, x))
+    ctx.hand_on(job, m, _down(worker, x))
 
 
 def _tail_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch,
                       ahead: Prefetch | None) -> None:
     stage, stack = job.stage, worker.replica.stack
-    first = stage.start == 0
-    host = ctx.take((job.index - 1, m))
-    batch = _positions(worker, piece)
-    x = _upload_input(worker, host, requires_grad=not first or ctx.embedding_trainable)
+    first, sharded = stage.start == 0, stage.shards > 1
+    x = _upload_input(worker, ctx.tail_input(job, m), requires_grad=not sharded and (not first or ctx.embedding_trainable))
     _advance(ahead)
-    inputs = stack.prepare(x.detach(), batch.position_ids, piece.segmented)
+    if sharded:  # this shard's tokens: the norm, the head and the loss treat every token alone
+        a, b = token_range(x.shape[1], job.shard, stage.shards)
+        x, piece = x[:, a:b].detach().requires_grad_(), token_slice(piece, a, b)
+    batch = _positions(worker, piece)
+    inputs = stack.prepare(x.detach(), batch.position_ids, piece.segmented) if len(stage.layers) > 1 else None
     hidden, timing = x, BackwardTiming(tuple(stage.layers))
     for layer in stage.layers:  # the last layer is the norm + head + loss
         began = worker.clock.mark()
@@ -185,7 +221,7 @@ def _tail_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece:
     torch.autograd.backward(out.loss_sum / ctx.total)
     timing.stop = worker.clock.mark()
     ctx.times.backwards.append(timing)
-    ctx.losses[m] = _down(worker, out.exact_sum)
+    ctx.losses[(m, job.shard)] = _down(worker, out.exact_sum)
     _send_input_grad(worker, job, ctx, m, x)
 
 
@@ -195,6 +231,13 @@ def _send_input_grad(worker: Worker, job: Job, ctx: StepContext, m: int, x: torc
         ctx.put((job.index, m), _down(worker, x.grad))
     elif x.requires_grad and x.grad is not None:
         ctx.add_embedding_grad(m, *worker.link.to_host(x.grad))
+
+
+def _output_grad(worker: Worker, job: Job, ctx: StepContext, m: int) -> torch.Tensor:
+    """The gradient of a backward job's output, from the job before (or the tail's shards, joined)."""
+    if ctx.sharded and job.index == ctx.tail_jobs.stop:
+        return torch.cat([_upload_input(worker, ctx.take((t, m))) for t in ctx.tail_jobs], dim=1)
+    return _upload_input(worker, ctx.take((job.index - 1, m)))
 
 
 def _backward_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece: Batch,
@@ -215,7 +258,7 @@ def _backward_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, pi
             began = worker.clock.mark()
             y = stack.run_block(layer, y, inputs)
             timing.recomputes.append((layer, began, worker.clock.mark()))
-    grad = _upload_input(worker, ctx.take((job.index - 1, m)))
+    grad = _output_grad(worker, job, ctx, m)
     timing.start = worker.clock.mark()
     torch.autograd.backward(y, grad)
     timing.stop = worker.clock.mark()
@@ -228,7 +271,7 @@ def _backward_by_layer(worker: Worker, job: Job, ctx: StepContext, m: int, batch
                        wants_grad: bool, ahead: Prefetch | None) -> None:
     """grain=layer: each layer recomputed from its own saved input and back-propagated at once."""
     stage, stack = job.stage, worker.replica.stack
-    grad = _upload_input(worker, ctx.take((job.index - 1, m)))
+    grad = _output_grad(worker, job, ctx, m)
     _advance(ahead)
     x = None
     for layer in reversed(stage.layers):

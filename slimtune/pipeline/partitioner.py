@@ -25,6 +25,13 @@ and the greedy one built for it has no more stages and no larger W: so the cheap
 optimal among partitions whose stages all take <= threshold * T (brute_force checks this).
 Ties go to fewer stages, then smaller W.
 
+Token shards (max_tail_shards > 1). A tail of the last layer alone may be cut by tokens into k jobs
+(stages.py), each of 1/k of its time. For each k the search above runs again with the last layer's
+time divided by k (so T, the candidates and the bound are those of the cheaper head) and the tail
+held to the last layer; a partition of k shards counts k tail stages. With a large vocabulary the
+LM head + loss is several blocks' worth (modelled: 5.7 for Qwen3-1.7B): unsharded it fixes
+W >= T, so few, long stages whose times cannot all match; sharded, W can come down to a block's.
+
 Cost. O(L^2) candidate widths, an O(L) greedy pass for each, every range time computed once
 (math.fsum, O(L)) and cached: O(L^3) in the worst case, far less when a stage holds few layers.
 Range times use math.fsum because it is correctly rounded: a range has one time whichever end it
@@ -107,10 +114,15 @@ def _floor(workers: int, min_stages: int | None, threshold: float) -> int:
     return floor
 
 
+def _job_time(spans: _Spans, stage: Stage) -> float:
+    """A job of `stage`: its range time, a token shard's share of it for a sharded tail."""
+    return spans.time(stage.kind, stage.start, stage.stop) / stage.shards
+
+
 def width(partition: Partition, costs: Sequence[LayerCost]) -> float:
-    """W: the partition's largest stage time (range times as the partitioner computes them)."""
+    """W: the partition's largest job time (range times as the partitioner computes them)."""
     spans = _Spans(costs)
-    return max(spans.time(s.kind, s.start, s.stop) for s in partition.stages())
+    return max(_job_time(spans, s) for s in partition.stages())
 
 
 def objective(partition: Partition, costs: Sequence[LayerCost], min_stages: int) -> float:
@@ -157,22 +169,36 @@ def _cover_upward(spans: _Spans, end: int, bound: float, cap: int | None) -> lis
     return stages[::-1]
 
 
-def _greedy(spans: _Spans, bound: float, cap: int | None) -> Partition:
-    """The partition with the fewest stages whose stages all take <= bound."""
+def _greedy(spans: _Spans, bound: float, cap: int | None, shards: int = 1) -> Partition:
+    """The partition with the fewest stages whose stages all take <= bound; with shards > 1 the
+    tail is the last layer alone, cut into that many token shards (the bound was chosen for them)."""
     count = spans.layers
     e = count - 1
-    while e > 0 and spans.fits("tail", e - 1, count, bound, cap):
+    while shards == 1 and e > 0 and spans.fits("tail", e - 1, count, bound, cap):
         e -= 1
     forward = _cover_downward(spans, e, bound, cap)
     backward = _cover_upward(spans, e, bound, cap)
-    return Partition(tuple(forward), Stage("tail", e, count), tuple(backward))
+    return Partition(tuple(forward), Stage("tail", e, count, shards), tuple(backward))
 
 
 def _score(spans: _Spans, partition: Partition, floor: int) -> tuple[float, int, float]:
     """(objective, #stages, W): compared as a tuple, so ties go to fewer stages, then smaller W."""
     stages = partition.stages()
-    w = max(spans.time(s.kind, s.start, s.stop) for s in stages)
+    w = max(_job_time(spans, s) for s in stages)
     return max(len(stages), floor) * w, len(stages), w
+
+
+def _head_sharded(spans: _Spans, shards: int) -> list[LayerCost]:
+    """The costs with the last layer as one of `shards` token shards: its whole time (forward +
+    backward, as the tail runs it) divided, so that its range time is bit for bit _job_time's."""
+    last, whole = spans.costs[-1], spans.time("tail", spans.layers - 1, spans.layers)
+    return [*spans.costs[:-1], LayerCost(whole / shards, 0.0, last.memory)]
+
+
+def _shard_counts(spans: _Spans, max_tail_shards: int) -> range:
+    if max_tail_shards < 1:
+        raise ValueError(f"max_tail_shards must be at least 1, got {max_tail_shards}.")
+    return range(1, (max_tail_shards if spans.layers > 1 else 1) + 1)
 
 
 def plan_stages(
@@ -181,17 +207,21 @@ def plan_stages(
     memory_cap: int | None = None,
     min_stages: int | None = None,
     threshold: float = 1.1,
+    max_tail_shards: int = 1,
 ) -> Partition:
-    """The partition minimising max(#stages, min_stages) * W over the candidate widths (module
-    docstring). Raises ValueError if a single layer exceeds memory_cap."""
+    """The partition minimising max(#stages, min_stages) * W over the candidate widths and tail
+    shard counts up to max_tail_shards (module docstring). Raises ValueError if a single layer
+    exceeds memory_cap."""
     spans, floor = _Spans(costs), _floor(workers, min_stages, threshold)
     _check_memory(spans.costs, memory_cap)
     best: tuple[tuple[float, int, float], Partition] | None = None
-    for bound in _candidates(spans, threshold):  # never empty: T itself is a single-layer sum
-        partition = _greedy(spans, bound, memory_cap)
-        key = _score(spans, partition, floor)
-        if best is None or key < best[0]:
-            best = key, partition
+    for shards in _shard_counts(spans, max_tail_shards):
+        view = spans if shards == 1 else _Spans(_head_sharded(spans, shards))
+        for bound in _candidates(view, threshold):  # never empty: T itself is a single-layer sum
+            partition = _greedy(spans, bound, memory_cap, shards)
+            key = _score(spans, partition, floor)
+            if best is None or key < best[0]:
+                best = key, partition
     assert best is not None
     partition = _evened(spans, best[1], memory_cap)
     partition.check()
@@ -282,25 +312,30 @@ def brute_force(
     memory_cap: int | None = None,
     min_stages: int | None = None,
     threshold: float = 1.1,
+    max_tail_shards: int = 1,
 ) -> tuple[float, Partition]:
-    """For tests: the minimal objective over every partition whose stages all take <= threshold * T
-    and fit memory_cap, and a partition achieving it (ties as plan_stages breaks them). Exponential:
-    about 4^L partitions, so keep L <= 10."""
+    """For tests: the minimal objective over every partition whose jobs all take <= threshold * T
+    (T of its own shard count) and fit memory_cap, a tail of the last layer alone cut into up to
+    max_tail_shards token shards, and a partition achieving it (ties as plan_stages breaks them).
+    Exponential: about 4^L partitions, so keep L <= 10."""
     spans, floor = _Spans(costs), _floor(workers, min_stages, threshold)
     _check_memory(spans.costs, memory_cap)
-    limit, count = threshold * spans.largest, spans.layers
+    count = spans.layers
     best: tuple[tuple[float, int, float], Partition] | None = None
-    for e in range(count):
-        if not spans.fits("tail", e, count, limit, memory_cap):
-            continue
-        tail_time = spans.time("tail", e, count)
-        for (fwd, f_w), (bwd, b_w) in itertools.product(
-            _valid_cuts(spans, "forward", e, limit, memory_cap), _valid_cuts(spans, "backward", e, limit, memory_cap)
-        ):
-            n, w = len(fwd) + 1 + len(bwd), max(f_w, tail_time, b_w)
-            key = (max(n, floor) * w, n, w)
-            if best is None or key < best[0]:
-                best = key, Partition(tuple(fwd), Stage("tail", e, count), tuple(reversed(bwd)))
+    for shards in _shard_counts(spans, max_tail_shards):
+        limit = threshold * _Spans(_head_sharded(spans, shards)).largest
+        for e in range(count) if shards == 1 else [count - 1]:
+            tail = Stage("tail", e, count, shards)
+            tail_time = _job_time(spans, tail)
+            if tail_time > limit or not spans.fits("tail", e, count, math.inf, memory_cap):
+                continue
+            for (fwd, f_w), (bwd, b_w) in itertools.product(
+                _valid_cuts(spans, "forward", e, limit, memory_cap), _valid_cuts(spans, "backward", e, limit, memory_cap)
+            ):
+                n, w = len(fwd) + shards + len(bwd), max(f_w, tail_time, b_w)
+                key = (max(n, floor) * w, n, w)
+                if best is None or key < best[0]:
+                    best = key, Partition(tuple(fwd), tail, tuple(reversed(bwd)))
     assert best is not None  # the all-single-layer partition always fits
     return best[0][0], best[1]
 

@@ -1,4 +1,5 @@
-"""A batch cut by rows into micro-batches: the pipeline's unit of work."""
+"""A batch cut by rows into micro-batches (the pipeline's unit of work), and a micro-batch cut by
+tokens (a sharded tail's slice of it)."""
 
 from __future__ import annotations
 
@@ -29,5 +30,17 @@ def _rows(batch: Batch, start: int, stop: int) -> Batch:
         return Batch(*cut, segmented=batch.segmented)
     rows = batch.input_ids.shape[0]
     share = batch.num_targets * (stop - start) // rows
+    trained = batch.trained_positions[:share] if batch.trained_positions is not None else None
+    return Batch(*cut, trained_positions=trained, num_targets=share, segmented=batch.segmented)
+
+
+def token_slice(batch: Batch, start: int, stop: int) -> Batch:
+    """Positions [start, stop) of every row. Under fake tensors the slice gets its share of the
+    trained positions by tokens (exact for the estimate's synthetic batch, trained everywhere alike)."""
+    cut = [t[:, start:stop] for t in (batch.input_ids, batch.targets, batch.position_ids)]
+    if not is_fake(batch.targets):
+        return Batch(*cut, segmented=batch.segmented)
+    tokens = batch.input_ids.shape[1]
+    share = batch.num_targets * (stop - start) // max(tokens, 1)
     trained = batch.trained_positions[:share] if batch.trained_positions is not None else None
     return Batch(*cut, trained_positions=trained, num_targets=share, segmented=batch.segmented)

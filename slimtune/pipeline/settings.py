@@ -29,6 +29,10 @@ class RoundPipeConfig:
     replan: bool = setting(
         True, "engine=roundpipe: cut the stages again after each step from the measured per-layer times (EMA);"
               " false: keep the first cut (from the layers' bytes). Results do not depend on the cut.")
+    tail_shards: int = setting(
+        0, "engine=roundpipe: at most this many jobs the LM head + loss may be cut into by tokens, each a"
+           " slice of every micro-batch (0: up to the workers; 1: never). A large vocabulary's head is several"
+           " blocks' worth; cut, it stops setting the pace of every stage. The partitioner picks the count.")
     timeout_s: float = setting(600.0, "engine=roundpipe: a worker waiting longer than this for a hand-off stops the run.")
 
     def validate(self) -> None:
@@ -40,6 +44,8 @@ class RoundPipeConfig:
             raise UserError(f"roundpipe.micro_batches must be 0 (workers + 1) or more, got {self.micro_batches}.")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise UserError(f"roundpipe.memory_fraction must be in (0, 1], got {self.memory_fraction}.")
+        if self.tail_shards < 0:
+            raise UserError(f"roundpipe.tail_shards must be 0 (up to the workers) or more, got {self.tail_shards}.")
         if self.timeout_s <= 0:
             raise UserError(f"roundpipe.timeout_s must be positive, got {self.timeout_s}.")
 

@@ -12,7 +12,9 @@ global cursor, which carries on across calls and steps. On worker w, job j:
 - micro-batch m starts when w is free and job j-1's micro-batch m is done, plus a hop when j-1 ran
   on another worker (GPU -> host -> GPU); a backward job recomputes first (needing only its saved
   input, so the recompute overlaps the wait) and back-propagates when the gradient is there;
-- tail and backward jobs send their parameter gradients down after their last micro-batch.
+- tail and backward jobs send their parameter gradients down after their last micro-batch; a tail
+  cut into token shards is that many jobs in a row, each 1/shards of the tail's time a micro-batch
+  and each with the head's weights up and its gradients down.
 The host AdamW of step k starts when step k's gradients are all down. Sync: step k+1's uploads
 wait for it. Async (staleness 1): step k+1 needs only step k-1's update, so its forward jobs start
 on the cursor while step k's optimizer runs. Several steps are simulated and the steady state
@@ -45,27 +47,32 @@ def plan(costs: Costs, workers: int) -> Partition:
     from slimtune.pipeline.partitioner import plan_stages
 
     try:
-        return plan_stages(costs.layers, workers, memory_cap=costs.memory_cap)
+        return plan_stages(costs.layers, workers, memory_cap=costs.memory_cap, max_tail_shards=workers)
     except ValueError as err:
         raise UserError(str(err)) from None
 
 
 def partition_from_text(text: str, layers: int) -> Partition:
     """'7,7,7,7/1/3,3,2': forward stage sizes ascending, the tail's layer count, backward stage
-    sizes deepest first (each list covering the layers below the tail)."""
+    sizes deepest first (each list covering the layers below the tail); '7,7/1x3/3,3' cuts a tail
+    of one layer into 3 token shards."""
     try:
         forward, tail, backward = (part.split(",") for part in text.split("/"))
-        sizes_f, sizes_b, tail_n = [int(x) for x in forward], [int(x) for x in backward], int(*tail)
+        tail_n, _, shards = tail[0].partition("x") if len(tail) == 1 else ("", "", "")
+        sizes_f, sizes_b, tail_n, shards = ([int(x) for x in forward], [int(x) for x in backward], int(tail_n),
+                                            int(shards or 1))
     except (ValueError, TypeError):
-        raise UserError(f"--partition must look like 7,7,7,7/1/3,3,3,2 (forward/tail/backward layer counts), "
-                        f"got '{text}'.") from None
+        raise UserError(f"--partition must look like 7,7,7,7/1/3,3,3,2 (forward/tail/backward layer counts; a tail "
+                        f"of one layer in 3 token shards: 1x3), got '{text}'.") from None
     e = layers - tail_n
     if tail_n < 1 or min(sizes_f + sizes_b) < 1 or sum(sizes_f) != e or sum(sizes_b) != e:
         raise UserError(f"--partition '{text}': the tail needs >= 1 layer and the forward and backward counts must "
                         f"each add up to the {e} layers below it (the model has {layers}).")
+    if shards < 1 or (shards > 1 and tail_n != 1):
+        raise UserError(f"--partition '{text}': only a tail of one layer may be cut into token shards (1xK, K >= 1).")
     starts_f = [sum(sizes_f[:i]) for i in range(len(sizes_f))]
     starts_b = [e - sum(sizes_b[:i + 1]) for i in range(len(sizes_b))]
-    return Partition(tuple(Stage("forward", a, a + n) for a, n in zip(starts_f, sizes_f)), Stage("tail", e, layers),
+    return Partition(tuple(Stage("forward", a, a + n) for a, n in zip(starts_f, sizes_f)), Stage("tail", e, layers, shards),
                      tuple(Stage("backward", a, a + n) for a, n in zip(starts_b, sizes_b)))
 
 
@@ -162,7 +169,7 @@ def simulate_roundpipe(costs: Costs, workers: int, micro_batches: int, partition
                                    kind="optimizer", step=k))
     details = {"schedule": "roundpipe", "optimizer": optimizer, "round_size": round_size, "cursor": cursor,
                "forward_stages": [s.stop - s.start for s in partition.forward],
-               "tail_layers": partition.tail.stop - partition.tail.start,
+               "tail_layers": partition.tail.stop - partition.tail.start, "tail_shards": partition.tail.shards,
                "backward_stages": [s.stop - s.start for s in partition.backward]}
     name = "RoundPipe " + ("async (staleness 1)" if optimizer == "async" else "sync")
     return measure(name, engine, workers, micro_batches, step_ops, costs.label, details, warmup)

@@ -102,6 +102,51 @@ def test_results_do_not_depend_on_the_cut_so_replanning_keeps_them_bitwise(model
         assert all(torch.equal(other[2][n], found[0][2][n]) for n in found[0][2])
 
 
+@pytest.mark.parametrize("shards,grain,tied", [(2, "stage", "untied"), (3, "layer", "tied"), (15, "stage", "tied")])
+def test_a_tail_cut_into_token_shards_equals_plain_adamw(models, resident, shards, grain, tied):
+    """The LM head + loss as `shards` jobs, each on a slice of every micro-batch's 12 tokens (15:
+    some slices empty), on 3 workers; the next backward job joins the slices' gradients."""
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=3, grain=grain, replan=False))
+    partition = uniform_partition(5, 2, 1, tail_shards=shards)
+    assert len(partition.stages()) == 2 + shards + 4
+    assert_same(resident[tied], run(RoundPipeEngine, models[tied], cfg, partition=partition))
+
+
+@pytest.mark.parametrize("optimizer", ["sync", "async"])
+def test_a_sharded_tail_gives_the_same_bits_whichever_shard_ends_first(models, optimizer):
+    """The shards' head gradients are added in shard order after the jobs: random delays everywhere,
+    and a first shard held back, change no bit (tied head: the embedding rows add up after them)."""
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=2, optimizer=optimizer, replan=False))
+    partition = uniform_partition(5, 2, 1, tail_shards=3)
+
+    def hold_first_shard(engine):
+        slow_everything(engine, 5)
+        late = lambda worker, job, m: time.sleep(0.05) if job.stage.kind == "tail" and job.shard == 0 else None
+        engine.workers[partition_worker(partition, 0)].delay = late
+
+    calm = run(RoundPipeEngine, models["tied"], cfg, partition=partition)
+    shaken = run(RoundPipeEngine, models["tied"], cfg, partition=partition, setup=hold_first_shard)
+    assert shaken[0] == calm[0] and shaken[1] == calm[1]
+    assert all(torch.equal(shaken[2][n], calm[2][n]) for n in calm[2])
+
+
+def partition_worker(partition, shard: int, workers: int = 3) -> int:
+    """The worker of the first step's tail shard `shard` (the cursor starts at 0)."""
+    return (len(partition.forward) + shard) % workers
+
+
+def test_the_partitioner_cuts_a_heavy_head_by_tokens_and_the_result_stays_exact():
+    """A 2,000-token vocabulary on a 32-wide model: the head is several blocks' worth, so the
+    partitioner cuts it (roundpipe.tail_shards 0: up to the workers); 1 keeps it whole."""
+    model = model_of(3, vocab_size=2000)
+    cut = RoundPipeEngine(Stack(copy.deepcopy(model)), run_cfg(RoundPipeConfig(workers=2)), CPU, "fp64")
+    whole = RoundPipeEngine(Stack(copy.deepcopy(model)), run_cfg(RoundPipeConfig(workers=2, tail_shards=1)), CPU,
+                            "fp64")
+    assert cut.partition.tail.shards == 2 and whole.partition.tail.shards == 1
+    cfg = run_cfg(RoundPipeConfig(workers=2))
+    assert_same(run(ResidentEngine, model, cfg), run(RoundPipeEngine, model, cfg))
+
+
 def test_measured_layer_times_feed_the_partitioner(models):
     engine = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), run_cfg(RoundPipeConfig(workers=2)), CPU, "fp64")
     initial = engine.layer_times.costs()
@@ -293,14 +338,16 @@ def test_resume_from_state_dict_continues_exactly(models, optimizer):
     assert all(torch.equal(second.trainable_state()[n], straight[2][n]) for n in straight[2])
 
 
-def test_the_estimate_equals_the_cpu_meter_per_worker():
+@pytest.mark.parametrize("vocab", [300, 2000], ids=["whole tail", "tail in token shards"])
+def test_the_estimate_equals_the_cpu_meter_per_worker(vocab):
     """The planner's fake step (workers inline, one meter each) against the threads' real one; the
     batch's rows are alike, as the estimate's split of trained positions by rows assumes."""
-    model = model_of(3, dtype=torch.float32)
+    model = model_of(3, dtype=torch.float32, vocab_size=vocab)
     cfg = run_cfg(RoundPipeConfig(workers=2, micro_batches=2), precision="fp32", grad_accum=1, batch_size=4)
     step = estimate.synthetic_batch(4, 12, model.config.vocab_size)
     engine = RoundPipeEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp32")
     real = [engine.step([step]) for _ in range(2)][-1]
+    assert engine.partition.tail.shards == (2 if vocab == 2000 else 1)
     fake = estimate.estimate(model.config, cfg, 4, 12, batch=step)
     assert fake.device_peak_bytes == real.device_peak_bytes
     assert fake.host_link_bytes == real.host_link_bytes
