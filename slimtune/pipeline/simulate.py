@@ -92,29 +92,34 @@ class _Worker:
 
 
 def _job_ops(engine: Engine, costs: Costs, job, step: int, first: int, count: int, upload: int,
-             feed: list | None, feed_worker: int) -> list[int]:
-    """Job `job`'s micro-batches on its worker's compute lane; returns each micro-batch's last op."""
+             sources: list[tuple[list[int], int]]) -> list[int]:
+    """Job `job`'s micro-batches on its worker's compute lane; returns each micro-batch's last op.
+    `sources`: (each micro-batch's op, worker) of the jobs it takes its input from (none for the
+    first job, every tail shard for the backward job after a sharded tail), a hop from another."""
     stage, w, lane = job.stage, job.worker, ("compute", job.worker)
-    hop = costs.hop_s if feed_worker != w else 0.0
     layers = costs.layers[stage.start:stage.stop]
     letter = {"forward": "F", "tail": "T", "backward": "B"}[stage.kind]
     out = []
     for m in range(count):
         info = dict(step=step, stage=job.index, micro_batch=first + m, label=f"{letter}{job.index} m{first + m}")
-        data = (feed[m], hop) if feed is not None else None
+        data = [(ops[m], costs.hop_s if worker != w else 0.0) for ops, worker in sources]
         start = [upload] if m == 0 else []
         if stage.kind == "backward":
             engine.add(lane, sum(c.forward for c in layers), start, kind="recompute", **info)
-            out.append(engine.add(lane, sum(c.backward for c in layers), [data], kind="backward", **info))
+            out.append(engine.add(lane, sum(c.backward for c in layers), data, kind="backward", **info))
         else:
-            out.append(engine.add(lane, stage.time(costs.layers), start + [data], kind=stage.kind, **info))
+            out.append(engine.add(lane, stage.time(costs.layers), start + data, kind=stage.kind, **info))
     return out
 
 
 def _play_call(engine: Engine, costs: Costs, jobs, step: int, first: int, count: int, weights_ready,
                workers: list[_Worker], accumulated: bool) -> list[int]:
-    """One call's jobs (all its micro-batches through every stage); returns its gradient downloads."""
-    feed, feed_worker, downloads = None, -1, []
+    """One call's jobs (all its micro-batches through every stage); returns its gradient downloads.
+    Each job takes its input from the job before, but every shard of a sharded tail from the last
+    forward job, and the backward job after them from all the shards (jobs.py)."""
+    before: list[tuple[list[int], int]] = []  # the sources of the next job
+    tail: list[tuple[list[int], int]] = []  # (ops, worker) of this call's tail shards so far
+    downloads = []
     for job in jobs:
         stage, w = job.stage, job.worker
         up = sum(costs.weight_bytes[stage.start:stage.stop])
@@ -122,8 +127,14 @@ def _play_call(engine: Engine, costs: Costs, jobs, step: int, first: int, count:
             up += sum(costs.grad_bytes[stage.start:stage.stop])
         upload = engine.add(("up", w), costs.transfer_s(up), [weights_ready, *workers[w].slot_free()],
                             label=f"W{job.index}", kind="upload", step=step, stage=job.index)
-        feed = _job_ops(engine, costs, job, step, first, count, upload, feed, feed_worker)
-        feed_worker, download = w, None
+        sharded = stage.kind == "tail" and stage.shards > 1
+        feed = _job_ops(engine, costs, job, step, first, count, upload, before)
+        if sharded:
+            tail.append((feed, w))
+            before = before if len(tail) < stage.shards else tail
+        else:
+            before = [(feed, w)]
+        download = None
         if stage.kind != "forward":
             download = engine.add(("down", w), costs.transfer_s(sum(costs.grad_bytes[stage.start:stage.stop])),
                                   [feed[-1]], label=f"G{job.index}", kind="download", step=step, stage=job.index)

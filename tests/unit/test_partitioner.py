@@ -20,8 +20,10 @@ from slimtune.pipeline.stages import LayerCost, Partition, Stage
 REL = 1e-12  # Stage.time is a plain sum, the partitioner's an exact one: they may differ in the last bit
 
 
-def _largest_layer(costs):
-    return max(c.forward + c.backward for c in costs)
+def _largest_layer(costs, shards: int = 1):
+    """T: the largest single-layer time, the last layer's as one of `shards` token shards."""
+    whole = [c.forward + c.backward for c in costs]
+    return max(whole[:-1] + [whole[-1] / shards])
 
 
 def _random_costs(rng: random.Random, layers: int, integer: bool) -> list[LayerCost]:
@@ -50,7 +52,7 @@ def _random_cap(rng: random.Random, costs):
 def _check_bounds(partition: Partition, costs, cap, threshold):
     partition.check()
     assert partition.layers == len(costs)
-    t = _largest_layer(costs)
+    t = _largest_layer(costs, partition.tail.shards)
     times = [s.time(costs) for s in partition.stages()]
     for stage, time in zip(partition.stages(), times):
         assert time <= threshold * t * (1 + REL), (stage, time, t)
@@ -86,10 +88,12 @@ def test_objective_equals_brute_force(integer):
         workers = rng.choice([1, 2, 3, 4, 8])
         min_stages = rng.choice([None, None, 1, layers + 3])
         threshold = rng.choice([1.0, 1.1, 1.1, 1.3, 2.0])
+        shards = rng.choice([1, 1, 2, 3, 4])  # how many token shards the tail may be cut into
         floor = workers if min_stages is None else min_stages
 
-        best, exhaustive = brute_force(costs, workers, cap, min_stages, threshold)
-        plan = plan_stages(costs, workers, cap, min_stages, threshold)
+        best, exhaustive = brute_force(costs, workers, cap, min_stages, threshold, shards)
+        plan = plan_stages(costs, workers, cap, min_stages, threshold, shards)
+        assert plan.tail.shards == exhaustive.tail.shards <= shards
         _check_bounds(exhaustive, costs, cap, threshold)
         _check_bounds(plan, costs, cap, threshold)
         assert objective(exhaustive, costs, floor) == best
@@ -98,6 +102,35 @@ def test_objective_equals_brute_force(integer):
         assert len(plan.stages()) == len(exhaustive.stages())
         assert width(plan, costs) == width(exhaustive, costs)
         assert _key(plan, costs, floor) == pytest.approx(_key(exhaustive, costs, floor), rel=REL)
+
+
+def test_a_heavy_head_is_cut_into_token_shards_when_that_lowers_the_objective():
+    costs = [LayerCost(1.0, 2.0)] * 8 + [LayerCost(6.0, 12.0)]  # the head: six blocks' worth
+    whole = plan_stages(costs, workers=4)
+    cut = plan_stages(costs, workers=4, max_tail_shards=8)
+    assert whole.tail.shards == 1 and width(whole, costs) >= 18.0
+    assert cut.tail.shards > 1 and cut.tail.stop - cut.tail.start == 1
+    # six shards of 3.0 each, as long as a block's backward stage: W drops from 18 to 3, 17 jobs
+    assert cut.tail.shards == 6 and width(cut, costs) == 3.0 and len(cut.stages()) == 17
+    assert objective(cut, costs, 4) == 51.0 < objective(whole, costs, 4) == 72.0
+    light = [LayerCost(1.0, 2.0)] * 9  # a head no heavier than a block gains nothing from a cut
+    assert plan_stages(light, workers=4, max_tail_shards=8).tail.shards == 1
+
+
+def test_only_a_one_layer_tail_may_be_cut_and_the_slices_cover_every_token():
+    from slimtune.pipeline.stages import token_range, uniform_partition
+
+    with pytest.raises(ValueError, match="last layer alone"):
+        uniform_partition(6, 2, 1, tail_layers=2, tail_shards=2)
+    with pytest.raises(ValueError, match="max_tail_shards"):
+        plan_stages([LayerCost(1.0, 2.0)] * 3, workers=2, max_tail_shards=0)
+    for tokens in (0, 1, 7, 12, 2048):
+        for shards in (1, 2, 3, 5, 15):
+            ranges = [token_range(tokens, s, shards) for s in range(shards)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == tokens
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            sizes = [b - a for a, b in ranges]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
 def test_a_hand_planned_model():

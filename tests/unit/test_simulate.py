@@ -82,13 +82,19 @@ def test_roundpipe_events_are_consistent():
         key = (e.step, e.stage, e.micro_batch)
         done[key] = max(done[key], e.end)
         where[key] = e.worker
+    forward, shards = len(s.details["forward_stages"]), s.details["tail_shards"]
+    assert shards > 1  # the spec's 1.7B head is 3 blocks' worth: the plan cuts it by tokens
+    tail = range(forward, forward + shards)
     waits = 0
     for e in compute:
         if e.kind != "recompute" and e.stage > 0:  # a recompute needs only its saved input
-            before = (e.step, e.stage - 1, e.micro_batch)
-            hop = costs.hop_s if where[before] != e.worker else 0.0
-            assert e.start >= done[before] + hop - EPS, (e, done[before])
-            waits += 1
+            sources = ([forward - 1] if e.stage in tail else list(tail) if e.stage == tail.stop
+                       else [e.stage - 1])  # the shards take the last forward's output; the next job joins them
+            for source in sources:
+                before = (e.step, source, e.micro_batch)
+                hop = costs.hop_s if where[before] != e.worker else 0.0
+                assert e.start >= done[before] + hop - EPS, (e, done[before])
+                waits += 1
     assert waits > 0
     uploads = {(e.step, e.stage): e for e in s.events if e.lane == "up"}
     jobs = defaultdict(list)  # per worker, its jobs in upload order
@@ -99,6 +105,28 @@ def test_roundpipe_events_are_consistent():
     for worker_jobs in jobs.values():  # at most two stages resident: the job before last has ended
         for (up, _), (_, end_before_last) in zip(worker_jobs[2:], worker_jobs):
             assert up.start >= end_before_last - EPS
+
+
+def test_cutting_a_heavy_head_by_tokens_removes_most_of_the_bubble():
+    """Qwen3-1.7B modelled (a 151,936-token head, 5.7 blocks' worth), 4 calls of 16 micro-batches a
+    step: the head whole fixes W and leaves 8 stages whose lengths cannot match; cut by tokens the
+    plan has many short stages and its bubble is several times smaller."""
+    from slimtune.pipeline.partitioner import plan_stages
+
+    costs = cost_model.modelled_costs("Qwen3-1.7B", "rtx4090", 2048, 4)
+    whole = plan_stages(costs.layers, 8, memory_cap=costs.memory_cap)
+    cut = simulate.plan(costs, 8)
+    assert whole.tail.shards == 1 and cut.tail.shards > 1
+    found = [simulate.simulate_roundpipe(costs, 8, 64, p, "async", round_size=16) for p in (whole, cut)]
+    assert found[1].bubble < found[0].bubble / 3
+    assert found[1].step_time < found[0].step_time
+
+
+def test_a_partition_text_may_cut_a_one_layer_tail_into_shards():
+    p = simulate.partition_from_text("2,2/1x3/1,1,1,1", 5)
+    assert p.tail.shards == 3 and len(p.stages()) == 2 + 3 + 4
+    with pytest.raises(UserError, match="only a tail of one layer"):
+        simulate.partition_from_text("2,1/2x3/1,1,1", 5)
 
 
 def test_1f1b_events_are_consistent():
