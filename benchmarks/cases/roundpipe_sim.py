@@ -20,6 +20,7 @@ offload: the partitioner's plan and the paper's partition, one call a step and f
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from slimtune.pipeline import baselines, cost_model, simulate
 
@@ -40,7 +41,7 @@ BUBBLE_GOAL, SPEEDUP_GOAL = 0.02, 1.5
 def row(s) -> dict:
     return {"schedule": s.name, "step_time_s": s.step_time, "bubble": s.bubble, "speedup_over_1f1b": s.details["speedup"],
             "intra_bubble": s.details["intra_bubble"], "busy_s": s.busy, "idle_s": s.idle,
-            **{k: v for k, v in s.details.items() if k in ("forward_stages", "tail_layers", "backward_stages",
+            **{k: v for k, v in s.details.items() if k in ("forward_stages", "tail_layers", "tail_shards", "backward_stages",
                                                           "stage_layers", "chunks", "round_size")}}
 
 
@@ -64,6 +65,37 @@ def work_per_step(costs, micro_batches: int) -> float:
     return micro_batches * (body + head.forward + head.backward)
 
 
+def head_whole(costs, micro_batches: int, accumulate: int) -> dict:
+    """RoundPipe async on the partitioner's plan with the LM head + loss kept as one job (the plan
+    before token shards): what cutting the head by tokens gains."""
+    from slimtune.pipeline.partitioner import plan_stages
+
+    part = plan_stages(costs.layers, WORKERS, memory_cap=costs.memory_cap)
+    s = simulate.simulate_roundpipe(costs, WORKERS, micro_batches * accumulate, part, "async",
+                                    micro_batches if accumulate > 1 else None)
+    return {"bubble": s.bubble, "step_time_s": s.step_time, "stages": len(part.stages())}
+
+
+def adamw_budget(costs, micro_batches: int, accumulate: int) -> dict:
+    """How long the host AdamW may take before RoundPipe async's bubble exceeds the goal (bisection,
+    to 1% of the modelled AdamW time), and the bubble with an AdamW that takes no time (the plan's
+    own). Staleness 1 lets step k+2 start only after step k's update, so the AdamW is hidden only
+    while it is well under a step's GPU work."""
+    def bubble(seconds: float) -> float:
+        timed = replace(costs, optimizer_s=seconds)
+        return simulate.simulate_roundpipe(timed, WORKERS, micro_batches * accumulate, None, "async",
+                                           micro_batches if accumulate > 1 else None).bubble
+
+    free, modelled = bubble(0.0), costs.optimizer_s
+    if bubble(modelled) <= BUBBLE_GOAL or free > BUBBLE_GOAL:
+        return {"bubble_without_adamw": free, "adamw_budget_s": None}
+    low, high = 0.0, modelled
+    while high - low > 0.01 * modelled:
+        mid = (low + high) / 2
+        low, high = (mid, high) if bubble(mid) <= BUBBLE_GOAL else (low, mid)
+    return {"bubble_without_adamw": free, "adamw_budget_s": low}
+
+
 def part1(quick: bool) -> list[dict]:
     rows = []
     variants = [(4, 1)] if quick else [(4, 1), (4, 4), (1, 1)]
@@ -74,7 +106,9 @@ def part1(quick: bool) -> list[dict]:
             rows.append({"model": name, "rows_per_micro_batch": batch, "seq_len": 2048, "accumulate": accumulate,
                          "costs": costs.label, "host_adamw_s": costs.optimizer_s,
                          "gpu_work_per_step_per_worker_s": work_per_step(costs, MICRO_BATCHES * accumulate) / WORKERS,
-                         "schedules": [row(s) for s in found], **verdict(found, costs, MICRO_BATCHES * accumulate)})
+                         "schedules": [row(s) for s in found], **verdict(found, costs, MICRO_BATCHES * accumulate),
+                         "roundpipe_async_head_whole": head_whole(costs, MICRO_BATCHES, accumulate),
+                         **adamw_budget(costs, MICRO_BATCHES, accumulate)})
     return rows
 
 
@@ -102,7 +136,8 @@ def paper_simulator(name: str) -> dict:
                      "1F1B, even split": even.bubble, "1F1B, balanced binding": tuned.bubble},
             "step_time_s": {"1F1B": one.step_time, "RoundPipe sync": sync.step_time, "RoundPipe async rounds": rounds.step_time,
                             "RoundPipe async runtime": whole.step_time},
-            "planned_partition": {k: planned.details[k] for k in ("forward_stages", "tail_layers", "backward_stages")}}
+            "planned_partition": {k: planned.details[k] for k in ("forward_stages", "tail_layers", "tail_shards",
+                                                                  "backward_stages")}}
 
 
 def part3(quick: bool) -> list[dict]:
