@@ -47,12 +47,13 @@ def cfg_for(overrides: dict):
 
 
 def steps(engine_class, model, batch, cfg):
-    """STEPS steps; the engine, their results, the times after the first, and the stage count the
-    last step ran with (roundpipe re-plans after every step)."""
+    """STEPS steps; the engine, their results, the times after the first, and the jobs and tail
+    shards of the cut the last step ran with (roundpipe re-plans after every step)."""
     engine = engine_class(Stack(copy.deepcopy(model)), cfg, torch.device("cpu"), "fp32")
     results, times, stages = [], [], None
     for _ in range(STEPS):
-        stages = len(engine.partition.stages()) if hasattr(engine, "partition") else None
+        if hasattr(engine, "partition"):
+            stages = (len(engine.partition.stages()), engine.partition.tail.shards)
         began = time.perf_counter()
         results.append(engine.step([batch]))
         times.append(time.perf_counter() - began)
@@ -71,7 +72,7 @@ def run(quick: bool) -> dict:
             engine, found, times, stages = steps(RoundPipeEngine, model, batch, cfg)
             state = engine.trainable_state()
             row = {"workers": workers, "optimizer": optimizer, "micro_batches": workers + 1,
-                   "stages": stages,  # of the last step's cut
+                   "stages": stages[0], "tail_shards": stages[1],  # of the last step's cut (jobs a step)
                    "max_loss_diff": max(abs(a.loss - b.loss) for a, b in zip(found, expected)),
                    "max_weight_diff": max((state[n] - w).abs().max().item() for n, w in weights.items()),
                    "median_step_s": statistics.median(times), "over_resident": statistics.median(times) / base_s,

@@ -12,7 +12,10 @@ One step. Each of the loop's batches is cut by rows into roundpipe.micro_batches
 one more than the workers; at most its rows). The partitioner (pipeline/partitioner.py) cuts the
 layers into forward stages, a fused tail and backward stages from per-layer costs (proportional to
 their bytes; the spec's measured-time EMA is pipeline.partitioner.LayerTimes, not fed yet), and the
-jobs take workers from one cursor that carries on across steps (pipeline/stages.py). Every worker
+jobs take workers from one cursor that carries on across steps (pipeline/stages.py). When the
+tail is the final norm + LM head + loss alone, the partitioner may cut it by tokens into up to
+roundpipe.tail_shards jobs (0: up to the workers), each on a slice of every micro-batch's tokens, so
+a large vocabulary's head stops pacing every stage (pipeline/jobs.py). Every worker
 thread runs its jobs in order; a micro-batch waits only for the same micro-batch of the job before
 (pipeline/mailbox.py), so when M >= N every worker has work while the others finish theirs.
 Gradients go down when a job ends and are added into the host accumulators by the host worker.

@@ -369,6 +369,11 @@ def test_what_it_does_not_do_is_refused_in_one_sentence(override, words):
         roundpipe.validate(cfg)
 
 
+def test_a_negative_tail_shard_count_is_refused_in_one_sentence():
+    with pytest.raises(UserError, match=r"roundpipe.tail_shards must be 0 \(up to the workers\) or more, got -1\."):
+        RoundPipeConfig(tail_shards=-1).validate()
+
+
 def test_model_dropout_is_refused():
     with pytest.raises(UserError, match="dropout"):
         RoundPipeEngine(Stack(model_of(2, attention_dropout=0.1)), run_cfg(RoundPipeConfig()), CPU, "fp64")
