@@ -257,7 +257,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="calls a step (gradient accumulation, default 1)")
     parser.add_argument("--chunks", type=int, default=2, help="interleaved 1F1B's chunks a worker (default 2)")
     parser.add_argument("--partition", help="RoundPipe stages as forward/tail/backward layer counts, e.g. "
-                        "7,7,7,7/1/3,3,3,3,3,3,3,3,2,2 ('reference': the paper's, with spec costs); default: planned")
+                        "7,7,7,7/1/3,3,3,3,3,3,3,3,2,2, a one-layer tail in k token shards 1xk ('reference': the paper's, "
+                        "with spec costs); default: planned, the head cut into up to --workers shards")
     parser.add_argument("--reference", action="store_true", help="as the paper's simulator: no transfers, no optimizer, "
                         "no offload, rounds of <= N micro-batches from the earliest-free worker")
     parser.add_argument("--png", help="write the timelines (one panel a schedule) to this PNG")
