@@ -41,6 +41,7 @@ its next job, which it prefetches only after the current job's inputs are queued
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 
 import torch
@@ -64,7 +65,7 @@ from slimtune.pipeline.mailbox import Mailbox
 from slimtune.pipeline.partitioner import LayerTimes, costs_from_bytes, plan_stages
 from slimtune.pipeline.row_split import split_rows
 from slimtune.pipeline.settings import RoundPipeConfig, validate, worker_devices
-from slimtune.pipeline.stages import Partition, assign
+from slimtune.pipeline.stages import Job, Partition, assign
 from slimtune.pipeline.worker import Worker
 
 
@@ -160,10 +161,17 @@ class RoundPipeEngine:
         """Where a trainable tensor's downloaded gradient is added (async: the step's own buffers)."""
         return self.incoming[id(param)] if self.asynchronous else self.accumulators[id(param)]
 
-    def _add_grad(self, deferred: list, param: torch.Tensor, host: torch.Tensor, event: object,
-                  order: int | None = None) -> None:
-        """Added on the host worker now, or (a tail shard's, `order` its shard) after the step's
-        jobs in shard order, so that a sum over shards does not depend on which ended first."""
+    def _add_grads(self, shards: "_InShardOrder", job: Job, grads: list[tuple]) -> None:
+        """A job's downloaded gradients, added on the host worker: now, or (a tail shard's) once every
+        shard before it has been, so that a sum over shards does not depend on which ended first."""
+        adds = [self._adder(param, host, event) for param, host, event in grads]
+        if job.stage.shards == 1:
+            for add in adds:
+                self.host.submit(add)
+        else:
+            shards.put(job.shard, adds)
+
+    def _adder(self, param: torch.Tensor, host: torch.Tensor, event: object):
         accumulator = self._accumulator(param)
 
         def add() -> None:
@@ -171,10 +179,7 @@ class RoundPipeEngine:
                 event.synchronize()
             accumulator.add_(host)
 
-        if order is None:
-            self.host.submit(add)
-        else:
-            deferred.append(((0, order), add))
+        return add
 
     def _embedding_weight(self) -> tuple[torch.Tensor, runtime.SlotTensor | None]:
         weight = self.stack.embed.weight
@@ -207,7 +212,7 @@ class RoundPipeEngine:
                     rows[ids == padding] = 0
                 accumulator.index_add_(0, ids, rows)
 
-            deferred.append(((1, m), job))  # after a sharded tail's head gradients
+            deferred.append((m, job))
 
         return add, found is not None and found.trainable
 
@@ -226,7 +231,7 @@ class RoundPipeEngine:
         first_tail = len(self.partition.forward)
         return jobs.StepContext(
             pieces=pieces, total=total, units=self.units, mailbox=Mailbox(self.section.timeout_s),
-            source=self._source, add_grad=functools.partial(self._add_grad, deferred),
+            source=self._source, add_grads=functools.partial(self._add_grads, _InShardOrder(self.host.submit)),
             add_embedding_grad=add_embedding_grad,
             tail_jobs=range(first_tail, first_tail + self.partition.tail.shards),
             saved_at=self._saved_at(), precision=self.precision, grain=self.section.grain, loss_cfg=self.loss_cfg,
@@ -436,6 +441,22 @@ class RoundPipeEngine:
             by_name = {self.names[p]: t for p, t in self.compute.items()}
             copy_named(by_name, {n: saved.get(n, state.trainable[n]) for n in by_name})
         self.step_count = state.step
+
+
+class _InShardOrder:
+    """A step's tail-shard gradient additions, released to the host worker (FIFO) in shard order:
+    each shard's as soon as every shard before it has gone."""
+
+    def __init__(self, submit):
+        self._submit, self._next, self._waiting, self._lock = submit, 0, {}, threading.Lock()
+
+    def put(self, shard: int, adds: list) -> None:
+        with self._lock:
+            self._waiting[shard] = adds
+            while self._next in self._waiting:
+                for add in self._waiting.pop(self._next):
+                    self._submit(add)
+                self._next += 1
 
 
 def _complete(handoff: tuple) -> torch.Tensor:

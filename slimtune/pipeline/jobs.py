@@ -10,7 +10,8 @@
             each takes the whole input (the last forward job hands it to every shard at once),
             runs the norm, head and loss on its own token slice, and sends down that slice's input
             gradient; the first backward job joins the slices. The shards' parameter gradients are
-            added in shard order after the step's jobs, so the sum does not depend on timing.
+            added in shard order (a shard that ends early waits for those before it), so the sum
+            does not depend on timing.
   backward  weights up with gradients; per micro-batch: the saved input up and the stage recomputed
             (before waiting for the gradient from above, so the two overlap), then backward and the
             input gradient down; grain=layer recomputes and back-propagates layer by layer from
@@ -52,7 +53,7 @@ class StepContext:
     units: list[HostUnit]  # per layer
     mailbox: Mailbox
     source: Callable  # slot tensor -> the host tensor its upload reads (compute weights)
-    add_grad: Callable  # (original param, host gradient, event, order=None) -> added on the host worker
+    add_grads: Callable  # (job, [(original param, host gradient, event)]) -> added on the host worker
     add_embedding_grad: Callable  # (micro-batch, host gradient of the rows, event)
     saved_at: frozenset[int]  # layers whose input the forward keeps for a backward stage
     precision: str
@@ -147,10 +148,8 @@ def run(worker: Worker, job: Job, ctx: StepContext) -> None:
                     worker.retag(leaf.grad, "gradients")
     finally:
         worker.unbind(units)
-    for original, leaf in pairs:
-        if leaf.grad is not None:
-            order = job.shard if job.stage.shards > 1 else None  # shards: added in shard order after the jobs
-            ctx.add_grad(original, *worker.link.to_host(leaf.grad), order=order)
+    ctx.add_grads(job, [(original, *worker.link.to_host(leaf.grad)) for original, leaf in pairs
+                        if leaf.grad is not None])
 
 
 def _upload_input(worker: Worker, handoff: tuple, requires_grad: bool = False) -> torch.Tensor:

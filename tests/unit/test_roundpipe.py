@@ -114,7 +114,7 @@ def test_a_tail_cut_into_token_shards_equals_plain_adamw(models, resident, shard
 
 @pytest.mark.parametrize("optimizer", ["sync", "async"])
 def test_a_sharded_tail_gives_the_same_bits_whichever_shard_ends_first(models, optimizer):
-    """The shards' head gradients are added in shard order after the jobs: random delays everywhere,
+    """The shards' head gradients are added in shard order (one ending early waits): random delays everywhere,
     and a first shard held back, change no bit (tied head: the embedding rows add up after them)."""
     cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=2, optimizer=optimizer, replan=False))
     partition = uniform_partition(5, 2, 1, tail_shards=3)
