@@ -252,7 +252,8 @@ def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int,
     # Answers already in the cache cost nothing: only the others are worth a worker.
     results = {i: weigh(*job) for i, job in enumerate(jobs)
                if not max_seq and is_cached(model_config, _run_config(base, job[2]), batch_size, seq_len)}
-    order = sorted((i for i in range(len(jobs)) if i not in results), key=lambda i: (_at_full_depth(base, jobs[i][2]), i))
+    left = [i for i in range(len(jobs)) if i not in results]
+    order = sorted(left, key=lambda i: (_at_full_depth(base, jobs[i][2]), i))
     small = model_config.num_hidden_layers * model_config.hidden_size < PARALLEL_FROM
     if (os.cpu_count() or 1) < 2 or len(order) < 2 or small:
         planning_worker.discard()

@@ -198,7 +198,8 @@ def _tail_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, piece:
                       ahead: Prefetch | None) -> None:
     stage, stack = job.stage, worker.replica.stack
     first, sharded = stage.start == 0, stage.shards > 1
-    x = _upload_input(worker, ctx.tail_input(job, m), requires_grad=not sharded and (not first or ctx.embedding_trainable))
+    wants_grad = not sharded and (not first or ctx.embedding_trainable)  # a shard makes its slice a leaf
+    x = _upload_input(worker, ctx.tail_input(job, m), requires_grad=wants_grad)
     _advance(ahead)
     if sharded:  # this shard's tokens: the norm, the head and the loss treat every token alone
         a, b = token_range(x.shape[1], job.shard, stage.shards)

@@ -72,7 +72,8 @@ def partition_from_text(text: str, layers: int) -> Partition:
         raise UserError(f"--partition '{text}': only a tail of one layer may be cut into token shards (1xK, K >= 1).")
     starts_f = [sum(sizes_f[:i]) for i in range(len(sizes_f))]
     starts_b = [e - sum(sizes_b[:i + 1]) for i in range(len(sizes_b))]
-    return Partition(tuple(Stage("forward", a, a + n) for a, n in zip(starts_f, sizes_f)), Stage("tail", e, layers, shards),
+    return Partition(tuple(Stage("forward", a, a + n) for a, n in zip(starts_f, sizes_f)),
+                     Stage("tail", e, layers, shards),
                      tuple(Stage("backward", a, a + n) for a, n in zip(starts_b, sizes_b)))
 
 
