@@ -25,7 +25,8 @@ on the CPU the live-tensor meter. What it records:
    fine-tuning (bf16, the 1B shapes); chunk.gradients=host against the device mode (losses, peak,
    step time).
 7. roundpipe: 1-4 virtual workers on the one card (threads, each with its own streams) against
-   resident, fp32, 3 steps, a tiny model: loss and weight differences (goal 1e-5); the estimate
+   resident, fp32, 3 steps, a tiny model: loss and weight differences (goal 1e-5), also with the
+   tail cut into 3 token shards on 3 workers (hand-made cut); the estimate
    beside the measured peak for one worker (bf16, the 1B shapes); median step time for 1, 2 and 4
    workers, and a profiler summary of the 2-worker step.
 Data parallelism (torchrun, NCCL) is not checked here: ranks sharing the one lent card would measure
@@ -45,6 +46,7 @@ from slimtune import config as config_module
 from slimtune import assembly, presets
 from slimtune.data import IGNORE_INDEX, Batch
 from slimtune.estimate import estimate
+from slimtune.pipeline.stages import uniform_partition
 
 GIB = 2**30
 RESIDENT_PLANS = (
@@ -342,15 +344,20 @@ def roundpipe_checks(quick: bool, output_dir: str) -> dict:
     reference = build_engine(small, run_config({"method": "full", "precision": "fp32"}, output_dir), device())
     expected = [reference.step([batch]).loss for _ in range(3)]
     weights = {k: v.detach().float().cpu() for k, v in reference.trainable_state().items()}
-    for workers in (1, 2, 3, 4):
+    def parity(workers: int, tail_shards: int = 0) -> dict:
         cfg = run_config({"method": "full", "precision": "fp32", "engine": "roundpipe", "activations.checkpoint": "none",
-                          "roundpipe.workers": workers}, output_dir)
+                          "roundpipe.workers": workers, "roundpipe.replan": not tail_shards}, output_dir)
         engine = build_engine(small, cfg, device())
+        if tail_shards:  # the head + loss as that many token-shard jobs, whatever the partitioner would pick
+            engine.partition = uniform_partition(len(engine.units), 2, 1, tail_shards=tail_shards)
         losses = [engine.step([batch]).loss for _ in range(3)]
         found = engine.trainable_state()
-        out["parity"][workers] = {"max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected)),
-                                  "max_weight_diff": max((found[k].float().cpu() - w).abs().max().item()
-                                                         for k, w in weights.items())}
+        return {"max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected)),
+                "max_weight_diff": max((found[k].float().cpu() - w).abs().max().item() for k, w in weights.items())}
+
+    for workers in (1, 2, 3, 4):
+        out["parity"][workers] = parity(workers)
+    out["parity"]["3, the tail in 3 token shards"] = parity(3, tail_shards=3)
     config = shapes(quick, 4 if quick else 8)
     seq = 256 if quick else 2048
     model, big = random_model(config), one_batch(config.vocab_size, seq, rows=4)
