@@ -309,16 +309,19 @@ def test_device_peak_per_worker_is_flat_in_depth():
     assert peaks[0] == peaks[1]
 
 
-def test_lora_on_a_4bit_base_equals_resident():
+@pytest.mark.parametrize("tail_shards", [1, 2], ids=["whole tail", "tail in 2 token shards"])
+def test_lora_on_a_4bit_base_equals_resident(tail_shards):
+    """The frozen head is streamed to every shard; the shards make no parameter gradients."""
     model = model_of(3)
     quant.apply(model, QuantConfig(scheme="int4", group_size=16))
     torch.manual_seed(1)
     lora.apply(model, LoraConfig(rank=4, alpha=8.0))
     for adapter in lora.adapters(model).values():
         nn.init.normal_(adapter.lora_B.weight, std=0.2)
-    cfg = run_cfg(RoundPipeConfig(workers=2), method="lora")
+    cfg = run_cfg(RoundPipeConfig(workers=2, replan=tail_shards == 1), method="lora")
     expected = run(ResidentEngine, model, cfg)
-    found = run(RoundPipeEngine, model, cfg)
+    cut = uniform_partition(4, 1, 1, tail_shards=tail_shards) if tail_shards > 1 else None
+    found = run(RoundPipeEngine, model, cfg, partition=cut)
     assert_same(expected, found)
     assert found[2] and all("lora_" in n for n in found[2])  # the frozen base has no masters
 
