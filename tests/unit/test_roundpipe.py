@@ -326,15 +326,19 @@ def test_lora_on_a_4bit_base_equals_resident(tail_shards):
     assert found[2] and all("lora_" in n for n in found[2])  # the frozen base has no masters
 
 
-@pytest.mark.parametrize("optimizer", ["sync", "async"])
-def test_resume_from_state_dict_continues_exactly(models, optimizer):
-    cfg = run_cfg(RoundPipeConfig(workers=3, optimizer=optimizer))
-    straight = run(RoundPipeEngine, models["untied"], cfg, steps=4)
+@pytest.mark.parametrize("optimizer,tail_shards", [("sync", 1), ("async", 1), ("async", 3)],
+                         ids=["sync", "async", "async, tail in 3 token shards"])
+def test_resume_from_state_dict_continues_exactly(models, optimizer, tail_shards):
+    cfg = run_cfg(RoundPipeConfig(workers=3, optimizer=optimizer, replan=tail_shards == 1))
+    cut = uniform_partition(5, 2, 1, tail_shards=tail_shards) if tail_shards > 1 else None
+    straight = run(RoundPipeEngine, models["untied"], cfg, steps=4, partition=cut)
     first = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), cfg, CPU, "fp64")
+    first.partition = cut or first.partition
     for seed in range(2):
         first.step(batches(300, seed, 2, rows=4))
     state = copy.deepcopy(first.state_dict())
     second = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), cfg, CPU, "fp64")
+    second.partition = cut or second.partition
     second.load_state_dict(state)
     losses = [second.step(batches(300, seed, 2, rows=4)).loss for seed in (2, 3)]
     assert losses == straight[0][2:]
