@@ -26,21 +26,21 @@ def split_rows(batch: Batch, pieces: int) -> list[Batch]:
 
 def _rows(batch: Batch, start: int, stop: int) -> Batch:
     cut = [t[start:stop] for t in (batch.input_ids, batch.targets, batch.position_ids)]
-    if not is_fake(batch.targets):
-        return Batch(*cut, segmented=batch.segmented)
-    rows = batch.input_ids.shape[0]
-    share = batch.num_targets * (stop - start) // rows
-    trained = batch.trained_positions[:share] if batch.trained_positions is not None else None
-    return Batch(*cut, trained_positions=trained, num_targets=share, segmented=batch.segmented)
+    return _piece(batch, cut, stop - start, batch.input_ids.shape[0])
 
 
 def token_slice(batch: Batch, start: int, stop: int) -> Batch:
     """Positions [start, stop) of every row. Under fake tensors the slice gets its share of the
     trained positions by tokens (exact for the estimate's synthetic batch, trained everywhere alike)."""
     cut = [t[:, start:stop] for t in (batch.input_ids, batch.targets, batch.position_ids)]
+    return _piece(batch, cut, stop - start, batch.input_ids.shape[1])
+
+
+def _piece(batch: Batch, cut: list, part: int, whole: int) -> Batch:
+    """A batch of the cut tensors; under fake tensors, whose trained positions cannot be read, with
+    `part` / `whole` of the batch's trained positions."""
     if not is_fake(batch.targets):
         return Batch(*cut, segmented=batch.segmented)
-    tokens = batch.input_ids.shape[1]
-    share = batch.num_targets * (stop - start) // max(tokens, 1)
+    share = batch.num_targets * part // max(whole, 1)
     trained = batch.trained_positions[:share] if batch.trained_positions is not None else None
     return Batch(*cut, trained_positions=trained, num_targets=share, segmented=batch.segmented)

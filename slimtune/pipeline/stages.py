@@ -10,10 +10,11 @@ A job is one stage over all M micro-batches of a step, on one worker. A tail tha
 alone (the final norm + LM head + loss, which treat every token on its own) may be cut by tokens
 into `shards` jobs: shard s runs the tail on the s-th of `shards` nearly equal token slices of
 every micro-batch, so a large vocabulary's head, often several blocks' worth, need not be one job
-whose length every other stage must match (roundpipe.md 2.6: W >= the largest layer). Jobs take workers from one
-global cursor in stage order (forward, tail, backward), so job j of a step runs on worker
-(c0 + j) mod N and the cursor carries on into the next step. Job j's micro-batch m waits only for
-job j-1's micro-batch m.
+whose length every other stage must match (roundpipe.md 2.6: W >= the largest layer). Jobs take
+workers from one global cursor in stage order (forward, tail, backward), so job j of a step runs
+on worker (c0 + j) mod N and the cursor carries on into the next step. Job j's micro-batch m waits
+only for job j-1's micro-batch m (a tail shard: the last forward job's; the job after the shards:
+every shard's).
 """
 
 from __future__ import annotations
