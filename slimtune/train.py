@@ -268,10 +268,10 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
         # A log file or pipe gets a refresh every 30 s instead of every step.
         bar = tqdm(total=run.cfg.train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
                    mininterval=0.1 if sys.stderr.isatty() else 30.0)
-        began, skips = time.perf_counter(), Skips()
+        began, skips, drawn = time.perf_counter(), Skips(), DrawnBatches(stream)
         try:
             for step in range(start + 1, run.cfg.train.steps + 1):
-                _train_step(run, step, stream, log, bar, skips)
+                _train_step(run, step, drawn, log, bar, skips)
         except distributed.PeerFailed as err:
             log.close(failed=True)
             raise distributed.PeerFailed(f"{err} {_last_checkpoint_sentence(run)}") from None
@@ -336,17 +336,45 @@ class Skips:
         self.total += not applied
 
 
-def _train_step(run: Run, step: int, stream: data.BatchStream, log: MetricsLog, bar, skips: Skips) -> None:
+class DrawnBatches:
+    """The stream's batches step by step. For an engine that starts a step before the one before it
+    ends (`starts_ahead`: roundpipe's async optimizer), the next step's are drawn one step early,
+    never across a step whose checkpoint or evaluation must see the stream and weights as they are."""
+
+    def __init__(self, stream: data.BatchStream):
+        self.stream, self._early = stream, None
+
+    def take(self, count: int) -> list[data.Batch]:
+        found, self._early = self._early, None
+        return found if found is not None else [self.stream.next_batch() for _ in range(count)]
+
+    def draw_early(self, count: int) -> list[data.Batch]:
+        self._early = [self.stream.next_batch() for _ in range(count)]
+        return self._early
+
+
+def _next_starts_early(run: Run, step: int) -> bool:
+    """Whether step `step` hands the engine the next step's batches: the engine can use them, and
+    after this step no checkpoint, evaluation or end reads the engine (one process: under torchrun
+    the ranks' sums would have to be ordered across two steps)."""
+    t = run.cfg.train
+    return (getattr(run.engine, "starts_ahead", False) and not run.dist.active and step < t.steps
+            and not _due(step, t.eval_every, t.steps) and not _due(step, t.save_every, t.steps))
+
+
+def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, skips: Skips) -> None:
     """One optimizer step, then what is due after it: evaluation, the log, a checkpoint. A step that
     could not update (non-finite) is logged, then ends the run or is skipped (train.on_nonfinite)."""
     t, dist = run.cfg.train, run.dist
-    step_batches = [stream.next_batch() for _ in range(t.grad_accum * dist.world_size)]
+    count = t.grad_accum * dist.world_size
+    step_batches = drawn.take(count)
     # Under torchrun: this rank's share, and the divisor of the whole step (every rank's targets).
     micro_batches = dist.shard(step_batches)
     total_targets = sum(b.num_targets for b in step_batches) if dist.active else None
+    early = {"then": (drawn.draw_early(count), None)} if _next_starts_early(run, step) else {}
     tick = time.perf_counter()
     try:
-        result = combine_ranks(dist, step, run.engine.step(micro_batches, total_targets))
+        result = combine_ranks(dist, step, run.engine.step(micro_batches, total_targets, **early))
     except torch.OutOfMemoryError:
         raise UserError(out_of_memory_advice(run, step)) from None
     skips.note(result.applied)
@@ -360,7 +388,7 @@ def _train_step(run: Run, step: int, stream: data.BatchStream, log: MetricsLog, 
     if not result.applied:
         _refuse_nonfinite(run, step, result, skips)
     if _due(step, t.save_every, t.steps):
-        checkpoint.save(Path(run.cfg.output_dir), step, run.engine.state_dict(), stream.state_dict(), t.keep_last,
+        checkpoint.save(Path(run.cfg.output_dir), step, run.engine.state_dict(), drawn.stream.state_dict(), t.keep_last,
                         dist)
     bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                     mem=_peak_text(result.device_peak_bytes))

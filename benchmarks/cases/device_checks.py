@@ -26,7 +26,8 @@ on the CPU the live-tensor meter. What it records:
    step time).
 7. roundpipe: 1-4 virtual workers on the one card (threads, each with its own streams) against
    resident, fp32, 3 steps, a tiny model: loss and weight differences (goal 1e-5), also with the
-   tail cut into 3 token shards on 3 workers (hand-made cut); the estimate
+   tail cut into 3 token shards on 3 workers (hand-made cut); async with each step handed the next
+   one's batches (then=, so the next step starts early) against async step by step (bitwise); the estimate
    beside the measured peak for one worker (bf16, the 1B shapes); median step time for 1, 2 and 4
    workers, and a profiler summary of the 2-worker step.
 Data parallelism (torchrun, NCCL) is not checked here: ranks sharing the one lent card would measure
@@ -80,8 +81,8 @@ def random_model(config, dtype=torch.float32):
     return model
 
 
-def one_batch(vocab: int, seq: int, rows: int = 1) -> Batch:
-    g = torch.Generator().manual_seed(0)
+def one_batch(vocab: int, seq: int, rows: int = 1, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (rows, seq), generator=g)
     targets = torch.roll(ids, -1, dims=1)
     targets[:, : seq * 7 // 10] = IGNORE_INDEX  # the last 30% trained
@@ -355,9 +356,26 @@ def roundpipe_checks(quick: bool, output_dir: str) -> dict:
         return {"max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected)),
                 "max_weight_diff": max((found[k].float().cpu() - w).abs().max().item() for k, w in weights.items())}
 
+    def begun_early(workers: int = 3, steps: int = 4) -> dict:
+        """async: each step handed the next one's batches (the loop's then=) against step by step,
+        on real streams: the early step's uploads wait for the copies its flags name."""
+        cfg = run_config({"method": "full", "precision": "fp32", "engine": "roundpipe", "activations.checkpoint": "none",
+                          "roundpipe.workers": workers, "roundpipe.optimizer": "async", "roundpipe.replan": False},
+                         output_dir)
+        found = []
+        for early in (False, True):
+            engine = build_engine(small, cfg, device())
+            data = [[one_batch(tiny.vocab_size, 64, rows=4, seed=k)] for k in range(steps)]
+            losses = [engine.step(data[k], then=(data[k + 1], None) if early and k + 1 < steps else None).loss
+                      for k in range(steps)]
+            found.append((losses, {k: v.float().cpu() for k, v in engine.trainable_state().items()}))
+        (a, wa), (b, wb) = found
+        return {"losses_equal": a == b, "max_weight_diff": max((wa[k] - wb[k]).abs().max().item() for k in wa)}
+
     for workers in (1, 2, 3, 4):
         out["parity"][workers] = parity(workers)
     out["parity"]["3, the tail in 3 token shards"] = parity(3, tail_shards=3)
+    out["async_begun_early_vs_step_by_step"] = begun_early()
     config = shapes(quick, 4 if quick else 8)
     seq = 256 if quick else 2048
     model, big = random_model(config), one_batch(config.vocab_size, seq, rows=4)

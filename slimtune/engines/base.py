@@ -48,7 +48,11 @@ class Engine(Protocol):
 
     def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
         """One optimizer step over `micro_batches` (gradient accumulation). `total_targets`: the
-        step's trained-token count over every rank (data parallelism; step_divisor), else None."""
+        step's trained-token count over every rank (data parallelism; step_divisor), else None.
+        An engine whose `starts_ahead` attribute is true also takes `then=(micro_batches,
+        total_targets)` of the next step, which it may begin before this one ends; the loop passes
+        it only where nothing reads the engine between the two steps (train._next_starts_early),
+        and the next call gets those same batches."""
         ...
 
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:

@@ -27,10 +27,13 @@ The optimizer (roundpipe.optimizer):
          weights from before it: step k (from 0) computes its gradient at the weights after k - 1
          updates (steps 0 and 1 both at W0), and W_k = AdamW(W_{k-1}, gradient at W_{k-2}). Not
          exact: one step stale, as the spec's reference is by default. The weights that go up are a
-         host copy taken when the previous update ended, and the gradients land in buffers of their
-         own (4 bytes a number of host RAM more). Checkpoints keep that copy, so resume is exact.
-         What the real runtime does not overlap yet: the next step's fill with this step's drain
-         (the loop waits for each step's loss); the simulator (pipeline/simulate.py) shows both.
+         host copy per trainable tensor, renewed unit by unit after the step's last read of it
+         (pipeline/step_weights.py), and the gradients land in buffers of their own (4 bytes a
+         number of host RAM more). Checkpoints keep that copy, so resume is exact. Since the next
+         step needs nothing of this one, the loop hands step() the next step's batches (`then`,
+         except before a checkpoint, an evaluation or the end): its first jobs start while this
+         step's last ones still run, filling the workers the drain leaves idle, as the simulator
+         (pipeline/simulate.py) plays it, and no result changes.
 
 Not done: dropout (workers share torch's random generator, so a recompute could not redraw the
 forward's masks; refused in one sentence), weight pieces bin-packed behind activation copies (on a
@@ -43,6 +46,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -61,11 +65,11 @@ from slimtune.loss import causal_lm_loss
 from slimtune.model import Stack
 from slimtune.optim import rules
 from slimtune.pipeline import jobs
-from slimtune.pipeline.mailbox import Mailbox
 from slimtune.pipeline.partitioner import LayerTimes, costs_from_bytes, plan_stages
 from slimtune.pipeline.row_split import split_rows
 from slimtune.pipeline.settings import RoundPipeConfig, validate, worker_devices
 from slimtune.pipeline.stages import Job, Partition, assign
+from slimtune.pipeline.step_weights import StepWeights
 from slimtune.pipeline.worker import Worker
 
 
@@ -113,6 +117,12 @@ class RoundPipeEngine:
         self.pending_update = None
         self.meter = memory.meter_for(self.device, cfg.train.measure_memory)  # the run's kind (train prints it)
         self.measure = cfg.train.measure_memory
+        # async: the loop may hand step() the next step's batches (then=), to start before this one ends.
+        self.starts_ahead = self.asynchronous and not fake
+        self._versioned = frozenset(i for i, unit in enumerate(self._all_units())
+                                    if self.asynchronous and any(t.trainable for t in unit.binding.tensors))
+        self._upcoming = StepWeights.ready(self._versioned, self.section.timeout_s)  # the next step to start
+        self._ahead: _Started | None = None  # a step started early, whose jobs are running
 
     def _refuse_dropout(self, stack: Stack) -> None:
         config = stack.config
@@ -161,13 +171,14 @@ class RoundPipeEngine:
         """Where a trainable tensor's downloaded gradient is added (async: the step's own buffers)."""
         return self.incoming[id(param)] if self.asynchronous else self.accumulators[id(param)]
 
-    def _add_grads(self, shards: "_InShardOrder", job: Job, grads: list[tuple]) -> None:
-        """A job's downloaded gradients, added on the host worker: now, or (a tail shard's) once every
-        shard before it has been, so that a sum over shards does not depend on which ended first."""
+    def _add_grads(self, to_host, shards: "_InShardOrder", job: Job, grads: list[tuple]) -> None:
+        """A job's downloaded gradients, added on the host worker (through the step's gate): now, or
+        (a tail shard's) once every shard before it has been, so that a sum over shards does not
+        depend on which ended first."""
         adds = [self._adder(param, host, event) for param, host, event in grads]
         if job.stage.shards == 1:
             for add in adds:
-                self.host.submit(add)
+                to_host(add)
         else:
             shards.put(job.shard, adds)
 
@@ -226,74 +237,144 @@ class RoundPipeEngine:
         wanted = self.section.micro_batches or len(self.workers) + 1
         return [piece for batch in micro_batches for piece in split_rows(batch, wanted)]
 
-    def _context(self, pieces: list[Batch], total: int, deferred: list) -> jobs.StepContext:
+    def _context(self, pieces: list[Batch], total: int, deferred: list, weights: StepWeights) -> jobs.StepContext:
         add_embedding_grad, embedding_trainable = self._add_embedding_grad(pieces, deferred)
         first_tail = len(self.partition.forward)
+        to_host = functools.partial(weights.gate.submit, self.host)
         return jobs.StepContext(
-            pieces=pieces, total=total, units=self.units, mailbox=Mailbox(self.section.timeout_s),
-            source=self._source, add_grads=functools.partial(self._add_grads, _InShardOrder(self.host.submit)),
+            pieces=pieces, total=total, units=self.units, mailbox=weights.mailbox, weights=weights,
+            source=self._source, add_grads=functools.partial(self._add_grads, to_host, _InShardOrder(to_host)),
             add_embedding_grad=add_embedding_grad,
             tail_jobs=range(first_tail, first_tail + self.partition.tail.shards),
             saved_at=self._saved_at(), precision=self.precision, grain=self.section.grain, loss_cfg=self.loss_cfg,
             activations_cfg=self.activations_cfg, embedding_trainable=embedding_trainable, next_job={})
 
-    def _run_jobs(self, ctx: jobs.StepContext) -> None:
-        """Dispatch the step's jobs on the cursor and wait for all of them; a failure stops every
-        worker and is raised once, naming the worker and the job."""
+    def _start(self, micro_batches: list[Batch], total_targets: int | None) -> "_Started":
+        """Cut the batches, take the step's jobs from the cursor, gather the embedding rows (once the
+        step's copy of the table is in place) and hand the jobs to the workers."""
+        weights, following = self._upcoming, StepWeights(self._versioned, self.section.timeout_s, opened=False)
+        weights.mailbox.passes_failure_to(following.mailbox)
+        self._upcoming = following
         step_jobs, self.cursor = assign(self.partition, len(self.workers), self.cursor)
-        last_of: dict[int, int] = {}
-        for job in step_jobs:  # each worker's next job, for its prefetch
-            ctx.next_job[job.index] = None
-            if job.worker in last_of:
-                ctx.next_job[last_of[job.worker]] = job
-            last_of[job.worker] = job.index
-        for m, piece in enumerate(ctx.pieces):
-            ctx.put((jobs.EMBED, m), (self._embedding_rows(piece), None))
+        weights.expect(self._reads(step_jobs), functools.partial(self._release, weights, following))
+        pieces, deferred = self._pieces(micro_batches), []
+        ctx = self._context(pieces, step_divisor(micro_batches, total_targets), deferred, weights)
+        ctx.next_job.update(_next_on_worker(step_jobs))
+        self._gather_rows(ctx)  # first: under fake tensors each job runs inline as it is submitted
+        meters = self._open_meters(idle=self._ahead is None)
         futures = []
         for job in step_jobs:
             worker = self.workers[job.worker]
             label = f"job {job.index} ({job.stage.kind} layers {job.stage.start}-{job.stage.stop - 1})"
-            futures.append(worker.submit(lambda w=worker, j=job: jobs.run(w, j, ctx), label, ctx.mailbox))
-        errors = [f.exception() for f in futures]
-        for worker in self.workers:
-            worker.prefetched.clear()
+            meter = meters.get(worker.index) if isinstance(meters, dict) else None
+            futures.append(worker.submit(lambda w=worker, j=job: jobs.run(w, j, ctx), label, ctx.mailbox, meter))
+        return _Started(micro_batches, ctx, futures, meters, deferred, following)
+
+    def _gather_rows(self, ctx: jobs.StepContext) -> None:
+        """Every micro-batch's embedding rows, from the step's copy of the table, for job 0."""
+        table_unit = self._table_unit()
+        ctx.await_weights([table_unit])
+        for m, piece in enumerate(ctx.pieces):
+            ctx.put((jobs.EMBED, m), (self._embedding_rows(piece), None))
+        ctx.weights_read([table_unit], None)
+
+    def _table_unit(self) -> int:
+        """The index (in _all_units) of the unit holding the embedding table; -1: none does."""
+        weight = self.stack.embed.weight
+        return next((i for i, unit in enumerate(self._all_units()) if unit.tensor_of(weight) is not None), -1)
+
+    def _reads(self, step_jobs: list[Job]) -> dict[int, int]:
+        """How often the step reads each unit's compute copy: once a job that holds it, once the gather."""
+        reads = {self._table_unit(): 1}
+        for job in step_jobs:
+            for layer in job.stage.layers:
+                reads[layer] = reads.get(layer, 0) + 1
+        return reads
+
+    def _release(self, weights: StepWeights, following: StepWeights, unit: int, events: list) -> None:
+        """The step's last read of `unit` is done: its compute copy becomes the following step's, on
+        the optimizer thread, after the update before and ahead of this step's own (weights.gate)."""
+        held = [t for t in self._all_units()[unit].binding.tensors if t.trainable]
+
+        def copy() -> None:
+            try:
+                for event in events:
+                    event.synchronize()
+                with torch.no_grad():
+                    for t in held:
+                        self.compute[id(t.param)].copy_(t.upload)
+                following.mailbox.put(("weights", unit), True)
+            except BaseException as err:  # noqa: BLE001 - the following step's waiters hear of it
+                following.mailbox.fail(err)
+                raise
+
+        weights.gate.submit(self.optimizer_thread, copy)
+
+    def _take_ahead(self, micro_batches: list[Batch]) -> "_Started | None":
+        started, self._ahead = self._ahead, None
+        if started is not None and (len(started.micro_batches) != len(micro_batches) or any(
+                a is not b for a, b in zip(started.micro_batches, micro_batches))):
+            raise RuntimeError("engine=roundpipe began its next step with other batches than step() was given")
+        return started
+
+    def _wait_jobs(self, started: "_Started") -> BaseException | None:
+        """Wait for a started step's jobs; the first failure (the mailbox's, naming the worker), if any."""
+        errors = [f.exception() for f in started.futures]
         failed = next((e for e in errors if e is not None), None)
-        if failed is not None:
-            self.host.barrier()
-            raise ctx.mailbox.failure or failed
+        return None if failed is None else started.ctx.mailbox.failure or failed
+
+    def _settled(self) -> None:
+        if self._ahead is not None:
+            raise RuntimeError("engine=roundpipe has a step running that began early; call step() for it first")
 
     # ------------------------------------------------------------ the Engine interface
 
-    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None,
+             then: tuple[list[Batch], int | None] | None = None) -> StepResult:
+        """One step. `then`: the next step's (micro_batches, total_targets), which async starts now,
+        before this one ends, so its first stages fill the workers this step's last stages leave
+        idle; the next call must pass those same batches. No result changes: that step computes at
+        the same weights either way."""
         self.stack.model.train()
-        total = step_divisor(micro_batches, total_targets)
-        lr = rules.lr_at(self.train_cfg, self.step_count)
-        link_before = sum(w.link.bytes for w in self.workers)
-        pieces = self._pieces(micro_batches)
-        deferred: list = []
-        ctx = self._context(pieces, total, deferred)
-        meters = self._open_meters()
-        try:
-            self._run_jobs(ctx)
-        finally:
-            peaks = self._close_meters(meters)
-        for _, add in sorted(deferred, key=lambda item: item[0]):
-            self.host.submit(add)
+        started = self._take_ahead(micro_batches) or self._start(micro_batches, total_targets)
+        if then is not None and self.starts_ahead:
+            try:
+                self._ahead = self._start(*then)
+            except BaseException:
+                self._wait_jobs(started)
+                raise
+        return self._finish(started)
+
+    def _finish(self, started: "_Started") -> StepResult:
+        """Wait for a started step's jobs, sum its losses and gradients, and submit its update."""
+        ctx, lr = started.ctx, rules.lr_at(self.train_cfg, self.step_count)
+        failed = self._wait_jobs(started)
+        peaks = self._close_meters(started.meters)
+        if failed is not None:  # its mailbox passed the failure on: a step started early stops too
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                self._wait_jobs(ahead)
+            self.host.barrier()
+            raise failed
+        for _, add in sorted(started.deferred, key=lambda item: item[0]):
+            ctx.weights.gate.submit(self.host, add)
         self.host.barrier()
         loss_sum = sum(_complete(ctx.losses[key]) for key in sorted(ctx.losses))
         self._observe(ctx)
-        # The host worker is idle (barrier): its gloo group is this thread's until the next job.
+        # The host worker is idle (barrier; a step started early holds its additions at its gate):
+        # its gloo group is this thread's until the next job.
         self.dist.all_reduce_(self._gradients(), host=True, what="the stages' gradient sum")
         grad_norm = self._grad_norm()
         applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm)
         self._update(lr, grad_norm, applied)
+        started.following.gate.open()  # the next step's additions, and its copies after this update
         self.step_count += 1
         worst = max(peaks, key=lambda p: p[1] or 0) if peaks else (None, None, None)
+        micro_batches = started.micro_batches
         return StepResult(
-            loss=to_float(loss_sum) / total, tokens=sum(b.num_targets for b in micro_batches),
+            loss=to_float(loss_sum) / ctx.total, tokens=sum(b.num_targets for b in micro_batches),
             seen_tokens=sum(b.input_ids.numel() for b in micro_batches), lr=lr, grad_norm=to_float(grad_norm),
-            device_peak_bytes=worst[1], device_peak_breakdown=worst[2],
-            host_link_bytes=sum(w.link.bytes for w in self.workers) - link_before,
+            device_peak_bytes=worst[1], device_peak_breakdown=worst[2], host_link_bytes=ctx.link_bytes,
             host_peak_bytes=self.host_bytes() + ctx.host_peak, applied=applied,
             extras={f"peak_{label}": float(p) for label, p, _ in peaks if p is not None},
         )
@@ -302,41 +383,41 @@ class RoundPipeEngine:
         """The step's per-layer times into the EMA, and (roundpipe.replan) the next step's cut."""
         if self.fake:
             return
-        if self.device.type == "cuda":
-            for d in {w.device for w in self.workers}:
-                torch.cuda.synchronize(d)
+        ctx.times.complete()
         for layer, (forward, backward) in sorted(ctx.times.layer_seconds(len(ctx.pieces)).items()):
             self.layer_times.observe(layer, forward, backward)
         if self.section.replan:
             self.partition = self._plan()
 
-    def _open_meters(self):
-        """A CPU meter per worker (each counts the tensors its own jobs make), or the CUDA
-        allocator's peak per device."""
+    def _open_meters(self, idle: bool):
+        """A CPU meter per worker (each counts the tensors its jobs of this step make), or the CUDA
+        allocator's peak per device, reset only when no step is running (`idle`): with a step begun
+        early, the peak covers both."""
         if not self.measure:
             return None
         if self.device.type == "cuda":
-            for d in {w.device for w in self.workers}:
-                torch.cuda.reset_peak_memory_stats(d)
+            if idle:
+                for d in {w.device for w in self.workers}:
+                    torch.cuda.reset_peak_memory_stats(d)
             return "cuda"
+        meters = {}
         for worker in self.workers:
-            worker.meter = memory.LiveBytesMeter("cpu")
+            meters[worker.index] = memory.LiveBytesMeter("cpu")
             for tensor, category in worker.resident():
-                worker.meter.track([tensor], category)
-        return "cpu"
+                meters[worker.index].track([tensor], category)
+        return meters
 
-    def _close_meters(self, kind) -> list[tuple[str, int | None, dict | None]]:
+    def _close_meters(self, meters) -> list[tuple[str, int | None, dict | None]]:
         """(label, peak, breakdown) per worker (CPU) or per device (CUDA)."""
-        if kind == "cuda":
+        if meters == "cuda":
             return [(str(d).replace(":", ""), torch.cuda.max_memory_allocated(d), None)
                     for d in sorted({w.device for w in self.workers}, key=str)]
-        if kind is None:
+        if meters is None:
             return []
         found = []
-        for worker in self.workers:
-            meter, worker.meter = worker.meter, None
+        for index, meter in sorted(meters.items()):
             meter.close()
-            found.append((f"worker{worker.index}", meter.peak, meter.peak_breakdown))
+            found.append((f"worker{index}", meter.peak, meter.peak_breakdown))
         return found
 
     def _gradients(self) -> list[torch.Tensor]:
@@ -359,12 +440,11 @@ class RoundPipeEngine:
                 self.host.submit(unit.update, lr, coef) if applied else self.host.submit(unit.discard)
             self.host.barrier()
             return
-        self._wait_update()  # the previous step's update: its weights are what the next step sees
-        with torch.no_grad():
+        self._wait_update()  # the previous step's: it reads the accumulators this step's sums go into
+        with torch.no_grad():  # the compute copies are not touched: each unit's is renewed after its last read
             for unit in self._all_units():
                 for t in unit.binding.tensors:
                     if t.trainable:
-                        self.compute[id(t.param)].copy_(t.upload)
                         unit.accumulators[id(t.param)].copy_(self.incoming[id(t.param)])
                         self.incoming[id(t.param)].zero_()
         if applied:
@@ -391,6 +471,7 @@ class RoundPipeEngine:
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
         """On worker 0, layer by layer without grad, with the latest weights."""
         self.stack.model.eval()
+        self._settled()
         self._wait_update()
         return evaluate_batches(batches, self._eval_loss)
 
@@ -416,6 +497,7 @@ class RoundPipeEngine:
         return hidden
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
+        self._settled()
         self._wait_update()
         return {self.names[id(param)]: unit.adam.member(k, i).master
                 for unit in self._all_units() for param, k, i in unit.members}
@@ -431,6 +513,7 @@ class RoundPipeEngine:
 
     def load_state_dict(self, state: EngineState) -> None:
         check_resumable(state, list(self.names.values()), self.name)
+        self._settled()
         self._wait_update()
         copy_named(self.trainable_state(), state.trainable)
         load_units_state(self._all_units(), self.names, state)
@@ -440,7 +523,20 @@ class RoundPipeEngine:
             saved = own.get("compute", {})
             by_name = {self.names[p]: t for p, t in self.compute.items()}
             copy_named(by_name, {n: saved.get(n, state.trainable[n]) for n in by_name})
+        self._upcoming = StepWeights.ready(self._versioned, self.section.timeout_s)  # the loaded copies
         self.step_count = state.step
+
+
+@dataclass
+class _Started:
+    """A step whose jobs are with the workers."""
+
+    micro_batches: list[Batch]
+    ctx: jobs.StepContext
+    futures: list
+    meters: object  # _open_meters'
+    deferred: list  # (micro-batch, the embedding rows' gradient addition)
+    following: StepWeights  # the next step's: its gate opens when this step's update is submitted
 
 
 class _InShardOrder:
@@ -457,6 +553,18 @@ class _InShardOrder:
                 for add in self._waiting.pop(self._next):
                     self._submit(add)
                 self._next += 1
+
+
+def _next_on_worker(step_jobs: list[Job]) -> dict[int, Job | None]:
+    """Job index -> the same worker's next job this step (what it prefetches), None for its last."""
+    following: dict[int, Job | None] = {}
+    last_of: dict[int, int] = {}
+    for job in step_jobs:
+        following[job.index] = None
+        if job.worker in last_of:
+            following[last_of[job.worker]] = job
+        last_of[job.worker] = job.index
+    return following
 
 
 def _complete(handoff: tuple) -> torch.Tensor:

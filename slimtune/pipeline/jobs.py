@@ -38,6 +38,7 @@ from slimtune.loss import causal_lm_loss
 from slimtune.pipeline.mailbox import Mailbox
 from slimtune.pipeline.row_split import token_slice
 from slimtune.pipeline.stages import Job, token_range
+from slimtune.pipeline.step_weights import StepWeights
 from slimtune.pipeline.timing import BackwardTiming, StepTimes
 from slimtune.pipeline.worker import Prefetch, Worker
 
@@ -63,12 +64,28 @@ class StepContext:
     embedding_trainable: bool
     next_job: dict[int, Job | None]  # job index -> the same worker's next job this step (prefetch)
     tail_jobs: range = range(0)  # the job indices of the tail's token shards (one: not cut)
+    weights: StepWeights | None = None  # async: when the compute copies hold this step's weights
+    prefetched: dict[int, Prefetch] = field(default_factory=dict)  # job index -> its weights, copied ahead
+    link_bytes: int = 0  # what this step's jobs moved across their links
     losses: dict = field(default_factory=dict)  # (micro-batch, shard) -> exact loss sum (host scalar)
     times: StepTimes = field(default_factory=StepTimes)  # what the jobs timed, per layer
     host_bytes: int = 0  # hand-offs and saved inputs alive on the host now
     host_peak: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _takers: dict[int, int] = field(default_factory=dict)  # id of a host tensor put under several keys -> takes left
+
+    def await_weights(self, layers: range) -> None:
+        if self.weights is not None:
+            self.weights.wait(layers)
+
+    def weights_read(self, layers: range, event: object) -> None:
+        """This job's upload of `layers` is complete once `event` is: the copies may be overwritten."""
+        if self.weights is not None:
+            self.weights.read(layers, event)
+
+    def moved(self, nbytes: int) -> None:
+        with self._lock:
+            self.link_bytes += nbytes
 
     def held(self, delta: int) -> None:
         with self._lock:
@@ -129,13 +146,21 @@ def _nbytes(x: torch.Tensor) -> int:
 def run(worker: Worker, job: Job, ctx: StepContext) -> None:
     """Job `job` on `worker`: its stage's weights up (or prefetched), then the next job's weights
     copied ahead, then every micro-batch, then the weights dropped and the gradients sent down."""
-    stage = job.stage
+    stage, moved = job.stage, worker.link.bytes
     units = [ctx.units[layer] for layer in stage.layers]
-    ahead = worker.prefetched.pop(job.index, None)
-    uploaded = ahead.finish() if ahead is not None else worker.upload(units, ctx.source)
+    ahead = ctx.prefetched.pop(job.index, None)
+    if ahead is None:
+        ctx.await_weights(stage.layers)
+        uploaded = worker.upload(units, ctx.source)
+    else:
+        uploaded = ahead.finish()
+    ctx.weights_read(stage.layers, uploaded.ready)
     following = ctx.next_job[job.index]
-    ahead = None if following is None else worker.prefetch(
-        following.index, [ctx.units[l] for l in following.stage.layers], ctx.source, len(ctx.pieces))
+    ahead = None
+    if following is not None:
+        ctx.await_weights(following.stage.layers)
+        ahead = ctx.prefetched[following.index] = worker.prefetch(
+            [ctx.units[l] for l in following.stage.layers], ctx.source, len(ctx.pieces))
     pairs = worker.bind(units, uploaded, with_grads=stage.kind != "forward")
     del uploaded
     try:
@@ -150,6 +175,7 @@ def run(worker: Worker, job: Job, ctx: StepContext) -> None:
         worker.unbind(units)
     ctx.add_grads(job, [(original, *worker.link.to_host(leaf.grad)) for original, leaf in pairs
                         if leaf.grad is not None])
+    ctx.moved(worker.link.bytes - moved)
 
 
 def _upload_input(worker: Worker, handoff: tuple, requires_grad: bool = False) -> torch.Tensor:

@@ -51,6 +51,16 @@ class StepTimes:
     forwards: list[tuple[int, object, object]] = field(default_factory=list)
     backwards: list[BackwardTiming] = field(default_factory=list)
 
+    def complete(self) -> None:
+        """Wait for the step's own marks (CUDA events; each start precedes its stop on one stream),
+        not for the work a step begun early has queued behind them."""
+        stops = [b for _, _, b in self.forwards]
+        for timing in self.backwards:
+            stops += [timing.stop, *(b for _, _, b in timing.recomputes)]
+        for stop in stops:
+            if isinstance(stop, torch.cuda.Event):
+                stop.synchronize()
+
     def layer_seconds(self, micro_batches: int) -> dict[int, tuple[float, float]]:
         """layer -> (forward, backward) seconds per micro-batch."""
         forward, backward = defaultdict(float), defaultdict(float)

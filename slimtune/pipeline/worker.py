@@ -100,8 +100,7 @@ class Worker:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix=f"slimtune-worker{index}")
         self.rotary = self._upload_rotary()
-        self.prefetched: dict[int, Prefetch] = {}  # job index -> its weights, being copied ahead
-        self.meter: memory.LiveBytesMeter | None = None  # the CPU meter of the step running
+        self.meter: memory.LiveBytesMeter | None = None  # the CPU meter of the job running (its step's)
         self.clock = Clock(device)  # per-layer times for the partitioner
         self.delay = None  # tests: a callable(worker, job, micro_batch) run before each micro-batch
 
@@ -120,10 +119,11 @@ class Worker:
 
     # ------------------------------------------------------------ running jobs
 
-    def submit(self, fn, job_label: str, mailbox: Mailbox) -> Future:
-        """Run fn() as this worker's next job; a failure is handed to every waiter (mailbox.fail) and
-        named: which worker, which job."""
+    def submit(self, fn, job_label: str, mailbox: Mailbox, meter: memory.LiveBytesMeter | None = None) -> Future:
+        """Run fn() as this worker's next job, counted by `meter` (its step's CPU meter); a failure is
+        handed to every waiter (mailbox.fail) and named: which worker, which job."""
         def run():
+            self.meter = meter  # a worker runs one job at a time: the job's step's meter is the worker's
             try:
                 with self._on_device():
                     return fn()
@@ -133,6 +133,8 @@ class Worker:
                 failed = WorkerFailed(f"roundpipe {self} failed in {job_label}: {type(err).__name__}: {err}")
                 mailbox.fail(failed)
                 raise failed from err
+            finally:
+                self.meter = None
 
         if self.executor is None:
             done = Future()
@@ -173,11 +175,10 @@ class Worker:
         with self.phase("weights"):
             return Prefetch(self.link, units, source, 1).finish()
 
-    def prefetch(self, job_index: int, units: list[HostUnit], source, groups: int) -> Prefetch:
+    def prefetch(self, units: list[HostUnit], source, groups: int) -> Prefetch:
         """Start copying a later job's weights up, a group at a time (Prefetch.advance)."""
         with self.phase("weights"):  # allocated here, whole: the copies come group by group
-            self.prefetched[job_index] = Prefetch(self.link, units, source, groups)
-        return self.prefetched[job_index]
+            return Prefetch(self.link, units, source, groups)
 
     def bind(self, units: list[HostUnit], uploaded: Uploaded, with_grads: bool) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """The replica's modules onto the uploaded copies; returns (original, device leaf) pairs of

@@ -298,6 +298,91 @@ def test_a_failing_worker_stops_every_worker_with_one_sentence_and_no_hang(model
     assert "worker 1" in message and "device lost" in message and isinstance(caught[0].value, UserError)
 
 
+class DrainWatch:
+    """A worker delay: each step's last job waits, before its last micro-batch, until the next
+    step's first job has begun (at most `patience` s); `overlapped` records, per step, whether it did."""
+
+    def __init__(self, engine: RoundPipeEngine, steps: int, micro: int, patience: float = 5.0):
+        self.last_job, self.steps, self.micro, self.patience = len(engine.partition.stages()) - 1, steps, micro, patience
+        self.first_jobs, self.overlapped = 0, []
+        self.begun = threading.Condition()
+        for worker in engine.workers:
+            worker.delay = self
+
+    def __call__(self, worker, job, m):
+        with self.begun:
+            if job.index == 0 and m == 0:
+                self.first_jobs += 1
+                self.begun.notify_all()
+            if job.index == self.last_job and m == self.micro - 1 and len(self.overlapped) < self.steps - 1:
+                step = len(self.overlapped)  # this is step `step`'s last job; the next one's job 0 is the (step+2)-th
+                self.overlapped.append(self.begun.wait_for(lambda: self.first_jobs > step + 1, self.patience))
+
+
+def run_early(model, cfg, steps: int, partition=None, setup=None):
+    """As run(), but each step hands the engine the next step's batches (then=), as the loop does."""
+    engine = RoundPipeEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+    engine.partition = partition or engine.partition
+    if setup is not None:
+        setup(engine)
+    data = [batches(model.config.vocab_size, seed, cfg.train.grad_accum, rows=4) for seed in range(steps)]
+    out = [engine.step(data[k], then=(data[k + 1], None) if k + 1 < steps else None) for k in range(steps)]
+    params = {n: p.clone() for n, p in engine.trainable_state().items()}
+    return [r.loss for r in out], [r.grad_norm for r in out], params, out
+
+
+@pytest.mark.parametrize("tail_shards,tied", [(1, "tied"), (3, "untied")])
+def test_the_next_step_begun_early_fills_the_drain_and_changes_no_bit(models, tail_shards, tied):
+    """async: with the next step's batches given early its first jobs run while this step's last
+    ones still do (the watch holds a step's end until the next has begun, and would time out
+    otherwise), and every loss, gradient norm, weight and link byte count equals the step-by-step
+    run's: that step computes at the same weights either way."""
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=2, optimizer="async", replan=False))
+    cut = uniform_partition(5, 2, 1, tail_shards=tail_shards)
+    straight = run(RoundPipeEngine, models[tied], cfg, steps=4, partition=cut)
+    watches = []
+    early = run_early(models[tied], cfg, 4, partition=cut, setup=lambda e: watches.append(DrainWatch(e, 4, micro=2)))
+    assert watches[0].overlapped == [True, True, True]
+    assert early[0] == straight[0] and early[1] == straight[1]
+    assert all(torch.equal(early[2][n], straight[2][n]) for n in straight[2])
+    assert [r.host_link_bytes for r in early[3]] == [r.host_link_bytes for r in straight[3]]
+
+
+def test_a_step_begun_early_under_random_delays_changes_no_bit(models):
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=2, optimizer="async"))
+    calm = run(RoundPipeEngine, models["tied"], cfg, steps=4)
+    for seed in (3, 4):
+        shaken = run_early(models["tied"], cfg, 4, setup=lambda e, s=seed: slow_everything(e, s))
+        assert shaken[0] == calm[0] and shaken[1] == calm[1]
+        assert all(torch.equal(shaken[2][n], calm[2][n]) for n in calm[2])
+
+
+def test_a_failure_while_the_next_step_runs_early_stops_both_with_one_sentence(models):
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=3, optimizer="async"))
+    engine = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), cfg, CPU, "fp64")
+    last, firsts, second_begun = len(engine.partition.stages()) - 1, [], threading.Event()
+
+    def die(worker, job, m):  # the first step's last job fails once the second step has begun
+        if job.index == 0 and m == 0:
+            firsts.append(job)
+            if len(firsts) == 2:
+                second_begun.set()
+        if job.index == last and m == 2 and second_begun.wait(5):
+            raise RuntimeError("device lost")
+
+    for worker in engine.workers:
+        worker.delay = die
+    steps = [batches(300, seed, 1, rows=4) for seed in range(2)]
+    caught = []
+    thread = threading.Thread(target=lambda: caught.append(pytest.raises(
+        WorkerFailed, engine.step, steps[0], then=(steps[1], None))))
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "a worker of the step begun early hung"
+    assert "device lost" in str(caught[0].value) and f"job {last}" in str(caught[0].value)
+    assert engine._ahead is None
+
+
 def test_device_peak_per_worker_is_flat_in_depth():
     peaks = []
     for layers in (3, 6):
@@ -411,3 +496,29 @@ def test_prefetch_cuts_weights_into_pieces_and_queues_one_group_per_activation(m
     assert link.bytes_up - before == total
     for t, copy_ in zip(unit.binding.tensors, uploaded.copies[0]):
         assert torch.equal(copy_, t.upload)
+
+
+def test_the_loop_starts_each_next_step_early_except_before_a_checkpoint_and_the_end(tmp_path, tiny_model_dir):
+    """train.fit with async roundpipe: every step but a checkpoint's and the last hands the engine
+    the next step's batches, and weights and logged losses equal a run that never does."""
+    import json
+
+    from test_train import small_run
+    from slimtune import train
+
+    settings = {"engine": "roundpipe", "method": "full", "roundpipe.workers": 2, "roundpipe.optimizer": "async",
+                "train.steps": 6, "train.save_every": 3, "train.eval_every": 0, "train.lr": 0.01}
+    found = {}
+    for early in (True, False):
+        folder = tmp_path / str(early)
+        folder.mkdir()
+        cfg = small_run(folder, tiny_model_dir, **settings)
+        run = train.build(cfg)
+        run.engine.starts_ahead, calls, step = early, [], run.engine.step
+        run.engine.step = lambda *args, **kwargs: (calls.append("then" in kwargs), step(*args, **kwargs))[1]
+        train.fit(cfg, progress=False, run=run)
+        losses = [json.loads(line)["loss"] for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+        found[early] = calls, run.engine.trainable_state(), losses
+    assert found[True][0] == [True, True, False, True, True, False] and not any(found[False][0])
+    assert found[True][2] == found[False][2] and len(found[True][2]) == 6
+    assert all(torch.equal(found[True][1][n], found[False][1][n]) for n in found[False][1])
