@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from concurrent.futures import Future
 import weakref
 from dataclasses import dataclass
 
@@ -114,7 +115,7 @@ class RoundPipeEngine:
         self.asynchronous = self.section.optimizer == "async"
         self.compute, self.incoming = self._async_buffers() if self.asynchronous else ({}, {})
         self.accumulators = {key: grad for unit in self._all_units() for key, grad in unit.accumulators.items()}
-        self.pending_update = None
+        self._updating: dict[int, Future] = {}  # async: per unit (_all_units index), its last update submitted
         self.meter = memory.meter_for(self.device, cfg.train.measure_memory)  # the run's kind (train prints it)
         self.measure = cfg.train.measure_memory
         # async: the loop may hand step() the next step's batches (then=), to start before this one ends.
@@ -240,7 +241,9 @@ class RoundPipeEngine:
     def _context(self, pieces: list[Batch], total: int, deferred: list, weights: StepWeights) -> jobs.StepContext:
         add_embedding_grad, embedding_trainable = self._add_embedding_grad(pieces, deferred)
         first_tail = len(self.partition.forward)
-        to_host = functools.partial(weights.gate.submit, self.host)
+        def to_host(fn) -> None:
+            weights.gate.run(lambda: self.host.submit(fn))
+
         return jobs.StepContext(
             pieces=pieces, total=total, units=self.units, mailbox=weights.mailbox, weights=weights,
             source=self._source, add_grads=functools.partial(self._add_grads, to_host, _InShardOrder(to_host)),
@@ -292,8 +295,9 @@ class RoundPipeEngine:
         return reads
 
     def _release(self, weights: StepWeights, following: StepWeights, unit: int, events: list) -> None:
-        """The step's last read of `unit` is done: its compute copy becomes the following step's, on
-        the optimizer thread, after the update before and ahead of this step's own (weights.gate)."""
+        """The step's last read of `unit` is done: its compute copy becomes the following step's once
+        the unit's update before this step is (at the gate's opening, so that update has been
+        submitted); this step's own update of it waits for the copy (_update_unit)."""
         held = [t for t in self._all_units()[unit].binding.tensors if t.trainable]
 
         def copy() -> None:
@@ -308,7 +312,14 @@ class RoundPipeEngine:
                 following.mailbox.fail(err)
                 raise
 
-        weights.gate.submit(self.optimizer_thread, copy)
+        def once_updated() -> None:  # at the gate's opening or later: the unit's last update is the one before
+            pending = self._updating.get(unit)
+            if pending is None:
+                copy()
+            else:  # on the optimizer thread as that update ends, or here if it has
+                pending.add_done_callback(lambda _: copy())
+
+        weights.gate.run(once_updated)
 
     def _take_ahead(self, micro_batches: list[Batch]) -> "_Started | None":
         started, self._ahead = self._ahead, None
@@ -357,7 +368,7 @@ class RoundPipeEngine:
             self.host.barrier()
             raise failed
         for _, add in sorted(started.deferred, key=lambda item: item[0]):
-            ctx.weights.gate.submit(self.host, add)
+            self.host.submit(add)  # the step's gate is open: it opened when the step before ended
         self.host.barrier()
         loss_sum = sum(_complete(ctx.losses[key]) for key in sorted(ctx.losses))
         self._observe(ctx)
@@ -366,7 +377,7 @@ class RoundPipeEngine:
         self.dist.all_reduce_(self._gradients(), host=True, what="the stages' gradient sum")
         grad_norm = self._grad_norm()
         applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm)
-        self._update(lr, grad_norm, applied)
+        self._update(lr, grad_norm, applied, started.following)
         started.following.gate.open()  # the next step's additions, and its copies after this update
         self.step_count += 1
         worst = max(peaks, key=lambda p: p[1] or 0) if peaks else (None, None, None)
@@ -431,7 +442,10 @@ class RoundPipeEngine:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
-    def _update(self, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
+    def _update(self, lr: float, grad_norm: torch.Tensor, applied: bool, following: StepWeights) -> None:
+        """sync: every unit's AdamW now. async: the previous step's must be done (it reads the
+        accumulators), this step's sums move into them, and each unit's AdamW is queued in the
+        order the step after next needs them."""
         coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
         coef = 1.0 if is_fake(coefficient) else float(coefficient)
         adams = [u for u in self._all_units() if u.adam is not None]
@@ -447,20 +461,35 @@ class RoundPipeEngine:
                     if t.trainable:
                         unit.accumulators[id(t.param)].copy_(self.incoming[id(t.param)])
                         self.incoming[id(t.param)].zero_()
-        if applied:
-            def update_all() -> None:
-                for unit in adams:
-                    unit.update(lr, coef)
-
-            self.pending_update = self.optimizer_thread.submit(update_all)
-        else:
+        if not applied:
             for unit in adams:
                 unit.discard()
+            return
+        units = self._all_units()
+        for index in self._update_order():
+            self._updating[index] = self.optimizer_thread.submit(
+                self._update_unit, units[index], index in self._versioned and following.mailbox, index, lr, coef)
+
+    @staticmethod
+    def _update_unit(unit: HostUnit, copied, index: int, lr: float, coef: float) -> None:
+        """One unit's AdamW, once the next step's copy of its weights is taken (`copied`: that step's
+        mailbox, whose flag says so; False: nothing to wait for)."""
+        if copied:
+            copied.wait(("weights", index))
+        unit.update(lr, coef)
+
+    def _update_order(self) -> list[int]:
+        """The units with an optimizer, in the order the step after next first reads them: the
+        embedding table (its rows are gathered first), then layer by layer (the forward jobs), so
+        that step's first jobs need not wait for the whole update (step_weights.py)."""
+        units = self._all_units()
+        order = [self._table_unit(), *range(len(units))]
+        return [i for n, i in enumerate(order) if i >= 0 and i not in order[:n] and units[i].adam is not None]
 
     def _wait_update(self) -> None:
-        if self.pending_update is not None:
-            self.pending_update.result()
-            self.pending_update = None
+        updating, self._updating = self._updating, {}
+        for future in updating.values():
+            future.result()
 
     def host_bytes(self) -> int:
         """Host RAM held for the workers: every unit's masters, accumulators, moments and frozen

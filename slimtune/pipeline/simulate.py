@@ -15,9 +15,12 @@ global cursor, which carries on across calls and steps. On worker w, job j:
 - tail and backward jobs send their parameter gradients down after their last micro-batch; a tail
   cut into token shards is that many jobs in a row, each 1/shards of the tail's time a micro-batch
   and each with the head's weights up and its gradients down.
-The host AdamW of step k starts when step k's gradients are all down. Sync: step k+1's uploads
-wait for it. Async (staleness 1): step k+1 needs only step k-1's update, so its forward jobs start
-on the cursor while step k's optimizer runs. Several steps are simulated and the steady state
+The host AdamW of step k starts when step k's gradients are all down (the clipping norm needs them
+all). Sync: step k+1's uploads wait for all of it. Async (staleness 1): step k+1 needs only step
+k-1's update, so its forward jobs start on the cursor while step k's optimizer runs; the update goes
+layer by layer in forward order (each layer's share of the AdamW time is its share of the gradient
+bytes), and a job's upload waits only for its own layers' update, as the runtime's per-unit
+updates and weight copies do (engines/roundpipe.py). Several steps are simulated and the steady state
 measured (schedule.py). Baselines (stages bound to workers, with offload) are in baselines.py,
 per-layer costs in cost_model.py, the timeline picture in timeline.py.
 
@@ -113,9 +116,10 @@ def _job_ops(engine: Engine, costs: Costs, job, step: int, first: int, count: in
     return out
 
 
-def _play_call(engine: Engine, costs: Costs, jobs, step: int, first: int, count: int, weights_ready,
-               workers: list[_Worker], accumulated: bool) -> list[int]:
+def _play_call(engine: Engine, costs: Costs, jobs, step: int, first: int, count: int,
+               weights_ready: list[int] | None, workers: list[_Worker], accumulated: bool) -> list[int]:
     """One call's jobs (all its micro-batches through every stage); returns its gradient downloads.
+    `weights_ready`: per layer, the op after which its weights for this step exist (None: at once).
     Each job takes its input from the job before, but every shard of a sharded tail from the last
     forward job, and the backward job after them from all the shards (jobs.py)."""
     before: list[tuple[list[int], int]] = []  # the sources of the next job
@@ -126,7 +130,8 @@ def _play_call(engine: Engine, costs: Costs, jobs, step: int, first: int, count:
         up = sum(costs.weight_bytes[stage.start:stage.stop])
         if accumulated and stage.kind != "forward":
             up += sum(costs.grad_bytes[stage.start:stage.stop])
-        upload = engine.add(("up", w), costs.transfer_s(up), [weights_ready, *workers[w].slot_free()],
+        ready = [] if weights_ready is None else [weights_ready[stage.stop - 1]]  # updated in layer order
+        upload = engine.add(("up", w), costs.transfer_s(up), [*ready, *workers[w].slot_free()],
                             label=f"W{job.index}", kind="upload", step=step, stage=job.index)
         sharded = stage.kind == "tail" and stage.shards > 1
         feed = _job_ops(engine, costs, job, step, first, count, upload, before)
@@ -142,6 +147,24 @@ def _play_call(engine: Engine, costs: Costs, jobs, step: int, first: int, count:
             downloads.append(download)
         workers[w].jobs.append((feed[-1], download))
     return downloads
+
+
+def _host_update(engine: Engine, costs: Costs, downloads: list[int], step: int, by_layer: bool) -> list[int]:
+    """Step `step`'s host AdamW once its gradients are down: per layer, the op after which that
+    layer is updated. By layer (async): one op a layer in forward order, each its share of the
+    gradient bytes; else one op for all, every layer ready when it ends."""
+    layers = len(costs.layers)
+    if not by_layer:
+        whole = engine.add(("host", -1), costs.optimizer_s, downloads, label=f"AdamW step {step}", kind="optimizer",
+                           step=step)
+        return [whole] * layers
+    total = sum(costs.grad_bytes) or 1
+    ops = []
+    for layer in range(layers):
+        ops.append(engine.add(("host", -1), costs.optimizer_s * costs.grad_bytes[layer] / total,
+                              downloads if layer == 0 else [], label=f"AdamW step {step} layer {layer}",
+                              kind="optimizer", step=step))
+    return ops
 
 
 def _check_counts(workers: int, micro_batches: int) -> None:
@@ -166,10 +189,10 @@ def simulate_roundpipe(costs: Costs, workers: int, micro_batches: int, partition
     partition.check()
     warmup = workers + 1 if optimizer == "async" else 1
     steps = warmup + (window or (workers if optimizer == "async" else 2)) + 2  # + the draining last step
-    engine, state, at, step_ops = Engine(), [_Worker() for _ in range(workers)], 0, []
+    engine, state, at, updates = Engine(), [_Worker() for _ in range(workers)], 0, []
     for k in range(steps):
         lag = 2 if optimizer == "async" else 1
-        weights_ready = step_ops[k - lag] if k >= lag else None
+        weights_ready = updates[k - lag] if k >= lag else None
         downloads = []
         for i, (first, count) in enumerate(_calls(micro_batches, round_size)):
             if cursor == "earliest" and (k or i):
@@ -177,8 +200,8 @@ def simulate_roundpipe(costs: Costs, workers: int, micro_batches: int, partition
                 at = min(range(workers), key=lambda w: (engine.lane_free(("compute", w)), w))
             jobs, at = assign(partition, workers, at)
             downloads += _play_call(engine, costs, jobs, k, first, count, weights_ready, state, i > 0)
-        step_ops.append(engine.add(("host", -1), costs.optimizer_s, downloads, label=f"AdamW step {k}",
-                                   kind="optimizer", step=k))
+        updates.append(_host_update(engine, costs, downloads, k, by_layer=optimizer == "async"))
+    step_ops = [ops[-1] for ops in updates]
     details = {"schedule": "roundpipe", "optimizer": optimizer, "round_size": round_size, "cursor": cursor,
                "forward_stages": [s.stop - s.start for s in partition.forward],
                "tail_layers": partition.tail.stop - partition.tail.start, "tail_shards": partition.tail.shards,

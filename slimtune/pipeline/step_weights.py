@@ -4,15 +4,17 @@
 With the async optimizer step s computes at the weights after s - 1 updates (staleness 1). One host
 copy per trainable tensor ("compute") serves every step: once step s has read a unit's copy for the
 last time (its last job's upload has completed, or the host has gathered the embedding rows), the
-copy is overwritten with the unit's weights for step s + 1. That copy runs on the optimizer thread,
-whose FIFO puts it after update s - 1 and before update s. It then puts the flag ("weights", unit)
-in step s + 1's mailbox, which that step's jobs wait for before they upload the unit.
+copy is overwritten with the unit's weights for step s + 1, as soon as the unit's own update s - 1
+is done (the optimizer goes unit by unit in the order a step first reads them, so a step's first
+jobs need not wait for the whole update). The copy then puts the flag ("weights", unit) in step
+s + 1's mailbox, which that step's jobs wait for before they upload the unit, and which the
+unit's update s waits for before it overwrites what the copy reads.
 
 So step s + 1 may be dispatched while step s still runs (the loop hands the engine the next step's
 batches, `then=`). Two kinds of its work must still wait for step s's end, and its `Gate` holds
 them, in order:
   - its gradient additions: step s's are still being summed into the same buffers;
-  - its copies for step s + 2: they must follow update s, which is submitted when step s ends.
+  - its copies for step s + 2: they must wait for update s, submitted when step s ends.
 The gate opens once step s's update has been submitted.
 """
 
@@ -25,25 +27,27 @@ from slimtune.pipeline.mailbox import Mailbox
 
 
 class Gate:
-    """Host work of one step, held in submission order while the step before it still runs."""
+    """Host work of one step, held in order while the step before it still runs."""
 
     def __init__(self, opened: bool):
         self._opened, self._held, self._lock = opened, [], threading.Lock()
 
-    def submit(self, thread, fn: Callable) -> None:
-        """fn on `thread` (a runtime.HostWorker): now if the gate is open, else when it opens."""
+    def run(self, fn: Callable[[], None]) -> None:
+        """fn() now if the gate is open, else when it opens (on the opening thread). Under the lock
+        either way, so nothing run after the opening overtakes what was held (fn must be short and
+        must not use the gate)."""
         with self._lock:
-            if not self._opened:
-                self._held.append((thread, fn))
-                return
-        thread.submit(fn)
+            if self._opened:
+                fn()
+            else:
+                self._held.append(fn)
 
     def open(self) -> None:
-        with self._lock:  # held while releasing: a submit from another thread queues behind these
+        with self._lock:
             self._opened = True
             held, self._held = self._held, []
-            for thread, fn in held:
-                thread.submit(fn)
+            for fn in held:
+                fn()
 
 
 class StepWeights:

@@ -332,29 +332,37 @@ def run_early(model, cfg, steps: int, partition=None, setup=None):
 
 
 @pytest.mark.parametrize("tail_shards,tied", [(1, "tied"), (3, "untied")])
-def test_the_next_step_begun_early_fills_the_drain_and_changes_no_bit(models, tail_shards, tied):
+def test_the_next_step_begun_early_fills_the_drain_and_computes_the_same(models, tail_shards, tied):
     """async: with the next step's batches given early its first jobs run while this step's last
     ones still do (the watch holds a step's end until the next has begun, and would time out
-    otherwise), and every loss, gradient norm, weight and link byte count equals the step-by-step
-    run's: that step computes at the same weights either way."""
+    otherwise), and every loss, gradient norm and weight equals the step-by-step run's (that step
+    computes at the same weights either way; to 1e-12, see same_run), every link byte count exactly."""
     cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=2, optimizer="async", replan=False))
     cut = uniform_partition(5, 2, 1, tail_shards=tail_shards)
     straight = run(RoundPipeEngine, models[tied], cfg, steps=4, partition=cut)
     watches = []
     early = run_early(models[tied], cfg, 4, partition=cut, setup=lambda e: watches.append(DrainWatch(e, 4, micro=2)))
     assert watches[0].overlapped == [True, True, True]
-    assert early[0] == straight[0] and early[1] == straight[1]
-    assert all(torch.equal(early[2][n], straight[2][n]) for n in straight[2])
+    same_run(early, straight)
     assert [r.host_link_bytes for r in early[3]] == [r.host_link_bytes for r in straight[3]]
 
 
-def test_a_step_begun_early_under_random_delays_changes_no_bit(models):
+def same_run(found, expected, tol=1e-12):
+    """Equal up to float64 reduction order, not bit for bit: a CPU reduction's split can follow how
+    many threads are free (seen here in one of about 30 step-by-step runs under load, early start
+    off: a loss's last bits, the gradients alike), while a step that read weights of the wrong version would be off by
+    about the learning rate (1e-2)."""
+    assert found[0] == pytest.approx(expected[0], abs=tol, rel=0)
+    assert found[1] == pytest.approx(expected[1], abs=tol, rel=0)
+    for name, value in expected[2].items():
+        torch.testing.assert_close(found[2][name], value, atol=tol, rtol=0, msg=name)
+
+
+def test_a_step_begun_early_under_random_delays_computes_the_same(models):
     cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=2, optimizer="async"))
     calm = run(RoundPipeEngine, models["tied"], cfg, steps=4)
     for seed in (3, 4):
-        shaken = run_early(models["tied"], cfg, 4, setup=lambda e, s=seed: slow_everything(e, s))
-        assert shaken[0] == calm[0] and shaken[1] == calm[1]
-        assert all(torch.equal(shaken[2][n], calm[2][n]) for n in calm[2])
+        same_run(run_early(models["tied"], cfg, 4, setup=lambda e, s=seed: slow_everything(e, s)), calm)
 
 
 def test_a_failure_while_the_next_step_runs_early_stops_both_with_one_sentence(models):
@@ -500,7 +508,8 @@ def test_prefetch_cuts_weights_into_pieces_and_queues_one_group_per_activation(m
 
 def test_the_loop_starts_each_next_step_early_except_before_a_checkpoint_and_the_end(tmp_path, tiny_model_dir):
     """train.fit with async roundpipe: every step but a checkpoint's and the last hands the engine
-    the next step's batches, and weights and logged losses equal a run that never does."""
+    the next step's batches, and weights and logged losses equal a run that never does (fp32, to
+    1e-6: a wrong weight version is off by about the learning rate, 1e-2)."""
     import json
 
     from test_train import small_run
@@ -520,5 +529,6 @@ def test_the_loop_starts_each_next_step_early_except_before_a_checkpoint_and_the
         losses = [json.loads(line)["loss"] for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
         found[early] = calls, run.engine.trainable_state(), losses
     assert found[True][0] == [True, True, False, True, True, False] and not any(found[False][0])
-    assert found[True][2] == found[False][2] and len(found[True][2]) == 6
-    assert all(torch.equal(found[True][1][n], found[False][1][n]) for n in found[False][1])
+    assert found[True][2] == pytest.approx(found[False][2], abs=1e-6, rel=0) and len(found[True][2]) == 6
+    for name, value in found[False][1].items():  # fp32: rounding, see same_run
+        torch.testing.assert_close(found[True][1][name], value, atol=1e-6, rtol=0, msg=name)
