@@ -29,7 +29,10 @@ The optimizer (roundpipe.optimizer):
          exact: one step stale, as the spec's reference is by default. The weights that go up are a
          host copy per trainable tensor, renewed unit by unit after the step's last read of it
          (pipeline/step_weights.py), and the gradients land in buffers of their own (4 bytes a
-         number of host RAM more). Checkpoints keep that copy, so resume is exact. Since the next
+         number of host RAM more). The AdamW goes unit by unit in the order a step first reads
+         them (the embedding table, then layer by layer), and a unit's copy for the step after
+         next is taken as soon as its own update is done, so that step's first jobs start before
+         the whole update has ended. Checkpoints keep that copy, so resume is exact. Since the next
          step needs nothing of this one, the loop hands step() the next step's batches (`then`,
          except before a checkpoint, an evaluation or the end): its first jobs start while this
          step's last ones still run, filling the workers the drain leaves idle, as the simulator

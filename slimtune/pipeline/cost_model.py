@@ -77,6 +77,14 @@ class Costs:
     memory_cap: int | None = None  # bytes a stage may hold on a worker
     label: str = "modelled"
     kind: str = "modelled"  # modelled | measured | spec
+    # Per layer, the parameters the host AdamW updates for it (a tied table once, with the embedding,
+    # whose rows a step reads first): each layer's share of optimizer_s. None: grad_bytes' shares.
+    update_params: tuple[int, ...] | None = None
+
+    def update_shares(self) -> list[float]:
+        weights = self.update_params if self.update_params is not None else self.grad_bytes
+        total = sum(weights) or 1
+        return [w / total for w in weights]
 
     def transfer_s(self, nbytes: float) -> float:
         return nbytes / (self.link_gbps * 1e9) if nbytes else 0.0
@@ -143,13 +151,16 @@ def modelled_costs(model: str, gpu: str, seq_len: int = 2048, batch_size: int = 
     times = [(gather, 2 * gather)] + [(block_s, 2 * block_s)] * blocks + [(head_s, 2 * head_s)]
     params = [embedding_p] + [block_p] * blocks + [head_p]
     weights = tuple(p * BF16 for p in params)
+    tied = getattr(config, "tie_word_embeddings", False)
+    updated = tuple(params[:-1]) + (head_p - embedding_p if tied else head_p,)
     layers = tuple(LayerCost(f, b, 2 * w) for (f, b), w in zip(times, weights))
     label = (f"modelled: {name} on {card.name}, {batch_size} x {seq_len} tokens a micro-batch, "
              f"{card.bf16_tflops:g} TFLOPS bf16 at {mfu:.0%} MFU (assumed), host link {card.host_link_gbps:g} GB/s, "
              f"host AdamW {speed.HOST_ADAMW_GBPS:g} GB/s (assumed)")
     return Costs(layers, weights, weights, 2 * tokens * d * BF16 / (card.host_link_gbps * 1e9),
                  card.host_link_gbps, _optimizer_s(_params(config)), prefix_layers=1,
-                 memory_cap=int(MEMORY_SHARE * card.memory_bytes), label=label, kind="modelled")
+                 memory_cap=int(MEMORY_SHARE * card.memory_bytes), label=label, kind="modelled",
+                 update_params=updated)
 
 
 def spec_costs(name: str, gpu: str = "rtx4090") -> Costs:

@@ -152,16 +152,15 @@ def _play_call(engine: Engine, costs: Costs, jobs, step: int, first: int, count:
 def _host_update(engine: Engine, costs: Costs, downloads: list[int], step: int, by_layer: bool) -> list[int]:
     """Step `step`'s host AdamW once its gradients are down: per layer, the op after which that
     layer is updated. By layer (async): one op a layer in forward order, each its share of the
-    gradient bytes; else one op for all, every layer ready when it ends."""
+    AdamW (Costs.update_shares); else one op for all, every layer ready when it ends."""
     layers = len(costs.layers)
     if not by_layer:
         whole = engine.add(("host", -1), costs.optimizer_s, downloads, label=f"AdamW step {step}", kind="optimizer",
                            step=step)
         return [whole] * layers
-    total = sum(costs.grad_bytes) or 1
     ops = []
-    for layer in range(layers):
-        ops.append(engine.add(("host", -1), costs.optimizer_s * costs.grad_bytes[layer] / total,
+    for layer, share in enumerate(costs.update_shares()):
+        ops.append(engine.add(("host", -1), costs.optimizer_s * share,
                               downloads if layer == 0 else [], label=f"AdamW step {step} layer {layer}",
                               kind="optimizer", step=step))
     return ops
@@ -176,12 +175,14 @@ def _check_counts(workers: int, micro_batches: int) -> None:
 
 def simulate_roundpipe(costs: Costs, workers: int, micro_batches: int, partition: Partition | None = None,
                        optimizer: str = "async", round_size: int | None = None, cursor: str = "carry",
-                       window: int | None = None) -> Schedule:
+                       window: int | None = None, update_by_layer: bool = True) -> Schedule:
     """RoundPipe over steps of `micro_batches` (in calls of `round_size`, default all); cursor
     'carry' (the runtime) or 'earliest' (each call starts on the earliest-free worker). Measured
     over `window` steps (default: N async, 2 sync) after the warm-up: async N + 1 steps, since a
     start-up ripple walks one worker a step before the rotation settles; sync 1 (every step
-    starts from idle workers, so the second is already the steady state)."""
+    starts from idle workers, so the second is already the steady state). `update_by_layer` (async):
+    the AdamW layer by layer as the runtime does; False: one whole update that every upload of the
+    step after next waits for (what the runtime did before)."""
     _check_counts(workers, micro_batches)
     if optimizer not in OPTIMIZERS or cursor not in ("carry", "earliest"):
         raise ValueError(f"optimizer must be one of {OPTIMIZERS} and cursor 'carry' or 'earliest'")
@@ -200,7 +201,7 @@ def simulate_roundpipe(costs: Costs, workers: int, micro_batches: int, partition
                 at = min(range(workers), key=lambda w: (engine.lane_free(("compute", w)), w))
             jobs, at = assign(partition, workers, at)
             downloads += _play_call(engine, costs, jobs, k, first, count, weights_ready, state, i > 0)
-        updates.append(_host_update(engine, costs, downloads, k, by_layer=optimizer == "async"))
+        updates.append(_host_update(engine, costs, downloads, k, by_layer=optimizer == "async" and update_by_layer))
     step_ops = [ops[-1] for ops in updates]
     details = {"schedule": "roundpipe", "optimizer": optimizer, "round_size": round_size, "cursor": cursor,
                "forward_stages": [s.stop - s.start for s in partition.forward],

@@ -532,3 +532,36 @@ def test_the_loop_starts_each_next_step_early_except_before_a_checkpoint_and_the
     assert found[True][2] == pytest.approx(found[False][2], abs=1e-6, rel=0) and len(found[True][2]) == 6
     for name, value in found[False][1].items():  # fp32: rounding, see same_run
         torch.testing.assert_close(found[True][1][name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def test_the_step_after_next_starts_before_the_whole_update_is_done(models):
+    """async: the AdamW goes unit by unit in the order a step first reads them (the embedding table,
+    then the layers), and each unit's weight copy for the step after next is taken once its own
+    update is done: held back, the head's first update waits until step 2's first job has begun,
+    which a step waiting for the whole update could not do (it would time out)."""
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=2, optimizer="async", replan=False))
+    straight = run(RoundPipeEngine, models["untied"], cfg, steps=4)
+    firsts, waited, begun = [], [], threading.Condition()
+
+    def count_first_jobs(worker, job, m):
+        if job.index == 0 and m == 0:
+            with begun:
+                firsts.append(job)
+                begun.notify_all()
+
+    def hold_the_head(engine: RoundPipeEngine) -> None:
+        head, update = engine.units[-1], engine.units[-1].update
+
+        def held(lr, coef):
+            if not waited:  # update 0 of the head: steps 0 and 1 compute at W0, step 2 at W1
+                with begun:
+                    waited.append(begun.wait_for(lambda: len(firsts) >= 3, 5.0))
+            update(lr, coef)
+
+        head.update = held
+        for worker in engine.workers:
+            worker.delay = count_first_jobs
+
+    found = run_early(models["untied"], cfg, 4, setup=hold_the_head)
+    assert waited == [True]
+    same_run(found, straight)
