@@ -299,8 +299,11 @@ class RoundPipeEngine:
 
     def _release(self, weights: StepWeights, following: StepWeights, unit: int, events: list) -> None:
         """The step's last read of `unit` is done: its compute copy becomes the following step's once
-        the unit's update before this step is (at the gate's opening, so that update has been
-        submitted); this step's own update of it waits for the copy (_update_unit)."""
+        the unit's update before this step is (looked up at the gate's opening, so that update has
+        been submitted). This step's own update of the unit comes after the copy: it is submitted
+        when the step ends, after every read's release, and a copy not made at its release is a
+        done-callback of the update before, which runs on the optimizer thread ahead of any later
+        task."""
         held = [t for t in self._all_units()[unit].binding.tensors if t.trainable]
 
         def copy() -> None:
@@ -380,7 +383,7 @@ class RoundPipeEngine:
         self.dist.all_reduce_(self._gradients(), host=True, what="the stages' gradient sum")
         grad_norm = self._grad_norm()
         applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm)
-        self._update(lr, grad_norm, applied, started.following)
+        self._update(lr, grad_norm, applied)
         started.following.gate.open()  # the next step's additions, and its copies after this update
         self.step_count += 1
         worst = max(peaks, key=lambda p: p[1] or 0) if peaks else (None, None, None)
@@ -445,7 +448,7 @@ class RoundPipeEngine:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
-    def _update(self, lr: float, grad_norm: torch.Tensor, applied: bool, following: StepWeights) -> None:
+    def _update(self, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
         """sync: every unit's AdamW now. async: the previous step's must be done (it reads the
         accumulators), this step's sums move into them, and each unit's AdamW is queued in the
         order the step after next needs them."""
@@ -470,16 +473,7 @@ class RoundPipeEngine:
             return
         units = self._all_units()
         for index in self._update_order():
-            self._updating[index] = self.optimizer_thread.submit(
-                self._update_unit, units[index], index in self._versioned and following.mailbox, index, lr, coef)
-
-    @staticmethod
-    def _update_unit(unit: HostUnit, copied, index: int, lr: float, coef: float) -> None:
-        """One unit's AdamW, once the next step's copy of its weights is taken (`copied`: that step's
-        mailbox, whose flag says so; False: nothing to wait for)."""
-        if copied:
-            copied.wait(("weights", index))
-        unit.update(lr, coef)
+            self._updating[index] = self.optimizer_thread.submit(units[index].update, lr, coef)
 
     def _update_order(self) -> list[int]:
         """The units with an optimizer, in the order the step after next first reads them: the

@@ -7,8 +7,8 @@ last time (its last job's upload has completed, or the host has gathered the emb
 copy is overwritten with the unit's weights for step s + 1, as soon as the unit's own update s - 1
 is done (the optimizer goes unit by unit in the order a step first reads them, so a step's first
 jobs need not wait for the whole update). The copy then puts the flag ("weights", unit) in step
-s + 1's mailbox, which that step's jobs wait for before they upload the unit, and which the
-unit's update s waits for before it overwrites what the copy reads.
+s + 1's mailbox, which that step's jobs wait for before they upload the unit. Update s, which
+overwrites what the copy reads, comes after it (RoundPipeEngine._release says why).
 
 So step s + 1 may be dispatched while step s still runs (the loop hands the engine the next step's
 batches, `then=`). Two kinds of its work must still wait for step s's end, and its `Gate` holds
