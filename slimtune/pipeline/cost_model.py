@@ -80,6 +80,14 @@ class Costs:
     # Per layer, the parameters the host AdamW updates for it (a tied table once, with the embedding,
     # whose rows a step reads first): each layer's share of optimizer_s. None: grad_bytes' shares.
     update_params: tuple[int, ...] | None = None
+    tied_table: bool = False  # the head's weight is the embedding table: the runtime updates it first
+
+    def update_order(self) -> list[int]:
+        """The layers in the order the host AdamW updates them (the runtime's: the embedding table,
+        with a tied head, first; then the layers in forward order)."""
+        last = len(self.layers) - 1
+        first = [0, last] if self.tied_table and last > 0 else [0]
+        return first + [i for i in range(1, len(self.layers)) if i not in first]
 
     def update_shares(self) -> list[float]:
         weights = self.update_params if self.update_params is not None else self.grad_bytes
@@ -160,7 +168,7 @@ def modelled_costs(model: str, gpu: str, seq_len: int = 2048, batch_size: int = 
     return Costs(layers, weights, weights, 2 * tokens * d * BF16 / (card.host_link_gbps * 1e9),
                  card.host_link_gbps, _optimizer_s(_params(config)), prefix_layers=1,
                  memory_cap=int(MEMORY_SHARE * card.memory_bytes), label=label, kind="modelled",
-                 update_params=updated)
+                 update_params=updated, tied_table=tied)
 
 
 def spec_costs(name: str, gpu: str = "rtx4090") -> Costs:

@@ -149,21 +149,22 @@ def _play_call(engine: Engine, costs: Costs, jobs, step: int, first: int, count:
     return downloads
 
 
-def _host_update(engine: Engine, costs: Costs, downloads: list[int], step: int, by_layer: bool) -> list[int]:
+def _host_update(engine: Engine, costs: Costs, downloads: list[int], step: int,
+                 by_layer: bool) -> tuple[list[int], int]:
     """Step `step`'s host AdamW once its gradients are down: per layer, the op after which that
-    layer is updated. By layer (async): one op a layer in forward order, each its share of the
-    AdamW (Costs.update_shares); else one op for all, every layer ready when it ends."""
+    layer is updated, and the update's last op (the step's end). By layer (async): one op a layer in the runtime's order (Costs.update_order),
+    each its share of the AdamW (Costs.update_shares); else one op for all, every layer ready when
+    it ends."""
     layers = len(costs.layers)
     if not by_layer:
         whole = engine.add(("host", -1), costs.optimizer_s, downloads, label=f"AdamW step {step}", kind="optimizer",
                            step=step)
-        return [whole] * layers
-    ops = []
-    for layer, share in enumerate(costs.update_shares()):
-        ops.append(engine.add(("host", -1), costs.optimizer_s * share,
-                              downloads if layer == 0 else [], label=f"AdamW step {step} layer {layer}",
-                              kind="optimizer", step=step))
-    return ops
+        return [whole] * layers, whole
+    shares, ops = costs.update_shares(), [0] * layers
+    for n, layer in enumerate(costs.update_order()):
+        ops[layer] = engine.add(("host", -1), costs.optimizer_s * shares[layer], downloads if n == 0 else [],
+                                label=f"AdamW step {step} layer {layer}", kind="optimizer", step=step)
+    return ops, ops[costs.update_order()[-1]]
 
 
 def _check_counts(workers: int, micro_batches: int) -> None:
@@ -190,7 +191,7 @@ def simulate_roundpipe(costs: Costs, workers: int, micro_batches: int, partition
     partition.check()
     warmup = workers + 1 if optimizer == "async" else 1
     steps = warmup + (window or (workers if optimizer == "async" else 2)) + 2  # + the draining last step
-    engine, state, at, updates = Engine(), [_Worker() for _ in range(workers)], 0, []
+    engine, state, at, updates, step_ops = Engine(), [_Worker() for _ in range(workers)], 0, [], []
     for k in range(steps):
         lag = 2 if optimizer == "async" else 1
         weights_ready = updates[k - lag] if k >= lag else None
@@ -201,8 +202,9 @@ def simulate_roundpipe(costs: Costs, workers: int, micro_batches: int, partition
                 at = min(range(workers), key=lambda w: (engine.lane_free(("compute", w)), w))
             jobs, at = assign(partition, workers, at)
             downloads += _play_call(engine, costs, jobs, k, first, count, weights_ready, state, i > 0)
-        updates.append(_host_update(engine, costs, downloads, k, by_layer=optimizer == "async" and update_by_layer))
-    step_ops = [ops[-1] for ops in updates]
+        ready, last = _host_update(engine, costs, downloads, k, by_layer=optimizer == "async" and update_by_layer)
+        updates.append(ready)
+        step_ops.append(last)
     details = {"schedule": "roundpipe", "optimizer": optimizer, "round_size": round_size, "cursor": cursor,
                "forward_stages": [s.stop - s.start for s in partition.forward],
                "tail_layers": partition.tail.stop - partition.tail.start, "tail_shards": partition.tail.shards,
