@@ -102,6 +102,7 @@ class RoundPipeEngine:
         self.units.append(HostUnit("final norm and LM head", [stack.norm, stack.head], self.device, weight_dtype,
                                    cfg.train, None))
         self.embedding = None if stack.tied else HostUnit("embedding", [stack.embed], self.device, None, cfg.train, None)
+        self.table_unit = self._find_table_unit()  # its rows are gathered on the host
         fake = any(is_fake(p) for p in stack.model.parameters())
         self.workers = [Worker(i, d, stack.model, inline=fake) for i, d in enumerate(self.devices)]
         # The host threads wait on the workers' copy events; each is given this run's first card.
@@ -197,12 +198,8 @@ class RoundPipeEngine:
         return add
 
     def _embedding_weight(self) -> tuple[torch.Tensor, runtime.SlotTensor | None]:
-        weight = self.stack.embed.weight
-        for unit in self._all_units():
-            found = unit.tensor_of(weight)
-            if found is not None:
-                return weight, found
-        return weight, None
+        weight, unit = self.stack.embed.weight, self.table_unit
+        return weight, None if unit < 0 else self._all_units()[unit].tensor_of(weight)
 
     def _embedding_rows(self, piece: Batch) -> torch.Tensor:
         weight, found = self._embedding_weight()
@@ -278,20 +275,19 @@ class RoundPipeEngine:
 
     def _gather_rows(self, ctx: jobs.StepContext) -> None:
         """Every micro-batch's embedding rows, from the step's copy of the table, for job 0."""
-        table_unit = self._table_unit()
-        ctx.await_weights([table_unit])
+        ctx.await_weights([self.table_unit])
         for m, piece in enumerate(ctx.pieces):
             ctx.put((jobs.EMBED, m), (self._embedding_rows(piece), None))
-        ctx.weights_read([table_unit], None)
+        ctx.weights_read([self.table_unit], None)
 
-    def _table_unit(self) -> int:
+    def _find_table_unit(self) -> int:
         """The index (in _all_units) of the unit holding the embedding table; -1: none does."""
         weight = self.stack.embed.weight
         return next((i for i, unit in enumerate(self._all_units()) if unit.tensor_of(weight) is not None), -1)
 
     def _reads(self, step_jobs: list[Job]) -> dict[int, int]:
         """How often the step reads each unit's compute copy: once a job that holds it, once the gather."""
-        reads = {self._table_unit(): 1}
+        reads = {self.table_unit: 1}
         for job in step_jobs:
             for layer in job.stage.layers:
                 reads[layer] = reads.get(layer, 0) + 1
@@ -480,7 +476,7 @@ class RoundPipeEngine:
         embedding table (its rows are gathered first), then layer by layer (the forward jobs), so
         that step's first jobs need not wait for the whole update (step_weights.py)."""
         units = self._all_units()
-        order = [self._table_unit(), *range(len(units))]
+        order = [self.table_unit, *range(len(units))]
         return [i for n, i in enumerate(order) if i >= 0 and i not in order[:n] and units[i].adam is not None]
 
     def _wait_update(self) -> None:

@@ -77,8 +77,8 @@ class Costs:
     memory_cap: int | None = None  # bytes a stage may hold on a worker
     label: str = "modelled"
     kind: str = "modelled"  # modelled | measured | spec
-    # Per layer, the parameters the host AdamW updates for it (a tied table once, with the embedding,
-    # whose rows a step reads first): each layer's share of optimizer_s. None: grad_bytes' shares.
+    # Per layer, the parameters the host AdamW updates for it (a tied table once, with the embedding):
+    # each layer's share of optimizer_s. None: grad_bytes' shares.
     update_params: tuple[int, ...] | None = None
     tied_table: bool = False  # the head's weight is the embedding table: the runtime updates it first
 

@@ -18,9 +18,9 @@ global cursor, which carries on across calls and steps. On worker w, job j:
 The host AdamW of step k starts when step k's gradients are all down (the clipping norm needs them
 all). Sync: step k+1's uploads wait for all of it. Async (staleness 1): step k+1 needs only step
 k-1's update, so its forward jobs start on the cursor while step k's optimizer runs; the update goes
-layer by layer in forward order (each layer's share of the AdamW time is its share of the gradient
-bytes), and a job's upload waits only for its own layers' update, as the runtime's per-unit
-updates and weight copies do (engines/roundpipe.py). Several steps are simulated and the steady state
+layer by layer in the runtime's order (Costs.update_order: forward, a tied table first; each layer
+its share of the AdamW time, Costs.update_shares), and a job's upload waits only for its own
+layers' update, as the runtime's per-unit updates and weight copies do (engines/roundpipe.py). Several steps are simulated and the steady state
 measured (schedule.py). Baselines (stages bound to workers, with offload) are in baselines.py,
 per-layer costs in cost_model.py, the timeline picture in timeline.py.
 
@@ -152,9 +152,9 @@ def _play_call(engine: Engine, costs: Costs, jobs, step: int, first: int, count:
 def _host_update(engine: Engine, costs: Costs, downloads: list[int], step: int,
                  by_layer: bool) -> tuple[list[int], int]:
     """Step `step`'s host AdamW once its gradients are down: per layer, the op after which that
-    layer is updated, and the update's last op (the step's end). By layer (async): one op a layer in the runtime's order (Costs.update_order),
-    each its share of the AdamW (Costs.update_shares); else one op for all, every layer ready when
-    it ends."""
+    layer is updated, and the update's last op (the step's end). By layer (async): one op a layer
+    in the runtime's order (Costs.update_order), each its share of the AdamW (Costs.update_shares);
+    else one op for all, every layer ready when it ends."""
     layers = len(costs.layers)
     if not by_layer:
         whole = engine.add(("host", -1), costs.optimizer_s, downloads, label=f"AdamW step {step}", kind="optimizer",
