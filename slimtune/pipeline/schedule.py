@@ -139,12 +139,13 @@ class Schedule:
 
 
 def measure(name: str, engine: Engine, workers: int, micro_batches: int, step_ops: list[int],
-            costs_label: str, details: dict, warmup: int = 1) -> Schedule:
+            costs_label: str, details: dict, warmup: int = 1, after: int = 1) -> Schedule:
     """The schedule's steady-state numbers over the window from the end of step `warmup` to the end
-    of the last step but one; step ends are the ends of the steps' host operations."""
+    of the step `after` steps before the last (the steps that may run before a step's end must
+    follow it, or the window ends in a drain); step ends are the ends of the steps' host operations."""
     engine.run()
     ends = [engine.end(op) for op in step_ops]
-    first, last = warmup, len(ends) - 2
+    first, last = warmup, len(ends) - 1 - after
     if first < 1 or last <= first:
         raise ValueError(f"{len(ends)} simulated steps leave no window after {warmup} warm-up steps")
     low, high = ends[first], ends[last]

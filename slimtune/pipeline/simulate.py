@@ -190,10 +190,13 @@ def simulate_roundpipe(costs: Costs, workers: int, micro_batches: int, partition
     partition = partition or plan(costs, workers)
     partition.check()
     warmup = workers + 1 if optimizer == "async" else 1
-    steps = warmup + (window or (workers if optimizer == "async" else 2)) + 2  # + the draining last step
+    lag = 2 if optimizer == "async" else 1  # step k needs step k - lag's update
+    # The window ends with step `last`'s update, and steps up to last + lag may run before it ends
+    # (async: step last + 2's first jobs need only step last's first layers): they must exist, or
+    # the window's end shows workers idle for want of work no real run lacks.
+    steps = warmup + (window or (workers if optimizer == "async" else 2)) + lag + 1
     engine, state, at, updates, step_ops = Engine(), [_Worker() for _ in range(workers)], 0, [], []
     for k in range(steps):
-        lag = 2 if optimizer == "async" else 1
         weights_ready = updates[k - lag] if k >= lag else None
         downloads = []
         for i, (first, count) in enumerate(_calls(micro_batches, round_size)):
@@ -210,7 +213,7 @@ def simulate_roundpipe(costs: Costs, workers: int, micro_batches: int, partition
                "tail_layers": partition.tail.stop - partition.tail.start, "tail_shards": partition.tail.shards,
                "backward_stages": [s.stop - s.start for s in partition.backward]}
     name = "RoundPipe " + ("async (staleness 1)" if optimizer == "async" else "sync")
-    return measure(name, engine, workers, micro_batches, step_ops, costs.label, details, warmup)
+    return measure(name, engine, workers, micro_batches, step_ops, costs.label, details, warmup, after=lag)
 
 
 def compare(costs: Costs, workers: int = 8, micro_batches: int = 16, partition: Partition | None = None,

@@ -4,6 +4,7 @@ out, and the CLI prints a table or refuses a bad option in one sentence."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 
@@ -54,11 +55,11 @@ def test_the_spare_micro_batch_absorbs_a_hop_uploads_and_the_optimizer():
 def test_an_update_layer_by_layer_hides_an_adamw_a_whole_update_cannot():
     """Async with a host AdamW of 40 ms against a 57 ms step: waiting for the whole update the step
     after next idles 5% of the time; with each upload waiting only for its own layers' update (the
-    runtime's order) the same AdamW leaves 0.3%. Every upload still starts after its layers' update."""
+    runtime's order) the same AdamW leaves none. Every upload still starts after its layers' update."""
     costs = uniform(13, weight_bytes=1_000_000, optimizer=40e-3)
     by_layer = simulate.simulate_roundpipe(costs, 8, 9, EVEN, "async")
     whole = simulate.simulate_roundpipe(costs, 8, 9, EVEN, "async", update_by_layer=False)
-    assert by_layer.bubble < 0.005 < 0.05 < whole.bubble
+    assert by_layer.bubble < EPS < 0.05 < whole.bubble
     ends = {(e.step, e.label.rsplit(" ", 1)[-1]): e.end for e in by_layer.events if e.kind == "optimizer"}
     stage_end = {i: s.stop - 1 for i, s in enumerate(EVEN.stages())}
     early = 0
@@ -67,6 +68,22 @@ def test_an_update_layer_by_layer_hides_an_adamw_a_whole_update_cannot():
             assert e.start >= ends[(e.step - 2, str(stage_end[e.stage]))] - EPS
             early += e.start < ends[(e.step - 2, "12")]
     assert early > 0  # some start before the whole update of the step before last has ended
+
+
+@pytest.mark.parametrize("optimizer", ["async", "sync"])
+def test_the_steady_state_figures_do_not_depend_on_the_window(optimizer):
+    """Qwen3-1.7B's modelled costs (period 4 steps: 22 jobs on 8 workers): the window's bubble and
+    step time are the same over 4, 8 and 16 steps. Async, step k + 2's first jobs run before step
+    k's update ends, so a window ending two steps before the last simulated one shows a drain that
+    no real run has (it read 2.04% over 8 steps where the steady state is 1.31%)."""
+    costs = cost_model.modelled_costs("Qwen3-1.7B", "rtx4090")
+    runs = [simulate.simulate_roundpipe(costs, 8, 16, optimizer=optimizer, window=w) for w in (4, 8, 16)]
+    for s in runs[1:]:
+        assert s.step_time == pytest.approx(runs[0].step_time, rel=1e-9)
+        assert s.bubble == pytest.approx(runs[0].bubble, abs=1e-9)
+    if optimizer == "async":  # and its 2.41 s AdamW hides wholly behind the 2.83 s step
+        free = simulate.simulate_roundpipe(dataclasses.replace(costs, optimizer_s=0.0), 8, 16, optimizer=optimizer)
+        assert runs[0].bubble == pytest.approx(free.bubble, abs=1e-9)
 
 
 @pytest.mark.parametrize("workers", [2, 4, 8])
