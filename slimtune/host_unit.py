@@ -139,14 +139,16 @@ class HostUnit:
             self.dist.all_reduce_(self.adam.grads, host=True, what=f"the {self.name}'s gradient sum")
         self.norms = self.adam.grad_norms() if self.adam is not None else []
 
-    def update(self, lr: float, clip: float, guard: StepGuard | None = None) -> None:
+    def update(self, lr: float, clip: float, guard: StepGuard | None = None,
+               shadows: list[torch.Tensor] | None = None) -> None:
         """This unit's AdamW, unless `guard` says the step may not update: then, or when its own
-        gradients are not finite, its accumulators are emptied and the guard trips for the units after."""
+        gradients are not finite, its accumulators are emptied and the guard trips for the units after.
+        `shadows`: where the updated weights go up from, if not the HostAdam's own (HostAdam.update)."""
         if guard is not None and (guard.tripped or not all(rules.is_finite(n) for n in self.norms)):
             guard.tripped = True
             self.adam.discard()
             return
-        self.adam.update(lr, clip)
+        self.adam.update(lr, clip, shadows)
 
     def discard(self) -> None:
         """The step's gradients dropped without an update (its loss or gradient norm was not finite)."""

@@ -26,13 +26,15 @@ The optimizer (roundpipe.optimizer):
   async  the step's AdamW runs on the host while the next step computes, which therefore sees the
          weights from before it: step k (from 0) computes its gradient at the weights after k - 1
          updates (steps 0 and 1 both at W0), and W_k = AdamW(W_{k-1}, gradient at W_{k-2}). Not
-         exact: one step stale, as the spec's reference is by default. The weights that go up are a
-         host copy per trainable tensor, renewed unit by unit after the step's last read of it
-         (pipeline/step_weights.py), and the gradients land in buffers of their own (4 bytes a
-         number of host RAM more). The AdamW goes unit by unit in the order a step first reads
-         them (the embedding table, then layer by layer), and a unit's copy for the step after
-         next is taken as soon as its own update is done, so that step's first jobs start before
-         the whole update has ended. Checkpoints keep that copy, so resume is exact. Since the next
+         exact: one step stale, as the spec's reference is by default. The weights that go up are
+         two host versions of every trainable tensor: step s reads version s % 2, and step s's
+         update writes its result straight into the version step s read, for step s + 2
+         (pipeline/step_weights.py: no copies, 2 bytes a number of host RAM more in bf16). The
+         gradients land in buffers of their own (4 bytes a number more). The AdamW goes unit by
+         unit in the order a step first reads them (the embedding table, then layer by layer),
+         and the step after next uploads a unit as soon as its own update is done, so its first
+         jobs start before the whole update has ended. Checkpoints keep the version the next step
+         reads, so resume is exact. Since the next
          step needs nothing of this one, the loop hands step() the next step's batches (`then`,
          except before a checkpoint, an evaluation or the end): its first jobs start while this
          step's last ones still run, filling the workers the drain leaves idle, as the simulator
@@ -73,7 +75,8 @@ from slimtune.pipeline.partitioner import LayerTimes, costs_from_bytes, plan_sta
 from slimtune.pipeline.row_split import split_rows
 from slimtune.pipeline.settings import RoundPipeConfig, validate, worker_devices
 from slimtune.pipeline.stages import Job, Partition, assign
-from slimtune.pipeline.step_weights import StepWeights
+from slimtune.pipeline.mailbox import Mailbox
+from slimtune.pipeline.step_weights import Gate, StepWeights, WeightVersions
 from slimtune.pipeline.worker import Worker
 
 
@@ -117,16 +120,20 @@ class RoundPipeEngine:
         self.cursor = 0
         self.step_count = 0
         self.asynchronous = self.section.optimizer == "async"
-        self.compute, self.incoming = self._async_buffers() if self.asynchronous else ({}, {})
+        self.versions = WeightVersions(self._all_units(), self.device) if self.asynchronous else None
+        self.incoming = self._incoming_buffers() if self.asynchronous else {}
         self.accumulators = {key: grad for unit in self._all_units() for key, grad in unit.accumulators.items()}
         self._updating: dict[int, Future] = {}  # async: per unit (_all_units index), its last update submitted
+        self._updating_step = -1  # the step whose update that is
         self.meter = memory.meter_for(self.device, cfg.train.measure_memory)  # the run's kind (train prints it)
         self.measure = cfg.train.measure_memory
         # async: the loop may hand step() the next step's batches (then=), to start before this one ends.
         self.starts_ahead = self.asynchronous and not fake
         self._versioned = frozenset(i for i, unit in enumerate(self._all_units())
                                     if self.asynchronous and any(t.trainable for t in unit.binding.tensors))
-        self._upcoming = StepWeights.ready(self._versioned, self.section.timeout_s)  # the next step to start
+        self._next_step = 0  # the index of the next step to start (one ahead of step_count while one runs early)
+        self._next_gate = Gate(opened=True)  # that step's gate: it opens when the step before it has ended
+        self._last_mailbox: Mailbox | None = None  # the last started step's: a failure there stops the next
         self._ahead: _Started | None = None  # a step started early, whose jobs are running
 
     def _refuse_dropout(self, stack: Stack) -> None:
@@ -153,24 +160,20 @@ class RoundPipeEngine:
         except ValueError as err:
             raise UserError(f"engine=roundpipe cannot cut the model into stages: {err}") from None
 
-    def _async_buffers(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """async: the weights uploads read (a copy taken after each update) and the step's incoming
-        gradients, per trainable tensor."""
-        compute, incoming = {}, {}
-        for unit in self._all_units():
-            for t in unit.binding.tensors:
-                if t.trainable:
-                    compute[id(t.param)] = runtime.to_host_storage(t.upload, self.device)
-                    incoming[id(t.param)] = runtime.host_empty(t.host.shape, t.host.dtype, self.device,
-                                                               pinned=False).zero_()
-        return compute, incoming
+    def _incoming_buffers(self) -> dict[int, torch.Tensor]:
+        """async: the step's incoming gradients, per trainable tensor (the accumulators are still
+        being read by the update before)."""
+        return {id(t.param): runtime.host_empty(t.host.shape, t.host.dtype, self.device, pinned=False).zero_()
+                for unit in self._all_units() for t in unit.binding.tensors if t.trainable}
 
     # ------------------------------------------------------------ the pieces of a step
 
-    def _source(self, t: runtime.SlotTensor) -> torch.Tensor:
-        if self.asynchronous and t.trainable:
-            return self.compute[id(t.param)]
-        return t.upload
+    def _source_at(self, step: int):
+        """slot tensor -> the host tensor step `step`'s uploads read: async, a trainable tensor's
+        version step % 2 (step_weights.py); else where the tensor lives."""
+        if not self.asynchronous:
+            return lambda t: t.upload
+        return lambda t: self.versions.of(t.param, step % 2) if t.trainable else t.upload
 
     def _accumulator(self, param: torch.Tensor) -> torch.Tensor:
         """Where a trainable tensor's downloaded gradient is added (async: the step's own buffers)."""
@@ -201,9 +204,9 @@ class RoundPipeEngine:
         weight, unit = self.stack.embed.weight, self.table_unit
         return weight, None if unit < 0 else self._all_units()[unit].tensor_of(weight)
 
-    def _embedding_rows(self, piece: Batch) -> torch.Tensor:
+    def _embedding_rows(self, piece: Batch, source) -> torch.Tensor:
         weight, found = self._embedding_weight()
-        table = self._source(found) if found is not None else weight.data
+        table = source(found) if found is not None else weight.data
         return runtime.to_host_storage(jobs.embedding_rows(table, piece.input_ids), self.device)
 
     def _add_embedding_grad(self, pieces: list[Batch], deferred: list):
@@ -246,7 +249,8 @@ class RoundPipeEngine:
 
         return jobs.StepContext(
             pieces=pieces, total=total, units=self.units, mailbox=weights.mailbox, weights=weights,
-            source=self._source, add_grads=functools.partial(self._add_grads, to_host, _InShardOrder(to_host)),
+            source=self._source_at(weights.step),
+            add_grads=functools.partial(self._add_grads, to_host, _InShardOrder(to_host)),
             add_embedding_grad=add_embedding_grad,
             tail_jobs=range(first_tail, first_tail + self.partition.tail.shards),
             saved_at=self._saved_at(), precision=self.precision, grain=self.section.grain, loss_cfg=self.loss_cfg,
@@ -254,12 +258,10 @@ class RoundPipeEngine:
 
     def _start(self, micro_batches: list[Batch], total_targets: int | None) -> "_Started":
         """Cut the batches, take the step's jobs from the cursor, gather the embedding rows (once the
-        step's copy of the table is in place) and hand the jobs to the workers."""
-        weights, following = self._upcoming, StepWeights(self._versioned, self.section.timeout_s, opened=False)
-        weights.mailbox.passes_failure_to(following.mailbox)
-        self._upcoming = following
+        step's version of the table is in place) and hand the jobs to the workers."""
+        weights, next_gate = self._step_weights(), Gate(opened=False)
+        self._next_gate = next_gate
         step_jobs, self.cursor = assign(self.partition, len(self.workers), self.cursor)
-        weights.expect(self._reads(step_jobs), functools.partial(self._release, weights, following))
         pieces, deferred = self._pieces(micro_batches), []
         ctx = self._context(pieces, step_divisor(micro_batches, total_targets), deferred, weights)
         ctx.next_job.update(_next_on_worker(step_jobs))
@@ -271,57 +273,30 @@ class RoundPipeEngine:
             label = f"job {job.index} ({job.stage.kind} layers {job.stage.start}-{job.stage.stop - 1})"
             meter = meters.get(worker.index) if isinstance(meters, dict) else None
             futures.append(worker.submit(lambda w=worker, j=job: jobs.run(w, j, ctx), label, ctx.mailbox, meter))
-        return _Started(micro_batches, ctx, futures, meters, deferred, following)
+        return _Started(micro_batches, ctx, futures, meters, deferred, next_gate)
+
+    def _step_weights(self) -> StepWeights:
+        """The next step's: the update two steps before writes its version (still running, or done:
+        a step starts after the update before the one before it has been submitted, and if the one
+        just before has been too, that one waited for it), and its gate, which the step before opens."""
+        step, self._next_step = self._next_step, self._next_step + 1
+        pending = self._updating if self._updating_step == step - 2 else {}
+        weights = StepWeights(step, self._versioned, pending, self.section.timeout_s, self._next_gate)
+        if self._last_mailbox is not None:  # a step begun early stops with the one before
+            self._last_mailbox.passes_failure_to(weights.mailbox)
+        self._last_mailbox = weights.mailbox
+        return weights
 
     def _gather_rows(self, ctx: jobs.StepContext) -> None:
-        """Every micro-batch's embedding rows, from the step's copy of the table, for job 0."""
+        """Every micro-batch's embedding rows, from the step's version of the table, for job 0."""
         ctx.await_weights([self.table_unit])
         for m, piece in enumerate(ctx.pieces):
-            ctx.put((jobs.EMBED, m), (self._embedding_rows(piece), None))
-        ctx.weights_read([self.table_unit], None)
+            ctx.put((jobs.EMBED, m), (self._embedding_rows(piece, ctx.source), None))
 
     def _find_table_unit(self) -> int:
         """The index (in _all_units) of the unit holding the embedding table; -1: none does."""
         weight = self.stack.embed.weight
         return next((i for i, unit in enumerate(self._all_units()) if unit.tensor_of(weight) is not None), -1)
-
-    def _reads(self, step_jobs: list[Job]) -> dict[int, int]:
-        """How often the step reads each unit's compute copy: once a job that holds it, once the gather."""
-        reads = {self.table_unit: 1}
-        for job in step_jobs:
-            for layer in job.stage.layers:
-                reads[layer] = reads.get(layer, 0) + 1
-        return reads
-
-    def _release(self, weights: StepWeights, following: StepWeights, unit: int, events: list) -> None:
-        """The step's last read of `unit` is done: its compute copy becomes the following step's once
-        the unit's update before this step is (looked up at the gate's opening, so that update has
-        been submitted). This step's own update of the unit comes after the copy: it is submitted
-        when the step ends, after every read's release, and a copy not made at its release is a
-        done-callback of the update before, which runs on the optimizer thread ahead of any later
-        task."""
-        held = [t for t in self._all_units()[unit].binding.tensors if t.trainable]
-
-        def copy() -> None:
-            try:
-                for event in events:
-                    event.synchronize()
-                with torch.no_grad():
-                    for t in held:
-                        self.compute[id(t.param)].copy_(t.upload)
-                following.mailbox.put(("weights", unit), True)
-            except BaseException as err:  # noqa: BLE001 - the following step's waiters hear of it
-                following.mailbox.fail(err)
-                raise
-
-        def once_updated() -> None:  # at the gate's opening or later: the unit's last update is the one before
-            pending = self._updating.get(unit)
-            if pending is None:
-                copy()
-            else:  # on the optimizer thread as that update ends, or here if it has
-                pending.add_done_callback(lambda _: copy())
-
-        weights.gate.run(once_updated)
 
     def _take_ahead(self, micro_batches: list[Batch]) -> "_Started | None":
         started, self._ahead = self._ahead, None
@@ -379,8 +354,8 @@ class RoundPipeEngine:
         self.dist.all_reduce_(self._gradients(), host=True, what="the stages' gradient sum")
         grad_norm = self._grad_norm()
         applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm)
-        self._update(lr, grad_norm, applied)
-        started.following.gate.open()  # the next step's additions, and its copies after this update
+        self._update(lr, grad_norm, applied, ctx.weights)
+        started.next_gate.open()  # the next step's gradient additions
         self.step_count += 1
         worst = max(peaks, key=lambda p: p[1] or 0) if peaks else (None, None, None)
         micro_batches = started.micro_batches
@@ -444,10 +419,11 @@ class RoundPipeEngine:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
-    def _update(self, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
+    def _update(self, lr: float, grad_norm: torch.Tensor, applied: bool, weights: StepWeights) -> None:
         """sync: every unit's AdamW now. async: the previous step's must be done (it reads the
         accumulators), this step's sums move into them, and each unit's AdamW is queued in the
-        order the step after next needs them."""
+        order the step after next needs them, each writing its result into the version this step
+        read (step_weights.py)."""
         coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
         coef = 1.0 if is_fake(coefficient) else float(coefficient)
         adams = [u for u in self._all_units() if u.adam is not None]
@@ -457,19 +433,32 @@ class RoundPipeEngine:
             self.host.barrier()
             return
         self._wait_update()  # the previous step's: it reads the accumulators this step's sums go into
-        with torch.no_grad():  # the compute copies are not touched: each unit's is renewed after its last read
+        with torch.no_grad():
             for unit in self._all_units():
                 for t in unit.binding.tensors:
                     if t.trainable:
                         unit.accumulators[id(t.param)].copy_(self.incoming[id(t.param)])
                         self.incoming[id(t.param)].zero_()
-        if not applied:
-            for unit in adams:
-                unit.discard()
-            return
-        units = self._all_units()
+        units, parity = self._all_units(), weights.step % 2
         for index in self._update_order():
-            self._updating[index] = self.optimizer_thread.submit(units[index].update, lr, coef)
+            self._updating[index] = self.optimizer_thread.submit(
+                self._update_unit, units[index], self.versions.flats(index, parity), weights.reads_of(index), lr, coef,
+                applied)
+        self._updating_step = weights.step
+
+    @staticmethod
+    def _update_unit(unit: HostUnit, into: list[torch.Tensor], reads: list, lr: float, coef: float,
+                     applied: bool) -> None:
+        """One unit's AdamW into the version its step read, once that step's uploads of it have
+        left host memory; a step that may not update still writes the unchanged weights there, as
+        the step after next reads them."""
+        for event in reads:
+            event.synchronize()
+        if applied:
+            unit.update(lr, coef, shadows=into)
+        else:
+            unit.discard()
+            unit.adam.refresh_shadows(into)
 
     def _update_order(self) -> list[int]:
         """The units with an optimizer, in the order the step after next first reads them: the
@@ -486,9 +475,11 @@ class RoundPipeEngine:
 
     def host_bytes(self) -> int:
         """Host RAM held for the workers: every unit's masters, accumulators, moments and frozen
-        tensors; async: the compute copies and incoming gradients too (hand-offs are the step's)."""
+        tensors; async: the second version of the weights and the incoming gradients too
+        (hand-offs are the step's)."""
         held = sum(u.host_bytes() for u in self._all_units())
-        return held + sum(runtime.nbytes(t) for t in (*self.compute.values(), *self.incoming.values()))
+        extra = self.versions.extra_bytes() if self.versions is not None else 0
+        return held + extra + sum(runtime.nbytes(t) for t in self.incoming.values())
 
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
         """On worker 0, layer by layer without grad, with the latest weights."""
@@ -499,14 +490,15 @@ class RoundPipeEngine:
 
     def _eval_loss(self, batch: Batch) -> torch.Tensor:
         worker, stack = self.workers[0], self.workers[0].replica.stack
+        latest = self._source_at(self.step_count + 1)  # every update is done: the step after next's weights
         weight, found = self._embedding_weight()
-        table = found.upload if found is not None else weight.data
+        table = latest(found) if found is not None else weight.data
         device_batch = batch.to(worker.device)
         hidden = worker.link.ready(worker.link.to_device(jobs.embedding_rows(table, batch.input_ids)))
         with autocast_for(worker.device, self.precision):
             inputs = stack.prepare(hidden, device_batch.position_ids, batch.segmented)
             for layer, unit in enumerate(self.units):
-                worker.bind([unit], worker.upload([unit], lambda t: t.upload), with_grads=False)
+                worker.bind([unit], worker.upload([unit], latest), with_grads=False)
                 try:
                     if layer < len(self.units) - 1:
                         hidden = stack.run_block(layer, hidden, inputs)
@@ -529,7 +521,8 @@ class RoundPipeEngine:
         exp_avg, exp_avg_sq, steps = units_state(self._all_units(), self.names)
         extra = {"roundpipe": {"cursor": self.cursor}}
         if self.asynchronous:  # the weights the next step computes at: one update behind the masters
-            extra["roundpipe"]["compute"] = {self.names[p]: t for p, t in self.compute.items()}
+            extra["roundpipe"]["compute"] = {name: self.versions.of(p, self.step_count % 2)
+                                             for p, name in self._trainables()}
         return EngineState(engine=self.name, step=self.step_count, trainable=self.trainable_state(),
                            exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, adam_steps=steps, extra=extra)
 
@@ -541,12 +534,16 @@ class RoundPipeEngine:
         load_units_state(self._all_units(), self.names, state)
         own = state.extra.get("roundpipe", {}) if state.engine == self.name else {}
         self.cursor = int(own.get("cursor", 0)) % len(self.workers)
-        if self.asynchronous:
-            saved = own.get("compute", {})
-            by_name = {self.names[p]: t for p, t in self.compute.items()}
-            copy_named(by_name, {n: saved.get(n, state.trainable[n]) for n in by_name})
-        self._upcoming = StepWeights.ready(self._versioned, self.section.timeout_s)  # the loaded copies
-        self.step_count = state.step
+        if self.asynchronous:  # the next step's version as saved, the one after's the masters
+            saved, step, pairs = own.get("compute", {}), state.step, self._trainables()
+            copy_named({n: self.versions.of(p, (step + 1) % 2) for p, n in pairs}, state.trainable)
+            copy_named({n: self.versions.of(p, step % 2) for p, n in pairs},
+                       {n: saved.get(n, state.trainable[n]) for _, n in pairs})
+        self.step_count = self._next_step = state.step
+        self._next_gate, self._last_mailbox = Gate(opened=True), None
+
+    def _trainables(self) -> list[tuple[torch.Tensor, str]]:
+        return [(param, self.names[id(param)]) for unit in self._all_units() for param, _, _ in unit.members]
 
 
 @dataclass
@@ -558,7 +555,7 @@ class _Started:
     futures: list
     meters: object  # _open_meters'
     deferred: list  # (micro-batch, the embedding rows' gradient addition)
-    following: StepWeights  # the next step's: its gate opens when this step's update is submitted
+    next_gate: Gate  # the next step's: it opens when this step's update has been submitted
 
 
 class _InShardOrder:

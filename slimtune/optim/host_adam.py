@@ -147,19 +147,20 @@ class HostAdam:
         return self.optimizer.state[self.flats[k]]
 
     def member(self, k: int, i: int) -> MemberViews:
-        start, numel, shape = self.groups[k].spans()[i]
-
-        def cut(flat: torch.Tensor | None) -> torch.Tensor | None:
-            return None if flat is None else flat[start : start + numel].view(shape)
-
         state = self.state(k)
-        return MemberViews(cut(self.masters[k]), cut(self.grads[k]), cut(self.shadows[k]),
-                           cut(state["exp_avg"]), cut(state["exp_avg_sq"]))
+        return MemberViews(*(self.cut(k, i, flat) for flat in (self.masters[k], self.grads[k], self.shadows[k],
+                                                                state["exp_avg"], state["exp_avg_sq"])))
+
+    def cut(self, k: int, i: int, flat: torch.Tensor | None) -> torch.Tensor | None:
+        """Member i of group k's place in `flat`, a tensor laid out as the group's masters."""
+        start, numel, shape = self.groups[k].spans()[i]
+        return None if flat is None else flat[start : start + numel].view(shape)
 
     # ------------------------------------------------------------ host work
 
-    def update(self, lr: float, clip: float = 1.0) -> None:
-        """AdamW on the masters with the accumulated gradients times `clip`; then zero them."""
+    def update(self, lr: float, clip: float = 1.0, shadows: list[torch.Tensor] | None = None) -> None:
+        """AdamW on the masters with the accumulated gradients times `clip`; then zero them, and
+        round the masters into the shadows (or into `shadows`, per group, refresh_shadows)."""
         with torch.no_grad():
             if clip != 1.0:
                 for grad in self.grads:
@@ -169,7 +170,7 @@ class HostAdam:
             self.optimizer.step()
             for grad in self.grads:
                 grad.zero_()
-            self.refresh_shadows()
+            self.refresh_shadows(shadows)
 
     def discard(self) -> None:
         """Empty the accumulators without an update (a step that may not update the weights)."""
@@ -177,10 +178,12 @@ class HostAdam:
             for grad in self.grads:
                 grad.zero_()
 
-    def refresh_shadows(self) -> None:
-        """The shadows become the masters rounded once (after an update, or after loading masters)."""
+    def refresh_shadows(self, into: list[torch.Tensor] | None = None) -> None:
+        """The shadows become the masters rounded once (after an update, or after loading masters).
+        `into`: per group, other tensors laid out as the masters to write instead (a pipeline's
+        versions of the weights, pipeline/step_weights.py), in the shadows' dtype or the masters'."""
         with torch.no_grad():
-            for shadow, master in zip(self.shadows, self.masters):
+            for shadow, master in zip(self.shadows if into is None else into, self.masters):
                 if shadow is not None:
                     shadow.copy_(master)
 

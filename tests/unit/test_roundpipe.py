@@ -552,11 +552,11 @@ def test_the_step_after_next_starts_before_the_whole_update_is_done(models):
     def hold_the_head(engine: RoundPipeEngine) -> None:
         head, update = engine.units[-1], engine.units[-1].update
 
-        def held(lr, coef):
+        def held(*args, **kwargs):
             if not waited:  # update 0 of the head: steps 0 and 1 compute at W0, step 2 at W1
                 with begun:
                     waited.append(begun.wait_for(lambda: len(firsts) >= 3, 5.0))
-            update(lr, coef)
+            update(*args, **kwargs)
 
         head.update = held
         for worker in engine.workers:
