@@ -64,7 +64,7 @@ class StepContext:
     embedding_trainable: bool
     next_job: dict[int, Job | None]  # job index -> the same worker's next job this step (prefetch)
     tail_jobs: range = range(0)  # the job indices of the tail's token shards (one: not cut)
-    weights: StepWeights | None = None  # async: when the compute copies hold this step's weights
+    weights: StepWeights | None = None  # which weight version the step reads, and when it is in place
     prefetched: dict[int, Prefetch] = field(default_factory=dict)  # job index -> its weights, copied ahead
     link_bytes: int = 0  # what this step's jobs moved across their links
     losses: dict = field(default_factory=dict)  # (micro-batch, shard) -> exact loss sum (host scalar)
@@ -79,7 +79,7 @@ class StepContext:
             self.weights.wait(layers)
 
     def weights_read(self, layers: range, event: object) -> None:
-        """This job's upload of `layers` is complete once `event` is: the copies may be overwritten."""
+        """This job's upload of `layers` is complete once `event` is: the step's update of them waits for it."""
         if self.weights is not None:
             self.weights.read(layers, event)
 
