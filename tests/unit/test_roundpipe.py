@@ -176,8 +176,9 @@ def test_the_partitioner_isolates_the_head_and_every_job_takes_the_next_worker(m
     assert by_step[1] == [(j, (count + j) % 3) for j in range(count)]  # the cursor carries on
 
 
-def delayed_reference(model, cfg, steps=3, rows=4):
-    """W_k = AdamW(W_{k-1}, gradient at W_{k-2}), W_{-1} = W_0, written out with torch.optim.AdamW."""
+def delayed_reference(model, cfg, steps=3, rows=4, skip=()):
+    """W_k = AdamW(W_{k-1}, gradient at W_{k-2}), W_{-1} = W_0, written out with torch.optim.AdamW;
+    the steps in `skip` take no update (W_k = W_{k-1}), as a step with a non-finite norm."""
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = rules.decay_groups(params, cfg.train.weight_decay)
@@ -206,7 +207,8 @@ def delayed_reference(model, cfg, steps=3, rows=4):
         compute = [p.detach().clone() for p in params]  # taken before this update: one step stale
         for group in optimizer.param_groups:
             group["lr"] = rules.lr_at(cfg.train, step)
-        optimizer.step()
+        if step not in skip:
+            optimizer.step()
         optimizer.zero_grad()
     names = {id(p): n for n, p in model.named_parameters()}
     return losses, {names[id(p)]: p.detach().clone() for p in params}
@@ -222,6 +224,24 @@ def test_async_equals_the_one_step_delayed_recurrence(models, workers):
         torch.testing.assert_close(found[2][name], value, atol=1e-10, rtol=0, msg=name)
     sync = run(RoundPipeEngine, models["untied"], run_cfg(RoundPipeConfig(workers=workers)), steps=4)
     assert max((sync[2][n] - found[2][n]).abs().max().item() for n in params) > 1e-6  # stale is not sync
+
+
+def test_async_a_step_that_may_not_update_still_gives_the_step_after_next_its_weights(models):
+    """Step 1's gradient norm is not finite: update 1 is left out, so step 3 computes at W1 (the
+    weights after update 0), which the left-out update must still write into the version step 3
+    reads. Against the delayed recurrence with that update left out."""
+    cfg = run_cfg(RoundPipeConfig(workers=2, optimizer="async"))
+
+    def poison_step_1(engine: RoundPipeEngine) -> None:
+        norm = engine._grad_norm
+        engine._grad_norm = lambda: torch.tensor(float("inf")) if engine.step_count == 1 else norm()
+
+    found = run(RoundPipeEngine, models["untied"], cfg, steps=5, setup=poison_step_1)
+    assert [r.applied for r in found[3]] == [True, False, True, True, True]
+    losses, params = delayed_reference(models["untied"], cfg, steps=5, skip={1})
+    assert found[0] == pytest.approx(losses, abs=1e-10, rel=0)
+    for name, value in params.items():
+        torch.testing.assert_close(found[2][name], value, atol=1e-10, rtol=0, msg=name)
 
 
 def jitter(seed: int):
