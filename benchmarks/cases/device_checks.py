@@ -27,7 +27,8 @@ on the CPU the live-tensor meter. What it records:
 7. roundpipe: 1-4 virtual workers on the one card (threads, each with its own streams) against
    resident, fp32, 3 steps, a tiny model: loss and weight differences (goal 1e-5), also with the
    tail cut into 3 token shards on 3 workers (hand-made cut); async with each step handed the next
-   one's batches (then=, so the next step starts early) against async step by step (bitwise); the estimate
+   one's batches (then=, so the next step starts early) against async step by step (bitwise, in
+   fp32 and in bf16, where one of the two weight versions is the HostAdam's shadow); the estimate
    beside the measured peak for one worker (bf16, the 1B shapes); median step time for 1, 2 and 4
    workers, and a profiler summary of the 2-worker step.
 Data parallelism (torchrun, NCCL) is not checked here: ranks sharing the one lent card would measure
@@ -356,10 +357,11 @@ def roundpipe_checks(quick: bool, output_dir: str) -> dict:
         return {"max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected)),
                 "max_weight_diff": max((found[k].float().cpu() - w).abs().max().item() for k, w in weights.items())}
 
-    def begun_early(workers: int = 3, steps: int = 4) -> dict:
+    def begun_early(precision: str, workers: int = 3, steps: int = 4) -> dict:
         """async: each step handed the next one's batches (the loop's then=) against step by step,
-        on real streams: the early step's uploads wait for the copies its flags name."""
-        cfg = run_config({"method": "full", "precision": "fp32", "engine": "roundpipe", "activations.checkpoint": "none",
+        on real streams: the early step's uploads wait for the updates its flags name, and each
+        update for its own step's uploads (bf16: one of the two weight versions is the shadow)."""
+        cfg = run_config({"method": "full", "precision": precision, "engine": "roundpipe", "activations.checkpoint": "none",
                           "roundpipe.workers": workers, "roundpipe.optimizer": "async", "roundpipe.replan": False},
                          output_dir)
         found = []
@@ -375,7 +377,7 @@ def roundpipe_checks(quick: bool, output_dir: str) -> dict:
     for workers in (1, 2, 3, 4):
         out["parity"][workers] = parity(workers)
     out["parity"]["3, the tail in 3 token shards"] = parity(3, tail_shards=3)
-    out["async_begun_early_vs_step_by_step"] = begun_early()
+    out["async_begun_early_vs_step_by_step"] = {p: begun_early(p) for p in ("fp32", "bf16")}
     config = shapes(quick, 4 if quick else 8)
     seq = 256 if quick else 2048
     model, big = random_model(config), one_batch(config.vocab_size, seq, rows=4)

@@ -34,11 +34,10 @@ The optimizer (roundpipe.optimizer):
          unit in the order a step first reads them (the embedding table, then layer by layer),
          and the step after next uploads a unit as soon as its own update is done, so its first
          jobs start before the whole update has ended. Checkpoints keep the version the next step
-         reads, so resume is exact. Since the next
-         step needs nothing of this one, the loop hands step() the next step's batches (`then`,
-         except before a checkpoint, an evaluation or the end): its first jobs start while this
-         step's last ones still run, filling the workers the drain leaves idle, as the simulator
-         (pipeline/simulate.py) plays it, and no result changes.
+         reads, so resume is exact. Since the next step needs nothing of this one, the loop hands
+         step() the next step's batches (`then`, except before a checkpoint, an evaluation or the
+         end): its first jobs start while this step's last ones still run, filling the workers the
+         drain leaves idle, as the simulator (pipeline/simulate.py) plays it, and no result changes.
 
 Not done: dropout (workers share torch's random generator, so a recompute could not redraw the
 forward's masks; refused in one sentence), weight pieces bin-packed behind activation copies (on a
@@ -276,9 +275,9 @@ class RoundPipeEngine:
         return _Started(micro_batches, ctx, futures, meters, deferred, next_gate)
 
     def _step_weights(self) -> StepWeights:
-        """The next step's: the update two steps before writes its version (still running, or done:
-        a step starts after the update before the one before it has been submitted, and if the one
-        just before has been too, that one waited for it), and its gate, which the step before opens."""
+        """The StepWeights of the step to start now. The update two steps before writes its version:
+        it may still be running if `_updating` holds it, and is done otherwise (the update after
+        it, if already submitted, waited for it first). Its gate is the one the step before opens."""
         step, self._next_step = self._next_step, self._next_step + 1
         pending = self._updating if self._updating_step == step - 2 else {}
         weights = StepWeights(step, self._versioned, pending, self.section.timeout_s, self._next_gate)
