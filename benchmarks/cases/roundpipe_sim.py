@@ -88,16 +88,19 @@ def adamw_budget(costs, micro_batches: int, accumulate: int) -> dict:
     """How long the host AdamW may take before RoundPipe async's bubble exceeds the goal (bisection,
     to 1% of the modelled AdamW time), and the bubble with an AdamW that takes no time (the plan's
     own). Staleness 1 lets step k+2's jobs start only after step k's update of their layers, so the
-    AdamW is hidden only while it is under about a step's GPU work."""
+    AdamW is hidden only while it is under about a step's GPU work. Where a step of several calls
+    meets the goal the budget is not sought (its GPU work is several times the AdamW)."""
     def bubble(seconds: float) -> float:
         timed = replace(costs, optimizer_s=seconds)
         return simulate.simulate_roundpipe(timed, WORKERS, micro_batches * accumulate, None, "async",
                                            micro_batches if accumulate > 1 else None).bubble
 
     free, modelled = bubble(0.0), costs.optimizer_s
-    if bubble(modelled) <= BUBBLE_GOAL or free > BUBBLE_GOAL:
-        return {"bubble_without_adamw": free, "adamw_budget_s": None}
+    if free > BUBBLE_GOAL or (accumulate > 1 and bubble(modelled) <= BUBBLE_GOAL):
+        return {"bubble_without_adamw": free, "adamw_budget_s": None}  # several calls: far from it
     low, high = 0.0, modelled
+    while bubble(high) <= BUBBLE_GOAL:  # met at the modelled AdamW: how far from missing
+        low, high = high, 2 * high
     while high - low > 0.01 * modelled:
         mid = (low + high) / 2
         low, high = (mid, high) if bubble(mid) <= BUBBLE_GOAL else (low, mid)
