@@ -8,8 +8,9 @@ workers). So every start time is a longest path in a DAG, computed once per oper
 order); a cycle (an impossible schedule) is reported as a bug, not a hang.
 
 A schedule is several consecutive optimizer steps. A step ends when its host optimizer operation
-ends; the steady-state window runs from the end of the warm-up steps to the end of the last step
-but one (the first steps fill the pipeline, the last drains it with nothing after it), and
+ends; the steady-state window runs from the end of the warm-up steps to the end of a step that
+every step able to run before its end follows (the first steps fill the pipeline, the last ones
+drain it with nothing after them; measure's `after`), and
 everything reported is measured in that window: step time = window / steps in it, a worker's idle = window - its compute
 busy time, bubble = sum of idle / (workers x window).
 """

@@ -22,8 +22,8 @@ layer by layer in the runtime's order (Costs.update_order: forward, a tied table
 its share of the AdamW time, Costs.update_shares), and a job's upload waits only for its own
 layers' update, as the runtime's per-unit updates do (engines/roundpipe.py: each writes its result
 into the host version of the weights that step reads, so there is no copy to play). Several steps
-are simulated and the steady state measured (schedule.py). Baselines (stages bound to workers, with offload) are in baselines.py,
-per-layer costs in cost_model.py, the timeline picture in timeline.py.
+are simulated and the steady state measured (schedule.py). Baselines (stages bound to workers, with
+offload) are in baselines.py, per-layer costs in cost_model.py, the timeline picture in timeline.py.
 
 `reference=True` plays the paper's simulator instead (roundpipe.md section 3): no weight or
 gradient transfers, no optimizer time, baselines without offload, and each step dispatched in

@@ -59,7 +59,7 @@ class Gate:
 
 
 class StepWeights:
-    """One step's view of the weight versions: which one it reads (`parity`), the units it waits
+    """One step's view of the weight versions: which one it reads (`step` % 2), the units it waits
     for (`versioned`: those with trainable tensors; the rest are read where they live), and the
     upload events of its reads, which the step's own update of each unit waits for."""
 
@@ -67,7 +67,7 @@ class StepWeights:
                  gate: Gate):
         """`pending`: unit -> the update (two steps before) that writes this step's version, where
         it may still run; every other versioned unit's version is in place."""
-        self.step, self.parity, self.versioned = step, step % 2, versioned
+        self.step, self.versioned = step, versioned  # it reads version step % 2
         self.mailbox = Mailbox(timeout_s)
         self.gate = gate
         self._events: dict[int, list] = {u: [] for u in versioned}
