@@ -20,9 +20,11 @@ then renamed into place, so a run killed at any instant leaves either the whole 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import re
 import shutil
 import zlib
 from contextlib import contextmanager
@@ -71,22 +73,81 @@ def _fsync_tree(folder: Path) -> None:
 
 
 @contextmanager
-def atomic_folder(final: Path):
-    """Yield a temporary sibling folder; on success fsync it and rename it to `final`."""
+def atomic_folder(final: Path, replaceable=lambda folder: False, needed: int | None = None):
+    """Yield a temporary sibling folder; on success fsync it and rename it to `final`.
+
+    An existing `final`, or a temporary folder a killed write left, is removed only when
+    `replaceable(folder)` says slimtune wrote it: else one sentence and nothing is removed. A full
+    disk or a folder this user may not write ends in one sentence as well (`needed`: the bytes the
+    folder takes, where the caller knows), with the temporary folder removed and `final` as it was."""
     final = Path(final)
+    if final.is_symlink():  # write where the link points: the link itself is the user's
+        final = final.resolve()
     tmp = final.with_name(final.name + TMP_SUFFIX)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    for folder in (final, tmp):
+        if folder.exists() and not replaceable(folder):
+            raise UserError(f"'{folder}' holds files slimtune did not write, so slimtune leaves it as it is; write"
+                            " to another folder, or move it away first.")
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         yield tmp
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        sentence = write_failure(err, final, needed)
+        if sentence is None:
+            raise
+        raise UserError(sentence) from None
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def write_failure(err: BaseException, final: Path, needed: int | None = None) -> str | None:
+    """One sentence for a write that failed for want of space or permission, else None."""
+    cause = _os_error_behind(err)
+    if cause is None:
+        return None
+    if cause.errno in NO_SPACE:
+        from slimtune.metrics import human_bytes  # metrics imports this module
+
+        need = f"it needs about {human_bytes(needed)}, " if needed else ""
+        return (f"no space left on the device to write '{final}' ({need}{human_bytes(_free_bytes(final))} free);"
+                " nothing was kept of it and what was written before is intact: free some space and run the same"
+                " command again.")
+    if cause.errno in NOT_WRITABLE:
+        where = cause.filename or final.parent
+        return (f"cannot write '{final}': {cause.strerror} ('{where}'); nothing was kept of it: make the folder"
+                " writable or write to another one.")
+    return None
+
+
+def _os_error_behind(err: BaseException) -> OSError | None:
+    """The operating system's error behind `err`: itself, the one it was raised from or while
+    handling (torch's writer wraps it in a RuntimeError), or the one safetensors names in its text."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError) and err.errno is not None:
+            return err
+        named = re.search(r"\(os error (\d+)\)", str(err))
+        if named:
+            code = int(named.group(1))
+            return OSError(code, os.strerror(code))
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -130,7 +191,10 @@ def save(root: Path, step: int, state: EngineState, stream_state: dict, keep_las
     sharded = is_sharded(state)
     if not dist.is_main and not sharded:
         return folder
-    with atomic_folder(folder) if dist.is_main else _made_by_rank0(folder) as tmp:
+    # A step folder under the run's own checkpoints/ is the run's: a damaged one passed over on resume is rewritten.
+    writing = atomic_folder(folder, replaceable=lambda _: True, needed=_bytes_of(state)) if dist.is_main else \
+        _made_by_rank0(folder)
+    with writing as tmp:
         if sharded:
             _save_sharded(state, tmp, dist)
         else:
@@ -138,15 +202,21 @@ def save(root: Path, step: int, state: EngineState, stream_state: dict, keep_las
             save_file({**_host(state.exp_avg, "exp_avg/"), **_host(state.exp_avg_sq, "exp_avg_sq/")},
                       str(tmp / "moments.safetensors"))
         if dist.is_main:
-            torch.save({"engine": state.engine, "step": state.step, "adam_steps": state.adam_steps,
-                        "extra": state.extra, "rng": process_rng_state()}, tmp / "state.pt")
-            names = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file()]
-            files = {name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)} for name in names}
+            with open(tmp / "state.pt", "wb") as handle:  # a full disk then raises an OSError torch's own file hides
+                torch.save({"engine": state.engine, "step": state.step, "adam_steps": state.adam_steps,
+                            "extra": state.extra, "rng": process_rng_state()}, handle)
+            files = file_sums(tmp)
             (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, "engine": state.engine,
                                                        "stream": stream_state, "files": files, "sharded": sharded}))
     if dist.is_main:
         prune(Path(root) / "checkpoints", keep_last)
     return folder
+
+
+def _bytes_of(state: EngineState) -> int:
+    """What the checkpoint's tensors take on disk (this rank's share when sharded)."""
+    tensors = [*state.trainable.values(), *state.exp_avg.values(), *state.exp_avg_sq.values()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def is_sharded(state: EngineState) -> bool:
@@ -217,18 +287,31 @@ def damage(folder: Path) -> str | None:
         return "meta.json is missing or torn"
     if meta.get("format") != FORMAT:
         return None  # load() names an older format in a sentence of its own
-    for name, want in meta.get("files", {}).items():
+    if "files" not in meta:
+        return "meta.json lists no files"
+    return files_damage(folder, meta["files"])
+
+
+def file_sums(folder: Path, leave_out: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Each file under `folder` (its path there, / between parts) -> its size and CRC-32."""
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in leave_out]
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "crc32": file_crc32(p)} for p in paths}
+
+
+def files_damage(folder: Path, files: dict[str, dict]) -> str | None:
+    """The first file of `files` (file_sums as written) that is missing, cut short or changed, or None."""
+    for name, want in files.items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != want["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, {want['bytes']} were written"
-        if _crc32(path) != want["crc32"]:
+        if file_crc32(path) != want["crc32"]:
             return f"{name} has changed since it was written (CRC-32)"
-    return None if "files" in meta else "meta.json lists no files"
+    return None
 
 
-def _crc32(path: Path) -> int:
+def file_crc32(path: Path) -> int:
     """CRC-32 of a file, read in 16 MiB pieces: it tells damage, not tampering, at several GB/s."""
     crc = 0
     with open(path, "rb") as handle:

@@ -10,33 +10,38 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from slimtune import checkpoint, lora
-from slimtune.checkpoint import atomic_folder
+from slimtune import checkpoint, lora, results
 from slimtune.config import LoraConfig
 from slimtune.errors import UserError
 
 
 def save_adapter(model: torch.nn.Module, cfg, base_model: str, folder: Path,
-                 trainable: dict[str, torch.Tensor] | None = None) -> Path:
+                 trainable: dict[str, torch.Tensor] | None = None, recorded: bool = False) -> Path:
     """adapter_config.json + adapter_model.safetensors, loadable by peft.PeftModel.from_pretrained.
     `trainable`: the adapter weights by parameter name (an engine's trainable_state()); default: the
-    model's own."""
+    model's own. `recorded`: the run's record names `folder` as its result (results.writing)."""
     trainable = trainable if trainable is not None else dict(model.named_parameters())
-    with atomic_folder(folder) as tmp:
+    state = {k: v.detach().cpu().contiguous() for k, v in lora.peft_state_dict(trainable).items()}
+    with results.writing(folder, "adapter", _bytes(state.values()), recorded) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(lora.peft_config(model, cfg, base_model), indent=2))
-        state = {k: v.detach().cpu().contiguous() for k, v in lora.peft_state_dict(trainable).items()}
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     return folder
 
 
-def save_model(model: torch.nn.Module, tokenizer, folder: Path,
-               trainable: dict[str, torch.Tensor] | None = None) -> Path:
+def save_model(model: torch.nn.Module, tokenizer, folder: Path, trainable: dict[str, torch.Tensor] | None = None,
+               kind: str = "model", recorded: bool = False) -> Path:
     """A plain HF folder (config.json, safetensors, tokenizer) for AutoModelForCausalLM. `trainable`:
-    trained weights by parameter name that replace the model's own (an engine's trainable_state())."""
-    with atomic_folder(folder) as tmp:
-        model.save_pretrained(str(tmp), state_dict=_with_trained(model, trainable or {}), safe_serialization=True)
+    trained weights by parameter name that replace the model's own (an engine's trainable_state()).
+    `kind`: "model" (a full run's result) or "merged" (an export); `recorded` as in save_adapter."""
+    state = _with_trained(model, trainable or {})
+    with results.writing(folder, kind, _bytes(state.values()), recorded) as tmp:
+        model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
     return folder
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
 def _with_trained(model: torch.nn.Module, trainable: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -54,12 +59,29 @@ def save_result(run, out: Path) -> Path:
     """The run's result from its engine's trainable_state(): the adapter (LoRA) or the whole model.
     Every rank calls it (a sharded engine gathers its weights: a collective); rank 0 writes."""
     trainable = run.engine.trainable_state()
+    name = "adapter" if run.cfg.method == "lora" else "model"
     if not run.dist.is_main:
-        return out / ("adapter" if run.cfg.method == "lora" else "model")
+        return out / name
+    recorded = _recorded_result(out) == name
     if run.cfg.method == "lora":
-        return save_adapter(run.stack.model, run.cfg.lora, str(Path(run.cfg.model).resolve()), out / "adapter",
-                            trainable)
-    return save_model(run.stack.model, run.tokenizer, out / "model", trainable)
+        return save_adapter(run.stack.model, run.cfg.lora, str(Path(run.cfg.model).resolve()), out / name,
+                            trainable, recorded)
+    return save_model(run.stack.model, run.tokenizer, out / name, trainable, recorded=recorded)
+
+
+def _recorded_result(run_dir: Path) -> str | None:
+    """The result folder's name run.json records (None: none recorded, or no readable run.json)."""
+    result = _recorded(run_dir)
+    return result.get("path") if result else None
+
+
+def _recorded(run_dir: Path) -> dict | None:
+    record = Path(run_dir) / "run.json"
+    try:
+        result = json.loads(record.read_text()).get("result") if record.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return result if isinstance(result, dict) else None
 
 
 @dataclass
@@ -72,7 +94,8 @@ class Merged:
 def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     """Base model + the run's newest adapter, merged into one HF folder (default: run_dir/merged). The
     newest is the result (adapter/) unless a checkpoint holds a later step (a run stopped or killed
-    after it resumed): then the checkpoint's adapter weights are merged, and the return says so."""
+    after it resumed) or adapter/ is gone: then the checkpoint's adapter weights are merged, and the
+    return says so. Where it writes is checked before anything loads (check_out)."""
     from slimtune.model import load_model, load_tokenizer
 
     run_dir = Path(run_dir)
@@ -80,10 +103,14 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     if not config_path.is_file():
         raise UserError(f"'{run_dir}' is not a slimtune run folder (no config.yaml).")
     cfg = yaml.safe_load(config_path.read_text())
-    out = Path(out) if out is not None else run_dir / "merged"
     if cfg["method"] == "full":
         raise UserError(f"'{run_dir}' was full fine-tuning; its model is already whole in {run_dir / 'model'}.")
+    label = f"--out '{out}'" if out is not None else f"the export folder '{run_dir / 'merged'}'"
+    out = Path(out) if out is not None else run_dir / "merged"
+    check_out(run_dir, cfg, out, label)
     step, source = newest_adapter(run_dir)
+    if source.name == "adapter":
+        results.verify(source, "adapter folder")  # said before the base model loads
     model = load_model(cfg["model"], torch.float32, torch.device("cpu"))
     if source.name == "adapter":
         lora.load_peft_adapter(model, source)
@@ -94,17 +121,35 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
             for name, tensor in load_file(str(source / "trainable.safetensors")).items():
                 params[name].copy_(tensor)
     lora.merge(model)
-    return Merged(save_model(model, load_tokenizer(cfg["model"]), out), step, source)
+    return Merged(save_model(model, load_tokenizer(cfg["model"]), out, kind="merged"), step, source)
+
+
+def check_out(run_dir: Path, cfg: dict, out: Path, label: str) -> None:
+    """The export's folder may be written: not the run's folder or anything of it but its merged/, not
+    the base model's folder nor the data, absent, empty or a merged model slimtune wrote; writable."""
+    from slimtune import inference, run_folder
+
+    own = [results.Kept(run_dir, "the run's folder", inside_ok=True)]
+    own += [results.Kept(run_dir / name, f"the run's {name}") for name in run_folder.RUN_FILES
+            if name != "merged" and (run_dir / name).exists()]
+    data = cfg.get("data") or {}
+    recorded = {"the base model's folder": cfg.get("model"), "the training data (data.path)": data.get("path"),
+                "the evaluation data (data.eval_path)": data.get("eval_path")}
+    places = {what: inference.trained_path(run_dir, cfg, str(value)) for what, value in recorded.items() if value}
+    results.check_target(out, "merged", label, own + results.existing(places), "choose another --out")
+    run_folder.check_writable(out.resolve() if out.is_symlink() else out, "--out", replaced=True)
 
 
 def newest_adapter(run_dir: Path) -> tuple[int | None, Path]:
-    """(step, folder) of the newest trained adapter: the result's, or a later intact checkpoint's."""
-    record = run_dir / "run.json"
-    result = json.loads(record.read_text()).get("result") if record.is_file() else None
-    found, _ = checkpoint.latest_intact(run_dir)
+    """(step, folder) of the newest trained adapter: the result's, or an intact checkpoint's when it
+    holds a later step or the result's adapter/ is gone."""
+    result = _recorded(run_dir)
+    found, damaged = checkpoint.latest_intact(run_dir)
     newest = checkpoint.step_of(found) if found is not None else None
-    if newest is not None and (result is None or newest > result["step"]):
+    has_result = (run_dir / "adapter").is_dir()
+    if newest is not None and (not has_result or result is None or newest > result.get("step", -1)):
         return newest, found
-    if not (run_dir / "adapter").is_dir():
-        raise UserError(f"'{run_dir}' holds no adapter and no intact checkpoint to export.")
-    return (result["step"] if result else None), run_dir / "adapter"
+    if has_result:
+        return (result.get("step") if result else None), run_dir / "adapter"
+    why = f" ({'; '.join(damaged)})" if damaged else ""
+    raise UserError(f"run '{run_dir}' holds no adapter/ and no intact checkpoint{why}: it has no trained adapter yet.")

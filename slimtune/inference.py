@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import yaml
 
+from slimtune import results
 from slimtune.errors import UserError
 
 
@@ -96,9 +97,9 @@ def _run(folder: Path) -> Source:
     cfg = _read_yaml(folder / "config.yaml")
     data = dict(cfg.get("data") or {})
     if data.get("chat_template"):
-        found = _trained_path(folder, cfg, data["chat_template"])
+        found = trained_path(folder, cfg, data["chat_template"])
         data["chat_template"] = str(found) if found is not None else data["chat_template"]
-    base = _trained_path(folder, cfg, cfg["model"])
+    base = trained_path(folder, cfg, cfg["model"])
     missing = (f"the base model '{cfg['model']}' that run '{folder}' trained from (config.yaml `model`) is not "
                "found.")
     if cfg.get("method") == "full":
@@ -110,10 +111,7 @@ def _run(folder: Path) -> Source:
                       base_error=None if base else missing)
     from slimtune import export
 
-    try:
-        step, adapter = export.newest_adapter(folder)  # noqa: SLF001 - the same choice `slimtune export` makes
-    except UserError:
-        raise UserError(f"run '{folder}' holds no adapter/ and no intact checkpoint yet: nothing to load.") from None
+    step, adapter = export.newest_adapter(folder)  # the same choice `slimtune export` makes, or its sentence
     if adapter.name == "adapter":
         recorded = _adapter_base(adapter)
         base = recorded if recorded is not None and recorded.is_dir() else base
@@ -158,7 +156,7 @@ def _result_step(folder: Path) -> int | None:
     return result.get("step") if isinstance(result, dict) else None
 
 
-def _trained_path(run_dir: Path, cfg: dict, value: str) -> Path | None:
+def trained_path(run_dir: Path, cfg: dict, value: str) -> Path | None:
     """`value`, a path the run recorded, as it exists now: as written (absolute, or from here), or
     from the folder the training ran in (the run folder less output_dir's parts). None: neither."""
     path = Path(value)
@@ -188,6 +186,9 @@ def load(source: Source, device_name: str = "auto", tokenizer=None) -> Loaded:
 
     device = assembly.resolve_device(device_name)
     precision = assembly.resolve_precision("auto", device)
+    results.verify(source.weights, "model folder")  # a model/ or merged export slimtune wrote is whole
+    if source.adapter is not None:
+        results.verify(source.adapter, "adapter folder")  # said before the base model loads
     model = load_model(source.weights, assembly.weight_dtype(precision, "lora"), device)
     if source.adapter is not None:
         _apply_adapter(model, source)

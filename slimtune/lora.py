@@ -162,14 +162,17 @@ def peft_config(model: nn.Module, cfg: LoraConfig, base_model: str) -> dict:
 
 
 def load_peft_adapter(model: nn.Module, folder: str | Path) -> LoraConfig:
-    """Apply and load an adapter saved in PEFT format (ours or peft's)."""
-    from safetensors.torch import load_file
+    """Apply and load an adapter saved in PEFT format (ours or peft's). One written by slimtune is
+    checked against its manifest first (results.verify: sizes and CRC-32s); any adapter whose files
+    cannot be read is named in one sentence."""
+    from slimtune import results
 
     folder = Path(folder)
     config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
         raise UserError(f"'{folder}' is not a PEFT adapter folder (needs adapter_config.json and adapter_model.safetensors).")
-    raw = json.loads(config_path.read_text())
+    results.verify(folder, "adapter folder")
+    raw = _read_adapter_config(config_path)
     targets = raw["target_modules"]
     cfg = LoraConfig(rank=raw["r"], alpha=raw["lora_alpha"], dropout=0.0, targets=targets)
     if isinstance(targets, str):  # a regex, as PEFT allows
@@ -177,7 +180,7 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> LoraConfig:
         cfg.targets = names
     apply(model, cfg)
     # PEFT writes keys without the adapter name: base_model.model.<module>.lora_A.weight
-    state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(weights_path)).items()}
+    state = {k.removeprefix(PEFT_PREFIX): v for k, v in _read_adapter_weights(weights_path).items()}
     with torch.no_grad():
         for name, module in adapters(model).items():
             for part in ("lora_A", "lora_B"):
@@ -186,3 +189,30 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> LoraConfig:
                     raise UserError(f"adapter in '{folder}' has no weight for {name}.{part}.")
                 getattr(module, part).weight.copy_(tensor)
     return cfg
+
+
+def _read_adapter_config(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path} is not readable JSON ({err}); the adapter is damaged: write it again.") from None
+    missing = [key for key in ("target_modules", "r", "lora_alpha") if key not in raw] if isinstance(raw, dict) else \
+        ["target_modules"]
+    if missing:
+        raise UserError(f"{path} is not a LoRA adapter's config (it has no '{missing[0]}').")
+    return raw
+
+
+def _read_adapter_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors; a damaged or cut-short file is one sentence, as model.read_headers says
+    it of a model's weights (safetensors checks that the header's offsets cover the file exactly)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        detail = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise UserError(f"adapter folder '{path.parent}': {path.name} is not a readable safetensors file"
+                        f" ({detail[-1] if detail else type(err).__name__}); it is damaged or incomplete: write or"
+                        " download it again.") from None

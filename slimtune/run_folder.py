@@ -28,7 +28,7 @@ import struct
 import time
 from pathlib import Path
 
-from slimtune import checkpoint, engines, runtime
+from slimtune import checkpoint, engines, results, runtime
 from slimtune.block_stores import SCRATCH_KIND as BLOCKS
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
@@ -53,20 +53,45 @@ class RunFolder:
     # ------------------------------------------------------------ before anything loads
 
     def inspect(self) -> None:
-        _check_writable(self.root, "output_dir")
+        check_writable(self.root, "output_dir")
         for setting, folder in _scratch_roots(self.cfg).items():
-            _check_writable(folder, setting)
-        if not self.root.is_dir():
+            check_writable(folder, setting)
+        if self.root.is_dir():
+            self._lock()
+            self.record = self._read_record()
+            if self._holds_run() and not self.cfg.train.overwrite:
+                if not self.cfg.train.resume:
+                    raise UserError(
+                        f"output_dir '{self.root}' holds a run and train.resume=false would start another over it;"
+                        " set train.overwrite=true to remove the old run first, or use another output_dir.")
+                if self.record is not None:
+                    self._check_identity()
+        self._check_result_folder()
+
+    def _check_result_folder(self) -> None:
+        """The result's folder (adapter/ or model/ in output_dir) is not the base model, the data or a
+        folder of the user's; and train.overwrite would remove none of those."""
+        kept = _kept(self.cfg)
+        name = result_name(self.cfg)
+        results.check_target(self.root / name, name, f"the result folder '{self.root / name}' of output_dir"
+                             f" '{self.root}'", kept, "use another output_dir", recorded=self._recorded(name))
+        if not self.cfg.train.overwrite:
             return
-        self._lock()
-        self.record = self._read_record()
-        if self._holds_run() and not self.cfg.train.overwrite:
-            if not self.cfg.train.resume:
-                raise UserError(
-                    f"output_dir '{self.root}' holds a run and train.resume=false would start another over it; set"
-                    " train.overwrite=true to remove the old run first, or use another output_dir.")
-            if self.record is not None:
-                self._check_identity()
+        for entry in RUN_FILES:
+            if (self.root / entry).exists() and self._ours(self.root / entry):  # what claim would remove
+                results.check_kept(self.root / entry, f"train.overwrite=true would remove '{self.root / entry}', which",
+                                   kept, "use another output_dir")
+
+    def _recorded(self, name: str) -> bool:
+        """The run's record names `name` as its result: slimtune wrote it (a run from before manifests)."""
+        result = (self.record or {}).get("result")
+        return isinstance(result, dict) and result.get("path") == name
+
+    def _ours(self, path: Path) -> bool:
+        """A result folder (adapter/, model/, merged/) in output_dir that train.overwrite may remove."""
+        if path.name not in results.KINDS or not path.is_dir():
+            return True
+        return self._recorded(path.name) or results.written_by_slimtune(path, path.name) or not any(path.iterdir())
 
     def _holds_run(self) -> bool:
         return self.record is not None or bool(checkpoint.list_checkpoints(self.root / "checkpoints"))
@@ -99,12 +124,14 @@ class RunFolder:
         """`cfg`: the run as built (plan=auto may have chosen its engine and options)."""
         self.cfg = cfg
         for setting, folder in _scratch_roots(cfg).items():
-            _check_writable(folder, setting)
+            check_writable(folder, setting)
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock()
         if self.cfg.train.overwrite:
             for name in RUN_FILES:
                 path = self.root / name
+                if not self._ours(path):  # a user's folder of that name: not the old run's to remove
+                    continue
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
             self.record = None
         for setting, folder in _scratch_roots(self.cfg).items():
@@ -223,12 +250,25 @@ def _scratch_roots(cfg: RunConfig) -> dict[str, Path]:
     return roots
 
 
-def _check_writable(folder: Path, setting: str) -> None:
-    """`folder` is, or can be made as, a folder this process may write; one sentence if not."""
+def check_writable(folder: Path, setting: str, replaced: bool = False) -> None:
+    """`folder` is, or can be made as, a folder this process may write; one sentence if not.
+    `replaced`: an existing `folder` is replaced whole, so the folder holding it is written too."""
     probe = folder
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
         raise UserError(f"{setting} '{folder}' cannot be a folder: '{probe}' is a file.")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"{setting} '{folder}' is not writable ('{probe}' does not let this user write).")
+    for place in [probe, probe.parent] if replaced and probe == folder else [probe]:
+        if not os.access(place, os.W_OK | os.X_OK):
+            raise UserError(f"{setting} '{folder}' is not writable ('{place}' does not let this user write).")
+
+
+def result_name(cfg: RunConfig) -> str:
+    """The result's folder in output_dir: the adapter (LoRA) or the whole model."""
+    return "adapter" if cfg.method == "lora" else "model"
+
+
+def _kept(cfg: RunConfig) -> list[results.Kept]:
+    """What a run reads and must never write over: the base model and the data."""
+    return results.existing({"the base model's folder (model)": cfg.model, "the training data (data.path)":
+                             cfg.data.path, "the evaluation data (data.eval_path)": cfg.data.eval_path})
