@@ -2,6 +2,9 @@
 
 import sys
 
-from slimtune.cli import main
+try:
+    from slimtune.cli import main
+except KeyboardInterrupt:  # Ctrl-C at once, before anything began: exit as cli.main would, without a word
+    sys.exit(130)
 
 sys.exit(main())

@@ -165,6 +165,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _train(args: argparse.Namespace) -> None:
+    from slimtune import interrupts
+
+    with interrupts.watching():  # Ctrl-C stops the run even when a finalizer swallows its first raise
+        _train_or_demo(args)
+
+
+def _train_or_demo(args: argparse.Namespace) -> None:
     from slimtune import config, train
 
     if args.config is None and not args.overrides:
@@ -257,6 +264,11 @@ def _chat(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UserError(f"--temperature must be 0 (greedy) or a positive number, got {args.temperature}.")
     _refuse_nonpositive(("--max-new-tokens", args.max_new_tokens))
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
+        if text is not None:
+            conversation.refuse_undecodable(text, flag)
+    if args.prompt is None and sys.stdin is None:  # started with stdin closed (`<&-`): said before anything loads
+        raise UserError("standard input is closed, so chat has no messages to read; give one with --prompt.")
     source = inference.resolve(args.run_dir)
     tokenizer = inference.load_tokenizer(source)
     style = conversation.settle_style(source, tokenizer, args.template, args.system)
@@ -297,6 +309,24 @@ def _refuse_nonpositive(*options: tuple[str, int | None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command began (the imports take seconds): nothing to say
+        return _interrupted_early(argv)
+
+
+def _interrupted_early(argv: list[str] | None) -> int:
+    """Exit 130 without a word; the command line's own process ends at once (torch half imported
+    need not be torn down), and stops the planning worker `plan` may have started."""
+    from slimtune import planning_worker
+
+    planning_worker.discard()
+    if argv is None:
+        _exit_without_teardown(130)
+    return 130
+
+
+def _main(argv: list[str] | None) -> int:
     if argv is None and sys.argv[1:2] == ["plan"]:  # the command line itself, not a caller in-process
         from slimtune import planning_worker
 
@@ -307,12 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # a bug, or a collective that failed inside torch (FSDP's own)
         if not _in_a_failed_job():
             raise
-        import torch.distributed as tdist
+        from slimtune import distributed
 
-        if isinstance(err, tdist.DistError):  # a peer lost inside torch's own collectives: not a bug
-            print(f"slimtune: error: {_rank_prefix()}another rank stopped answering inside torch's collectives"
-                  f" ({str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__}); the run"
-                  " stops on every rank. The same command resumes from the last checkpoint.", file=sys.stderr)
+        if distributed.lost_a_peer(err):  # inside torch's own collectives (FSDP's): not a bug
+            print(f"slimtune: error: {_rank_prefix()}another rank {distributed.what_happened(err)} inside torch's"
+                  " collectives; the run stops on every rank. The same command resumes from the last checkpoint.",
+                  file=sys.stderr)
         else:
             import traceback
 

@@ -46,6 +46,17 @@ def settle_style(source: inference.Source, tokenizer, asked: str = "auto", syste
     return style
 
 
+def refuse_undecodable(text: str, what: str) -> None:
+    """Bytes that are not UTF-8 reach Python as lone surrogates (the command line's arguments, and
+    input read with errors=surrogateescape), which no tokenizer takes: one sentence naming `what`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        char = text[err.start]
+        found = f"byte {ord(char) - 0xDC00:#04x}" if "\udc80" <= char <= "\udcff" else f"{char!a}"
+        raise UserError(f"{what} is not UTF-8 text ({found} at character {err.start + 1}); send it as UTF-8.") from None
+
+
 def _streamer(tokenizer, out: TextIO):
     """A TextStreamer writing to `out` (flushed at every piece), skipping the prompt."""
     from transformers import TextStreamer
@@ -111,6 +122,8 @@ def interactive(talk: Conversation, out: TextIO, err: TextIO) -> None:
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing and history for input())
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 are kept in their line and said
+        sys.stdin.reconfigure(errors="surrogateescape")  # (a strict locale would end the loop in a traceback)
     err.write(f"{talk.style} style; {RESET} starts over, exit or Ctrl-D leaves.\n")
     while True:
         try:
@@ -127,9 +140,10 @@ def interactive(talk: Conversation, out: TextIO, err: TextIO) -> None:
             err.write("(the conversation starts over)\n")
             continue
         try:
+            refuse_undecodable(text, "the message")
             talk.reply(text, out)
         except KeyboardInterrupt:
             out.write("\n")
             err.write("(answer stopped)\n")
-        except UserError as error:  # a message too long for the model: the session goes on
+        except UserError as error:  # a message too long for the model, or not UTF-8: the session goes on
             err.write(f"slimtune: {error}\n")

@@ -193,14 +193,7 @@ class Dist:
                              " run stops on every rank.") from None
 
     def _why(self, err: BaseException) -> str:
-        """What the backend's message says happened to the peer, in words."""
-        text = str(err).lower()
-        if "timed out" in text or "timeout" in text:
-            return f"did not answer within dist.timeout_s={self.timeout_s:g} s (it hangs, or is far slower)"
-        if "connection" in text or "closed" in text or "reset" in text or "broken pipe" in text:
-            return "closed its connection (it died or was killed)"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f"failed ({first[:120]})"
+        return what_happened(err, self.timeout_s)
 
     def take_reduced_bytes(self) -> int:
         """Bytes summed since the last call (this rank's payload, per collective)."""
@@ -223,6 +216,28 @@ class Dist:
 
 
 SINGLE = Dist()
+
+
+def what_happened(err: BaseException, timeout_s: float | None = None) -> str:
+    """What the backend's message says happened to the peer, in words."""
+    text = str(err).lower()
+    if "timed out" in text or "timeout" in text:
+        limit = "dist.timeout_s" if timeout_s is None else f"dist.timeout_s={timeout_s:g} s"
+        return f"did not answer within {limit} (it hangs, or is far slower)"
+    if "connection" in text or "closed" in text or "reset" in text or "broken pipe" in text:
+        return "closed its connection (it died or was killed)"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"failed ({first[:120]})"
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether `err`, raised inside torch's own collectives (FSDP's, outside Dist.collective), is a
+    peer lost rather than a bug: torch's DistError (NCCL, the store), or gloo's transport failing,
+    which torch raises as a plain RuntimeError ("[.../gloo/transport/tcp/pair.cc:553] Connection
+    closed by peer ...", "[.../unbound_buffer.cc:129] Timed out waiting 5000ms for send ...")."""
+    import torch.distributed as tdist
+
+    return isinstance(err, tdist.DistError) or (isinstance(err, RuntimeError) and "gloo/transport/" in str(err))
 
 
 def _checkpoint_error() -> type:

@@ -20,6 +20,7 @@ from slimtune.errors import UserError
 # is 30 s; a rank that hangs ignores SIGTERM, and a rank that is well has nothing left to finish:
 # checkpoints are written whole or not at all).
 SHUTDOWN_S = 5
+REFUSED = 2  # a rank's exit code after it said why in one sentence (a UserError: cli._run)
 
 
 def torchrun_args(nproc: int, train_args: list[str]) -> list[str]:
@@ -48,8 +49,15 @@ def run_local(nproc: int, train_args: list[str], output_dir: str) -> None:
         elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         rank, failure = _cause(err.failures)
-        raise UserError(f"{_how_it_ended(rank, nproc, failure)}; torchrun stopped the other ranks. "
-                        f"{_resume_hint(output_dir)}") from None
+        raise UserError(_failure_sentence(rank, nproc, failure, output_dir)) from None
+
+
+def _failure_sentence(rank: int, nproc: int, failure, output_dir: str) -> str:
+    """How the job ended; the checkpoint to resume from after a crash or a kill, but not after a
+    rank's own sentence (exit 2: a refusal, say of a folder in use or another world size, where
+    "the same command resumes" would contradict it; a lost peer names the checkpoint itself)."""
+    ended = f"{_how_it_ended(rank, nproc, failure)}; torchrun stopped the other ranks."
+    return ended if failure.exitcode == REFUSED else f"{ended} {_resume_hint(output_dir)}"
 
 
 def _cause(failures: dict) -> tuple[int, object]:

@@ -27,6 +27,7 @@ from slimtune.errors import UserError
 
 TRACKERS_FILE = "trackers.json"
 PARAM_CHARS = 500  # what every MLflow server takes as a param value (newer ones 6000); config.yaml holds them whole
+RESUMED = "resumed."  # MLflow: the tag of a setting a resume changed, its param being the value it began with
 
 
 class RankLog:
@@ -310,14 +311,21 @@ def _mlflow_run_to_continue(client, known: dict | None, record: dict):
 
 def _mlflow_settings(client, run, settings: dict) -> None:
     """The settings as params (dotted keys, values cut to PARAM_CHARS) and whole as config.yaml.
-    Params cannot change once logged: a resumed run adds the new ones, and its config.yaml is the newest."""
-    from mlflow.entities import Param
+    Params cannot change once logged (MLflow refuses a new value), so a resumed run adds the new
+    ones, and a setting the resume changed (train.steps) keeps the param it began with and gets the
+    tag RESUMED + key with the value the run now has (tags can change: a later resume updates it);
+    its config.yaml is the newest."""
+    from mlflow.entities import Param, RunTag
 
-    have = run.data.params
-    params = [Param(k, text[:PARAM_CHARS]) for k, v in flatten(settings).items()
-              if k not in have for text in [v if isinstance(v, str) else json.dumps(v)]]
-    for i in range(0, len(params), 100):  # MLflow takes at most 100 params a call
+    have, tags = run.data.params, run.data.tags
+    texts = {k: (v if isinstance(v, str) else json.dumps(v))[:PARAM_CHARS] for k, v in flatten(settings).items()}
+    params = [Param(k, text) for k, text in texts.items() if k not in have]
+    changed = [RunTag(RESUMED + k, text) for k, text in texts.items()
+               if k in have and (have[k] != text or RESUMED + k in tags)]
+    for i in range(0, len(params), 100):  # MLflow takes at most 100 params, and 100 tags, a call
         client.log_batch(run.info.run_id, params=params[i:i + 100])
+    for i in range(0, len(changed), 100):
+        client.log_batch(run.info.run_id, tags=changed[i:i + 100])
     client.log_text(run.info.run_id, yaml.safe_dump(settings, sort_keys=False), "config.yaml")
 
 

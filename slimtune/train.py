@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from slimtune import assembly, checkpoint, data, distributed, engines, export, planner, presets
+from slimtune import assembly, checkpoint, data, distributed, engines, export, interrupts, planner, presets
 from slimtune.config import RunConfig, to_dict
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
@@ -272,6 +272,7 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
         try:
             for step in range(start + 1, run.cfg.train.steps + 1):
                 _train_step(run, step, drawn, log, bar, skips)
+                interrupts.check()  # a Ctrl-C that a finalizer swallowed during the step stops the run here
         except distributed.PeerFailed as err:
             log.close(failed=True)
             raise distributed.PeerFailed(f"{err} {_last_checkpoint_sentence(run)}") from None
