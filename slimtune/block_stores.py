@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import shutil
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +32,8 @@ from slimtune.errors import UserError
 from slimtune.memory import mark_host_resident
 
 SCRATCH_KIND = "blocks"  # runtime.scratch_folder's name for a store's folder of block files
+DISK_USE = runtime.DiskUse("activations.checkpoint=disk", "block inputs", "activations.disk_dir",
+                           "activations.checkpoint=host")
 WRITES_IN_FLIGHT = 2  # disk writes queued at once: bounds the host buffers waiting for the disk
 DISK_MARGIN = 64 << 20  # free space left on the disk after every block file is written
 
@@ -141,26 +142,22 @@ class DiskStore(HostStore):
 
     def __init__(self, device: torch.device | None, folder: str | Path):
         super().__init__(device)
-        self.root, self.folder, self._cleanup = Path(folder), None, None  # folder: made on the first write
+        self.root, self.scratch, self._cleanup = Path(folder), None, None  # scratch: made on the first write
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="slimtune-disk")  # in order: reads follow writes
         self.writes: deque[Future] = deque()
 
     def _ensure_folder(self) -> Path:
-        if self.folder is None:
-            self.folder = runtime.scratch_folder(self.root, SCRATCH_KIND, "activations.disk_dir")
+        if self.scratch is None:
+            self.scratch = runtime.scratch_folder(self.root, SCRATCH_KIND, DISK_USE.setting, DISK_USE)
             # Also runs at interpreter exit and when the store is dropped unclosed.
-            self._cleanup = weakref.finalize(self, _shut_down, self.worker, self.folder)
-        return self.folder
+            self._cleanup = weakref.finalize(self, _shut_down, self.worker, self.scratch)
+        return self.scratch.path
 
     def reserve(self, example: torch.Tensor, count: int) -> None:
         if count <= 0 or is_fake(example):
             return
-        need, free = runtime.nbytes(example) * count, shutil.disk_usage(self._ensure_folder()).free
-        if need + DISK_MARGIN > free:
-            raise UserError(
-                f"activations.checkpoint=disk needs {need / 2**30:.2f} GiB for block inputs in '{self.root}',"
-                f" which has {free / 2**30:.2f} GiB free; free space there, set activations.disk_dir"
-                " elsewhere, or use activations.checkpoint=host.")
+        self._ensure_folder()
+        DISK_USE.check(self.root, runtime.nbytes(example) * count, DISK_MARGIN)
 
     def put(self, x: torch.Tensor) -> int:
         if self.closed:
@@ -235,7 +232,7 @@ def _read_file(path: Path, layout: tuple, pinned: bool) -> torch.Tensor:
     return host
 
 
-def _shut_down(worker: ThreadPoolExecutor, folder: Path) -> None:
+def _shut_down(worker: ThreadPoolExecutor, scratch: runtime.ScratchFolder) -> None:
     with contextlib.suppress(RuntimeError):  # run by the worker itself (its GC): it cannot join itself
         worker.shutdown(wait=True, cancel_futures=True)
-    shutil.rmtree(folder, ignore_errors=True)
+    scratch.remove()

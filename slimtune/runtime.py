@@ -14,7 +14,9 @@ state off the device (slide today).
   views), `unbind` points them back at their host tensors, `download_grads` sends the gradients down.
 - `scratch_folder` / `remove_orphans`: private folders on disk for state kept off the device (block
   inputs, memory-mapped moments), named after their process, so a later run removes those a killed
-  process left behind.
+  process left behind. A `ScratchFolder` reserves its files' blocks before they are mapped and
+  refuses a disk without room in one sentence (`DiskUse`); removed, it takes with it the folders
+  above it that it made and that are left empty.
 - `HostWorker`: one thread running host work (optimizer updates) in submission order. torch's CPU
   kernels release the GIL, so the device loop keeps going while it runs; `barrier()` waits for all.
   The device meter (a thread-local dispatch mode) does not see host work, as it should not. Under
@@ -24,12 +26,13 @@ state off the device (slide today).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +40,7 @@ from torch import nn
 
 from slimtune.errors import UserError
 from slimtune.memory import host_allocation, mark_host_resident
+from slimtune.metrics import human_bytes
 
 SLOT_ALIGN = 256  # bytes: every tensor view in a slot starts on this boundary
 
@@ -363,14 +367,123 @@ def _host_tag() -> str:
     return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
-def scratch_folder(root: Path, kind: str, setting: str) -> Path:
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # the disk, or this user's quota on it, is full
+
+
+@dataclass(frozen=True)
+class DiskUse:
+    """A setting that keeps files on disk, as its refusal names it: `mode` (e.g. chunk.state=disk),
+    `what` it keeps there, `setting` (the folder's key) and `instead` (the choice that needs no disk)."""
+
+    mode: str
+    what: str
+    setting: str
+    instead: str
+
+    def check(self, root: Path, need: int, margin: int = 0) -> None:
+        """Refuse unless `root`'s disk has `need` bytes free beside `margin`."""
+        free = shutil.disk_usage(root).free
+        if need + margin > free:
+            raise self.no_room(root, need, free)
+
+    def no_room(self, root: Path, need: int, free: int) -> UserError:
+        return UserError(f"{self.mode} needs {human_bytes(need)} for {self.what} in '{root}', which has"
+                         f" {human_bytes(free)} free; free space there, set {self.setting} elsewhere, or use"
+                         f" {self.instead}.")
+
+
+@dataclass
+class ScratchFolder:
+    """A folder of this process's files: a private one under `root` (scratch_folder), or any folder
+    named as it is (`private` False: only the files reserved here are ever deleted). `use`: how its
+    setting is named when the disk has no room (None: the folder is only named); `need`: the bytes
+    its owner will reserve there in all, and `free`: the disk's free bytes before any of them (what
+    that need met; files already mapped hold their blocks until unmapped), for that sentence; `made`:
+    the folders from root up that this process created (deepest first), removed with a private folder
+    when it leaves them empty."""
+
+    path: Path
+    root: Path
+    use: DiskUse | None = None
+    need: int = 0
+    free: int | None = None
+    made: tuple[Path, ...] = ()
+    private: bool = False
+    files: list[Path] = field(default_factory=list)
+    reserved: int = 0
+
+    def reserve(self, name: str, nbytes: int) -> Path:
+        """A new file `name` of `nbytes` zeros whose blocks the disk has allocated: a memory map of a
+        sparse file dies of SIGBUS at the first page the disk cannot back, this refuses at once. On
+        any failure every file reserved here goes (its owner is not built) and one sentence says why."""
+        path = self.path / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self.files.append(path)
+            try:
+                _allocate(fd, nbytes)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            self.remove()
+            raise self._refusal(err, self.reserved + nbytes) from None
+        self.reserved += nbytes
+        return path
+
+    def _refusal(self, err: OSError, reserved: int) -> UserError:
+        if err.errno in NO_ROOM and self.use is not None:
+            free = self.free if self.free is not None else shutil.disk_usage(_existing(self.root)).free
+            return self.use.no_room(self.root, max(self.need, reserved), free)
+        named = self.use.setting + " " if self.use is not None else ""
+        return UserError(f"{named}'{self.root}' cannot hold {self.use.what if self.use else 'state files'}"
+                         f" ({err.strerror or err}).")
+
+    def remove(self) -> None:
+        """Delete the files reserved here; a private folder goes whole, then each folder above it this
+        process made, while they are empty."""
+        for path in self.files:
+            path.unlink(missing_ok=True)
+        self.files, self.reserved = [], 0
+        if not self.private:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        for folder in self.made:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (another run's files, or the run's own), or gone
+                break
+
+
+def _allocate(fd: int, nbytes: int) -> None:
+    if nbytes <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        if err.errno != errno.EOPNOTSUPP:
+            raise
+        os.ftruncate(fd, nbytes)  # a file system that cannot reserve (glibc emulates it on most): sparse, as before
+
+
+def _existing(folder: Path) -> Path:
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def scratch_folder(root: Path, kind: str, setting: str, use: DiskUse | None = None, need: int = 0) -> ScratchFolder:
     """A new private folder `<kind>-<pid>@<host>-<random>` under `root` for this process's files.
-    `setting`: the key that named `root`, for the sentence when it is not usable."""
+    `setting`: the key that named `root`, for the sentence when it is not usable; `use` and `need`:
+    see ScratchFolder."""
+    root = Path(root)
+    made = tuple(folder for folder in (root, *root.parents) if not folder.exists())
     try:
         root.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}@{_host_tag()}-", dir=root))
+        path = Path(tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}@{_host_tag()}-", dir=root))
+        free = shutil.disk_usage(path).free
     except OSError as err:
         raise UserError(f"{setting} '{root}' is not a usable folder ({err}).") from None
+    return ScratchFolder(path, root, use, need, free, made, private=True)
 
 
 def remove_orphans(root: Path, kind: str) -> list[Path]:

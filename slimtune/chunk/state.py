@@ -16,6 +16,7 @@ host copy).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slimtune import runtime
 from slimtune.checkpoint import EngineState
 from slimtune.chunk.partition import Piece, Stream, partition
 from slimtune.config import RunConfig
@@ -31,6 +33,8 @@ from slimtune.optim import rules
 from slimtune.optim.host_adam import MOMENTS, Group, HostAdam, Working, moments_folder
 
 STATE_BYTES = 8  # two fp32 AdamW moments a number: what each number costs beside its own bytes
+ON_DISK = runtime.DiskUse("chunk.state=disk", "the chunks' masters and AdamW moments", "chunk.state_dir",
+                          "chunk.state=ram")
 Member = tuple[Piece, int, int]  # a piece and its (group, member) in its chunk's HostAdam
 
 
@@ -81,17 +85,24 @@ class ChunkState:
         streams = [self._stream(name, param, axes[name]) for name, param in params.items()]
         self.streams = {s.name: s for s in streams}
         self.chunks = partition(streams, self.section.n_chunks)
-        self.state_dir = None
-        if self.section.state == "disk":  # under fake tensors the path is only named: nothing is written
-            root = Path(scratch(cfg)["chunk.state_dir"])
-            self.state_dir = root if fake else moments_folder(self, root, "chunk.state_dir")
         self.fake = fake
+        self.state_dir = self._state_dir(cfg)
         self.adams, self.members = self._optimizers()
         self.visited = [False] * len(self.chunks)
         self.sweep = self.position = self.done_on_active = 0
         self.planned = self.heaviest()  # the chunk the planner's fake step runs; an engine may choose another
 
     # ------------------------------------------------------------ building
+
+    def _state_dir(self, cfg: RunConfig) -> runtime.ScratchFolder | Path | None:
+        """chunk.state=disk: a private folder for the state files, removed with the state (under fake
+        tensors the path is only named: nothing is written)."""
+        if self.section.state != "disk":
+            return None
+        root = Path(scratch(cfg)["chunk.state_dir"])
+        need = sum(3 * math.prod(s.shape) * torch.promote_types(self.params[s.name].dtype, torch.float32).itemsize
+                   for s in self.streams.values())  # a master and two moments a number
+        return root if self.fake else moments_folder(self, root, ON_DISK, need)
 
     def _stream(self, name: str, param: nn.Parameter, axis: int) -> Stream:
         master = 4 if param.element_size() < 4 else 0  # an fp32 master beside narrower weights

@@ -73,7 +73,7 @@ from slimtune.host_unit import HostUnit, StepGuard, load_units_state, units_stat
 from slimtune.loss import chunk_tokens, head_inputs
 from slimtune.model import Stack
 from slimtune.optim import rules
-from slimtune.optim.host_adam import moments_folder
+from slimtune.optim.host_adam import MOMENTS_ON_DISK, moments_bytes, moments_folder
 from slimtune.streamed_ce import streamed_ce
 
 
@@ -184,10 +184,13 @@ class SlideEngine:
                 return unit, found
         return None, None
 
-    def _moments_dir(self, cfg: RunConfig) -> Path | None:
-        """slide.moments=disk: a private folder for the moment files, removed with the engine."""
+    def _moments_dir(self, cfg: RunConfig) -> runtime.ScratchFolder | None:
+        """slide.moments=disk: a private folder for the moment files, removed with the engine (a chunk
+        working set keeps no per-unit moments)."""
         folder = scratch(cfg).get("slide.moments_dir")
-        return moments_folder(self, Path(folder), "slide.moments_dir") if folder else None
+        trained = [p for p in self.stack.model.parameters() if p.requires_grad]
+        need = 0 if self.slide_cfg.working_set == "chunk" else moments_bytes(trained)
+        return moments_folder(self, Path(folder), MOMENTS_ON_DISK, need) if folder else None
 
     # ------------------------------------------------------------ the pieces of a step
 

@@ -9,7 +9,8 @@ given shapes):
 - optionally a shadow in a narrower dtype (bf16): what goes up to the device, refreshed after each
   update, so uploads move 2 bytes a number and the host casts once per step, not once per upload;
 - the AdamW moments, in host RAM or in memory-mapped files (`moments_dir`: the page cache keeps as
-  much of them as RAM allows; the files go with the optimizer).
+  much of them as RAM allows; the files go with the optimizer). Each file's blocks are reserved
+  before it is mapped, so a full disk is refused in one sentence, not met as SIGBUS mid-step.
 `update(lr, clip)` runs torch's fused CPU AdamW (one kernel per group; it releases the GIL, so a
 worker thread runs it beside the device loop) on the accumulated gradients times `clip`, then zeroes
 them and refreshes the shadows. `member(k, i)` gives every per-member view, so module parameters can
@@ -19,7 +20,6 @@ live in the flat buffers. Host storage is marked host-resident, so the device me
 from __future__ import annotations
 
 import math
-import shutil
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,17 +88,20 @@ class Working:
 
 class HostAdam:
     def __init__(self, name: str, groups: list[Group], dtype: torch.dtype, device: torch.device,
-                 settings: dict, shadow_dtype: torch.dtype | None = None, moments_dir: Path | None = None,
+                 settings: dict, shadow_dtype: torch.dtype | None = None,
+                 moments_dir: runtime.ScratchFolder | Path | None = None,
                  masters_on_disk: bool = False, working: Working | None = None):
         """`dtype`: the masters'; `device`: the device they feed (pinning on CUDA); `settings`:
         AdamW's lr, betas, eps (rules.adamw_settings); `shadow_dtype`: a narrower dtype to upload in,
-        or None; `moments_dir`: a folder for memory-mapped moments, or None for RAM;
+        or None; `moments_dir`: a folder for memory-mapped moments (moments_folder's, or any
+        existing one), or None for RAM;
         `masters_on_disk`: the masters are memory-mapped there too (they then read as zeros until
         set); `working`: gradient accumulators and shadows shared with other optimizers that never
         update at the same time (engine chunk's chunks), instead of buffers of its own."""
         self.name, self.groups, self.device = name, groups, device
         self.shadow_dtype = shadow_dtype if shadow_dtype not in (None, dtype) else None
-        self.moments_dir = moments_dir
+        self.moments_dir = runtime.ScratchFolder(moments_dir, moments_dir) if isinstance(moments_dir, Path) \
+            else moments_dir
         self.masters_on_disk = masters_on_disk and moments_dir is not None
         # Pinned only where the master itself crosses the link (no narrower shadow goes up in its place).
         self.masters = [self._master(g, k, dtype, pinned=self.shadow_dtype is None) for k, g in enumerate(groups)]
@@ -130,7 +133,7 @@ class HostAdam:
     def _file(self, shape, dtype: torch.dtype, tag: str) -> torch.Tensor:
         """A memory-mapped tensor in moments_dir (a new file reads as zeros), marked host-resident."""
         numel = math.prod(shape)
-        path = self.moments_dir / f"{self.name.replace(' ', '-')}-{tag}.bin"
+        path = self.moments_dir.reserve(f"{self.name.replace(' ', '-')}-{tag}.bin", numel * dtype.itemsize)
         return memory.mark_host_resident(torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape))
 
     def _moment(self, flat: torch.Tensor, tag: str) -> torch.Tensor:
@@ -220,10 +223,19 @@ class HostAdam:
 SCRATCH_KIND = "adam"  # runtime.scratch_folder's name for a folder of memory-mapped moments
 
 
-def moments_folder(owner: object, root: Path, setting: str) -> Path:
-    """A private folder under `root` for memory-mapped moments, deleted when `owner` is collected or
-    at exit (a killed run's is removed by the next run: runtime.remove_orphans). `setting`: the key
-    that named `root`."""
-    folder = runtime.scratch_folder(root, SCRATCH_KIND, setting)
-    weakref.finalize(owner, shutil.rmtree, folder, True)
+MOMENTS_ON_DISK = runtime.DiskUse("slide.moments=disk", "the AdamW moments", "slide.moments_dir", "slide.moments=ram")
+
+
+def moments_folder(owner: object, root: Path, use: runtime.DiskUse, need: int = 0) -> runtime.ScratchFolder:
+    """A private folder under `root` for memory-mapped moments (and masters), deleted when `owner` is
+    collected or at exit, with `root` when this process made it and it is left empty (a killed run's
+    is removed by the next run: runtime.remove_orphans). `use`: the setting that keeps them there;
+    `need`: the bytes its files take in all, named when the disk has no room for them."""
+    folder = runtime.scratch_folder(root, SCRATCH_KIND, use.setting, use, need)
+    weakref.finalize(owner, folder.remove)
     return folder
+
+
+def moments_bytes(params) -> int:
+    """Disk taken by the memory-mapped moments of `params`: two a number, in each one's master dtype."""
+    return sum(2 * p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize for p in params)

@@ -275,6 +275,7 @@ def test_disk_with_one_token_equals_plain_autograd(model_dir, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_disk_bytes_written_are_l_b_t_d_element_size(model_dir, tmp_path, dtype):
     stack = lora_stack(model_dir, dtype=dtype)
+    (tmp_path / "own").mkdir()  # the user's: it stays (a folder the store made is removed once empty)
     cfg = ActivationsConfig(checkpoint="disk", disk_dir=str(tmp_path / "own"))
     with block_stores.open_store(cfg, CPU, tmp_path / "default") as store:
         step(stack, cfg, store)
@@ -346,8 +347,8 @@ def test_no_files_when_the_graph_is_dropped_without_backward(model_dir, tmp_path
 
 def test_disk_without_room_is_refused_naming_the_folder(model_dir, tmp_path, monkeypatch):
     stack = lora_stack(model_dir)
-    real = block_stores.shutil.disk_usage
-    monkeypatch.setattr(block_stores.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    real = block_stores.runtime.shutil.disk_usage
+    monkeypatch.setattr(block_stores.runtime.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
     cfg = ActivationsConfig(checkpoint="disk")
     with pytest.raises(UserError, match=str(tmp_path)):
         with block_stores.open_store(cfg, CPU, tmp_path) as store:
