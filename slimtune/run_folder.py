@@ -150,6 +150,14 @@ class RunFolder:
         self._write_record()
         return changed
 
+    def withdraw(self) -> None:
+        """Forget a run that ends before its first checkpoint without having trained (a tracker could
+        not start): without run.json the folder holds no run, so a retry may change any setting. A
+        run with checkpoints stays recorded."""
+        if self.record is not None and not checkpoint.list_checkpoints(self.root / "checkpoints"):
+            (self.root / RECORD).unlink(missing_ok=True)
+            self.record = None
+
     def finished(self, step: int, result: Path) -> None:
         self.record["result"] = {"step": step, "path": result.name}
         self._write_record()
@@ -270,5 +278,5 @@ def result_name(cfg: RunConfig) -> str:
 
 def _kept(cfg: RunConfig) -> list[results.Kept]:
     """What a run reads and must never write over: the base model and the data."""
-    return results.existing({"the base model's folder (model)": cfg.model, "the training data (data.path)":
+    return results.existing({"the base model's folder": cfg.model, "the training data (data.path)":
                              cfg.data.path, "the evaluation data (data.eval_path)": cfg.data.eval_path})

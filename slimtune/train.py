@@ -264,7 +264,7 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
         run = run or build(cfg, dist)
         out = Path(run.cfg.output_dir)
         stream, start = _begin(run, folder, say)
-        log = MetricsLog(out, start, run.cfg) if dist.is_main else RankLog()  # starts W&B and MLflow (log.*)
+        log = _open_log(run, folder, start)
         # A log file or pipe gets a refresh every 30 s instead of every step.
         bar = tqdm(total=run.cfg.train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
                    mininterval=0.1 if sys.stderr.isatty() else 30.0)
@@ -300,6 +300,19 @@ def _check_before_loading(folder: RunFolder, cfg: RunConfig) -> None:
 
 def _silent(*args, **kwargs) -> None:
     del args, kwargs
+
+
+def _open_log(run: Run, folder: RunFolder | None, start: int) -> MetricsLog | RankLog:
+    """Rank 0's metrics.jsonl, starting W&B and MLflow (log.*). A tracker that cannot start ends the
+    run before its first step; a run without a checkpoint is then forgotten again (run.json), so a
+    retry with other settings is not held to this start's (run_folder.withdraw)."""
+    if not run.dist.is_main:
+        return RankLog()
+    try:
+        return MetricsLog(Path(run.cfg.output_dir), start, run.cfg)
+    except BaseException:  # a UserError, or Ctrl-C while a tracker connects
+        folder.withdraw()
+        raise
 
 
 def _last_checkpoint_sentence(run: Run) -> str:

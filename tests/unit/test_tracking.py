@@ -173,6 +173,9 @@ def test_mlflow_file_store_gets_the_scalars_by_step_and_the_settings_and_a_resum
     assert run.info.status == "FAILED"
     assert history["loss"] == [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.25)]
     assert run.data.params["train.steps"] == "100" and whole["train"]["steps"] == 200  # params are write-once
+    # what the resume changed is tagged with the value the run now has (the first start's name and template)
+    resumed = {k: v for k, v in run.data.tags.items() if k.startswith("resumed.")}
+    assert resumed == {"resumed.train.steps": "200", "resumed.log.run_name": "null", "resumed.data.chat_template": "null"}
 
     # a fresh start in the folder (train.overwrite, or no checkpoint yet) is a new run
     opened(tmp_path, cfg).close()
@@ -248,6 +251,31 @@ def test_a_tracker_that_cannot_start_ends_the_run_before_it_writes(tmp_path, wan
     assert list((tmp_path / "out").iterdir()) == []
     (started,) = wandb_runs(wandb_dir)
     assert started["exit"] == 1 and started["history"] == {}
+
+
+def test_a_resume_that_changes_a_setting_again_updates_its_mlflow_tag(tmp_path, mlflow_uri):
+    """Params cannot change once logged: the tag resumed.KEY follows each start's value instead."""
+    def start(resume_step, *overrides):
+        opened(tmp_path, settings(tmp_path, "log.mlflow=true", f"log.mlflow_tracking_uri={mlflow_uri}", *overrides),
+               resume_step).close()
+
+    start(0, "train.steps=100")
+    for steps in (200, 300, 100):
+        start(2, f"train.steps={steps}")
+        run, _, whole = mlflow_run(mlflow_uri, mlflow_run_id(tmp_path), tmp_path)
+        assert run.data.params["train.steps"] == "100" and whole["train"]["steps"] == steps
+        assert {k: v for k, v in run.data.tags.items() if k.startswith("resumed.")} == {"resumed.train.steps": str(steps)}
+
+
+def test_a_tracker_that_cannot_start_leaves_no_run_recorded_so_a_retry_may_change_settings(
+        tmp_path, tiny_model_dir, mlflow_uri):
+    broken = {"log.mlflow": "true", "log.mlflow_tracking_uri": "nope://there", "train.measure_memory": "false"}
+    with pytest.raises(UserError, match=r"^log\.mlflow: MLflow could not start a run"):
+        train.fit(small_run(tmp_path, tiny_model_dir, **broken), progress=False)
+    assert not (tmp_path / "out" / "run.json").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
+    # the retry fixes the tracker and changes what a recorded run could not (lora.rank: the run's identity)
+    train.fit(small_run(tmp_path, tiny_model_dir, **{"lora.rank": 8, "train.measure_memory": "false"}), progress=False)
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["identity"]["lora.rank"] == 8
 
 
 def test_a_tracker_failing_mid_run_is_said_once_and_training_goes_on(tmp_path, capsys):
