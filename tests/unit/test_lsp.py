@@ -321,3 +321,73 @@ def test_an_engine_without_lsp_d_takes_the_derived_size_capped_by_each_matrix():
     engine = fixed_projector_engine(model_of(dtype=torch.float32), cfg, precision="fp32")
     assert engine.d == 64  # the tiny model's matrices are all below 64 on a side: the smallest step
     assert all(m.d == min(m.in_features, m.out_features) for m in engine.modules)
+
+
+def adam_on_z_across_refits(model: nn.Module, used: list[dict], cfg) -> tuple[list[float], dict]:
+    """The exact recurrence with projectors that change (spec 2.5), written out in plain PyTorch: step
+    k computes with W0 + P_o Z P_i^T under `used[k]` (name -> dense P_o, P_i), Z a torch AdamW
+    parameter (weight decay 0, the rest frozen). Where a matrix's projectors change, W0 takes P_o Z P_i^T,
+    Z restarts at zero, the moments become M' = (P_o'^T P_o) M (P_i^T P_i') and V' = (P_o'^T P_o)^2 V
+    (P_i^T P_i')^2 (element-wise squares) and the step count goes on."""
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    zs = {n: torch.zeros(o.shape[1], i.shape[1], dtype=F64, requires_grad=True) for n, (o, i) in used[0].items()}
+    opt = torch.optim.AdamW(list(zs.values()), lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
+                            weight_decay=0.0)
+    losses, current = [], used[0]
+    for step, pairs in enumerate(used):
+        for n, (o, i) in pairs.items():
+            old_o, old_i = current[n]
+            if torch.equal(o, old_o) and torch.equal(i, old_i):
+                continue
+            z, state = zs[n], opt.state[zs[n]]
+            with torch.no_grad():
+                weights[n] += old_o @ z @ old_i.T
+                z.zero_()
+                left, right = o.T @ old_o, old_i.T @ i
+                state["exp_avg"].copy_(left @ state["exp_avg"] @ right)
+                state["exp_avg_sq"].copy_(left.pow(2) @ state["exp_avg_sq"] @ right.pow(2))
+        current = pairs
+        micro = batches(model.config.vocab_size, step, cfg.train.grad_accum)
+        total = sum(b.num_targets for b in micro)
+        loss_sum = 0.0
+        for batch in micro:
+            effective = {**weights, **{n: weights[n] + o @ zs[n] @ i.T for n, (o, i) in pairs.items()}}
+            logits = functional_call(model, effective, (batch.input_ids,), {"position_ids": batch.position_ids}).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+            (loss / total).backward()
+            loss_sum += float(loss.detach())
+        for group in opt.param_groups:
+            group["lr"] = rules.lr_at(cfg.train, step)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss_sum / total)
+    with torch.no_grad():
+        return losses, {n: weights[n] + o @ zs[n] @ i.T for n, (o, i) in current.items()}
+
+
+def test_steps_across_refits_with_no_checkpoint_between_follow_the_exact_recurrence():
+    """Refits every 2 steps (alpha tiny: every matrix is refit at every check) and nothing else between
+    them that folds Z or resets the host's copy of it (no checkpoint, no evaluation): each refit's new
+    subspace must start from Z = 0 on the host as on the device, or the next update carries the old
+    subspace's Z into the new one."""
+    steps = 5
+    cfg = run_cfg(LspConfig(d=8, r=3, check_every=2, alpha=1e-9, fit_iterations=1), steps=steps, measure_memory=False)
+    model = model_of()
+    engine = LspEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+    results, used = [], []
+    for step in range(steps):
+        results.append(engine.step(batches(model.config.vocab_size, step, cfg.train.grad_accum)))
+        used.append({engine.names[id(m.weight)]: (m.p_o.dense(), m.p_i.dense()) for m in engine.modules})
+    refits = [k for k in range(1, steps) if any(not torch.equal(used[k][n][0], used[k - 1][n][0]) for n in used[k])]
+    assert refits == [2, 4]  # each after updates had moved Z
+    assert [r.extras.get("lsp_refit") for r in results[2::2]] == [len(engine.modules)] * 2
+    losses, expected = adam_on_z_across_refits(model, used, cfg)
+    assert [r.loss for r in results] == pytest.approx(losses, abs=1e-10, rel=0)
+    trained = engine.trainable_state()
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, atol=1e-10, rtol=0, msg=name)
+    moved = max(float((expected[n] - p).abs().max()) for n, p in model.named_parameters() if n in expected)
+    assert moved > 1e-3
