@@ -204,6 +204,21 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_resume_stays_exact(here,
     assert [r["loss"] for r in records(here / "out")] == [r["loss"] for r in records(here / "straight")]
 
 
+def test_one_byte_changed_in_the_newest_checkpoint_is_caught_by_its_crc_and_passed_over(here, capsys):
+    """The size check cannot see a changed byte: the CRC-32 in meta.json must."""
+    assert run("train.steps=4") == 0
+    tensors = here / "out" / "checkpoints" / "step-00000004" / "trainable.safetensors"
+    blob = bytearray(tensors.read_bytes())
+    data_start = 8 + int.from_bytes(blob[:8], "little")  # past the safetensors header: a weight's bytes
+    blob[data_start + (len(blob) - data_start) // 2] ^= 0x01
+    tensors.write_bytes(bytes(blob))
+    capsys.readouterr()
+    assert run("train.steps=6") == 0
+    said = capsys.readouterr().out
+    assert "step-00000004' is damaged (trainable.safetensors has changed since it was written (CRC-32))" in said
+    assert "resuming from 'out/checkpoints/step-00000002' instead" in said
+
+
 def test_every_checkpoint_damaged_is_one_sentence(here, capsys):
     assert run("train.steps=4") == 0
     for folder in checkpoint.list_checkpoints(here / "out" / "checkpoints"):
