@@ -43,6 +43,11 @@ CASES = {
                                                                   "chunk": ChunkConfig(n_chunks=2)}), {}),
     "lsp": (dict(engine="lsp", method="full", sections={"lsp": LspConfig(d=8, r=3, check_every=0, fit_iterations=3)}),
             {}, {"weight_decay": 0.0}),
+    # The embedding, norms and head trained beside the subspace (a device AdamW of their own): their
+    # gradients are summed across ranks apart from the d x d ones.
+    "lsp_other": (dict(engine="lsp", method="full",
+                       sections={"lsp": LspConfig(d=8, r=3, check_every=0, fit_iterations=3, train_other=True)}),
+                  {}, {"weight_decay": 0.0}),
     "chunk": (dict(engine="chunk", method="full", sections={"chunk": ChunkConfig(n_chunks=3)}), {}),
     "chunk_host": (dict(engine="chunk", method="full", sections={"chunk": ChunkConfig(n_chunks=3, gradients="host")}),
                    {"tie_word_embeddings": True}),
