@@ -25,7 +25,9 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import save_tiny_model, write_jsonl
-from slimtune import checkpoint, cli, results, train
+from slimtune import checkpoint, cli, train
+
+MANIFEST = "slimtune-result.json"  # MANIFEST, spelled out: a user's tools may look for it by name
 
 RUN_YAML = ("model: model\n"
             "data: {path: train.jsonl, format: prompt_response, max_length: 64}\n"
@@ -60,6 +62,14 @@ def here(project, tmp_path, monkeypatch) -> Path:
     shutil.copytree(project, copy, ignore=shutil.ignore_patterns(".lock"))
     monkeypatch.chdir(copy)
     return copy
+
+
+def whole(folder: Path, kind: str) -> None:
+    """`folder` is a `kind` result slimtune wrote, every file as its manifest records it."""
+    from slimtune import results
+
+    results.verify(folder, kind)
+    assert results.written_by_slimtune(folder, kind)
 
 
 def tree(folder: Path) -> dict:
@@ -176,11 +186,10 @@ def test_a_result_replaces_only_a_folder_slimtune_wrote(here, capsys, monkeypatc
     assert {k: after.get(k) for k in kept} == kept, "a file of the user's or the run's changed"
     if command == "export":
         written = Path(args[-1])
-        results.verify(written, "merged")  # whole by its manifest: a folder changed since was written anew
-        assert results.written_by_slimtune(written, "merged")
+        whole(written, "merged")  # by its manifest: a folder changed since was written anew
         assert not written.with_name(written.name + ".tmp").exists()
     else:
-        assert (here / "adapter" / results.MANIFEST).is_file() and (here / "model" / "model.safetensors").is_file()
+        assert (here / "adapter" / MANIFEST).is_file() and (here / "model" / "model.safetensors").is_file()
 
 
 def test_written_folders_load_in_transformers_and_peft_beside_their_manifest(here):
@@ -189,9 +198,9 @@ def test_written_folders_load_in_transformers_and_peft_beside_their_manifest(her
 
     assert export("--out", "merged") == 0
     for folder, kind in ((here / "out" / "adapter", "adapter"), (here / "merged", "merged")):
-        manifest = json.loads((folder / results.MANIFEST).read_text())
+        manifest = json.loads((folder / MANIFEST).read_text())
         assert manifest["kind"] == kind and set(manifest["files"]) == {
-            p.name for p in folder.iterdir() if p.name != results.MANIFEST}
+            p.name for p in folder.iterdir() if p.name != MANIFEST}
     AutoModelForCausalLM.from_pretrained(str(here / "merged"))
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(here / "model")), str(here / "out" / "adapter"))
 
@@ -231,7 +240,7 @@ def test_an_adapter_without_a_manifest_loads_and_a_cut_short_one_is_named(here, 
     """A PEFT adapter from elsewhere has no manifest: it loads as before, and when it cannot be read
     the sentence says so (as a damaged model file's does)."""
     shutil.copytree(here / "out" / "adapter", here / "foreign")
-    (here / "foreign" / results.MANIFEST).unlink()
+    (here / "foreign" / MANIFEST).unlink(missing_ok=True)
     assert cli.main(["chat", "foreign", "--prompt", "question: what is 1 plus 2? answer:",
                      "--max-new-tokens", "2"]) == 0
     cut_short(here / "foreign" / "adapter_model.safetensors")
@@ -324,7 +333,7 @@ def test_a_full_disk_ends_checkpoints_results_and_exports_in_one_sentence_and_lo
     assert not (run_dir / "adapter").exists() and not (run_dir / "adapter.tmp").exists()
     disk.free()
     assert fit(f"output_dir={run_dir}", "train.steps=6") == 0
-    results.verify(run_dir / "adapter", "adapter folder")
+    whole(run_dir / "adapter", "adapter")
 
     disk.fill(leave=4096)
     capsys.readouterr()
