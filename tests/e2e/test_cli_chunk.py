@@ -34,6 +34,7 @@ def test_chunk_trains_resumes_mid_sweep_exactly_and_exports_a_loadable_model(wor
     # the embedding's gradient goes down as its tokens' rows on the host path, as its whole slice from the device
     assert [r["host_link_bytes"] for r in resumed] != [r["host_link_bytes"] for r in straight]
     assert not list((workdir / "straight").rglob("*.bin"))  # the state files go with the run
+    assert not (workdir / "straight" / "chunk-state").exists()  # and the folder the run made for them
 
     model = AutoModelForCausalLM.from_pretrained(str(workdir / "straight" / "model"), local_files_only=True)
     base = AutoModelForCausalLM.from_pretrained(str(workdir / "model"), local_files_only=True)
