@@ -468,3 +468,46 @@ def test_n_chunks_zero_is_settled_as_the_fewest_chunks_that_fit_the_card(engine)
         tiny = dataclasses.replace(big.gpu, memory_bytes=1)
         planner.first_fitting(model_config, cfg, [{"chunk.n_chunks": n} for n in (1, 2)],
                               planner.Machine(tiny, 2**40, 2**40))
+
+
+# ---------------------------------------------------------------- the visiting order
+
+
+def visits(engine: ChunkEngine, seeds: range) -> list[int]:
+    """The chunk each step updated, read from the chunks' own AdamW step counts (what was trained, not
+    what the engine's order says)."""
+    def counts() -> list[float]:
+        return [sum(float(a.state(g)["step"]) for g in range(len(a.groups))) for a in engine.state.adams]
+
+    found = []
+    for seed in seeds:
+        before = counts()
+        engine.step(batches(engine.stack.model.config.vocab_size, seed, micro=1))
+        moved = [k for k, (a, b) in enumerate(zip(before, counts())) if a != b]
+        assert len(moved) == 1, moved
+        found += moved
+    return found
+
+
+def test_a_random_order_is_a_new_permutation_every_sweep_drawn_again_from_the_seed_and_on_resume(tmp_path):
+    """4 chunks (24 orders), 6 sweeps: a random order that repeated one permutation would give one
+    order; drawn anew, 6 sweeps give at most 2 distinct orders with a chance near 1e-4. The same seed
+    visits the same chunks, another seed others, and a run resumed mid-sweep visits what the straight
+    run visits (the order is drawn from the seed and the sweep, no RNG state is saved)."""
+    from slimtune import checkpoint
+
+    n, sweeps, saved_at = 4, 6, 6
+    cfg = run_cfg(ChunkConfig(n_chunks=n, order="random"), grad_accum=1, measure_memory=False)
+    straight = engine_of(model_of(layers=1), cfg)
+    seen = visits(straight, range(saved_at))  # into the second sweep
+    folder = checkpoint.save(tmp_path, saved_at, straight.state_dict(), {}, keep_last=1)
+    seen += visits(straight, range(saved_at, n * sweeps))
+    orders = [tuple(seen[s * n:(s + 1) * n]) for s in range(sweeps)]
+    assert all(sorted(order) == list(range(n)) for order in orders), orders  # each sweep visits every chunk once
+    assert len(set(orders)) >= 3, orders
+    assert visits(engine_of(model_of(layers=1), cfg), range(2 * n)) == seen[:2 * n]
+    other = run_cfg(ChunkConfig(n_chunks=n, order="random"), grad_accum=1, measure_memory=False, seed=1)
+    assert visits(engine_of(model_of(layers=1), other), range(2 * n)) != seen[:2 * n]
+    resumed = engine_of(model_of(layers=1), cfg)
+    resumed.load_state_dict(checkpoint.load(folder)[1])
+    assert visits(resumed, range(saved_at, 3 * n)) == seen[saved_at:3 * n]
