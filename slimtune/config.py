@@ -263,16 +263,44 @@ class RunConfig:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise UserError(f"engine must be one of {', '.join(_ENGINES)}; got {self.engine!r}{hint}.")
         if self.quant.scheme != "none" and self.method == "full":
-            raise UserError("quant.scheme quantizes frozen weights; with method=full every weight trains. Use method=lora.")
+            raise UserError(_quant_needs_lora(self))
         if self.loss.mode == "subset" and self.method == "full":
             raise UserError("loss.mode=subset needs a frozen LM head; with method=full the head trains. Use loss.mode=exact.")
         if self.plan == "auto" and self.gpu is None and self.device == "cpu":
             raise UserError("plan=auto needs gpu (e.g. --gpu 8GiB) when training on the CPU.")
+        if self.gpu is not None:
+            from slimtune import presets
+
+            presets.gpu_profile(self.gpu)  # a card the planner knows, a size or a profile: said now, not when planning
         strategies = _ENGINES[self.engine].strategies
         if self.dist.strategy not in strategies:
             raise UserError(f"dist.strategy={self.dist.strategy} is not available with engine {self.engine}, which offers"
                             f" {' or '.join(strategies)}; use dist.strategy={strategies[0]} or engine=resident.")
         _ENGINES[self.engine].validate(self)
+
+
+def _quant_needs_lora(cfg: RunConfig) -> str:
+    """What is true of a 4-bit base with method=full: the engines that take it with LoRA (each
+    engine's own check says, on the run's other settings as given), and whether this one is among them."""
+    lora_engines = [name for name in _ENGINES if _accepts(dataclasses.replace(cfg, engine=name, method="lora"))]
+    said = f"quant.scheme={cfg.quant.scheme} quantizes frozen weights, but method=full trains every weight"
+    if cfg.engine in lora_engines:
+        return f"{said}; use method=lora (a 4-bit base with LoRA adapters)."
+    where = f"engine {_either(lora_engines)}" if lora_engines else "no engine with these settings"
+    return (f"{said}, and engine={cfg.engine} trains full weights only; a 4-bit base needs method=lora, on {where}"
+            f" (or set quant.scheme=none to train every weight with engine={cfg.engine}).")
+
+
+def _either(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _accepts(cfg: RunConfig) -> bool:
+    try:
+        cfg.validate()
+    except UserError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- engine settings
@@ -317,26 +345,86 @@ def positive(name: str, value: float) -> None:
 # ---------------------------------------------------------------- loading
 
 
-def load(path: str | Path | None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
-    """Read YAML (or start from `base`), apply `a.b=value` overrides, build and validate."""
+def load(path: str | Path | None, overrides: list[str] = (), base: dict | None = None,
+         warn: Callable[[str], None] | None = None) -> RunConfig:
+    """Read YAML (or start from `base`), apply `a.b=value` overrides, build and validate. A key is
+    named by where the user gave it (the YAML file's line, or the command line). `warn` hears, once,
+    of settings the user gave (in the file or an override, not in `base`) that the run will not read:
+    another engine's section; by default a line on stderr (rank 0's alone under torchrun)."""
     raw = copy.deepcopy(base or {})  # overrides write into nested sections: never into the caller's
-    source = "the command line"
+    sources = Sources(f"in {path}" if path is not None else "in the settings given")
     if path is not None:
-        raw = _read_yaml(Path(path))
-        source = str(path)
+        raw = _read_yaml(Path(path), sources)
     for item in overrides:
-        _apply_override(raw, item)
+        _apply_override(raw, item, sources)
     _require_engines()
-    cfg = from_dict(RunConfig, raw, prefix="", source=source)
+    cfg = from_dict(RunConfig, raw, prefix="", sources=sources)
     cfg.validate()
+    ignored = unread_sections(cfg, sources.given())
+    if ignored:
+        (warn or _warn)(f"{_all(ignored)} {'is' if len(ignored) == 1 else 'are'} set but engine is {cfg.engine}:"
+                        " ignored.")
     return cfg
 
 
-def _read_yaml(path: Path) -> dict:
+class Sources:
+    """Where each key the user gave came from, for the sentence that names it: 'in FILE line N', or
+    'on the command line' (an override replaces what the file said under its key)."""
+
+    def __init__(self, default: str):
+        self.default = default  # a key given by neither (the file as a whole, or `base`)
+        self.places: dict[str, str] = {}
+
+    def give(self, key: str, place: str) -> None:
+        self.places = {k: v for k, v in self.places.items() if k != key and not k.startswith(key + ".")}
+        self.places[key] = place
+
+    def of(self, key: str) -> str:
+        parts = key.split(".")
+        while parts:
+            place = self.places.get(".".join(parts))
+            if place is not None:
+                return place
+            parts.pop()
+        return self.default
+
+    def given(self) -> list[str]:
+        """The keys given, the innermost of each (chunk.n_chunks rather than chunk), in order."""
+        return [k for k in self.places if not any(other.startswith(k + ".") for other in self.places)]
+
+
+def unread_sections(cfg: RunConfig, given: list[str]) -> list[str]:
+    """The given keys of engine sections the run does not read. A section is read by its own engine,
+    or by another that says so (the section's `read_by(cfg)`: slide's chunk working set reads chunk.*).
+    None under plan=auto: the planner chooses the engine later."""
+    if cfg.plan == "auto":
+        return []
+    unread = set()
+    for name, section in cfg.sections.items():
+        read_by = getattr(section, "read_by", None)
+        if not (read_by(cfg) if read_by is not None else cfg.engine == name):
+            unread.add(name)
+    return [key for key in given if key.split(".")[0] in unread]
+
+
+def _all(keys: list[str]) -> str:
+    return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"
+
+
+def _warn(text: str) -> None:
+    import os
+    import sys
+
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank loads the settings: one says it
+        print(f"slimtune: warning: {text}", file=sys.stderr)
+
+
+def _read_yaml(path: Path, sources: Sources) -> dict:
     if not path.is_file():
         raise UserError(f"config file '{path}' does not exist.")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text()
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -345,10 +433,21 @@ def _read_yaml(path: Path) -> dict:
         return {}
     if not isinstance(raw, dict):
         raise UserError(f"{path} must hold a mapping of settings at the top level.")
+    _note_lines(yaml.compose(text, Loader=yaml.SafeLoader), "", path, sources)
     return raw
 
 
-def _apply_override(raw: dict, item: str) -> None:
+def _note_lines(node: yaml.Node, prefix: str, path: Path, sources: Sources) -> None:
+    """Each key's line in the file, nested sections' keys dotted."""
+    if not isinstance(node, yaml.MappingNode):
+        return
+    for key_node, value_node in node.value:
+        key = f"{prefix}{key_node.value}"
+        sources.give(key, f"in {path} line {key_node.start_mark.line + 1}")
+        _note_lines(value_node, key + ".", path, sources)
+
+
+def _apply_override(raw: dict, item: str, sources: Sources) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key:
         raise UserError(f"override '{item}' must look like a.b=value.")
@@ -364,26 +463,27 @@ def _apply_override(raw: dict, item: str) -> None:
             raise UserError(f"override '{item}': '{part}' is not a section.")
         node = child
     node[parts[-1]] = value
+    sources.give(key, "on the command line")
 
 
-def from_dict(cls: type, raw: Any, prefix: str, source: str) -> Any:
-    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types by name."""
+def from_dict(cls: type, raw: Any, prefix: str, sources: Sources) -> Any:
+    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types by name and place."""
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(raw, dict):
-        raise UserError(f"{where} in {source} must be a mapping, got {type(raw).__name__}.")
+        raise UserError(f"{where} {sources.of(prefix.rstrip('.'))} must be a mapping, got {type(raw).__name__}.")
     known = _keys_of(cls)
     for key in raw:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise UserError(f"unknown key '{prefix}{key}' in {source}{hint}.")
+            raise UserError(f"unknown key '{prefix}{key}' {sources.of(f'{prefix}{key}')}{hint}.")
     values, sections = {}, {}
     for name, (hint, required) in known.items():
         if name in raw:
-            value = _coerce(hint, raw[name], prefix + name, source)
+            value = _coerce(hint, raw[name], prefix + name, sources)
             (sections if cls is RunConfig and name in _ENGINES else values)[name] = value
         elif required:
-            raise UserError(f"missing required key '{prefix}{name}' in {source}.")
+            raise UserError(f"missing required key '{prefix}{name}' {sources.default}.")
     return cls(**values, sections=sections) if cls is RunConfig else cls(**values)
 
 
@@ -401,14 +501,14 @@ def _keys_of(cls: type) -> dict[str, tuple[Any, bool]]:
     return keys
 
 
-def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
+def _coerce(hint: Any, value: Any, key: str, sources: Sources) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         if isinstance(value, str) and key == "data":
             value = {"path": value}
-        return from_dict(hint, value, key + ".", source)
+        return from_dict(hint, value, key + ".", sources)
     if origin in (typing.Union, types.UnionType):
-        return _coerce_union(typing.get_args(hint), value, key, source)
+        return _coerce_union(typing.get_args(hint), value, key, sources)
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
@@ -418,17 +518,17 @@ def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
         if not isinstance(value, list):
             raise UserError(f"{key} must be a list, got {value!r}.")
         (item,) = typing.get_args(hint)
-        return [_coerce(item, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
+        return [_coerce(item, v, f"{key}[{i}]", sources) for i, v in enumerate(value)]
     return _coerce_scalar(hint, value, key)
 
 
-def _coerce_union(options: tuple, value: Any, key: str, source: str) -> Any:
+def _coerce_union(options: tuple, value: Any, key: str, sources: Sources) -> Any:
     if value is None and type(None) in options:
         return None
     errors = []
     for option in (o for o in options if o is not type(None)):
         try:
-            return _coerce(option, value, key, source)
+            return _coerce(option, value, key, sources)
         except UserError as err:
             errors.append(str(err))
     raise UserError(errors[0] if len(errors) == 1 else f"{key} has the wrong type: {value!r}.")

@@ -11,6 +11,8 @@ bias, rope scaling and sliding-window layers are all handled by the family's own
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slimtune import memory
+from slimtune import config_json, memory
 from slimtune.errors import UserError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -38,11 +40,14 @@ def read_config(folder: str | Path) -> dict:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise UserError(f"{path} line {err.lineno}: not valid JSON ({err.msg}).") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} must hold a JSON object of model settings.")
     family = config.get("model_type")
     if family not in SUPPORTED_FAMILIES:
         raise UserError(
             f"model_type '{family}' in {path} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}."
         )
+    config_json.check_fields(config, path)  # before anything is built from it
     return config
 
 
@@ -53,7 +58,9 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device) -> 
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    check_weights(folder, read_config(folder))
+    config = read_config(folder)
+    check_weights(folder, config)
+    _refuse_beyond_the_load_device(folder, config, dtype, device)
     hf_logging.disable_progress_bar()  # our own progress bar is the one the user watches
     # transformers logs a table of the weights it could not load: _refuse_partial_load says it in one sentence
     drop_report = lambda record: "LOAD REPORT" not in str(record.msg)  # noqa: E731
@@ -91,8 +98,56 @@ def check_weights(folder: str | Path, config: dict) -> None:
     _refuse_foreign_files(folder)
     files = weight_files(folder, config)
     found = read_headers(folder, files)
-    where = files[0] if len(files) == 1 else f"the {len(files)} shards {SAFE_INDEX} names"
+    where = _named(files)
+    check_depth(folder, where, found, config)  # the model config.json describes is built next, block by block
     _compare_weights(folder, where, found, *_described_weights(folder))
+
+
+def check_depth_of_folder(folder: str | Path, config: dict) -> None:
+    """For a reader of config.json alone (the planner): a folder that holds weights too has its
+    config.json's depth checked against them (headers only); a folder of config.json alone, none."""
+    folder = Path(folder)
+    if config.get("transformers_weights") is None and not any((folder / name).is_file()
+                                                             for name in (SAFE_WEIGHTS, SAFE_INDEX)):
+        return
+    files = weight_files(folder, config)
+    check_depth(folder, _named(files), read_headers(folder, files), config)
+
+
+def _named(files: list[str]) -> str:
+    return files[0] if len(files) == 1 else f"the {len(files)} shards {SAFE_INDEX} names"
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_depth(folder: str | Path, where: str, found: dict, config: dict) -> None:
+    """config.json's layer count against the blocks the weight files hold, from their headers alone:
+    a config.json that claims more is said here, before a model of its depth is built to compare each
+    weight (a million claimed layers took minutes and gigabytes). Fewer claimed: the comparison names
+    the first weight too many."""
+    held = {int(match.group(1)) for key in found if (match := _LAYER_INDEX.search(key))}
+    claimed = config["num_hidden_layers"]
+    if claimed > len(held):
+        raise UserError(f"model folder '{folder}': config.json says num_hidden_layers is {claimed:,} but the weights "
+                        f"in {where} are those of {len(held):,} layers; one of them is damaged or another model's.")
+
+
+def _refuse_beyond_the_load_device(folder: str | Path, config: dict, dtype: torch.dtype,
+                                   device: torch.device) -> None:
+    """A plain bound: from_pretrained makes every weight in `dtype` on `device` (this host's RAM, or
+    one card), so weights that together exceed its memory cannot be loaded; said before it starts.
+    The weights counted from the files' headers again (a few reads): checked, they are the model's."""
+    found = read_headers(Path(folder), weight_files(Path(folder), config))
+    numbers = sum(math.prod(shape) for shape, _ in found.values())
+    need = numbers * dtype.itemsize
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's RAM"
+    if need > have:
+        raise UserError(f"model folder '{folder}' holds {numbers:,} weights, {config_json.gib(need)} in {str(dtype).removeprefix('torch.')}, "
+                        f"more than {where} ({config_json.gib(have)}): it cannot be loaded here.")
 
 
 def _refuse_foreign_files(folder: Path) -> None:
@@ -165,6 +220,12 @@ def read_headers(folder: Path, files: list[str]) -> dict[str, tuple[tuple[int, .
         except (SafetensorError, OSError) as err:
             raise UserError(f"model folder '{folder}': {name} is not a readable safetensors file ({_last_line(err)}); "
                             "it is damaged or incomplete: download or save it again.") from None
+        except RuntimeError as err:  # safe_open maps the whole file copy-on-write: the host's commit limit applies
+            if "mmap" not in str(err):
+                raise
+            size = config_json.gib((folder / name).stat().st_size)
+            raise UserError(f"model folder '{folder}': {name} is {size}, more than this host's memory can map: it "
+                            "cannot be loaded here.") from None
     return found
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slimtune import config as config_module
-from slimtune import engines, estimate, planning_worker, presets, rank_plan, speed
+from slimtune import config_json, engines, estimate, planning_worker, presets, rank_plan, speed
 from slimtune.estimate_cache import cached_estimate, is_cached
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
@@ -55,6 +55,18 @@ class Machine:
         ram = presets.memory_size(host_ram, "--host-ram") if host_ram else presets.physical_ram_bytes()
         free = presets.memory_size(disk, "--disk") if disk else shutil.disk_usage(folder).free
         return cls(presets.gpu_profile(gpu), ram, free, cards, nodes)
+
+    def refuse_unloadable(self, model_config) -> None:
+        """A plain bound, said before anything is weighed: every engine loads the weights whole, in 16
+        bits at least (a 4-bit base is quantized after), into the host's RAM or onto one card, so a
+        model larger than both cannot run here whatever the plan (nor be planned block by block)."""
+        weights = config_json.parameter_count(model_config)
+        need, room = weights * config_json.BYTES_16BIT, max(self.ram_bytes, self.gpu.memory_bytes)
+        if need > room:
+            raise UserError(f"the model has {weights:,} weights or more, {config_json.gib(need)} in 16 bits, more than"
+                            f" the host's RAM ({config_json.gib(self.ram_bytes)}) or the card"
+                            f" ({config_json.gib(self.gpu.memory_bytes)}) holds; every engine loads the weights whole"
+                            " into one of them.")
 
     def ranks(self, engine: str) -> int:
         """Processes a plan of `engine` runs as on this machine set (one per card, or per machine)."""
@@ -207,6 +219,7 @@ def first_fitting(model_config, cfg: RunConfig, candidates: list[dict], machine:
     """The run with the first of `candidates` (settings the run left open, in the engine's order of
     preference) that fits `machine`, found by bisection: a later candidate needs no more than an
     earlier one (e.g. more chunks). One sentence when none fits."""
+    machine.refuse_unloadable(model_config)
     plan = {"engine": cfg.engine}
 
     def weighed(i: int) -> PlanResult:
@@ -305,6 +318,7 @@ def _share_with_a_worker(worker, jobs: list[tuple], order: list[int]) -> dict[in
 def plan(model_config, base: RunConfig, machine: Machine, batch_size: int, seq_len: int,
          max_seq: bool = False) -> list[PlanResult]:
     """Every candidate plan for base.method, fastest first; the fastest that fits is recommended."""
+    machine.refuse_unloadable(model_config)
     results = _weigh_all(model_config, base, machine, batch_size, seq_len, max_seq)
     results.sort(key=lambda r: (-r.tokens_per_s, r.estimate.device_peak_bytes))
     fitting = [r for r in results if r.fits]

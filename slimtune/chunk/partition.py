@@ -71,6 +71,9 @@ def partition(streams: list[Stream], n: int) -> list[list[Piece]]:
     if n < 1:
         raise UserError(f"chunk.n_chunks must be at least 1 here, got {n} (0 is settled by the planner when a run"
                         " starts).")
+    slices = sum(s.slices for s in streams)
+    if n > slices:  # said before the cuts are made: their lists grow with n (10^8 chunks: gigabytes)
+        raise UserError(too_many_chunks(n, "the trainable tensors", f"they hold {slices:,} slices"))
     bounds = [(0, 0), *_cut_positions(streams, n), (len(streams) - 1, streams[-1].slices)]
     chunks = []
     for k in range(n):
@@ -86,6 +89,26 @@ def partition(streams: list[Stream], n: int) -> list[list[Piece]]:
                             f" into {n} chunks; lower chunk.n_chunks.")
         chunks.append(pieces)
     return chunks
+
+
+def too_many_chunks(n: int, what: str, hold: str) -> str:
+    return (f"chunk.n_chunks={n:,} is more chunks than {what} can be cut into: {hold} (a vocabulary row, an"
+            " input column or an element each) and each chunk needs one; lower chunk.n_chunks.")
+
+
+def most_slices(config: dict) -> int:
+    """An upper bound on the slices a model's trainable tensors hold, from its (checked) config.json: the
+    vocabulary rows of the embedding and an untied head, each block's matrices' input columns and its
+    1-D tensors' elements (every bias and per-head norm a family may have counted as present), the
+    final norm's elements. A chunk count above it is refused before the model is loaded."""
+    d, heads, inner = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or d // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    attention = 4 * d + heads * head_dim  # q, k, v take d columns each, o takes the heads' width; o's bias d
+    attention += (heads + 2 * kv_heads) * head_dim + 2 * head_dim  # q, k, v biases; q and k norms
+    mlp = 2 * d + inner + 2 * inner + d  # gate and up take d columns, down the inner width; their biases
+    block = attention + mlp + 2 * d  # and the two norms
+    return 2 * config["vocab_size"] + config["num_hidden_layers"] * block + d
 
 
 def chunk_bytes(streams: list[Stream], pieces: list[Piece]) -> int:

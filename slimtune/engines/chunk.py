@@ -46,6 +46,7 @@ host side is chunk/state.py's, shared.
 
 from __future__ import annotations
 
+import json
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +55,9 @@ from typing import Literal
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import block_stores, memory, runtime, speed
+from slimtune import block_stores, config_json, memory, runtime, speed
 from slimtune.checkpoint import EngineState
-from slimtune.chunk import sliced
+from slimtune.chunk import partition, sliced
 from slimtune.chunk.downlink import Downlink
 from slimtune.chunk.state import ChunkState, Member, axis_of, narrow, open_settings, scratch
 from slimtune.config import RunConfig, positive, setting
@@ -98,6 +99,12 @@ class ChunkConfig:
             raise UserError(f"chunk.n_chunks must be a count, or 0 for the planner to choose, got {self.n_chunks}.")
         positive("chunk.switch_every", self.switch_every)
 
+    @staticmethod
+    def read_by(cfg: RunConfig) -> bool:
+        """Whether the run reads this section (config.unread_sections): engine chunk, and slide's chunk
+        working set."""
+        return cfg.engine == "chunk" or (cfg.engine == "slide" and cfg.section("slide").working_set == "chunk")
+
 
 def validate(cfg: RunConfig) -> None:
     if cfg.method != "full":
@@ -108,6 +115,23 @@ def validate(cfg: RunConfig) -> None:
                         " quant.scheme=none.")
     if cfg.loss.mode == "subset":
         raise UserError("engine=chunk trains the LM head, which loss.mode=subset cannot; set loss.mode=exact.")
+    _refuse_more_chunks_than_slices(cfg)
+
+
+def _refuse_more_chunks_than_slices(cfg: RunConfig) -> None:
+    """chunk.n_chunks against the slices of the model config.json describes, before anything is loaded.
+    A folder whose config.json cannot be read here is left to the model's loading, which says why."""
+    n = cfg.section("chunk").n_chunks
+    path = Path(cfg.model) / "config.json"
+    try:
+        described = json.loads(path.read_text())
+        config_json.check_fields(described if isinstance(described, dict) else {}, path)
+    except (OSError, UnicodeDecodeError, ValueError, UserError):
+        return
+    most = partition.most_slices(described)
+    if n > most:
+        raise UserError(partition.too_many_chunks(n, f"the model in '{cfg.model}'",
+                                                  f"its trainable tensors hold at most {most:,} slices"))
 
 
 class ChunkEngine:

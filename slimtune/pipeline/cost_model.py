@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from slimtune import presets, speed
+from slimtune import config_json, presets, speed
 from slimtune.errors import UserError
 from slimtune.pipeline.stages import LayerCost
 
@@ -60,7 +60,6 @@ REFERENCE_PARTITIONS = {
 # The measured inputs were timed at 4 sequences of 2048 tokens per micro-batch (artifact
 # roundpipe-timing/run.sh: batch 480 = 12 accumulation steps x 10 micro-batches x 4 rows, 1.7B).
 SPEC_TOKENS = (4, 2048)
-_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -110,12 +109,12 @@ def _model_shape(model: str) -> tuple[str, SimpleNamespace]:
     if folder.is_dir():
         try:
             data = json.loads((folder / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise UserError(f"'{model}' has no readable config.json ({err}).") from None
-        missing = [k for k in _SHAPE_KEYS if not isinstance(data.get(k), int) or data[k] < 1]
-        if missing:
-            raise UserError(f"config.json in '{model}' needs positive whole numbers for: {', '.join(missing)}.")
-        data.setdefault("num_key_value_heads", data["num_attention_heads"])
+        if not isinstance(data, dict):
+            raise UserError(f"{folder / 'config.json'} must hold a JSON object of model settings.")
+        config_json.check_fields(data, folder / "config.json")  # as every loader checks it
+        data["num_key_value_heads"] = data.get("num_key_value_heads") or data["num_attention_heads"]
         return folder.name, SimpleNamespace(**data)
     key = next((k for k in presets.preset_names() if k.lower() == model.strip().lower()), None)
     if key is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -9,6 +10,8 @@ import torch
 
 from slimtune.config import RunConfig, setting
 from slimtune.errors import UserError
+
+_CUDA_NAME = re.compile(r"^cuda(:\d+)?$")
 
 
 @dataclass
@@ -40,6 +43,10 @@ class RoundPipeConfig:
             raise UserError(f"roundpipe.workers must be at least 1, got {self.workers}.")
         if isinstance(self.workers, list) and not self.workers:
             raise UserError("roundpipe.workers is an empty list; name at least one device.")
+        for i, name in enumerate(self.workers if isinstance(self.workers, list) else ()):
+            if not _CUDA_NAME.match(name):
+                raise UserError(f"roundpipe.workers[{i}] is '{name}', not a CUDA device such as cuda:0; list CUDA"
+                                " devices, or give a count (CPU threads without CUDA).")
         if self.micro_batches < 0:
             raise UserError(f"roundpipe.micro_batches must be 0 (workers + 1) or more, got {self.micro_batches}.")
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -62,9 +69,25 @@ def validate(cfg: RunConfig) -> None:
     if cfg.method == "lora" and cfg.lora.dropout > 0:
         raise UserError("engine=roundpipe cannot redraw dropout masks when a stage is recomputed on another worker;"
                         " set lora.dropout=0.")
+    _refuse_missing_devices(cfg)
     if cfg.train.on_nonfinite == "skip" and cfg.section("roundpipe").optimizer == "async":
         raise UserError("roundpipe.optimizer=async has already started the next step when a step's gradient is found"
                         " not finite; set train.on_nonfinite=stop or roundpipe.optimizer=sync.")
+
+
+def _refuse_missing_devices(cfg: RunConfig) -> None:
+    """Listed workers are this machine's CUDA devices, said before anything is built (a run without
+    CUDA would otherwise run them as CPU threads, not what was asked)."""
+    workers = cfg.section("roundpipe").workers
+    if not isinstance(workers, list):
+        return
+    found = torch.cuda.device_count() if cfg.device != "cpu" else 0
+    for name in workers:
+        index = int(name.partition(":")[2] or 0)
+        if index >= found:
+            here = "device=cpu" if cfg.device == "cpu" else f"this machine has {found} CUDA device(s)"
+            raise UserError(f"roundpipe.workers names '{name}', which this run cannot use ({here}); list devices from"
+                            " cuda:0 up, or give a count (CPU threads without CUDA).")
 
 
 def worker_devices(section: RoundPipeConfig, device: torch.device) -> list[torch.device]:

@@ -23,6 +23,9 @@ _META_KEYS = ("hf_id", "source", "params")
 GENERIC_RATES_FROM = "rtx4090"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(tib|tb|t|gib|gb|g|mib|mb|m)\s*$", re.IGNORECASE)
 _CARD_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)\s*$", re.IGNORECASE)  # no card holds a TB
+# What a user meant as a size, right or wrong: a number of any form (signed, exponent, nan) and a unit.
+_SIZE_LIKE = re.compile(r"^\s*[-+]?[\d.]*(?:e[-+]?\d+|nan|inf)?\s*(tib|tb|t|gib|gb|g|mib|mb|m|kib|kb|k|b)\s*$",
+                        re.IGNORECASE)
 # A user typing 24GB means the nominal 24 (GiB) size: GB and G count as GiB, TB as TiB, MB as MiB.
 _UNIT_BYTES = {"t": 2**40, "g": 2**30, "m": 2**20}
 
@@ -57,9 +60,11 @@ def model_config(name_or_folder: str):
     from transformers import AutoConfig
 
     if Path(name_or_folder).is_dir():
-        from slimtune.model import read_config
+        from slimtune.model import check_depth_of_folder, read_config
 
-        read_config(name_or_folder)  # refuses a missing config.json or an unsupported family
+        # refuses a missing config.json, an unsupported family, or fields no model has
+        config = read_config(name_or_folder)
+        check_depth_of_folder(name_or_folder, config)  # weights beside it: a damaged config.json is said at once
         try:
             return AutoConfig.from_pretrained(str(name_or_folder), local_files_only=True)
         except (OSError, ValueError) as err:
@@ -119,7 +124,8 @@ def memory_size(text: str, what: str) -> int:
     """Bytes of a size such as 64GiB, 64GB, 64G, 512MiB or 2TB; `what` names it in the sentence."""
     size = _SIZE.match(str(text))
     if not size or float(size.group(1)) <= 0:
-        raise UserError(f"{what} must be a size such as 64GiB, 64GB, 512MiB or 2TB, got '{text}'.")
+        positive = "a positive size" if _SIZE_LIKE.match(str(text)) else "a size"
+        raise UserError(f"{what} must be {positive} such as 64GiB, 64GB, 512MiB or 2TB, got '{text}'.")
     return int(float(size.group(1)) * _UNIT_BYTES[size.group(2)[0].lower()])
 
 
@@ -179,6 +185,9 @@ def gpu_profile(spec: str) -> GpuProfile:
         return _sized(size.group(1), size.group(2))
     if text and Path(text).is_file():
         return _from_file(Path(text), text)
+    if _SIZE_LIKE.match(text):  # 0GiB, -8GB, 1e3GiB: meant as a size, not a card's name
+        raise UserError(f"a GPU size must be a positive number of GiB, GB, G, MiB, MB or M, such as 24GiB or 500MiB;"
+                        f" got '{spec}'.")
     forms = _FORMS.format(names=", ".join(_load("gpus.json")), fields=", ".join(_NUMBERS))
     raise UserError(f"unknown GPU '{spec}': give {forms}.")
 

@@ -82,7 +82,7 @@ def test_export_merge_equals_base_plus_adapter(workdir):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["run.yaml", "train.stepz=1"], "unknown key 'train.stepz' in run.yaml (did you mean 'train.steps'?)"),
+        (["run.yaml", "train.stepz=1"], "unknown key 'train.stepz' on the command line (did you mean 'train.steps'?)"),
         (["run.yaml", "model=missing"], "model folder 'missing' does not exist"),
         (["run.yaml", "data.path=nope.jsonl"], "nope.jsonl"),
         (["nope.yaml"], "config file 'nope.yaml' does not exist"),

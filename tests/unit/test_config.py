@@ -51,10 +51,11 @@ def test_overrides_apply_with_yaml_types(tmp_path):
         (["lora.dropout=1.5"], "lora.dropout must be in [0, 1)"),
         (["data.eval_fraction=1"], "data.eval_fraction must be in [0, 1)"),
         (["train.warmup_steps=500"], "train.warmup_steps (500) exceeds train.steps (100)"),
-        (["train=5"], "train in"),
+        (["train=5"], "train on the command line must be a mapping, got int"),
         (["oops"], "override 'oops' must look like a.b=value"),
         (["method=full", "loss.mode=subset"], "loss.mode=subset needs a frozen LM head"),
-        (["method=full", "quant.scheme=nf4"], "quant.scheme quantizes frozen weights"),
+        (["method=full", "quant.scheme=nf4"], "quant.scheme=nf4 quantizes frozen weights, but method=full trains every"
+                                              " weight; use method=lora"),
         (["activations.checkpoint=tape"], "activations.checkpoint must be one of none, recompute, host, disk"),
         (["log.wandb=my-project"], "log.wandb must be true or false, got 'my-project'"),
         (["log.wandb_mode=cloud"], "log.wandb_mode must be one of online, offline; got 'cloud'"),

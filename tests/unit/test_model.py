@@ -131,8 +131,11 @@ def test_truncated_weights_are_named(tmp_path, tokenizer, keep):
 
 FOREIGN = {
     "other tensors": (lambda t: {"x": torch.zeros(3)},
-                      "no weight 'model.embed_tokens.weight' of the model its config.json describes is in "
-                      "model.safetensors \\(missing: 21 of 21"),
+                      "config.json says num_hidden_layers is 2 but the weights in model.safetensors are those of 0 "
+                      "layers; one of them is damaged or another model's."),
+    "other tensors, the layers kept": (lambda t: {k: v for k, v in t.items() if ".layers." in k},
+                                       "no weight 'model.embed_tokens.weight' of the model its config.json describes "
+                                       "is in model.safetensors \\(missing: 3 of 21"),
     "one dropped": (lambda t: {k: v for k, v in t.items() if k != "model.layers.1.mlp.up_proj.weight"},
                     "no weight 'model.layers.1.mlp.up_proj.weight' .* is in model.safetensors \\(missing: 1 of 21"),
     "one extra": (lambda t: {**t, "model.layers.9.extra": torch.zeros(2)},
@@ -158,8 +161,8 @@ CONFIGS = {
     "hidden_size": ({"hidden_size": 64}, "config.json does not match model.safetensors: weight "
                     "'model.embed_tokens.weight' has shape \\[300, 32\\] there but \\[300, 64\\] by config.json "
                     "\\(differing: 21 of 21 weights\\)"),
-    "more layers": ({"num_hidden_layers": 3}, "no weight 'model.layers.2.self_attn.q_proj.weight' of the model its "
-                    "config.json describes is in model.safetensors"),
+    "more layers": ({"num_hidden_layers": 3}, "config.json says num_hidden_layers is 3 but the weights in "
+                    "model.safetensors are those of 2 layers"),
     "fewer layers": ({"num_hidden_layers": 1}, "model.safetensors holds weight "
                      "'model.layers.1.input_layernorm.weight', which the model its config.json describes does not have"),
     "untied head": ({"tie_word_embeddings": False}, "no weight 'lm_head.weight' of the model"),

@@ -124,7 +124,13 @@ def test_profile_json_file(tmp_path):
         gpu_profile(str(path))
 
 
-@pytest.mark.parametrize("spec", ["rtx9090", "", "0GB", "-4GiB", "24 TB", "lots", "/no/such/file.json"])
+@pytest.mark.parametrize("spec", ["rtx9090", "", "lots", "/no/such/file.json"])
 def test_garbage_gpu_spec_is_refused(spec):
     with pytest.raises(UserError, match="unknown GPU .*named card .*24GiB.*JSON file"):
+        gpu_profile(spec)
+
+
+@pytest.mark.parametrize("spec", ["0GB", "-4GiB", "24 TB"])
+def test_a_size_no_card_has_says_what_a_size_must_be(spec):
+    with pytest.raises(UserError, match=f"a GPU size must be a positive number of GiB, GB, G, MiB, MB or M.*'{spec}'"):
         gpu_profile(spec)
