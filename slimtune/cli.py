@@ -192,7 +192,8 @@ def _train_or_demo(args: argparse.Namespace) -> None:
 
         if distributed.launched():
             raise UserError("--nproc starts torchrun itself; under torchrun leave it out (each rank is one process).")
-    cfg = config.load(path, overrides)  # checked here, once, before any rank starts
+    quiet = (lambda text: None) if args.nproc is not None and args.nproc > 1 else None  # rank 0 warns, not twice
+    cfg = config.load(path, overrides, warn=quiet)  # checked here, once, before any rank starts
     if args.nproc is not None and args.nproc > 1:
         from slimtune import launch
 
