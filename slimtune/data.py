@@ -496,8 +496,28 @@ class BatchStream:
     def load_state_dict(self, state: dict) -> None:
         for key, value in self._fingerprint().items():
             if key in state and state[key] != value:
-                raise UserError(
-                    f"cannot resume the data stream exactly: {key} was {state[key]}, now {value}; "
-                    "use a new output_dir or train.resume=false."
-                )
+                raise UserError(f"the data stream cannot be resumed exactly: {_stream_change(key, state[key], value)},"
+                                " or start afresh with train.overwrite=true or another output_dir.")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+
+# The settings behind a stream's fingerprint, by its key.
+_STREAM_SETTINGS = {"seed": "train.seed", "batch_size": "train.batch_size", "max_length": "data.max_length",
+                    "packing": "data.packing"}
+
+
+def _stream_change(key: str, before, now) -> str:
+    """What differs from the stream a checkpoint was written with, and how to resume it as it was."""
+    if key in _STREAM_SETTINGS:
+        setting, before, now = _STREAM_SETTINGS[key], _as_written(before), _as_written(now)
+        return f"{setting} was {before}, now {now}; resume with {setting}={before}"
+    if key == "world_size":
+        return f"world_size was {before}, now {now} (ranks); resume it on {before} rank(s) (--nproc {before})"
+    what = key.removeprefix("num_")
+    return (f"the training data give {now} {what} where the checkpoint's gave {before} (the data at data.path, or a"
+            " data.* setting that reads them, changed); resume with the data it began with")
+
+
+def _as_written(value) -> str:
+    """A value as an override writes it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -33,6 +33,7 @@ from slimtune.errors import UserError
 from slimtune.distributed import SINGLE, Dist
 from slimtune.metrics import MetricsLog, RankLog, check_trackers, format_table, human_bytes
 from slimtune.model import Stack, load_tokenizer, read_config
+from slimtune.resume_settings import changes as settings_changes, refuse
 from slimtune.run_folder import RunFolder
 
 
@@ -204,10 +205,10 @@ def resume(run: Run, stream: data.BatchStream, say=print) -> int:
                         " torchrun on several machines output_dir must be on a filesystem every node shares.")
     step, engine_state, stream_state, rng = checkpoint.load(found, run.engine.state_dict)
     try:
+        stream.load_state_dict(stream_state)
         run.engine.load_state_dict(engine_state)
     except UserError as err:
         raise UserError(f"cannot resume from '{found}': {err}") from None
-    stream.load_state_dict(stream_state)
     checkpoint.set_process_rng_state(rng)
     return step
 
@@ -323,12 +324,14 @@ def _last_checkpoint_sentence(run: Run) -> str:
 
 def _begin(run: Run, folder: RunFolder | None, say) -> tuple[data.BatchStream, int]:
     """Claim the folder, resume, say what changed since the run's last start, record the settings
-    (the folder: rank 0's; the other ranks read the checkpoint once rank 0 has claimed it)."""
+    (the folder: rank 0's; the other ranks read the checkpoint once rank 0 has claimed it). A changed
+    setting a checkpoint cannot take is refused before the claim: the folder stays as it was."""
+    changed = _on_rank0(run.dist, lambda: _changed_settings(run, folder), "the resume's settings check")
     _on_rank0(run.dist, lambda: folder.claim(run.cfg), "the run folder's claim")
     stream = batch_stream(run)
     start = resume(run, stream, say)  # before config.yaml: a refused resume leaves the folder's settings as they were
     if run.dist.is_main:
-        changed = folder.settled(run.cfg)
+        folder.settled(run.cfg)
         if start and changed:
             say(f"resuming with changed settings: {', '.join(changed)}")
         checkpoint.atomic_write_text(Path(run.cfg.output_dir) / "config.yaml",
@@ -336,6 +339,18 @@ def _begin(run: Run, folder: RunFolder | None, say) -> tuple[data.BatchStream, i
     ranks = f" on {run.dist.world_size} ranks" if run.dist.active else ""
     say(f"data: {run.splits.report.summary()}{ranks}" + (f"; resuming after step {start}" if start else ""))
     return stream, start
+
+
+def _changed_settings(run: Run, folder: RunFolder) -> list[str]:
+    """The settings changed since the run's last start, each said with what resuming does about it
+    (resume_settings.py); one a checkpoint cannot take is refused. Nothing when no checkpoint is resumed."""
+    cfg, before = run.cfg, (folder.record or {}).get("settings")
+    resumes = cfg.train.resume and not cfg.train.overwrite
+    if before is None or not resumes or not checkpoint.list_checkpoints(Path(cfg.output_dir) / "checkpoints"):
+        return []
+    found = settings_changes(before, cfg)
+    refuse(found, cfg.output_dir)
+    return [change.text() for change in found]
 
 
 @dataclass

@@ -140,18 +140,25 @@ def evaluate_batches(batches: list[Batch], exact_loss_sum: Callable[[Batch], tor
     return loss_sum, tokens
 
 
-def check_resumable(state: EngineState, names: list[str], engine: str) -> None:
-    """One sentence when a checkpoint trained other tensors than this run trains (another method,
-    other LoRA targets or freeze patterns): nothing could be resumed exactly."""
+def check_resumable(state: EngineState, names: list[str], engine: str,
+                    decided_by: str = "the method, lora.* or freeze settings") -> None:
+    """One sentence when a checkpoint trained other tensors than this run trains: nothing could be
+    resumed exactly. It names what differs: the engine that wrote the checkpoint, or, under the same
+    engine, `decided_by`: what decides which tensors this engine trains (a training run has already
+    refused another method, adapter or freeze patterns, run_folder's identity: lsp names lsp.train_other)."""
     mine, theirs = set(names), set(state.trainable)
     if mine == theirs:
         return
     only = sorted(theirs - mine) or sorted(mine - theirs)
     side = "the checkpoint has" if theirs - mine else "this run trains"
-    raise UserError(
-        f"the checkpoint (written by engine {state.engine}) does not match this run (engine {engine}): {side} "
-        f"{len(only)} trained tensor(s) the other lacks, e.g. '{only[0]}'; the method, lora.* or freeze settings "
-        "differ: restore them, or start afresh with train.resume=false or another output_dir.")
+    lacks = f"{side} {len(only)} trained tensor(s) the other lacks, e.g. '{only[0]}'"
+    afresh = "or start afresh with train.overwrite=true or another output_dir."
+    if state.engine != engine:
+        raise UserError(f"the checkpoint was written by engine {state.engine} and trained other tensors than this run"
+                        f" (engine {engine}) does ({lacks}); resume with the engine and settings it was written with"
+                        f" (engine={state.engine}), {afresh}")
+    raise UserError(f"the checkpoint trained other tensors than this run does ({lacks}): {decided_by} differ(s) from"
+                    f" the checkpoint's; resume with the settings it was written with, {afresh}")
 
 
 def copy_named(targets: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:

@@ -441,10 +441,10 @@ class LspEngine:
 
     def load_state_dict(self, state: EngineState) -> None:
         """Weights by name (Z restarts at zero: checkpoints hold folded weights); from an lsp checkpoint
-        also the projectors, moments, steps and RNG; from another engine's, the projectors are fit
-        afresh at the next step."""
+        also the projectors, moments, steps and RNG; from another engine's, or one whose projectors
+        have another shape (lsp.r or lsp.d changed), the projectors are fit afresh at the next step."""
         names = [self.names[id(m.weight)] for m in self.modules] + [n for n, _ in self.others]
-        check_resumable(state, names, self.name)
+        check_resumable(state, names, self.name, decided_by="lsp.train_other")
         self.flush()
         by_name = {self.names[id(m.weight)]: m.weight for m in self.modules} | dict(self.others)
         copy_named(by_name, state.trainable)
@@ -453,12 +453,13 @@ class LspEngine:
                 module.z.zero_()
                 adam.masters[0].zero_()
         lsp = state.extra.get("lsp") if state.engine == self.name else None
+        same_shapes = True
         if lsp is not None:
-            self._load_matrices(lsp["matrices"])
+            same_shapes = self._load_matrices(lsp["matrices"])
             self.generator.set_state(lsp["generator"])
             if self.rounding is not None and lsp["rounding"] is not None:
                 self.rounding.set_state(lsp["rounding"])
-        self.learning.fitted = bool(lsp and lsp["fitted"])
+        self.learning.fitted = bool(lsp and lsp["fitted"]) and same_shapes
         for name, param in self.others:
             if name in state.exp_avg:
                 self.optimizer.state[param] = {
@@ -467,15 +468,33 @@ class LspEngine:
                     "exp_avg_sq": state.exp_avg_sq[name].to(param, copy=True)}
         self.step_count = state.step
 
-    def _load_matrices(self, matrices: dict) -> None:
+    def _load_matrices(self, matrices: dict) -> bool:
+        """Each matrix's projectors, moments and step count as saved; False when some matrix's saved
+        shapes differ from this run's (lsp.r or lsp.d changed on resume): that matrix keeps this run's
+        projectors (drawn at its rank and size) and its moments and step count restart."""
+        same = True
         for module, adam in zip(self.modules, self.adams):
-            saved = matrices[self.names[id(module.weight)]]
+            saved, views = matrices[self.names[id(module.weight)]], adam.member(0, 0)
+            if not self._same_shapes(module, views, saved):
+                same = False
+                with torch.no_grad():
+                    for moment in MOMENTS:
+                        getattr(views, moment).zero_()
+                adam.state(0)["step"].fill_(0)
+                continue
             d = module.d
             module.p_o = projectors.SparseProjector(saved["pos_o"].to(self.device), saved["val_o"].to(self.device), d)
             module.p_i = projectors.SparseProjector(saved["pos_i"].to(self.device), saved["val_i"].to(self.device), d)
-            views = adam.member(0, 0)
             copy_named({m: getattr(views, m) for m in MOMENTS}, saved)
             adam.state(0)["step"].fill_(saved["step"])
+        return same
+
+    @staticmethod
+    def _same_shapes(module: ProjectedLinear, views, saved: dict) -> bool:
+        """The saved projectors have this matrix's rank (pos: (n, r)) and subspace size (moments: (d, d))."""
+        return (tuple(saved["pos_o"].shape) == tuple(module.p_o.pos.shape)
+                and tuple(saved["pos_i"].shape) == tuple(module.p_i.pos.shape)
+                and tuple(saved["exp_avg"].shape) == tuple(views.exp_avg.shape))
 
 
 def weight_dtype(precision: str, method: str) -> torch.dtype:
