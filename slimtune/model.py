@@ -311,6 +311,8 @@ def _last_line(err) -> str:
 def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 
+    if (Path(folder) / "config.json").is_file():
+        read_config(folder)  # AutoTokenizer reads config.json too: its mistakes are said as the model's loading says them
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as err:
