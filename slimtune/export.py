@@ -105,9 +105,9 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     cfg = yaml.safe_load(config_path.read_text())
     if cfg["method"] == "full":
         raise UserError(f"'{run_dir}' was full fine-tuning; its model is already whole in {run_dir / 'model'}.")
-    label = f"--out '{out}'" if out is not None else f"the export folder '{run_dir / 'merged'}'"
+    setting = "--out" if out is not None else "the export folder"
     out = Path(out) if out is not None else run_dir / "merged"
-    check_out(run_dir, cfg, out, label)
+    check_out(run_dir, cfg, out, setting)
     step, source = newest_adapter(run_dir)
     if source.name == "adapter":
         results.verify(source, "adapter folder")  # said before the base model loads
@@ -124,9 +124,10 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     return Merged(save_model(model, load_tokenizer(cfg["model"]), out, kind="merged"), step, source)
 
 
-def check_out(run_dir: Path, cfg: dict, out: Path, label: str) -> None:
+def check_out(run_dir: Path, cfg: dict, out: Path, setting: str) -> None:
     """The export's folder may be written: not the run's folder or anything of it but its merged/, not
-    the base model's folder nor the data, absent, empty or a merged model slimtune wrote; writable."""
+    the base model's folder nor the data, absent, empty or a merged model slimtune wrote; writable.
+    `setting`: how the sentences name it ("--out", or "the export folder" when it is the default)."""
     from slimtune import inference, run_folder
 
     own = [results.Kept(run_dir, "the run's folder", inside_ok=True)]
@@ -136,8 +137,8 @@ def check_out(run_dir: Path, cfg: dict, out: Path, label: str) -> None:
     recorded = {"the base model's folder": cfg.get("model"), "the training data (data.path)": data.get("path"),
                 "the evaluation data (data.eval_path)": data.get("eval_path")}
     places = {what: inference.trained_path(run_dir, cfg, str(value)) for what, value in recorded.items() if value}
-    results.check_target(out, "merged", label, own + results.existing(places), "choose another --out")
-    run_folder.check_writable(out.resolve() if out.is_symlink() else out, "--out", replaced=True)
+    results.check_target(out, "merged", f"{setting} '{out}'", own + results.existing(places), "choose another --out")
+    run_folder.check_writable(out.resolve() if out.is_symlink() else out, setting, replaced=True)
 
 
 def newest_adapter(run_dir: Path) -> tuple[int | None, Path]:

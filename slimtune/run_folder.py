@@ -5,11 +5,13 @@ loaded or written, what a run records of itself, what resume verifies, and one r
                    written; no live run holds the folder; a folder that holds a run is resumed only
                    with train.resume and only by the same run (its identity: the base model's
                    fingerprint, the method, the adapter's shape and targets, the freeze patterns),
-                   and is replaced only with train.overwrite. Each refusal is one sentence.
+                   and is replaced only with train.overwrite. The result's folder (adapter/ or
+                   model/) is not the base model or the data and is absent, empty or slimtune's
+                   (results.check_target). Each refusal is one sentence.
     claim()        after the run is built, before its first write: makes the folder, takes the lock
                    (flock: released when the process dies, so a kill -9 leaves no stale lock),
-                   removes an overwritten run and the scratch folders of killed runs, and records
-                   run.json for a new run.
+                   removes an overwritten run (never a user's adapter/, model/ or merged/ it did not
+                   write) and the scratch folders of killed runs, and records run.json for a new run.
     settled(cfg)   after resume: the settings that changed since the run's last start are said
                    once and recorded (steps, cadences and the like may change; identity may not).
     finished(step) the result (adapter/ or model/) holds step `step`: export compares it with the
