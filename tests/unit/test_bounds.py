@@ -179,6 +179,10 @@ def test_the_partition_refuses_more_chunks_than_slices_before_cutting():
     with pytest.raises(UserError, match="they hold 332 slices"):
         partition(streams, 10**8)  # at once: no list of 10^8 cuts is made
     assert len(partition(streams, 300)) == 300
+    # Fewer chunks than slices may still leave one empty, when the equal-byte cuts fall in one large slice.
+    uneven = [Stream("wide", (1000, 1), 1, 4), Stream("norm", (10,), 0, 4)]  # 1 slice of 4000 B, 10 of 4 B
+    with pytest.raises(UserError, match="chunk.n_chunks=5 leaves chunk 0 empty"):
+        partition(uneven, 5)
 
 
 # ---------------------------------------------------------------- what the settings say (items 18, 19)

@@ -73,7 +73,7 @@ def test_the_partition_is_disjoint_covering_contiguous_deterministic_and_balance
 
 def test_more_chunks_than_slices_is_one_sentence():
     streams = [partition.Stream("w", (2, 3), 1, 12)]
-    with pytest.raises(UserError, match="chunk.n_chunks=4 leaves chunk"):
+    with pytest.raises(UserError, match="chunk.n_chunks=4 is more chunks than the trainable tensors can be cut into"):
         partition.partition(streams, 4)
 
 
