@@ -55,6 +55,7 @@ CASES = [
                   "train.keep_last": 1, "train.on_nonfinite": "skip", "train.nonfinite_patience": 5,
                   "train.measure_memory": True, "activations.checkpoint": "recompute"}, SAME),
     ("resident", {"train.steps": 4}, None),
+    ("resident", {"engine": "slide", "activations.checkpoint": "host"}, None),  # the state carried over by name
     ("resident", {"train.batch_size": 1}, None),
     ("resident", {"train.seed": 1}, None),
     ("resident", {"data.max_length": 24}, None),
