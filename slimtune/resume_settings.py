@@ -57,7 +57,8 @@ _LSP_SHAPE = ("if this changes a matrix's {what}, its projectors are drawn afres
               " moments restart, and every matrix's projectors are fit at the next step")
 
 RULES: dict[str, Rule] = {
-    "model": _IDENTITY,
+    # The base model's identity is its weights' fingerprint (run_folder refuses others first): a moved folder is fine.
+    "model": applied("the base model is read from the new folder, whose weights are the ones the run began with"),
     "data.path": _DATA,
     "data.format": _DATA,
     "data.max_length": _STREAM,

@@ -258,3 +258,17 @@ def test_a_changed_data_path_is_refused_naming_the_data_and_the_true_way_out(run
     assert "train.resume=false" not in said
     gc.collect()
     assert snapshot(folder) == kept
+
+
+def test_a_moved_base_model_folder_resumes_and_is_announced(runs, capsys):
+    """The base model's identity is its weights (run_folder), so the same weights in another folder
+    resume the run (exactly: the weights after the step are the unchanged continuation's)."""
+    runs.fresh("resident")
+    moved = runs.root / "moved-model"
+    if not moved.exists():
+        shutil.copytree(runs.model, moved)
+    run, _ = train.fit(runs.config("resident", f"model={moved}"), progress=False)
+    assert f"model: '{runs.model}' -> '{moved}' ({resume_settings.rule('model').why})" in announced(
+        capsys.readouterr().out)
+    straight = runs.straight("resident")
+    assert all(torch.equal(weights(run)[name], w) for name, w in straight.items())
