@@ -455,7 +455,7 @@ class ScratchFolder:
 
 
 def _allocate(fd: int, nbytes: int) -> None:
-    if nbytes <= 0:
+    if nbytes <= 0:  # posix_fallocate refuses a length of 0 (EINVAL); an empty file needs no blocks
         return
     try:
         os.posix_fallocate(fd, 0, nbytes)

@@ -61,9 +61,9 @@ def test_a_disk_without_room_for_the_second_file_is_one_sentence_and_keeps_no_fi
             adam(folder)
         free = human_bytes(room) if disk.real else r"[\d.]+ \w+"
         assert refused.match(
-            rf"^slide\.moments=disk needs 512\.0 KiB for the AdamW moments in '{re.escape(str(root))}', which has {free}"
-            r" free; free"
-            r" space there, set slide\.moments_dir elsewhere, or use slide\.moments=ram\.$")
+            rf"^slide\.moments=disk needs 512\.0 KiB for the AdamW moments in '{re.escape(str(root))}',"
+            rf" which has {free} free; free space there, set slide\.moments_dir elsewhere, or use"
+            r" slide\.moments=ram\.$")
         assert [p.name for p in disk.folder.iterdir()] == [users_file.name]  # the folder it made went too
 
 
