@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from slimtune import interrupts
 from slimtune.errors import UserError
 
 TRAIN_EPILOG = """\
@@ -165,8 +166,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from slimtune import interrupts
-
     with interrupts.watching():  # Ctrl-C stops the run even when a finalizer swallows its first raise
         _train_or_demo(args)
 
@@ -328,11 +327,12 @@ def _interrupted_early(argv: list[str] | None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    if argv is None and sys.argv[1:2] == ["plan"]:  # the command line itself, not a caller in-process
-        from slimtune import planning_worker
+    with interrupts.watching():  # the imports: Ctrl-C there may land in an extension's init, which drops it
+        if argv is None and sys.argv[1:2] == ["plan"]:  # the command line itself, not a caller in-process
+            from slimtune import planning_worker
 
-        planning_worker.start(_option("--model"))  # it imports slimtune while this process parses and loads
-    args = _parse(argv)
+            planning_worker.start(_option("--model"))  # it imports slimtune while this process parses and loads
+        args = _parse(argv)
     try:
         code = _run(args)
     except Exception as err:  # a bug, or a collective that failed inside torch (FSDP's own)

@@ -1,12 +1,15 @@
-"""Ctrl-C stops a training run, always.
+"""Ctrl-C stops the command line, always: during its imports and while a run trains.
 
 Python's own SIGINT handler raises KeyboardInterrupt wherever the main thread happens to be. When
 that is inside a weakref finalizer or a `__del__` (the CPU meter releases every tensor it counts
 through a finalizer, thousands of times a step), Python prints "Exception ignored in: ..." and
-drops the exception, and the run would train on to its last step and exit 0. Under `watching()`
-the handler also records the request, and `check()`, called where nothing can drop an exception
-(after each step of the loop), raises it again; the block's end raises it too, so a run that was
-asked to stop never ends as if it had not been.
+drops the exception, and the run would train on to its last step and exit 0; inside an extension
+module's initialisation (numpy's, while torch imports) it may be cleared, leaving the module half
+made, so that the command goes on or fails later in a stranger way. Under `watching()` the handler
+also records the request, and `check()`, called where nothing can drop an exception (after each
+step of the loop), raises it again; at the block's end it is raised too, and an error that ends
+the block after the request becomes the KeyboardInterrupt it follows from. A command asked to stop
+never ends as if it had not been.
 
 check() is not called on the way out of a step: in the common case the first raise is not
 dropped, and a second one in the middle of the unwinding would cut its cleanup short.
@@ -43,7 +46,11 @@ def watching() -> Iterator[None]:
     signal.signal(signal.SIGINT, _on_sigint)
     try:
         yield
-        check()  # dropped during the last step or after it: the run still ends as interrupted
+        check()  # dropped during the last step or after it: the command still ends as interrupted
+    except Exception:
+        if _requested:  # what failed was left half done by the interrupt (a module half imported)
+            raise KeyboardInterrupt from None
+        raise
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _requested = False

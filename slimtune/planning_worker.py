@@ -7,9 +7,12 @@ that imported torch takes over a second to tear itself down on two cores, and no
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import signal
+import threading
+from collections.abc import Iterator
 from typing import Any, Callable
 
 _EARLY: Worker | None = None  # started by start(), handed to the next take()
@@ -26,7 +29,8 @@ class Worker:
         context = multiprocessing.get_context("spawn")
         self._connection, child_end = context.Pipe()
         self._process = context.Process(target=_serve, args=(child_end, warm_up), daemon=True)
-        self._process.start()
+        with _deaf_to_ctrl_c_from_birth():
+            self._process.start()
         child_end.close()
 
     def run(self, function: Callable, *args) -> Any:
@@ -51,6 +55,27 @@ class Worker:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def _deaf_to_ctrl_c_from_birth() -> Iterator[None]:
+    """A process started inside begins with SIGINT blocked (the mask survives fork and exec) until
+    _serve ignores it: Ctrl-C reaches the whole process group, and the worker's start-up would
+    otherwise print a KeyboardInterrupt traceback of its own. This process gets a Ctrl-C pressed
+    meanwhile once the block ends (ignoring SIGINT here instead could lose it). multiprocessing's
+    resource tracker unblocks SIGINT when it starts (bpo-33613): started first, it cannot undo the
+    block. The mask is the main thread's: from another thread the worker starts as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _serve(connection, warm_up: tuple[str, str, tuple]) -> None:

@@ -1,0 +1,75 @@
+"""Ctrl-C always stops a run: a KeyboardInterrupt that a finalizer swallows (Python prints "Exception
+ignored in: <finalize object ...>" and drops it) still ends training within the step, with exit 130;
+and Ctrl-C while the imports run, before any command began, exits 130 without a traceback."""
+
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+
+from e2e_helpers import workdir  # noqa: F401  (a fixture)
+from slimtune import cli, train
+
+
+def ctrl_c_inside_a_finalizer() -> None:
+    """What Python does when SIGINT arrives while a finalizer runs (the CPU meter releases each tensor
+    it counts through one): the SIGINT handler is called there, and what it raises is dropped."""
+    class Storage:
+        pass
+
+    storage = Storage()
+    weakref.finalize(storage, lambda: signal.getsignal(signal.SIGINT)(signal.SIGINT, None))
+    del storage  # the last reference: the finalizer runs now, on this thread
+
+
+def test_a_ctrl_c_that_a_finalizer_swallows_still_stops_training(workdir, monkeypatch, capsys):
+    real, stepped = train._train_step, []
+
+    def step_with_ctrl_c_at_3(run, step, *args):
+        real(run, step, *args)
+        stepped.append(step)
+        if step == 3:
+            ctrl_c_inside_a_finalizer()
+
+    dropped = []  # what Python printed as "Exception ignored in: <finalize object ...>"
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(unraisable.exc_type))
+    monkeypatch.setattr(train, "_train_step", step_with_ctrl_c_at_3)
+    monkeypatch.chdir(workdir)
+    assert cli.main(["train", "run.yaml", "--no-progress"]) == 130
+    assert dropped == [KeyboardInterrupt]
+    assert stepped == [1, 2, 3]  # stopped right after the step it was pressed in, of 8
+    assert not (workdir / "out" / "adapter").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "slimtune: interrupted; the last checkpoint is intact."
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+
+
+def torch_is_loading(pid: int) -> bool:
+    """torch's native library is mapped: the process is inside its imports (they take seconds more)."""
+    try:
+        return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc to see the imports under way")
+@pytest.mark.parametrize("command", [
+    [sys.executable, "-m", "slimtune", "plan", "--model", "model", "--gpu", "24GiB"],
+    # the console script `slimtune` is this import and call
+    [sys.executable, "-c", "import sys; from slimtune.cli import main; sys.exit(main())", "train", "run.yaml"],
+], ids=["python -m slimtune plan", "console script train"])
+def test_ctrl_c_while_the_imports_run_exits_130_without_a_word(workdir, command):
+    proc = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not torch_is_loading(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, "torch was never imported"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert (proc.returncode, out, err) == (130, "", "")
