@@ -132,6 +132,23 @@ def test_chat_goes_through_the_template_keeps_the_turns_and_exits_cleanly(runs, 
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_chat_says_a_message_is_not_utf8_and_goes_on_and_a_closed_stdin_is_one_sentence(runs, capsys, monkeypatch):
+    _, lora_run, _ = runs
+    tok = load_tokenizer(BASE)
+    answer = greedy(adapted(lora_run), tok, data.encode_prompt(tok, PROMPTS[1]))
+    piped = b"\xff\xfe\n" + PROMPTS[1].encode() + b"\n"  # `printf '\xff\xfe\n...' | slimtune chat RUN`
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(piped), encoding="utf-8", errors="strict"))
+    assert cli.main(["chat", str(lora_run), "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    captured = capsys.readouterr()
+    assert "slimtune: the message is not UTF-8 text (byte 0xff at character 1); send it as UTF-8.\n" in captured.err
+    assert captured.out == f">>> >>> {answer}\n>>> \n" and "Traceback" not in captured.err
+
+    monkeypatch.setattr(sys, "stdin", None)  # what Python makes of a closed stdin (`slimtune chat RUN <&-`)
+    assert cli.main(["chat", str(lora_run)]) == 2
+    assert capsys.readouterr().err == ("slimtune: error: standard input is closed, so chat has no messages to read;"
+                                       " give one with --prompt.\n")
+
+
 # ---------------------------------------------------------------- eval
 
 
@@ -267,6 +284,7 @@ def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp
     (["chat", "{lora}", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
     (["chat", "{lora}", "--system", "be brief"], "--system needs the chat style"),
     (["chat", "{tmp}/no-adapter"], "holds no adapter/ and no intact checkpoint"),
+    (["chat", "{lora}", "--prompt", "a\udcff\udcfe"], "--prompt is not UTF-8 text (byte 0xff at character 2)"),  # argv
     (["eval", "{lora}", "--data", "{tmp}/bad.jsonl"], "bad.jsonl line 2: not valid JSON"),
     (["eval", "{lora}", "--data", "{tmp}/fields.jsonl"], "fields.jsonl line 1: missing field 'response'"),
     (["eval", "{lora}", "--data", "{tmp}/missing.jsonl"], "does not exist"),
