@@ -382,7 +382,7 @@ def _run(args: argparse.Namespace) -> int:
         commands[args.command](args)
     except UserError as err:
         if not getattr(err, "said", False) and not _said_by_rank0(err):
-            print(f"slimtune: error: {_rank_prefix()}{err}", file=sys.stderr)
+            print(f"slimtune: error: {_rank_prefix(err)}{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         after = "; the last checkpoint is intact" if args.command == "train" else ""
@@ -401,9 +401,12 @@ def _said_by_rank0(err: UserError) -> bool:
     return isinstance(err, distributed.Echo) or not distributed.joined()  # before the job formed: a setting
 
 
-def _rank_prefix() -> str:
+def _rank_prefix(err: UserError | None = None) -> str:
+    """The prefix "rank N: " on a rank other than 0, unless the sentence names its rank itself (a lost peer)."""
     from slimtune import distributed
 
+    if isinstance(err, distributed.PeerFailed):
+        return ""
     return f"rank {distributed.env_rank()}: " if distributed.env_rank() else ""
 
 
