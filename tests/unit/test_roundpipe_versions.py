@@ -3,7 +3,8 @@ which update s - 2 writes. With the next step begun early (as the loop does), st
 update s - 2 may still run, and must wait for it unit by unit. Here every unit's first update is slow,
 so step 2 is dispatched while update 0 still writes its version: a step that did not wait for the
 update two steps before would compute at W0 instead of W1 (a difference of about the learning rate).
-tests/unit/test_roundpipe.py meets this only when random delays happen to order it so."""
+tests/unit/test_roundpipe.py meets this only where its delays (random ones, or the head's update
+held for another reason) happen to order it so."""
 
 import time
 
