@@ -159,8 +159,9 @@ def warm_up(model: str | None) -> None:
 
 
 def _run_config(base: RunConfig, plan: dict) -> RunConfig:
-    """`base` with the plan's dotted-key settings applied, validated like any run config."""
-    return config_module.load(None, [f"{k}={v}" for k, v in plan.items()], base=to_dict(base))
+    """`base` with the plan's dotted-key settings applied, validated like any run config (the planner's
+    own settings: nothing for the user to be warned of)."""
+    return config_module.load(None, [f"{k}={v}" for k, v in plan.items()], base=to_dict(base), warn=lambda text: None)
 
 
 def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_size: int, seq_len: int,
