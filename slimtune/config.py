@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal
 
 import yaml
 
+from slimtune.config_sources import Sources, listed, say_warning, unread_sections
 from slimtune.errors import UserError
 
 
@@ -362,61 +363,9 @@ def load(path: str | Path | None, overrides: list[str] = (), base: dict | None =
     cfg.validate()
     ignored = unread_sections(cfg, sources.given())
     if ignored:
-        (warn or _warn)(f"{_all(ignored)} {'is' if len(ignored) == 1 else 'are'} set but engine is {cfg.engine}:"
-                        " ignored.")
+        (warn or say_warning)(f"{listed(ignored)} {'is' if len(ignored) == 1 else 'are'} set but engine is"
+                              f" {cfg.engine}: ignored.")
     return cfg
-
-
-class Sources:
-    """Where each key the user gave came from, for the sentence that names it: 'in FILE line N', or
-    'on the command line' (an override replaces what the file said under its key)."""
-
-    def __init__(self, default: str):
-        self.default = default  # a key given by neither (the file as a whole, or `base`)
-        self.places: dict[str, str] = {}
-
-    def give(self, key: str, place: str) -> None:
-        self.places = {k: v for k, v in self.places.items() if k != key and not k.startswith(key + ".")}
-        self.places[key] = place
-
-    def of(self, key: str) -> str:
-        parts = key.split(".")
-        while parts:
-            place = self.places.get(".".join(parts))
-            if place is not None:
-                return place
-            parts.pop()
-        return self.default
-
-    def given(self) -> list[str]:
-        """The keys given, the innermost of each (chunk.n_chunks rather than chunk), in order."""
-        return [k for k in self.places if not any(other.startswith(k + ".") for other in self.places)]
-
-
-def unread_sections(cfg: RunConfig, given: list[str]) -> list[str]:
-    """The given keys of engine sections the run does not read. A section is read by its own engine,
-    or by another that says so (the section's `read_by(cfg)`: slide's chunk working set reads chunk.*).
-    None under plan=auto: the planner chooses the engine later."""
-    if cfg.plan == "auto":
-        return []
-    unread = set()
-    for name, section in cfg.sections.items():
-        read_by = getattr(section, "read_by", None)
-        if not (read_by(cfg) if read_by is not None else cfg.engine == name):
-            unread.add(name)
-    return [key for key in given if key.split(".")[0] in unread]
-
-
-def _all(keys: list[str]) -> str:
-    return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"
-
-
-def _warn(text: str) -> None:
-    import os
-    import sys
-
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank loads the settings: one says it
-        print(f"slimtune: warning: {text}", file=sys.stderr)
 
 
 def _read_yaml(path: Path, sources: Sources) -> dict:
@@ -433,18 +382,8 @@ def _read_yaml(path: Path, sources: Sources) -> dict:
         return {}
     if not isinstance(raw, dict):
         raise UserError(f"{path} must hold a mapping of settings at the top level.")
-    _note_lines(yaml.compose(text, Loader=yaml.SafeLoader), "", path, sources)
+    sources.note_lines(yaml.compose(text, Loader=yaml.SafeLoader), "", path)
     return raw
-
-
-def _note_lines(node: yaml.Node, prefix: str, path: Path, sources: Sources) -> None:
-    """Each key's line in the file, nested sections' keys dotted."""
-    if not isinstance(node, yaml.MappingNode):
-        return
-    for key_node, value_node in node.value:
-        key = f"{prefix}{key_node.value}"
-        sources.give(key, f"in {path} line {key_node.start_mark.line + 1}")
-        _note_lines(value_node, key + ".", path, sources)
 
 
 def _apply_override(raw: dict, item: str, sources: Sources) -> None:

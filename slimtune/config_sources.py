@@ -1,0 +1,71 @@
+"""Where each setting the user gave came from (a YAML file's line, or the command line), for the sentence
+that names a mistyped key; and which given settings the run will not read (another engine's section),
+said once as a warning. config.load keeps one Sources while it reads the file and the overrides."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+
+class Sources:
+    """Dotted key -> 'in FILE line N' or 'on the command line'; an override replaces what the file
+    said under its key. A key given by neither is placed by `default` (the file as a whole, or the
+    settings a caller handed in)."""
+
+    def __init__(self, default: str):
+        self.default = default
+        self.places: dict[str, str] = {}
+
+    def give(self, key: str, place: str) -> None:
+        self.places = {k: v for k, v in self.places.items() if k != key and not k.startswith(key + ".")}
+        self.places[key] = place
+
+    def note_lines(self, node: yaml.Node, prefix: str, path: Path) -> None:
+        """Each key's line in a composed YAML document, nested sections' keys dotted."""
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            self.give(key, f"in {path} line {key_node.start_mark.line + 1}")
+            self.note_lines(value_node, key + ".", path)
+
+    def of(self, key: str) -> str:
+        parts = key.split(".")
+        while parts:
+            place = self.places.get(".".join(parts))
+            if place is not None:
+                return place
+            parts.pop()
+        return self.default
+
+    def given(self) -> list[str]:
+        """The keys given, the innermost of each (chunk.n_chunks rather than chunk), in order."""
+        return [k for k in self.places if not any(other.startswith(k + ".") for other in self.places)]
+
+
+def unread_sections(cfg, given: list[str]) -> list[str]:
+    """The given keys of engine sections the run (a RunConfig) does not read. A section is read by its
+    own engine, or by another that says so (the section's `read_by(cfg)`: slide's chunk working set
+    reads chunk.*). None under plan=auto: the planner chooses the engine later."""
+    if cfg.plan == "auto":
+        return []
+    unread = set()
+    for name, section in cfg.sections.items():
+        read_by = getattr(section, "read_by", None)
+        if not (read_by(cfg) if read_by is not None else cfg.engine == name):
+            unread.add(name)
+    return [key for key in given if key.split(".")[0] in unread]
+
+
+def listed(keys: list[str]) -> str:
+    return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"
+
+
+def say_warning(text: str) -> None:
+    """A line on stderr; under torchrun every rank loads the settings, and rank 0 alone says it."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"slimtune: warning: {text}", file=sys.stderr)
