@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from slimtune.distributed import SINGLE, Dist
 from slimtune.errors import UserError
+from slimtune.units import human_bytes
 
 PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
@@ -115,8 +116,6 @@ def write_failure(err: BaseException, final: Path, needed: int | None = None) ->
     if cause is None:
         return None
     if cause.errno in NO_SPACE:
-        from slimtune.metrics import human_bytes  # metrics imports this module
-
         need = f"it needs about {human_bytes(needed)}, " if needed else ""
         return (f"no space left on the device to write '{final}' ({need}{human_bytes(_free_bytes(final))} free);"
                 " nothing was kept of it and what was written before is intact: free some space and run the same"

@@ -128,7 +128,7 @@ def check_out(run_dir: Path, cfg: dict, out: Path, setting: str) -> None:
     """The export's folder may be written: not the run's folder or anything of it but its merged/, not
     the base model's folder nor the data, absent, empty or a merged model slimtune wrote; writable.
     `setting`: how the sentences name it ("--out", or "the export folder" when it is the default)."""
-    from slimtune import inference, run_folder
+    from slimtune import run_folder
 
     own = [results.Kept(run_dir, "the run's folder", inside_ok=True)]
     own += [results.Kept(run_dir / name, f"the run's {name}") for name in run_folder.RUN_FILES
@@ -136,7 +136,7 @@ def check_out(run_dir: Path, cfg: dict, out: Path, setting: str) -> None:
     data = cfg.get("data") or {}
     recorded = {"the base model's folder": cfg.get("model"), "the training data (data.path)": data.get("path"),
                 "the evaluation data (data.eval_path)": data.get("eval_path")}
-    places = {what: inference.trained_path(run_dir, cfg, str(value)) for what, value in recorded.items() if value}
+    places = {what: results.trained_path(run_dir, cfg, str(value)) for what, value in recorded.items() if value}
     results.check_target(out, "merged", f"{setting} '{out}'", own + results.existing(places), "choose another --out")
     run_folder.check_writable(out.resolve() if out.is_symlink() else out, setting, replaced=True)
 

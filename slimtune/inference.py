@@ -97,9 +97,9 @@ def _run(folder: Path) -> Source:
     cfg = _read_yaml(folder / "config.yaml")
     data = dict(cfg.get("data") or {})
     if data.get("chat_template"):
-        found = trained_path(folder, cfg, data["chat_template"])
+        found = results.trained_path(folder, cfg, data["chat_template"])
         data["chat_template"] = str(found) if found is not None else data["chat_template"]
-    base = trained_path(folder, cfg, cfg["model"])
+    base = results.trained_path(folder, cfg, cfg["model"])
     missing = (f"the base model '{cfg['model']}' that run '{folder}' trained from (config.yaml `model`) is not "
                "found.")
     if cfg.get("method") == "full":
@@ -154,20 +154,6 @@ def _result_step(folder: Path) -> int | None:
     except (OSError, json.JSONDecodeError):
         return None
     return result.get("step") if isinstance(result, dict) else None
-
-
-def trained_path(run_dir: Path, cfg: dict, value: str) -> Path | None:
-    """`value`, a path the run recorded, as it exists now: as written (absolute, or from here), or
-    from the folder the training ran in (the run folder less output_dir's parts). None: neither."""
-    path = Path(value)
-    candidates = [path]
-    out = Path(str(cfg.get("output_dir", "")))
-    root = run_dir.resolve()
-    if not path.is_absolute() and not out.is_absolute() and out.parts and ".." not in out.parts:
-        n = len(out.parts)
-        if root.parts[-n:] == out.parts:
-            candidates.insert(0, Path(*root.parts[:-n]) / path)
-    return next((c for c in candidates if c.exists()), None)
 
 
 # ---------------------------------------------------------------- loading

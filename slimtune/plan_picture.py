@@ -17,7 +17,7 @@ from pathlib import Path
 
 from slimtune import memory
 from slimtune.errors import UserError
-from slimtune.metrics import human_bytes
+from slimtune.units import human_bytes
 from slimtune.planner import CUDA_OVERHEAD_BYTES, HOST_RAM_SHARE, Machine, PlanResult
 
 GIB = 2**30

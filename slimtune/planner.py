@@ -20,7 +20,7 @@ from slimtune import config_json, engines, estimate, planning_worker, presets, r
 from slimtune.estimate_cache import cached_estimate, is_cached
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
-from slimtune.metrics import human_bytes
+from slimtune.units import human_bytes
 
 # CUDA context and allocator slack a process holds beyond its tensors (PLATFORM.md: 0.5-1 GiB).
 # Assumed: benchmarks/cases/device_checks.py measures it on a GPU (context bytes beside this figure).

@@ -149,3 +149,17 @@ def verify(folder: Path, what: str) -> None:
     if reason is not None:
         raise UserError(f"{what} '{folder}' is damaged: {reason} (its {MANIFEST} has each file's size and CRC-32);"
                         " restore the file or write the folder again.")
+
+
+def trained_path(run_dir: Path, cfg: dict, value: str) -> Path | None:
+    """`value`, a path the run recorded, as it exists now: as written (absolute, or from here), or
+    from the folder the training ran in (the run folder less output_dir's parts). None: neither."""
+    path = Path(value)
+    candidates = [path]
+    out = Path(str(cfg.get("output_dir", "")))
+    root = run_dir.resolve()
+    if not path.is_absolute() and not out.is_absolute() and out.parts and ".." not in out.parts:
+        n = len(out.parts)
+        if root.parts[-n:] == out.parts:
+            candidates.insert(0, Path(*root.parts[:-n]) / path)
+    return next((c for c in candidates if c.exists()), None)

@@ -40,7 +40,7 @@ from torch import nn
 
 from slimtune.errors import UserError
 from slimtune.memory import host_allocation, mark_host_resident
-from slimtune.metrics import human_bytes
+from slimtune.units import human_bytes
 
 SLOT_ALIGN = 256  # bytes: every tensor view in a slot starts on this boundary
 

@@ -31,7 +31,8 @@ from slimtune.config import RunConfig, to_dict
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
 from slimtune.distributed import SINGLE, Dist
-from slimtune.metrics import MetricsLog, RankLog, check_trackers, format_table, human_bytes
+from slimtune.metrics import MetricsLog, RankLog, check_trackers, format_table
+from slimtune.units import human_bytes
 from slimtune.model import Stack, load_tokenizer, read_config
 from slimtune.resume_settings import changes as settings_changes, refuse
 from slimtune.run_folder import RunFolder

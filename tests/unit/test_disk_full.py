@@ -20,7 +20,7 @@ from slimtune import runtime
 from slimtune.chunk.state import ON_DISK
 from slimtune.engines.chunk import ChunkConfig
 from slimtune.errors import UserError
-from slimtune.metrics import human_bytes
+from slimtune.units import human_bytes
 from slimtune.optim.host_adam import MOMENTS_ON_DISK, Group, HostAdam, moments_folder
 
 CPU = torch.device("cpu")
