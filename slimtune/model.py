@@ -128,6 +128,9 @@ def check_depth(folder: str | Path, where: str, found: dict, config: dict) -> No
     the first weight too many."""
     held = {int(match.group(1)) for key in found if (match := _LAYER_INDEX.search(key))}
     claimed = config["num_hidden_layers"]
+    if not held:  # not one block: the weights are not of this model, whatever its depth
+        raise UserError(f"model folder '{folder}': the weights in {where} hold none of the {claimed:,} layers its "
+                        "config.json describes; they are another model's or damaged.")
     if claimed > len(held):
         raise UserError(f"model folder '{folder}': config.json says num_hidden_layers is {claimed:,} but the weights "
                         f"in {where} are those of {len(held):,} layers; one of them is damaged or another model's.")

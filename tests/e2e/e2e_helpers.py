@@ -13,11 +13,7 @@ from conftest import save_tiny_model, write_jsonl
 @pytest.fixture()
 def workdir(tmp_path, tokenizer) -> Path:
     save_tiny_model(tmp_path / "model", tokenizer)
-    rng = random.Random(0)
-    records = [{"prompt": f"question: what is {a} plus {b}? answer:", "response": f" {a + b}"}
-               for a in range(10) for b in range(10)]
-    rng.shuffle(records)
-    write_jsonl(tmp_path / "train.jsonl", records)
+    write_sums(tmp_path / "train.jsonl")
     (tmp_path / "run.yaml").write_text(
         "model: model\n"
         "data: {path: train.jsonl, format: prompt_response, max_length: 64}\n"
@@ -27,6 +23,14 @@ def workdir(tmp_path, tokenizer) -> Path:
         "output_dir: out\n"
     )
     return tmp_path
+
+
+def write_sums(path: Path) -> None:
+    """The e2e task: 100 prompt_response rows "what is a plus b?", shuffled by a fixed seed."""
+    records = [{"prompt": f"question: what is {a} plus {b}? answer:", "response": f" {a + b}"}
+               for a in range(10) for b in range(10)]
+    random.Random(0).shuffle(records)
+    write_jsonl(path, records)
 
 
 def slimtune(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:

@@ -20,8 +20,8 @@ def replace_with_foreign_tensors(model):
 
 DAMAGE = {
     "truncated": (truncate, "model.safetensors is not a readable safetensors file"),
-    "foreign": (replace_with_foreign_tensors, "no weight 'model.embed_tokens.weight' of the model its config.json "
-                "describes is in model.safetensors"),
+    "foreign": (replace_with_foreign_tensors, "the weights in model.safetensors hold none of the 2 layers its "
+                "config.json describes; they are another model's or damaged"),
 }
 
 

@@ -16,7 +16,6 @@ import errno
 import hashlib
 import json
 import os
-import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import save_tiny_model, write_jsonl
+from e2e_helpers import write_sums
 from slimtune import checkpoint, cli, train
 
 MANIFEST = "slimtune-result.json"  # MANIFEST, spelled out: a user's tools may look for it by name
@@ -43,11 +43,7 @@ def project(tmp_path_factory, tokenizer) -> Path:
     (4 steps, checkpoints at 2 and 4, the result adapter/)."""
     root = tmp_path_factory.mktemp("project")
     save_tiny_model(root / "model", tokenizer)
-    rng = random.Random(0)
-    records = [{"prompt": f"question: what is {a} plus {b}? answer:", "response": f" {a + b}"}
-               for a in range(10) for b in range(10)]
-    rng.shuffle(records)
-    write_jsonl(root / "train.jsonl", records)
+    write_sums(root / "train.jsonl")
     (root / "run.yaml").write_text(RUN_YAML)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
