@@ -20,12 +20,13 @@ import fnmatch
 import torch
 from torch import nn
 
-from slimtune import engines, lora, quant
+from slimtune import engines
+from slimtune.model import lora, quant
 from slimtune.config import RunConfig
-from slimtune.distributed import SINGLE, Dist
+from slimtune.dist.ranks import SINGLE, Dist
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
-from slimtune.model import Stack, load_model
+from slimtune.model.stack import Stack, load_model
 
 HOST = torch.device("cpu")
 

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from slimtune import interrupts
+from slimtune.run import interrupts
 from slimtune.errors import UserError
 
 TRAIN_EPILOG = """\
@@ -68,7 +68,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     probe = sub.add_parser("probe", help="measure this machine's device and write a GPU profile")
     probe.add_argument("--out", help="write the profile here (JSON, usable as --gpu FILE)")
     simulate = sub.add_parser("simulate", help="RoundPipe's schedule beside GPipe and 1F1B: bubble and step time, simulated")
-    from slimtune.pipeline import simulate as pipeline_simulate
+    from slimtune.engines.roundpipe import simulate as pipeline_simulate
 
     pipeline_simulate.add_arguments(simulate)
     export = sub.add_parser("export", help="write a merged HF model folder from a LoRA run")
@@ -86,7 +86,7 @@ DEVICE_HELP = "auto (default: CUDA when present), cpu, cuda, cuda:N"
 
 
 def _add_chat(sub) -> None:
-    from slimtune.conversation import STYLES
+    from slimtune.serve.chat import STYLES
 
     chat = sub.add_parser("chat", help="talk to a trained model in the terminal, answers streamed as they come")
     chat.add_argument("run_dir", help=RUN_DIR_HELP)
@@ -102,7 +102,7 @@ def _add_chat(sub) -> None:
 
 
 def _add_eval(sub) -> None:
-    from slimtune.scoring import ANSWER_SLACK, FORMATS
+    from slimtune.serve.evaluate import ANSWER_SLACK, FORMATS
 
     evaluate = sub.add_parser("eval", help="loss, perplexity and exact match of greedy answers on a data file")
     evaluate.add_argument("run_dir", help=RUN_DIR_HELP)
@@ -187,7 +187,7 @@ def _train_or_demo(args: argparse.Namespace) -> None:
         overrides.append(f"gpu={args.gpu}")
     _refuse_nonpositive(("--nproc", args.nproc))
     if args.nproc is not None and args.nproc > 1:
-        from slimtune import distributed
+        from slimtune.dist import ranks as distributed
 
         if distributed.launched():
             raise UserError("--nproc starts torchrun itself; under torchrun leave it out (each rank is one process).")
@@ -217,7 +217,8 @@ def _without_nproc(words: list[str]) -> list[str]:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from slimtune import planner, presets
+    from slimtune.planning import planner
+    from slimtune import presets
 
     if args.seq <= 0 or args.batch <= 0 or args.rank <= 0:
         raise UserError("--seq, --batch and --rank must be positive.")
@@ -228,14 +229,14 @@ def _plan(args: argparse.Namespace) -> None:
     title = f"slimtune plan: {args.model}, {args.method}, batch {args.batch} x seq {args.seq}, on {machine.describe()}"
     print(planner.to_json(results) if args.json else planner.table(results, title, machine, detail=args.detail))
     if args.png:
-        from slimtune import plan_picture
+        from slimtune.planning import picture as plan_picture
 
         written = plan_picture.write_png(results, machine, args.png, title)
         print(f"plan picture written to {written}", file=sys.stderr if args.json else sys.stdout)
 
 
 def _probe(args: argparse.Namespace) -> None:
-    from slimtune import probe
+    from slimtune.planning import probe
 
     profile = probe.run(args.out)
     for key, value in profile.items():
@@ -245,7 +246,7 @@ def _probe(args: argparse.Namespace) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> None:
-    from slimtune.pipeline import simulate
+    from slimtune.engines.roundpipe import simulate
 
     simulate.run(args)
 
@@ -259,7 +260,7 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _chat(args: argparse.Namespace) -> None:
-    from slimtune import conversation, inference
+    from slimtune.serve import chat as conversation, inference
 
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UserError(f"--temperature must be 0 (greedy) or a positive number, got {args.temperature}.")
@@ -282,7 +283,7 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from slimtune import inference, scoring
+    from slimtune.serve import inference, evaluate as scoring
 
     _refuse_nonpositive(("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens))
     source = inference.resolve(args.run_dir)
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 def _interrupted_early(argv: list[str] | None) -> int:
     """Exit 130 without a word; the command line's own process ends at once (torch half imported
     need not be torn down), and stops the planning worker `plan` may have started."""
-    from slimtune import planning_worker
+    from slimtune.planning import worker as planning_worker
 
     planning_worker.discard()
     if argv is None:
@@ -329,7 +330,7 @@ def _interrupted_early(argv: list[str] | None) -> int:
 def _main(argv: list[str] | None) -> int:
     with interrupts.watching():  # the imports: Ctrl-C there may land in an extension's init, which drops it
         if argv is None and sys.argv[1:2] == ["plan"]:  # the command line itself, not a caller in-process
-            from slimtune import planning_worker
+            from slimtune.planning import worker as planning_worker
 
             planning_worker.start(_option("--model"))  # it imports slimtune while this process parses and loads
         args = _parse(argv)
@@ -338,7 +339,7 @@ def _main(argv: list[str] | None) -> int:
     except Exception as err:  # a bug, or a collective that failed inside torch (FSDP's own)
         if not _in_a_failed_job():
             raise
-        from slimtune import distributed
+        from slimtune.dist import ranks as distributed
 
         if distributed.lost_a_peer(err):  # inside torch's own collectives (FSDP's): not a bug
             print(f"slimtune: error: {_rank_prefix()}another rank {distributed.what_happened(err)} inside torch's"
@@ -359,7 +360,7 @@ def _main(argv: list[str] | None) -> int:
 def _in_a_failed_job() -> bool:
     """A rank whose job failed: its process group may be broken, and tearing down the interpreter
     with gloo's threads still waiting on it aborts the process (SIGABRT) or hangs."""
-    from slimtune import distributed
+    from slimtune.dist import ranks as distributed
 
     return distributed.joined()
 
@@ -394,7 +395,7 @@ def _run(args: argparse.Namespace) -> int:
 def _said_by_rank0(err: UserError) -> bool:
     """Under torchrun rank 0 says what every rank would say alike (a config error, rank 0's own
     refusal handed on as distributed.Echo); the others end without repeating it."""
-    from slimtune import distributed
+    from slimtune.dist import ranks as distributed
 
     if distributed.env_rank() == 0 or isinstance(err, distributed.JoinFailed):
         return False
@@ -403,7 +404,7 @@ def _said_by_rank0(err: UserError) -> bool:
 
 def _rank_prefix(err: UserError | None = None) -> str:
     """The prefix "rank N: " on a rank other than 0, unless the sentence names its rank itself (a lost peer)."""
-    from slimtune import distributed
+    from slimtune.dist import ranks as distributed
 
     if isinstance(err, distributed.PeerFailed):
         return ""

@@ -10,7 +10,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from slimtune import checkpoint, lora, results
+from slimtune.store import checkpoint, results
+from slimtune.model import lora
 from slimtune.config import LoraConfig
 from slimtune.errors import UserError
 
@@ -96,7 +97,7 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     newest is the result (adapter/) unless a checkpoint holds a later step (a run stopped or killed
     after it resumed) or adapter/ is gone: then the checkpoint's adapter weights are merged, and the
     return says so. Where it writes is checked before anything loads (check_out)."""
-    from slimtune.model import load_model, load_tokenizer
+    from slimtune.model.stack import load_model, load_tokenizer
 
     run_dir = Path(run_dir)
     config_path = run_dir / "config.yaml"
@@ -128,7 +129,7 @@ def check_out(run_dir: Path, cfg: dict, out: Path, setting: str) -> None:
     """The export's folder may be written: not the run's folder or anything of it but its merged/, not
     the base model's folder nor the data, absent, empty or a merged model slimtune wrote; writable.
     `setting`: how the sentences name it ("--out", or "the export folder" when it is the default)."""
-    from slimtune import run_folder
+    from slimtune.run import folder as run_folder
 
     own = [results.Kept(run_dir, "the run's folder", inside_ok=True)]
     own += [results.Kept(run_dir / name, f"the run's {name}") for name in run_folder.RUN_FILES

@@ -13,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-from slimtune import checkpoint
+from slimtune.store import checkpoint
 from slimtune.errors import UserError
 
 # Once a rank fails, the others get SIGTERM and this long to end before SIGKILL (torchrun's default

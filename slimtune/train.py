@@ -26,16 +26,21 @@ from pathlib import Path
 import torch
 import yaml
 
-from slimtune import assembly, checkpoint, data, distributed, engines, export, interrupts, planner, presets
+from slimtune import assembly, engines, export, presets
+from slimtune.store import checkpoint
+from slimtune.data import dataset as data
+from slimtune.dist import ranks as distributed
+from slimtune.run import interrupts
+from slimtune.planning import planner
 from slimtune.config import RunConfig, to_dict
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
-from slimtune.distributed import SINGLE, Dist
-from slimtune.metrics import MetricsLog, RankLog, check_trackers, format_table
+from slimtune.dist.ranks import SINGLE, Dist
+from slimtune.run.metrics import MetricsLog, RankLog, check_trackers, format_table
 from slimtune.units import human_bytes
-from slimtune.model import Stack, load_tokenizer, read_config
-from slimtune.resume_settings import changes as settings_changes, refuse
-from slimtune.run_folder import RunFolder
+from slimtune.model.stack import Stack, load_tokenizer, read_config
+from slimtune.run.resume_settings import changes as settings_changes, refuse
+from slimtune.run.folder import RunFolder
 
 
 @dataclass

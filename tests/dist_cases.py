@@ -14,12 +14,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
 
 from conftest import engine_config  # noqa: E402
 from test_slide import batches, model_of  # noqa: E402
-from slimtune import assembly, distributed, train  # noqa: E402
-from slimtune.engines.chunk import ChunkConfig  # noqa: E402
+from slimtune import assembly, train
+from slimtune.dist import ranks as distributed  # noqa: E402
+from slimtune.engines.chunk.engine import ChunkConfig  # noqa: E402
 from slimtune.config import DistConfig, TrainConfig  # noqa: E402
-from slimtune.engines.lsp import LspConfig  # noqa: E402
-from slimtune.engines.slide import SlideConfig  # noqa: E402
-from slimtune.pipeline.settings import RoundPipeConfig  # noqa: E402
+from slimtune.engines.lsp.engine import LspConfig  # noqa: E402
+from slimtune.engines.slide.engine import SlideConfig  # noqa: E402
+from slimtune.engines.roundpipe.settings import RoundPipeConfig  # noqa: E402
 
 CPU = torch.device("cpu")
 # fp32 sums the ranks' gradients in another order than one process does. Where contributions cancel,

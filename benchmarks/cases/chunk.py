@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 from _accuracy import time_to_accuracy
-from slimtune import config, estimate, presets
+from slimtune import config, presets
+from slimtune.planning import estimate
 
 GIB = 2**30
 SEQ = 1024

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from slimtune import assembly, distributed
+from slimtune import assembly
+from slimtune.dist import ranks as distributed
 from slimtune.demo import SETTINGS
 
 STEPS = 30
@@ -91,7 +92,7 @@ ENGINES = {
 
 def _payloads(quick: bool) -> list[dict]:
     from slimtune import config as config_module
-    from slimtune.data import IGNORE_INDEX, Batch
+    from slimtune.data.dataset import IGNORE_INDEX, Batch
 
     model = _small_model()
     rows, seq = (2, 32) if quick else (4, 128)

@@ -46,9 +46,9 @@ import torch
 
 from slimtune import config as config_module
 from slimtune import assembly, presets
-from slimtune.data import IGNORE_INDEX, Batch
-from slimtune.estimate import estimate
-from slimtune.pipeline.stages import uniform_partition
+from slimtune.data.dataset import IGNORE_INDEX, Batch
+from slimtune.planning.estimate import estimate
+from slimtune.engines.roundpipe.stages import uniform_partition
 
 GIB = 2**30
 RESIDENT_PLANS = (
@@ -138,7 +138,7 @@ def context_bytes() -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device: the CPU has no context to measure"}
     free, total = torch.cuda.mem_get_info()
-    from slimtune import planner
+    from slimtune.planning import planner
 
     held = total - free - torch.cuda.memory_reserved()
     return {"held_beyond_reserved_bytes": held, "reserved_bytes": torch.cuda.memory_reserved(),
@@ -213,7 +213,7 @@ def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def lsp_compressed_gradient(quick: bool) -> dict:
     """G_c of a bf16 ProjectedLinear on the device against P_o^T (dY^T X) P_i in float64 (rtol 1e-3)."""
     from slimtune.optim.projectors import SparseProjector
-    from slimtune.lsp.projected_linear import ProjectedLinear
+    from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
     n_o, n_i, tokens, d = (256, 512, 256, 64) if quick else (4096, 14336, 2048, 512)
     where, g = device(), torch.Generator().manual_seed(0)

@@ -3,7 +3,7 @@ section 3) with slimtune's own techniques, batch 1, fp32 compute, LoRA r=16 alph
 seven linears, the LAST 30% of each sequence trainable (one example per row).
 
 Part 1: the device peak of step 2 of the real resident step run on fake tensors (the method of
-slimtune.estimate, replicated here so the batch can carry this label pattern) for the
+slimtune.planning.estimate, replicated here so the batch can carry this label pattern) for the
 Llama-3.2-3B and Qwen2.5-3B shapes at 1K..16K tokens, beside the paper's figures.
 Part 2: the same ladder run for real (random weights, 2 layers, T=512, CPU meter) beside its
 fake-tensor estimate.
@@ -32,9 +32,9 @@ import torch
 
 from slimtune import config as config_module
 from slimtune import assembly, presets
-from slimtune.data import IGNORE_INDEX, Batch
-from slimtune.estimate import STEPS, estimate
-from slimtune.model import Stack
+from slimtune.data.dataset import IGNORE_INDEX, Batch
+from slimtune.planning.estimate import STEPS, estimate
+from slimtune.model.stack import Stack
 
 GIB = 2**30
 MODELS = ("Llama-3.2-3B", "Qwen2.5-3B")
@@ -117,7 +117,7 @@ def _result_row(result, seconds: float, trainable: int) -> dict:
 
 
 def fake_estimate(model_config, cfg, batch: Batch) -> dict:
-    """slimtune.estimate.estimate on our own batch: two engine steps on fake tensors, step 2 metered."""
+    """slimtune.planning.estimate.estimate on our own batch: two engine steps on fake tensors, step 2 metered."""
     began = time.perf_counter()
     found = estimate(model_config, cfg, *batch.input_ids.shape, batch=batch)
     step = step_peak_bytes(found.device_peak_bytes, found.breakdown)

@@ -8,7 +8,7 @@ batch * SEQ_LEN input positions per step and both take the same SDPA is_causal p
 Each (side, metered) pair runs in its own subprocess (separate peak RSS, no shared
 allocator state), in interleaved order so that load from other users hits both sides.
 
-Memory, both sides: slimtune.memory.LiveBytesMeter (live CPU tensor-storage bytes)
+Memory, both sides: slimtune.device.memory.LiveBytesMeter (live CPU tensor-storage bytes)
 entered at the start of each optimizer step and left at its end, with the model's
 parameters, gradients and optimizer state registered as resident. slimtune does that
 inside ResidentEngine.step; for HF a TrainerCallback does it from on_step_begin to
@@ -138,9 +138,9 @@ def hf_encode(tok, prompt: str, response: str) -> dict:
 
 def same_tokens(model_dir: Path, data_path: Path) -> bool:
     """slimtune's own tokenization of the file gives exactly the ids and trained tokens the HF side uses."""
-    from slimtune import data
+    from slimtune.data import dataset as data
     from slimtune.config import DataConfig
-    from slimtune.model import load_tokenizer
+    from slimtune.model.stack import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     cfg = DataConfig(path=str(data_path), max_length=SEQ_LEN, eval_fraction=0.0)
@@ -213,7 +213,7 @@ def step_callback(metered: bool, batch_positions: int):
     import torch
     from transformers import TrainerCallback
 
-    from slimtune.memory import LiveBytesMeter
+    from slimtune.device.memory import LiveBytesMeter
 
     class StepMeter(TrainerCallback):
         def __init__(self):

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from _accuracy import time_to_accuracy
-from slimtune import config, data, demo
-from slimtune.model import load_model, load_tokenizer
+from slimtune import config, demo
+from slimtune.data import dataset as data
+from slimtune.model.stack import load_model, load_tokenizer
 from slimtune.optim import projectors
 
 GIB = 2**30

@@ -17,9 +17,11 @@ import time
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from slimtune import assembly, config, data, estimate, presets
-from slimtune.lsp import sizing
-from slimtune.model import Stack
+from slimtune import assembly, config, presets
+from slimtune.data import dataset as data
+from slimtune.planning import estimate
+from slimtune.engines.lsp import sizing
+from slimtune.model.stack import Stack
 
 GIB = 2**30
 SEQ = 1024

@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 
-from slimtune import config, estimate, planner, presets
+from slimtune import config, presets
+from slimtune.planning import estimate, planner
 
 SEQ = 2048
 PRESETS = ("Llama-3.2-1B", "Llama-3.1-8B", "Qwen2.5-7B")

@@ -4,8 +4,8 @@ whether its bytes equal the fake step at full depth (every plan, by_depth=False;
 after the timings), and what fits at 24 GiB and 8 GiB; and an outside reference: the plain Hugging
 Face step for Llama-3-8B at seq 1024, batch 1, counted by the same meter.
 
-Every device figure is the real step run on fake tensors (slimtune.estimate) and counted by
-the training loop's meter; every tokens/s is modelled (slimtune.speed) on the generic card
+Every device figure is the real step run on fake tensors (slimtune.planning.estimate) and counted by
+the training loop's meter; every tokens/s is modelled (slimtune.device.speed) on the generic card
 of each size (the RTX 4090's spec-sheet rates).
 """
 
@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slimtune import config, estimate, planner, presets
-from slimtune.estimate import fake_model, make_fake, meta_model, synthetic_batch
-from slimtune.memory import LiveBytesMeter
+from slimtune import config, presets
+from slimtune.planning import estimate, planner
+from slimtune.planning.estimate import fake_model, make_fake, meta_model, synthetic_batch
+from slimtune.device.memory import LiveBytesMeter
 
 SEQ, BATCH = 2048, 1
 SIZES = ("24GiB", "8GiB")

@@ -18,10 +18,10 @@ import time
 import torch
 
 from slimtune import config as config_module
-from slimtune.data import IGNORE_INDEX, Batch
+from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.engines.resident import ResidentEngine
-from slimtune.engines.roundpipe import RoundPipeEngine
-from slimtune.model import Stack
+from slimtune.engines.roundpipe.engine import RoundPipeEngine
+from slimtune.model.stack import Stack
 
 STEPS = 6
 

@@ -1,4 +1,4 @@
-"""RoundPipe's schedule simulated (slimtune.pipeline.simulate, issue 14) on the spec's configurations:
+"""RoundPipe's schedule simulated (slimtune.engines.roundpipe.simulate, issue 14) on the spec's configurations:
 8 x RTX 4090, 16 micro-batches a step, against GPipe, 1F1B and interleaved 1F1B.
 
 Part 1, modelled: Qwen3-1.7B/8B/14B/32B and Llama-3.1-8B shapes from the presets, per-layer costs
@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from slimtune.pipeline import baselines, cost_model, simulate
+from slimtune.engines.roundpipe import baselines, cost_model, simulate
 
 WORKERS, MICRO_BATCHES = 8, 16
 MODELS = ("Qwen3-1.7B", "Qwen3-8B", "Llama-3.1-8B", "Qwen3-14B", "Qwen3-32B")
@@ -68,7 +68,7 @@ def work_per_step(costs, micro_batches: int) -> float:
 def head_whole(costs, micro_batches: int, accumulate: int) -> dict:
     """RoundPipe async on the partitioner's plan with the LM head + loss kept as one job (the plan
     before token shards): what cutting the head by tokens gains."""
-    from slimtune.pipeline.partitioner import plan_stages
+    from slimtune.engines.roundpipe.partitioner import plan_stages
 
     part = plan_stages(costs.layers, WORKERS, memory_cap=costs.memory_cap)
     s = simulate.simulate_roundpipe(costs, WORKERS, micro_batches * accumulate, part, "async",

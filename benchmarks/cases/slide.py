@@ -1,6 +1,6 @@
 """Engine slide: what it needs on the device and the host, and what its machinery costs.
 
-Part 1: the device peak of the real slide step run on fake tensors (slimtune.estimate, the
+Part 1: the device peak of the real slide step run on fake tensors (slimtune.planning.estimate, the
 training meter) for Llama-3.1-8B, Qwen2.5-7B and Qwen2.5-14B at 1K and 4K tokens, batch 1, full
 fine-tuning, bf16 compute with fp32 master weights and fp32 AdamW moments on the host, clipping on,
 block inputs in host RAM; with the host RAM it holds (masters, gradient accumulators, moments, bf16
@@ -24,8 +24,8 @@ import torch
 
 from slimtune import config as config_module
 from slimtune import assembly, presets
-from slimtune.data import IGNORE_INDEX, Batch
-from slimtune.estimate import estimate
+from slimtune.data.dataset import IGNORE_INDEX, Batch
+from slimtune.planning.estimate import estimate
 
 GIB = 2**30
 MODELS = ("Llama-3.1-8B", "Qwen2.5-7B", "Qwen2.5-14B")

@@ -14,9 +14,11 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from slimtune import assembly, config, presets, probe, speed
-from slimtune.estimate import synthetic_batch
-from slimtune.model import Stack
+from slimtune import assembly, config, presets
+from slimtune.planning import probe
+from slimtune.device import speed
+from slimtune.planning.estimate import synthetic_batch
+from slimtune.model.stack import Stack
 
 SHAPES = {
     "demo-2M": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,

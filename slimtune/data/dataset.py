@@ -39,10 +39,10 @@ from typing import Any, Callable
 
 import torch
 
-from slimtune.chat import assistant_spans, render, resolve_template
+from slimtune.data.chat_templates import assistant_spans, render, resolve_template
 from slimtune.config import DataConfig
 from slimtune.errors import UserError
-from slimtune.memory import mark_host_resident
+from slimtune.device.memory import mark_host_resident
 
 IGNORE_INDEX = -100
 

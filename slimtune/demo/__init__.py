@@ -13,8 +13,10 @@ import shutil
 import time
 from pathlib import Path
 
-from slimtune import config, data, scoring, train
-from slimtune.metrics import format_table
+from slimtune import config, train
+from slimtune.data import dataset as data
+from slimtune.serve import evaluate as scoring
+from slimtune.run.metrics import format_table
 
 ASSETS = Path(__file__).resolve().parent
 OUTPUT_DIR = "runs/demo"

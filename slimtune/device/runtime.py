@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from slimtune.errors import UserError
-from slimtune.memory import host_allocation, mark_host_resident
+from slimtune.device.memory import host_allocation, mark_host_resident
 from slimtune.units import human_bytes
 
 SLOT_ALIGN = 256  # bytes: every tensor view in a slot starts on this boundary

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from slimtune import distributed
-from slimtune.distributed import Dist
+from slimtune.dist import ranks as distributed
+from slimtune.dist.ranks import Dist
 
 
 class GradientBuckets:

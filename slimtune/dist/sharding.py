@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimtune.distributed import Dist
+from slimtune.dist.ranks import Dist
 
 
 def shard_blocks(blocks: nn.ModuleList, device: torch.device, dist: Dist) -> None:

@@ -1,7 +1,8 @@
 """Engines: how a training step runs on the device and the host, one module each.
 
-Each engine module registers itself (registry.register) when imported; importing this package
-imports every module in it, so the built-in engines are always known. The interface they implement
+An engine is a module here, or a folder whose engine.py registers it (with the engine's own parts
+beside it); it registers itself (registry.register) when imported. Importing this package imports
+every engine in it, so the built-in engines are always known. The interface they implement
 is engines.base.Engine; train.py runs any of them through it.
 """
 
@@ -18,4 +19,4 @@ _NOT_ENGINES = {"base", "registry"}
 
 for _found in pkgutil.iter_modules(__path__):
     if _found.name not in _NOT_ENGINES:
-        importlib.import_module(f"{__name__}.{_found.name}")
+        importlib.import_module(f"{__name__}.{_found.name}" + (".engine" if _found.ispkg else ""))

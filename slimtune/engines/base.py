@@ -12,11 +12,12 @@ from typing import Protocol
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import activations, memory
-from slimtune.checkpoint import EngineState
-from slimtune.data import Batch
+from slimtune.step import activations
+from slimtune.device import memory
+from slimtune.store.checkpoint import EngineState
+from slimtune.data.dataset import Batch
 from slimtune.errors import UserError
-from slimtune.loss import causal_lm_loss
+from slimtune.step.loss import causal_lm_loss
 
 
 @dataclass

@@ -11,18 +11,27 @@ from pathlib import Path
 
 import torch
 
-from slimtune import block_stores, memory, sharding, speed
-from slimtune.checkpoint import EngineState
+from slimtune.step import block_stores
+from slimtune.device import memory, speed
+from slimtune.dist import sharding
+from slimtune.store.checkpoint import EngineState
 from slimtune.config import RunConfig
-from slimtune.data import Batch
-from slimtune.distributed import SINGLE, Dist
-from slimtune.engines.base import (StepResult, check_resumable, evaluate_batches, model_loss, step_divisor,
-                                   to_float, weak_hook)
+from slimtune.data.dataset import Batch
+from slimtune.dist.ranks import SINGLE, Dist
+from slimtune.engines.base import (
+    StepResult,
+    check_resumable,
+    evaluate_batches,
+    model_loss,
+    step_divisor,
+    to_float,
+    weak_hook,
+)
 from slimtune.engines.registry import EngineSpec, register
-from slimtune.grad_buckets import GradientBuckets
+from slimtune.dist.grad_buckets import GradientBuckets
 from slimtune.errors import UserError
-from slimtune.loss import LossOutput
-from slimtune.model import Stack
+from slimtune.step.loss import LossOutput
+from slimtune.model.stack import Stack
 from slimtune.optim import rules
 
 

@@ -165,7 +165,7 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> LoraConfig:
     """Apply and load an adapter saved in PEFT format (ours or peft's). One written by slimtune is
     checked against its manifest first (results.verify: sizes and CRC-32s); any adapter whose files
     cannot be read is named in one sentence."""
-    from slimtune import results
+    from slimtune.store import results
 
     folder = Path(folder)
     config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"

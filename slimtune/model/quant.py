@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimtune import memory
+from slimtune.device import memory
 from slimtune.config import QuantConfig
 from slimtune.errors import UserError
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slimtune import config_json, memory
+from slimtune.model import config_json
+from slimtune.device import memory
 from slimtune.errors import UserError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

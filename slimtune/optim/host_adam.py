@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import memory, runtime
+from slimtune.device import memory, runtime
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slimtune import memory, runtime
+from slimtune.device import memory, runtime
 from slimtune.config import TrainConfig
-from slimtune.distributed import SINGLE
+from slimtune.dist.ranks import SINGLE
 from slimtune.optim import rules
 from slimtune.optim.host_adam import Group, HostAdam
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import memory
+from slimtune.device import memory
 from slimtune.optim import rules
 
 

@@ -18,11 +18,13 @@ from torch import nn
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from slimtune import assembly, distributed, engines, memory
+from slimtune import assembly, engines
+from slimtune.dist import ranks as distributed
+from slimtune.device import memory
 from slimtune.config import RunConfig
-from slimtune.data import IGNORE_INDEX, Batch
-from slimtune.model import Stack
-from slimtune.speed import StepCounts
+from slimtune.data.dataset import IGNORE_INDEX, Batch
+from slimtune.model.stack import Stack
+from slimtune.device.speed import StepCounts
 
 # Steps run: one. Engines hold their optimizer state from construction (rules.init_adamw_state,
 # HostAdam), so the first step is already the steady state every later step repeats.

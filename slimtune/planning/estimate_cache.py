@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from slimtune import estimate
+from slimtune.planning import estimate
 from slimtune.config import RunConfig, to_dict
 
 # Settings that name files, not shapes: they never change an estimate.

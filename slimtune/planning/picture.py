@@ -15,10 +15,10 @@ import os
 import textwrap
 from pathlib import Path
 
-from slimtune import memory
+from slimtune.device import memory
 from slimtune.errors import UserError
 from slimtune.units import human_bytes
-from slimtune.planner import CUDA_OVERHEAD_BYTES, HOST_RAM_SHARE, Machine, PlanResult
+from slimtune.planning.planner import CUDA_OVERHEAD_BYTES, HOST_RAM_SHARE, Machine, PlanResult
 
 GIB = 2**30
 COLOURS = {

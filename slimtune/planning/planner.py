@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from slimtune import config as config_module
-from slimtune import config_json, engines, estimate, planning_worker, presets, rank_plan, speed
-from slimtune.estimate_cache import cached_estimate, is_cached
+from slimtune.model import config_json
+from slimtune import engines, presets
+from slimtune.planning import estimate, worker as planning_worker, rank_plan
+from slimtune.device import speed
+from slimtune.planning.estimate_cache import cached_estimate, is_cached
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
 from slimtune.units import human_bytes

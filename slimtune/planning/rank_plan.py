@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from slimtune import estimate, speed
+from slimtune.planning import estimate
+from slimtune.device import speed
 
 NETWORK_GBPS = 12.5  # between machines: 100 Gb/s Ethernet or InfiniBand (assumed)
 FSDP_GATHERED_BLOCKS = 2  # blocks whose weights FSDP holds whole at once: the computing one and the next

@@ -22,7 +22,7 @@ class Worker:
     """One spawned process (a forked torch can hang in its thread pool) running one call at a time;
     `run` blocks until the answer is back, so one thread may feed it."""
 
-    def __init__(self, warm_up: tuple[str, str, tuple] = ("slimtune.planner", "warm_up", (None,))):
+    def __init__(self, warm_up: tuple[str, str, tuple] = ("slimtune.planning.planner", "warm_up", (None,))):
         """`warm_up`: (module, function, args) the worker calls before anything is asked of it (its
         imports, while the asking process does its own); it answers nothing, and a failure is ignored
         (the asking process meets the same problem itself and reports it)."""
@@ -107,7 +107,7 @@ def start(model: str | None = None) -> None:
     command line's --model, if any) is what it warms up for."""
     global _EARLY
     if _EARLY is None:
-        _EARLY = Worker(("slimtune.planner", "warm_up", (model,)))
+        _EARLY = Worker(("slimtune.planning.planner", "warm_up", (model,)))
 
 
 def take() -> Worker:

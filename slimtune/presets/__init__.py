@@ -60,7 +60,7 @@ def model_config(name_or_folder: str):
     from transformers import AutoConfig
 
     if Path(name_or_folder).is_dir():
-        from slimtune.model import check_depth_of_folder, read_config
+        from slimtune.model.stack import check_depth_of_folder, read_config
 
         # refuses a missing config.json, an unsupported family, or fields no model has
         config = read_config(name_or_folder)

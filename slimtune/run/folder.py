@@ -30,11 +30,13 @@ import struct
 import time
 from pathlib import Path
 
-from slimtune import checkpoint, engines, results, runtime
-from slimtune.block_stores import SCRATCH_KIND as BLOCKS
+from slimtune.store import checkpoint, results
+from slimtune import engines
+from slimtune.device import runtime
+from slimtune.step.block_stores import SCRATCH_KIND as BLOCKS
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
-from slimtune.model import read_config
+from slimtune.model.stack import read_config
 from slimtune.optim.host_adam import SCRATCH_KIND as MOMENTS
 
 RECORD = "run.json"

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import yaml
 
-from slimtune.checkpoint import atomic_write_text
+from slimtune.store.checkpoint import atomic_write_text
 from slimtune.config import LogConfig, RunConfig, flatten, to_dict
 from slimtune.errors import UserError
 

@@ -23,7 +23,8 @@ from typing import TextIO
 
 import torch
 
-from slimtune import data, inference
+from slimtune.data import dataset as data
+from slimtune.serve import inference
 from slimtune.errors import UserError
 
 STYLES = ("auto", "chat", "plain")

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from slimtune import data, inference
+from slimtune.data import dataset as data
+from slimtune.serve import inference
 from slimtune.config import DataConfig
 from slimtune.errors import UserError
 
@@ -98,7 +99,7 @@ def loss_sum(loaded: inference.Loaded, batches: list[data.Batch]) -> tuple[float
     """(summed loss, trained tokens) over `batches`, as the trainer evaluates them."""
     from slimtune.config import ActivationsConfig, LossConfig
     from slimtune.engines.base import evaluate_batches, model_loss
-    from slimtune.model import Stack
+    from slimtune.model.stack import Stack
 
     stack, activations, loss = Stack(loaded.model), ActivationsConfig(), LossConfig()
     return evaluate_batches(batches, lambda b: model_loss(stack, activations, loss, loaded.device, loaded.precision,
@@ -125,7 +126,7 @@ def report(prepared: EvalData, max_new_tokens: int | None, scores: dict[str, dic
 
 
 def table(found: dict, names: list[str]) -> str:
-    from slimtune.metrics import format_table
+    from slimtune.run.metrics import format_table
 
     def cells(key: str, show) -> str:
         return "".join(f"{show(found[n][key]) if key in found[n] else '-':>12}" for n in names)

@@ -4,7 +4,7 @@
                       or a Hugging Face model folder (config.json), named in one sentence otherwise
     load(source)      the model and tokenizer on the device, frozen, in eval mode
 
-A LoRA run is its base model with the adapter applied by slimtune.lora, never a merged copy written
+A LoRA run is its base model with the adapter applied by slimtune.model.lora, never a merged copy written
 to disk: the newest adapter, the result's (adapter/) or a later checkpoint's, picked as `slimtune
 export` picks it. A full run is its model/ folder. Nothing trains, so the weights load as a frozen
 LoRA base does (assembly.weight_dtype): fp32 on the CPU, bf16 on CUDA, where generation and the
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import yaml
 
-from slimtune import results
+from slimtune.store import results
 from slimtune.errors import UserError
 
 
@@ -85,7 +85,7 @@ def resolve(folder: str | Path) -> Source:
     if (folder / "adapter_config.json").is_file():
         return _adapter(folder)
     if (folder / "config.json").is_file():
-        from slimtune.model import read_config
+        from slimtune.model.stack import read_config
 
         read_config(folder)  # a supported family, or one sentence saying which are
         return Source(folder, "model", folder)
@@ -160,7 +160,7 @@ def _result_step(folder: Path) -> int | None:
 
 
 def load_tokenizer(source: Source):
-    from slimtune.model import load_tokenizer as load
+    from slimtune.model.stack import load_tokenizer as load
 
     return load(source.weights)
 
@@ -168,7 +168,7 @@ def load_tokenizer(source: Source):
 def load(source: Source, device_name: str = "auto", tokenizer=None) -> Loaded:
     """The model of `source` on the device (`auto`: CUDA when there is one), frozen and in eval mode."""
     from slimtune import assembly
-    from slimtune.model import load_model
+    from slimtune.model.stack import load_model
 
     device = assembly.resolve_device(device_name)
     precision = assembly.resolve_precision("auto", device)
@@ -184,7 +184,7 @@ def load(source: Source, device_name: str = "auto", tokenizer=None) -> Loaded:
 
 
 def _apply_adapter(model: torch.nn.Module, source: Source) -> None:
-    from slimtune import lora
+    from slimtune.model import lora
 
     if (source.adapter / "adapter_config.json").is_file():
         lora.load_peft_adapter(model, source.adapter)

@@ -37,10 +37,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from slimtune import memory
-from slimtune.block_stores import BlockStore
+from slimtune.device import memory
+from slimtune.step.block_stores import BlockStore
 from slimtune.config import ActivationsConfig
-from slimtune.model import BlockInputs, Stack
+from slimtune.model.stack import BlockInputs, Stack
 
 MLP_CHUNK_SHARE = 4  # auto mlp_chunk: one chunk's (c, I) MLP activation ~ 1/4 of a (T, D) block input
 MIN_MLP_CHUNK = 256  # auto chunks stay at least this long: shorter matmuls waste the device

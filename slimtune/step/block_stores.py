@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import runtime
+from slimtune.device import runtime
 from slimtune.config import ActivationsConfig
 from slimtune.errors import UserError
-from slimtune.memory import mark_host_resident
+from slimtune.device.memory import mark_host_resident
 
 SCRATCH_KIND = "blocks"  # runtime.scratch_folder's name for a store's folder of block files
 DISK_USE = runtime.DiskUse("activations.checkpoint=disk", "block inputs", "activations.disk_dir",

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slimtune import memory
+from slimtune.device import memory
 from slimtune.config import LossConfig
-from slimtune.data import IGNORE_INDEX
+from slimtune.data.dataset import IGNORE_INDEX
 from slimtune.errors import UserError
 
 # A head stored in a narrower dtype than the logits is cast in tiles of this many rows,

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from slimtune.distributed import SINGLE, Dist
+from slimtune.dist.ranks import SINGLE, Dist
 from slimtune.errors import UserError
 from slimtune.units import human_bytes
 
@@ -219,7 +219,7 @@ def _bytes_of(state: EngineState) -> int:
 
 
 def is_sharded(state: EngineState) -> bool:
-    from slimtune import sharding
+    from slimtune.dist import sharding
 
     return any(sharding.is_sharded(t) for t in state.trainable.values())
 

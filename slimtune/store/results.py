@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimtune import checkpoint
+from slimtune.store import checkpoint
 from slimtune.errors import UserError
 
 MANIFEST = "slimtune-result.json"

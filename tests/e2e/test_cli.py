@@ -64,8 +64,8 @@ def test_resume_after_kill_is_bit_exact(workdir):
 def test_export_merge_equals_base_plus_adapter(workdir):
     from transformers import AutoModelForCausalLM
 
-    from slimtune import lora
-    from slimtune.model import load_model
+    from slimtune.model import lora
+    from slimtune.model.stack import load_model
 
     slimtune("train", "run.yaml", "train.steps=3", "train.lr=0.05", "--no-progress", cwd=workdir)
     slimtune("export", "out", "--merge", "--out", "merged", cwd=workdir)

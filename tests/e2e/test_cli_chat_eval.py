@@ -18,8 +18,10 @@ import torch.nn.functional as F
 
 from conftest import write_jsonl
 from e2e_helpers import slimtune
-from slimtune import cli, data, demo, lora
-from slimtune.model import load_model, load_tokenizer
+from slimtune import cli, demo
+from slimtune.data import dataset as data
+from slimtune.model import lora
+from slimtune.model.stack import load_model, load_tokenizer
 
 BASE = demo.ASSETS / "base"
 PROMPTS = ["9 + 13 =", "27 + 20 =", "11 + 10 =", "12 plus 7 is", "Tomar lives in"]
@@ -209,7 +211,7 @@ def test_a_lora_run_without_its_adapter_folder_loads_its_newest_checkpoint_and_a
                                                                                                           tmp_path):
     import shutil
 
-    from slimtune import inference
+    from slimtune.serve import inference
 
     _, lora_run, _ = runs
     copy = tmp_path / "copy"
@@ -249,13 +251,13 @@ def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp
     import types
 
     import slimtune
-    from slimtune import planner
+    from slimtune.planning import planner
 
     calls = []
-    picture = types.ModuleType("slimtune.plan_picture")
+    picture = types.ModuleType("slimtune.planning.picture")
     picture.write_png = lambda results, machine, path, title: calls.append((results, machine, path, title)) or \
         Path(path)
-    monkeypatch.setitem(sys.modules, "slimtune.plan_picture", picture)
+    monkeypatch.setitem(sys.modules, "slimtune.planning.picture", picture)
     monkeypatch.setattr(slimtune, "plan_picture", picture, raising=False)
     results = ["a plan"]
     monkeypatch.setattr(planner, "plan", lambda *a, **k: results)

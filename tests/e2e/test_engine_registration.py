@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from e2e_helpers import workdir  # noqa: F401  (a fixture)
-from slimtune import cli, engines, memory, speed
-from slimtune.checkpoint import EngineState
+from slimtune import cli, engines
+from slimtune.device import memory, speed
+from slimtune.store.checkpoint import EngineState
 from slimtune.config import setting
-from slimtune.data import IGNORE_INDEX
+from slimtune.data.dataset import IGNORE_INDEX
 from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, step_divisor, to_float
 from slimtune.errors import UserError
 

@@ -10,7 +10,8 @@ import sys
 import pytest
 from transformers import LlamaConfig
 
-from slimtune import planner, planning_worker, presets
+from slimtune.planning import planner, worker as planning_worker
+from slimtune import presets
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def _alone(model_dir, method: str, seq: int, empty_cache, monkeypatch) -> list[d
 
 
 def test_worker_answers_passes_errors_back_and_is_stopped():
-    with planning_worker.Worker(("slimtune.planner", "warm_up", (None,))) as worker:
+    with planning_worker.Worker(("slimtune.planning.planner", "warm_up", (None,))) as worker:
         assert worker.run(math.factorial, 5) == 120
         with pytest.raises(ValueError):
             worker.run(math.factorial, -1)

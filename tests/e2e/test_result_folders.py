@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 
 from conftest import save_tiny_model, write_jsonl
 from e2e_helpers import write_sums
-from slimtune import checkpoint, cli, train
+from slimtune.store import checkpoint
+from slimtune import cli, train
 
 MANIFEST = "slimtune-result.json"  # MANIFEST, spelled out: a user's tools may look for it by name
 
@@ -62,7 +63,7 @@ def here(project, tmp_path, monkeypatch) -> Path:
 
 def whole(folder: Path, kind: str) -> None:
     """`folder` is a `kind` result slimtune wrote, every file as its manifest records it."""
-    from slimtune import results
+    from slimtune.store import results
 
     results.verify(folder, kind)
     assert results.written_by_slimtune(folder, kind)
@@ -97,7 +98,7 @@ def nothing_loads(monkeypatch) -> None:
     def loaded(*args, **kwargs):
         raise AssertionError("the model loaded before the refusal")
 
-    monkeypatch.setattr("slimtune.model.load_model", loaded)
+    monkeypatch.setattr("slimtune.model.stack.load_model", loaded)
     monkeypatch.setattr(train, "build", loaded)
 
 
@@ -373,7 +374,7 @@ def test_an_export_into_a_folder_that_cannot_be_written_is_one_sentence(here, ca
         one_sentence(capsys, export("--out", str(read_only / "merged")),
                      f"--out '{read_only / 'merged'}' is not writable ('{read_only}' does not let this user write)")
     # Were the folder to turn read-only after the check, the write itself says so.
-    from slimtune import run_folder
+    from slimtune.run import folder as run_folder
 
     monkeypatch.setattr(run_folder, "check_writable", lambda *args, **kwargs: None, raising=False)
     one_sentence(capsys, export("--out", str(read_only / "merged")), f"cannot write '{read_only / 'merged'}'")

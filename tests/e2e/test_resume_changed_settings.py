@@ -24,9 +24,10 @@ import torch
 import yaml
 
 from conftest import write_jsonl
-from slimtune import config, resume_settings, train
+from slimtune import config, train
+from slimtune.run import resume_settings
 from slimtune.errors import UserError
-from slimtune.resume_settings import APPLIED, REFUSED
+from slimtune.run.resume_settings import APPLIED, REFUSED
 
 BASE = {"resident": [], "slide": ["method=full", "activations.checkpoint=host"],
         "lsp": ["method=full", "lsp.fit_samples=4", "lsp.fit_iterations=3", "lsp.d=8"],

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from e2e_helpers import workdir  # noqa: F401  (a fixture)
-from slimtune import checkpoint, cli, train
+from slimtune.store import checkpoint
+from slimtune import cli, train
 
 
 @pytest.fixture()
@@ -232,7 +233,7 @@ def test_every_checkpoint_damaged_is_one_sentence(here, capsys):
 
 def test_scratch_folders_of_killed_runs_are_removed_at_the_next_start(here):
     blocks = here / "out" / "activations"
-    from slimtune import runtime
+    from slimtune.device import runtime
 
     here_tag = runtime._host_tag()
     dead, alive = blocks / f"blocks-999999@{here_tag}-x", blocks / f"blocks-{os.getpid()}@{here_tag}-y"

@@ -1,4 +1,4 @@
-"""Block checkpointing (slimtune.activations): for every store x cache the loss and gradients equal
+"""Block checkpointing (slimtune.step.activations): for every store x cache the loss and gradients equal
 plain autograd through Stack.final_hidden (float64, LoRA dropout on), the RNG restore is what keeps
 dropout masks equal, the disk store round-trips exactly and leaves no file behind, the device peak
 stays flat as blocks double, and the planner's fake tensors run every store."""
@@ -11,11 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import save_tiny_model, tiny_config
-from slimtune import activations, block_stores, estimate, lora
+from slimtune.step import activations, block_stores
+from slimtune.planning import estimate
+from slimtune.model import lora
 from slimtune.config import ActivationsConfig, LoraConfig
 from slimtune.errors import UserError
-from slimtune.memory import LiveBytesMeter
-from slimtune.model import Stack, load_model
+from slimtune.device.memory import LiveBytesMeter
+from slimtune.model.stack import Stack, load_model
 
 CPU = torch.device("cpu")
 STORES = ("recompute", "host", "disk")

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from conftest import save_tiny_model
-from slimtune import config, engines, planner, presets  # noqa: F401  (engines registers every engine)
-from slimtune.chunk.partition import Stream, partition
+from slimtune import config, engines, presets
+from slimtune.planning import planner  # noqa: F401  (engines registers every engine)
+from slimtune.engines.chunk.partition import Stream, partition
 from slimtune.errors import UserError
-from slimtune.model import load_model, read_config
-from slimtune.pipeline import cost_model
+from slimtune.model.stack import load_model, read_config
+from slimtune.engines.roundpipe import cost_model
 
 
 @pytest.fixture(scope="module")

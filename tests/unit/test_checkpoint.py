@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from conftest import engine_config
-from slimtune import checkpoint
+from slimtune.store import checkpoint
 from slimtune.config import LoraConfig, TrainConfig
 from slimtune.engines.resident import ResidentEngine
-from slimtune.engines.slide import SlideEngine
+from slimtune.engines.slide.engine import SlideEngine
 from slimtune.errors import UserError
-from slimtune.model import Stack
+from slimtune.model.stack import Stack
 from test_slide import batches, model_of
 
 CPU = torch.device("cpu")
@@ -61,7 +61,7 @@ def test_a_checkpoint_resumes_exactly_under_the_other_engine(tmp_path, first, se
 
 
 def test_a_checkpoint_of_other_trained_tensors_is_refused_in_one_sentence():
-    from slimtune import lora
+    from slimtune.model import lora
 
     full = ResidentEngine(Stack(model_of()), engine_config(TRAIN), CPU, "fp64")
     full.step(batches(300, 0, 2))

@@ -16,13 +16,13 @@ from torch import nn
 from conftest import engine_config, tiny_config
 from test_slide import batches, model_of
 from slimtune import config as config_module
-from slimtune import estimate
-from slimtune.chunk import partition
+from slimtune.planning import estimate
+from slimtune.engines.chunk import partition
 from slimtune.config import TrainConfig
-from slimtune.data import IGNORE_INDEX
-from slimtune.engines.chunk import ChunkConfig, ChunkEngine
+from slimtune.data.dataset import IGNORE_INDEX
+from slimtune.engines.chunk.engine import ChunkConfig, ChunkEngine
 from slimtune.errors import UserError
-from slimtune.model import Stack
+from slimtune.model.stack import Stack
 from slimtune.optim import rules
 
 CPU = torch.device("cpu")
@@ -47,7 +47,7 @@ def step_batches(vocab: int, steps: int):
 
 
 def streams_of(model) -> list[partition.Stream]:
-    from slimtune.chunk.state import axis_of
+    from slimtune.engines.chunk.state import axis_of
     axis = axis_of(model)
     return [partition.Stream(n, tuple(p.shape), axis(n, p), p.element_size() + 8) for n, p in model.named_parameters()]
 
@@ -117,7 +117,7 @@ def dense_gradients(model, batch_list) -> dict[str, torch.Tensor]:
 def side_gradients(engine: ChunkEngine, k: int, batch_list) -> dict[str, torch.Tensor]:
     """Chunk k's side gradients after forward and backward, by piece (name, start)."""
     from slimtune.engines.base import model_loss
-    from slimtune import memory
+    from slimtune.device import memory
     engine._open(k, memory.NO_READING)
     total = sum(b.num_targets for b in batch_list)
     for b in batch_list:
@@ -260,7 +260,7 @@ def test_gradients_on_host_hold_a_bounded_window_on_the_device_whatever_n(monkey
     """chunk.gradients=host: no chunk-sized gradient on the device, only the contributions in flight
     (IN_FLIGHT_BYTES, here one at a time), so the device peak does not grow with the chunk; the
     link carries the chunk's gradient once per micro-batch; the host accumulators end empty."""
-    from slimtune.chunk import downlink
+    from slimtune.engines.chunk import downlink
     monkeypatch.setattr(downlink, "IN_FLIGHT_BYTES", 0)
     model = model_of(layers=2)
     largest = max(p.numel() for p in model.parameters()) * 8
@@ -305,7 +305,7 @@ def test_a_step_that_raises_with_gradients_on_the_host_leaves_nothing_behind():
 
 @pytest.mark.parametrize("gradients", ["device", "host"])
 def test_resume_mid_sweep_continues_bit_identically(tmp_path, gradients):
-    from slimtune import checkpoint
+    from slimtune.store import checkpoint
     cfg = run_cfg(ChunkConfig(n_chunks=3, switch_every=2, order="random", gradients=gradients))
     straight = chunk_steps(model_of(layers=2), cfg, 9)
     first = chunk_steps(model_of(layers=2), cfg, 5)  # mid-sweep, mid-chunk
@@ -388,7 +388,7 @@ def test_the_estimate_equals_the_cpu_meter_on_the_heaviest_chunk_and_bounds_the_
 
 
 def slide_chunk_cfg(chunk: ChunkConfig, **train):
-    from slimtune.engines.slide import SlideConfig
+    from slimtune.engines.slide.engine import SlideConfig
     return engine_config(TrainConfig(**{**BASE, **train}), engine="slide", method="full",
                          sections={"chunk": chunk, "slide": SlideConfig(working_set="chunk")})
 
@@ -397,7 +397,7 @@ def slide_chunk_cfg(chunk: ChunkConfig, **train):
 @pytest.mark.parametrize("chunk", [ChunkConfig(n_chunks=3), ChunkConfig(n_chunks=4, order="random", switch_every=2)],
                          ids=["round-robin", "random-switch-2"])
 def test_chunk_on_slide_equals_chunk_on_resident(tied, chunk):
-    from slimtune.engines.slide import SlideEngine
+    from slimtune.engines.slide.engine import SlideEngine
     model = model_of(layers=3, tie_word_embeddings=tied)
     resident = engine_of(copy.deepcopy(model), run_cfg(chunk))
     # slide runs the model's own modules: RMSNorms in float64 there too (HF's compute in float32)
@@ -413,8 +413,8 @@ def test_chunk_on_slide_equals_chunk_on_resident(tied, chunk):
 
 
 def test_chunk_on_slide_holds_the_weights_and_one_chunks_gradients_on_the_host_and_resumes_exactly(tmp_path):
-    from slimtune import checkpoint
-    from slimtune.engines.slide import SlideEngine
+    from slimtune.store import checkpoint
+    from slimtune.engines.slide.engine import SlideEngine
     chunk = ChunkConfig(n_chunks=4, state="disk", state_dir=str(tmp_path / "state"))
     cfg = slide_chunk_cfg(chunk)
 
@@ -445,7 +445,8 @@ def test_chunk_on_slide_holds_the_weights_and_one_chunks_gradients_on_the_host_a
 @pytest.mark.parametrize("engine", ["chunk", "slide"])
 def test_n_chunks_zero_is_settled_as_the_fewest_chunks_that_fit_the_card(engine):
     import dataclasses
-    from slimtune import planner, presets
+    from slimtune.planning import planner
+    from slimtune import presets
     model_config = tiny_config(num_hidden_layers=2)
     extra = ["slide.working_set=chunk", "activations.checkpoint=host"] if engine == "slide" else []
     cfg = config_module.load(None, [f"engine={engine}", "method=full", "precision=bf16", "chunk.n_chunks=0", *extra],
@@ -494,7 +495,7 @@ def test_a_random_order_is_a_new_permutation_every_sweep_drawn_again_from_the_se
     order; drawn anew, 6 sweeps give at most 2 distinct orders with a chance near 1e-4. The same seed
     visits the same chunks, another seed others, and a run resumed mid-sweep visits what the straight
     run visits (the order is drawn from the seed and the sweep, no RNG state is saved)."""
-    from slimtune import checkpoint
+    from slimtune.store import checkpoint
 
     n, sweeps, saved_at = 4, 6, 6
     cfg = run_cfg(ChunkConfig(n_chunks=n, order="random"), grad_accum=1, measure_memory=False)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from slimtune import conversation, inference
+from slimtune.serve import chat as conversation, inference
 from slimtune.errors import UserError
 
 

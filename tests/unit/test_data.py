@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from slimtune.chat import DEFAULT_CHAT_TEMPLATE
+from slimtune.data.chat_templates import DEFAULT_CHAT_TEMPLATE
 from slimtune.config import DataConfig
-from slimtune.data import (
+from slimtune.data.dataset import (
     IGNORE_INDEX,
     Batch,
     BatchStream,

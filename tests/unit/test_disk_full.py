@@ -16,9 +16,9 @@ import torch
 
 from small_disk import fake_full, small_disk
 from test_chunk import engine_of, model_of, run_cfg
-from slimtune import runtime
-from slimtune.chunk.state import ON_DISK
-from slimtune.engines.chunk import ChunkConfig
+from slimtune.device import runtime
+from slimtune.engines.chunk.state import ON_DISK
+from slimtune.engines.chunk.engine import ChunkConfig
 from slimtune.errors import UserError
 from slimtune.units import human_bytes
 from slimtune.optim.host_adam import MOMENTS_ON_DISK, Group, HostAdam, moments_folder

@@ -12,9 +12,10 @@ import torch
 
 import dist_cases
 from conftest import engine_config
-from slimtune import distributed, train
+from slimtune.dist import ranks as distributed
+from slimtune import train
 from slimtune.config import DistConfig
-from slimtune.data import BatchStream
+from slimtune.data.dataset import BatchStream
 from slimtune.engines.base import StepResult
 from slimtune.errors import UserError
 
@@ -98,7 +99,7 @@ def test_a_single_process_reduces_nothing():
 
 
 def test_the_stream_position_is_tied_to_the_world_size():
-    from slimtune.data import Example
+    from slimtune.data.dataset import Example
 
     examples = [Example([1, 2, 3, 4], [-100, 2, 3, 4]) for _ in range(8)]
     saved = BatchStream(examples, 2, 8, False, 0, 0, world_size=2).state_dict()
@@ -137,7 +138,7 @@ def test_gradient_buckets_launch_in_bucket_order_as_they_fill(monkeypatch):
     and those before it are full (one rank of gloo in this process: the sums are the gradients)."""
     import torch.distributed as tdist
 
-    from slimtune.grad_buckets import GradientBuckets
+    from slimtune.dist.grad_buckets import GradientBuckets
 
     monkeypatch.setattr(distributed, "BUCKET_BYTES", 16)
     tdist.init_process_group("gloo", rank=0, world_size=1, store=tdist.HashStore())

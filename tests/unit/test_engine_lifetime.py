@@ -12,10 +12,10 @@ from conftest import engine_config
 from test_slide import batches, model_of
 from slimtune import assembly
 from slimtune.config import TrainConfig
-from slimtune.engines.chunk import ChunkConfig
-from slimtune.engines.lsp import LspConfig
-from slimtune.engines.roundpipe import RoundPipeConfig
-from slimtune.model import Stack
+from slimtune.engines.chunk.engine import ChunkConfig
+from slimtune.engines.lsp.engine import LspConfig
+from slimtune.engines.roundpipe.engine import RoundPipeConfig
+from slimtune.model.stack import Stack
 
 SECTIONS = {"resident": {}, "lsp": {"lsp": LspConfig(d=8, r=3, check_every=0, fit_iterations=3)},
             "chunk": {"chunk": ChunkConfig(n_chunks=2, gradients="host")}, "slide": {},

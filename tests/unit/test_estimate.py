@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import shapes_in_turn, save_tiny_model, tiny_config
-from slimtune import assembly, config, engines, estimate
-from slimtune.model import load_model
+from slimtune import assembly, config, engines
+from slimtune.planning import estimate
+from slimtune.model.stack import load_model
 
 SHAPES = {
     "llama-untied": ("llama", {}),
@@ -86,7 +87,8 @@ def test_the_estimate_runs_few_loop_steps_and_still_equals_the_meter(tmp_path, t
     """Under fake tensors a loop over token chunks or weight tiles runs its first two steps and its
     last (memory.representative); the real run runs them all. With every such loop many steps long
     (loss chunks, MLP chunks, head cast tiles, 4-bit dequantization tiles), the bytes still agree."""
-    from slimtune import loss, quant
+    from slimtune.step import loss
+    from slimtune.model import quant
 
     monkeypatch.setattr(quant, "DEQUANT_TILE_ELEMENTS", 256)  # 8 rows of a 32-wide weight: 4-8 tiles
     monkeypatch.setattr(loss, "CAST_TILE_ROWS", 64)  # 5 tiles of the 300-row head

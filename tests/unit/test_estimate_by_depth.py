@@ -9,7 +9,8 @@ import json
 import pytest
 
 from conftest import shapes_in_turn, tiny_config
-from slimtune import cli, config, engines, estimate, planner, presets
+from slimtune import cli, config, engines, presets
+from slimtune.planning import estimate, planner
 
 SHAPES = {
     "llama-untied": ("llama", {}),

@@ -8,7 +8,8 @@ in tests/unit/test_estimate_by_depth.py)."""
 import pytest
 
 from conftest import tiny_config
-from slimtune import config, estimate, planner
+from slimtune import config
+from slimtune.planning import estimate, planner
 
 DEPTH, MARGIN = 12, 1  # resident: one block at each end is fitted apart
 

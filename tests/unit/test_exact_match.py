@@ -5,7 +5,7 @@ normalisation), so an answer that differs from its reference in case alone is no
 import pytest
 import torch
 
-from slimtune import inference, scoring
+from slimtune.serve import inference, evaluate as scoring
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 12

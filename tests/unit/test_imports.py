@@ -61,7 +61,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_cycle():
     edges = graph()
-    assert edges["slimtune.train"] >= {"slimtune.assembly", "slimtune.planner"}  # the scan sees real edges
+    assert edges["slimtune.train"] >= {"slimtune.assembly", "slimtune.planning.planner"}  # the scan sees real edges
     cycle = find_cycle(edges)
     assert cycle is None, " -> ".join(cycle)
 

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from slimtune import interrupts
+from slimtune.run import interrupts
 
 
 def ctrl_c_dropped() -> None:

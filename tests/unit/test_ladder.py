@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 
-from slimtune import assembly, config, lora
-from slimtune.model import Stack, load_model
+from slimtune import assembly, config
+from slimtune.model import lora
+from slimtune.model.stack import Stack, load_model
 from test_oracle_step import TRAIN, HandLoRA, make_batches, oracle_steps
 
 RUNGS = {

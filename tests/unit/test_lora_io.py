@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from slimtune import export, lora
+from slimtune import export
+from slimtune.model import lora
 from slimtune.config import LoraConfig
-from slimtune.model import load_model
+from slimtune.model.stack import load_model
 
 
 def randomize_adapters(model):

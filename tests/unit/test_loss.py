@@ -1,4 +1,4 @@
-"""slimtune.loss against plain PyTorch: F.cross_entropy on materialised logits (float64, 1e-12),
+"""slimtune.step.loss against plain PyTorch: F.cross_entropy on materialised logits (float64, 1e-12),
 the subset-softmax identities of specs/peak-memory-lora.md 2.5, what is saved for backward,
 and a run under fake tensors (the planner's estimate)."""
 
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimtune import loss as L
-from slimtune import quant
+from slimtune.step import loss as L
+from slimtune.model import quant
 from slimtune.config import LossConfig, QuantConfig
-from slimtune.data import IGNORE_INDEX, trained_positions
+from slimtune.data.dataset import IGNORE_INDEX, trained_positions
 from slimtune.errors import UserError
 
 B, T, D, V = 3, 7, 8, 37

@@ -18,13 +18,15 @@ from torch.nn import functional as F
 from conftest import engine_config, tiny_config
 from test_slide import batches
 from test_slide import model_of as slide_model_of
-from slimtune import checkpoint, estimate, config as config_module
+from slimtune.store import checkpoint
+from slimtune.planning import estimate
+from slimtune import config as config_module
 from slimtune.config import TrainConfig
-from slimtune.data import IGNORE_INDEX
-from slimtune.engines.lsp import LspConfig, LspEngine
-from slimtune.model import Stack
+from slimtune.data.dataset import IGNORE_INDEX
+from slimtune.engines.lsp.engine import LspConfig, LspEngine
+from slimtune.model.stack import Stack
 from slimtune.optim import projectors, rules
-from slimtune.lsp.projected_linear import ProjectedLinear
+from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
 CPU = torch.device("cpu")
 F64 = torch.float64
@@ -287,7 +289,7 @@ def test_a_thousand_small_updates_survive_in_bf16_weights(fold_every):
 
 
 def test_the_planner_weighs_lsp_plans_where_lsp_applies():
-    from slimtune import planner
+    from slimtune.planning import planner
 
     def engines_of(base):
         return {p["engine"] for p in planner.applicable_plans(base)}
@@ -299,14 +301,14 @@ def test_the_planner_weighs_lsp_plans_where_lsp_applies():
 
 def llama_shapes(name: str) -> list[tuple[int, int]]:
     from slimtune import presets
-    from slimtune.lsp import sizing
+    from slimtune.engines.lsp import sizing
     c = presets.model_config(name)
     return sizing.block_shapes(c) * c.num_hidden_layers
 
 
 @pytest.mark.parametrize("name, expected", [("Llama-3.2-1B", 320), ("Llama-3.2-3B", 384), ("Llama-3.1-8B", 512)])
 def test_the_default_d_is_the_largest_within_five_percent_of_the_gradient_bytes(name, expected):
-    from slimtune.lsp import sizing
+    from slimtune.engines.lsp import sizing
     shapes = llama_shapes(name)
     gradient = sum(2 * n_o * n_i for n_o, n_i in shapes)
     d = sizing.derived_d(shapes)

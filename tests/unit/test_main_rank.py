@@ -12,10 +12,11 @@ from types import SimpleNamespace
 import torch
 
 from test_slide import model_of
-from slimtune import checkpoint, export
-from slimtune.checkpoint import EngineState
-from slimtune.distributed import Dist
-from slimtune.model import Stack
+from slimtune.store import checkpoint
+from slimtune import export
+from slimtune.store.checkpoint import EngineState
+from slimtune.dist.ranks import Dist
+from slimtune.model.stack import Stack
 
 # The first process on the second of two machines (two processes each): RANK 2, LOCAL_RANK 0.
 SECOND_MACHINE = dict(rank=2, local_rank=0, world_size=4, local_world_size=2)
@@ -52,8 +53,9 @@ WORKER = """
 import json, sys
 from pathlib import Path
 import torch
-from slimtune import checkpoint, distributed
-from slimtune.checkpoint import EngineState
+from slimtune.store import checkpoint
+from slimtune.dist import ranks as distributed
+from slimtune.store.checkpoint import EngineState
 dist = distributed.from_env(60.0)
 weights = {"w": torch.ones(2, 3)}
 state = EngineState("resident", 1, weights, {"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 3)}, {"w": 1.0})

@@ -2,7 +2,7 @@
 
 import torch
 
-from slimtune import memory
+from slimtune.device import memory
 
 
 def test_counts_known_allocations_and_frees():

@@ -29,8 +29,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from slimtune import assembly, config, memory
-from slimtune.data import IGNORE_INDEX, Batch
+from slimtune import assembly, config
+from slimtune.device import memory
+from slimtune.data.dataset import IGNORE_INDEX, Batch
 
 CPU = torch.device("cpu")
 VOCAB, SEQ = 4000, 256

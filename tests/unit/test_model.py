@@ -6,7 +6,7 @@ import torch
 
 from conftest import save_tiny_model
 from slimtune.errors import UserError
-from slimtune.model import Stack, load_model, read_config
+from slimtune.model.stack import Stack, load_model, read_config
 
 FAMILIES = [
     ("llama", {}),
@@ -338,7 +338,7 @@ def test_the_check_reads_headers_only(tmp_path, tokenizer, monkeypatch):
     """No tensor data is read before the load: a 16 GB folder is read once, not twice."""
     import safetensors
 
-    from slimtune.model import check_weights
+    from slimtune.model.stack import check_weights
 
     real = safetensors.safe_open
 
@@ -366,11 +366,11 @@ def test_the_check_reads_headers_only(tmp_path, tokenizer, monkeypatch):
 
 def test_what_the_check_misses_transformers_still_may_not_initialise(tmp_path, tokenizer, monkeypatch, capfd):
     """The loading report is the second guard: a weight left out is refused after loading, in one sentence."""
-    import slimtune.model
+    import slimtune.model.stack
 
     folder = save_tiny_model(tmp_path, tokenizer)
     _rewrite(folder, lambda t: {k: v for k, v in t.items() if k != "model.norm.weight"})
-    monkeypatch.setattr(slimtune.model, "check_weights", lambda folder, config: None)
+    monkeypatch.setattr(slimtune.model.stack, "check_weights", lambda folder, config: None)
     says = "its weights do not match its config.json \\(transformers found missing weights loading it: 1, first model.norm"
     with pytest.raises(UserError, match=f"model folder '{folder}': {says}"):
         _load(folder)

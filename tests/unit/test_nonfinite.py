@@ -10,10 +10,10 @@ import torch
 
 from conftest import engine_config
 from slimtune.config import TrainConfig
-from slimtune.engines.lsp import LspConfig, LspEngine
+from slimtune.engines.lsp.engine import LspConfig, LspEngine
 from slimtune.engines.resident import ResidentEngine
-from slimtune.engines.slide import SlideEngine
-from slimtune.model import Stack
+from slimtune.engines.slide.engine import SlideEngine
+from slimtune.model.stack import Stack
 from test_slide import batches, model_of
 
 CPU = torch.device("cpu")

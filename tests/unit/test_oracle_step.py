@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import engine_config
-from slimtune import lora
+from slimtune.model import lora
 from slimtune.config import LoraConfig, TrainConfig
-from slimtune.data import IGNORE_INDEX, Batch
+from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.engines.resident import ResidentEngine
-from slimtune.model import Stack, load_model
+from slimtune.model.stack import Stack, load_model
 
 # warmup 1, cosine over 3 steps: lr factors 1, 1, 0.5 (written out, not computed by slimtune)
 LR, FACTORS = 1e-2, [1.0, 1.0, 0.5]

@@ -15,12 +15,12 @@ from conftest import engine_config
 from test_chunk import reference_of
 from test_slide import batches, model_of
 from slimtune.config import TrainConfig
-from slimtune.data import IGNORE_INDEX, Batch
-from slimtune.engines.chunk import ChunkConfig, ChunkEngine
+from slimtune.data.dataset import IGNORE_INDEX, Batch
+from slimtune.engines.chunk.engine import ChunkConfig, ChunkEngine
 from slimtune.engines.resident import ResidentEngine
-from slimtune.engines.roundpipe import RoundPipeConfig, RoundPipeEngine
-from slimtune.engines.slide import SlideConfig, SlideEngine
-from slimtune.model import Stack
+from slimtune.engines.roundpipe.engine import RoundPipeConfig, RoundPipeEngine
+from slimtune.engines.slide.engine import SlideConfig, SlideEngine
+from slimtune.model.stack import Stack
 
 CPU = torch.device("cpu")
 PAD = 0  # the fixture models' pad_token_id, their embedding's padding_idx

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from slimtune.pipeline.partitioner import (
+from slimtune.engines.roundpipe.partitioner import (
     LayerTimes,
     brute_force,
     costs_from_bytes,
@@ -15,7 +15,7 @@ from slimtune.pipeline.partitioner import (
     plan_stages,
     width,
 )
-from slimtune.pipeline.stages import LayerCost, Partition, Stage
+from slimtune.engines.roundpipe.stages import LayerCost, Partition, Stage
 
 REL = 1e-12  # Stage.time is a plain sum, the partitioner's an exact one: they may differ in the last bit
 
@@ -118,7 +118,7 @@ def test_a_heavy_head_is_cut_into_token_shards_when_that_lowers_the_objective():
 
 
 def test_only_a_one_layer_tail_may_be_cut_and_the_slices_cover_every_token():
-    from slimtune.pipeline.stages import token_range, uniform_partition
+    from slimtune.engines.roundpipe.stages import token_range, uniform_partition
 
     with pytest.raises(ValueError, match="last layer alone"):
         uniform_partition(6, 2, 1, tail_layers=2, tail_shards=2)
@@ -253,7 +253,7 @@ def test_layer_times_converge_to_a_steady_measurement():
 def test_the_chosen_counts_are_spread_evenly_without_changing_the_objective():
     """28 equal blocks and a head 3x a block: greedy cutting leaves a short remainder stage
     (e.g. forward 1, 9, 9, 9); the plan spreads the same stage counts evenly (7, 7, 7, 7)."""
-    from slimtune.pipeline import partitioner as p
+    from slimtune.engines.roundpipe import partitioner as p
 
     costs = [LayerCost(1.0, 2.0, 1)] * 28 + [LayerCost(3.0, 6.0, 1)]
     plan = plan_stages(costs, 8)

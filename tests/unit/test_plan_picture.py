@@ -5,8 +5,10 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
-from slimtune import plan_picture, planner, presets, speed
-from slimtune.estimate import Estimate
+from slimtune.planning import picture as plan_picture, planner
+from slimtune import presets
+from slimtune.device import speed
+from slimtune.planning.estimate import Estimate
 from slimtune.errors import UserError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

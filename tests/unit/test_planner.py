@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import write_jsonl
-from slimtune import cli, config, planner, presets, probe, train
+from slimtune import cli, config, presets, train
+from slimtune.planning import planner, probe
 from slimtune.errors import UserError
 
 
@@ -113,7 +114,8 @@ def test_probe_writes_a_profile_the_planner_reads(tmp_path):
 def test_every_plan_with_a_4bit_base_pays_for_its_dequantization_in_the_modelled_time():
     """Each engine's modelled step time: the same plan and the same counted bytes take longer over a
     4-bit base than over a bf16 one, by at least the dequantization traffic over the card's bandwidth."""
-    from slimtune import engines, speed
+    from slimtune import engines
+    from slimtune.device import speed
 
     model_config, gpu = presets.model_config("Llama-3.2-1B"), presets.gpu_profile("rtx4090")
     counts = speed.StepCounts(trainable_params=10**7, host_link_bytes=0, disk_bytes=0)

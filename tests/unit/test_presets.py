@@ -7,7 +7,7 @@ import torch
 
 from slimtune import presets
 from slimtune.errors import UserError
-from slimtune.model import SUPPORTED_FAMILIES
+from slimtune.model.stack import SUPPORTED_FAMILIES
 from slimtune.presets import GpuProfile, gpu_profile, model_config
 
 PRESETS = presets.preset_names()

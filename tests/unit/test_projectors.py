@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from slimtune.optim import projectors as pj
-from slimtune.lsp.projected_linear import ProjectedLinear
+from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
 F64 = torch.float64
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slimtune import lora, quant
+from slimtune.model import lora, quant
 from slimtune.config import LoraConfig, QuantConfig
 
 OUT, IN = 48, 80  # IN is not a multiple of 64: a partial last group/block, and IN != OUT
@@ -264,7 +264,7 @@ def test_autocast_bf16_dequantizes_in_bf16_and_returns_dx_in_the_input_dtype(sch
 
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_model_dir):
-    from slimtune.model import load_model
+    from slimtune.model.stack import load_model
 
     return lambda: load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
 
@@ -317,7 +317,7 @@ def test_tied_embedding_and_head_share_one_set_of_codes():
 
     from conftest import tiny_config
 
-    from slimtune.model import Stack
+    from slimtune.model.stack import Stack
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=True))
@@ -351,7 +351,7 @@ def test_untied_embedding_and_head_are_quantized_separately(tiny_llama):
 def test_planner_path_runs_on_fake_tensors_and_counts_real_bytes(tiny_llama, scheme, order):
     from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
-    from slimtune import estimate
+    from slimtune.planning import estimate
 
     cfg = QuantConfig(scheme=scheme, group_size=16, embeddings=True)
     real = tiny_llama()
@@ -384,7 +384,8 @@ def test_a_4bit_matmul_on_fake_tensors_runs_two_tiles_and_peaks_where_all_tiles_
     peak is the same as the real run's over all nine tiles (the last one partial)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from slimtune import estimate, memory
+    from slimtune.planning import estimate
+    from slimtune.device import memory
 
     monkeypatch.setattr(quant, "DEQUANT_TILE_ELEMENTS", 8 * 64)  # 8 rows a tile
     layer = quant.QuantLinear(quant.quantize_weight(_linear(torch.float32, out=70, inp=64, bias=False).weight,

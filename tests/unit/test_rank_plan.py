@@ -10,9 +10,11 @@ import torch
 
 from conftest import engine_config
 from test_slide import batches, model_of
-from slimtune import assembly, cli, distributed, planner, presets, rank_plan
+from slimtune import assembly, cli, presets
+from slimtune.dist import ranks as distributed
+from slimtune.planning import planner, rank_plan
 from slimtune.config import TrainConfig
-from slimtune.engines.lsp import LspConfig
+from slimtune.engines.lsp.engine import LspConfig
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from slimtune import checkpoint, results
+from slimtune.store import checkpoint, results
 from slimtune.errors import UserError
 
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from conftest import engine_config
-from slimtune import config, engines, resume_settings
+from slimtune import config, engines
+from slimtune.run import resume_settings
 from slimtune.config import DataConfig, RunConfig, TrainConfig
 from slimtune.engines.base import check_resumable
 from slimtune.errors import UserError
-from slimtune.resume_settings import APPLIED, REFUSED, SAFE
+from slimtune.run.resume_settings import APPLIED, REFUSED, SAFE
 
 
 def built_in_keys() -> set[str]:
@@ -80,7 +81,7 @@ def test_an_applied_change_is_announced_with_its_effect():
 
 
 def _state(engine: str, names: list[str]):
-    from slimtune.checkpoint import EngineState
+    from slimtune.store.checkpoint import EngineState
 
     return EngineState(engine=engine, step=1, trainable={n: torch.zeros(1) for n in names}, exp_avg={}, exp_avg_sq={},
                        adam_steps={})
@@ -100,7 +101,7 @@ def test_a_checkpoint_of_other_tensors_names_the_engine_or_lsp_train_other_and_t
 
 
 def test_a_changed_data_stream_names_its_setting_and_the_true_way_out():
-    from slimtune.data import BatchStream, Example
+    from slimtune.data.dataset import BatchStream, Example
 
     examples = [Example([1, 2, 3, 4], [-100, 2, 3, 4]) for _ in range(8)]
     saved = BatchStream(examples, 2, 8, False, 0, 0).state_dict()

@@ -18,16 +18,17 @@ from torch import nn
 
 from conftest import engine_config
 from test_slide import batches, model_of
-from slimtune import estimate, lora, quant
+from slimtune.planning import estimate
+from slimtune.model import lora, quant
 from slimtune.config import LoraConfig, QuantConfig, TrainConfig
-from slimtune.data import Batch
+from slimtune.data.dataset import Batch
 from slimtune.engines.resident import ResidentEngine
-from slimtune.engines.roundpipe import RoundPipeConfig, RoundPipeEngine
+from slimtune.engines.roundpipe.engine import RoundPipeConfig, RoundPipeEngine
 from slimtune.errors import UserError
-from slimtune.model import Stack
+from slimtune.model.stack import Stack
 from slimtune.optim import rules
-from slimtune.pipeline.mailbox import WorkerFailed
-from slimtune.pipeline.stages import uniform_partition
+from slimtune.engines.roundpipe.mailbox import WorkerFailed
+from slimtune.engines.roundpipe.stages import uniform_partition
 
 CPU = torch.device("cpu")
 TRAIN = dict(steps=4, batch_size=4, grad_accum=2, lr=1e-2, weight_decay=0.1, warmup_steps=1, schedule="cosine",
@@ -480,7 +481,7 @@ def test_the_estimate_equals_the_cpu_meter_per_worker(vocab):
     (dict(lora_dropout=0.1), "lora.dropout=0"),
 ])
 def test_what_it_does_not_do_is_refused_in_one_sentence(override, words):
-    from slimtune.engines import roundpipe
+    from slimtune.engines.roundpipe import engine as roundpipe
 
     cfg = run_cfg(RoundPipeConfig(), method="lora")
     if "loss_mode" in override:
@@ -502,9 +503,9 @@ def test_model_dropout_is_refused():
 
 
 def test_prefetch_cuts_weights_into_pieces_and_queues_one_group_per_activation(monkeypatch):
-    from slimtune import runtime
-    from slimtune.host_unit import HostUnit
-    from slimtune.pipeline import worker as worker_module
+    from slimtune.device import runtime
+    from slimtune.optim.host_unit import HostUnit
+    from slimtune.engines.roundpipe import worker as worker_module
 
     monkeypatch.setattr(worker_module, "PIECE_BYTES", 4096)
     block = model_of(1).model.layers[0]

@@ -13,7 +13,7 @@ import torch
 
 from test_roundpipe import delayed_reference, run_cfg, run_early
 from test_slide import model_of
-from slimtune.engines.roundpipe import RoundPipeConfig, RoundPipeEngine
+from slimtune.engines.roundpipe.engine import RoundPipeConfig, RoundPipeEngine
 
 
 def slow_first_updates(engine: RoundPipeEngine) -> None:

@@ -12,9 +12,9 @@ import pytest
 
 from slimtune import cli
 from slimtune.errors import UserError
-from slimtune.pipeline import baselines, cost_model, simulate, timeline
-from slimtune.pipeline.cost_model import Costs
-from slimtune.pipeline.stages import LayerCost, uniform_partition
+from slimtune.engines.roundpipe import baselines, cost_model, simulate, timeline
+from slimtune.engines.roundpipe.cost_model import Costs
+from slimtune.engines.roundpipe.stages import LayerCost, uniform_partition
 
 EPS = 1e-9
 
@@ -146,7 +146,7 @@ def test_cutting_a_heavy_head_by_tokens_removes_most_of_the_bubble():
     """Qwen3-1.7B modelled (a 151,936-token head, 5.7 blocks' worth), 4 calls of 16 micro-batches a
     step: the head whole fixes W and leaves 8 stages whose lengths cannot match; cut by tokens the
     plan has many short stages and its bubble is several times smaller."""
-    from slimtune.pipeline.partitioner import plan_stages
+    from slimtune.engines.roundpipe.partitioner import plan_stages
 
     costs = cost_model.modelled_costs("Qwen3-1.7B", "rtx4090", 2048, 4)
     whole = plan_stages(costs.layers, 8, memory_cap=costs.memory_cap)

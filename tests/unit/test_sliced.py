@@ -1,4 +1,4 @@
-"""slimtune.chunk.sliced and the sliced LM head of slimtune.loss against dense autograd (spec
+"""slimtune.engines.chunk.sliced and the sliced LM head of slimtune.step.loss against dense autograd (spec
 chunkft.md 5 T1), in float64: for every op, axis and range (empty, partial, full, first and last
 row or column) the side gradient equals the dense gradient's slice, dX equals the dense dX, and no
 parameter ever gets a .grad. The dense reference is the original module, deep-copied before install.
@@ -21,8 +21,8 @@ from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from slimtune import loss as L
-from slimtune.chunk.sliced import (
+from slimtune.step import loss as L
+from slimtune.engines.chunk.sliced import (
     ActiveSlice,
     SlicedEmbedding,
     SlicedLayerNorm,
@@ -31,7 +31,7 @@ from slimtune.chunk.sliced import (
     install,
 )
 from slimtune.config import LossConfig
-from slimtune.data import IGNORE_INDEX, trained_positions
+from slimtune.data.dataset import IGNORE_INDEX, trained_positions
 from slimtune.errors import UserError
 
 TOL = dict(rtol=1e-12, atol=1e-12)

@@ -15,13 +15,15 @@ from torch import nn
 
 from conftest import engine_config, tiny_config
 from slimtune import config as config_module
-from slimtune import estimate, lora, quant, runtime
+from slimtune.planning import estimate
+from slimtune.model import lora, quant
+from slimtune.device import runtime
 from slimtune.config import LoraConfig, QuantConfig, TrainConfig
-from slimtune.data import IGNORE_INDEX, Batch
+from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.engines.resident import ResidentEngine
-from slimtune.engines.slide import SlideConfig, SlideEngine
+from slimtune.engines.slide.engine import SlideConfig, SlideEngine
 from slimtune.errors import UserError
-from slimtune.model import Stack
+from slimtune.model.stack import Stack
 
 CPU = torch.device("cpu")
 
@@ -165,7 +167,7 @@ def test_resume_is_exact():
 def test_uploads_wait_for_updates_and_staging_for_its_reader(monkeypatch):
     """Random sleeps in every host job: results stay equal to a run without them, no unit is
     uploaded while its AdamW runs, and no staging buffer is refilled while a host job reads it."""
-    from slimtune.host_unit import HostUnit
+    from slimtune.optim.host_unit import HostUnit
 
     model = model_of()
     cfg = train_cfg(max_grad_norm=0.0)  # updates overlap the backward: the racy case
@@ -284,7 +286,7 @@ def test_bf16_resume_uploads_the_loaded_weights_and_frozen_blocks_need_no_optimi
 
 
 def test_a_failed_step_gives_every_slot_back(monkeypatch):
-    from slimtune.engines import slide as slide_module
+    from slimtune.engines.slide import engine as slide_module
 
     engine = SlideEngine(Stack(model_of()), train_cfg(), CPU, "fp64")
     monkeypatch.setattr(slide_module, "streamed_ce", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimtune.data import IGNORE_INDEX
-from slimtune.streamed_ce import streamed_ce
+from slimtune.data.dataset import IGNORE_INDEX
+from slimtune.engines.slide.streamed_ce import streamed_ce
 
 N, D, V = 23, 6, 41
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slimtune import config, metrics, train
+from slimtune import config, train
+from slimtune.run import metrics
 from slimtune.errors import UserError
-from slimtune.metrics import MetricsLog
+from slimtune.run.metrics import MetricsLog
 from test_train import small_run
 
 RECORDS = [{"step": s, "loss": 1.0 / s, "lr": 0.1 * s, "tokens": 10 + s, "device_peak_bytes": None,

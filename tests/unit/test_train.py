@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import save_tiny_model, write_jsonl
-from slimtune import config, lora, train
+from slimtune import config, train
+from slimtune.model import lora
 
 
 def small_run(tmp_path, model_dir, **overrides):
@@ -22,7 +23,7 @@ def test_bf16_lora_keeps_the_base_in_bf16_and_adapters_in_fp32(tmp_path, tiny_mo
     adapter = next(iter(lora.adapters(run.stack.model).values()))
     assert adapter.base.weight.dtype == torch.bfloat16
     assert adapter.lora_A.weight.dtype == torch.float32
-    from slimtune import data
+    from slimtune.data import dataset as data
 
     batch = data.eval_batches(run.splits.train[:4], 2, 32, True, run.tokenizer.pad_token_id)[0]
     result = run.engine.step([batch])
@@ -87,7 +88,7 @@ def test_the_export_holds_the_engines_trainable_state(tmp_path, tokenizer, engin
 def test_an_engines_own_sample_is_held_out_of_training():
     from types import SimpleNamespace
 
-    from slimtune import data
+    from slimtune.data import dataset as data
     examples = [data.Example([3 * i, 3 * i + 1, 3 * i + 2], [3 * i + 1, 3 * i + 2, data.IGNORE_INDEX])
                 for i in range(1, 21)]  # no token in two examples
     splits = data.Splits(train=list(examples), eval=[], report=data.DataReport(20, 0, 0, 0))

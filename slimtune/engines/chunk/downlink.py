@@ -27,8 +27,8 @@ from concurrent.futures import Future
 
 import torch
 
-from slimtune import runtime
-from slimtune.chunk.sliced import ActiveSlice
+from slimtune.device import runtime
+from slimtune.engines.chunk.sliced import ActiveSlice
 
 # Device bytes of contributions held at once awaiting their copy (one more may be made beside
 # them). The largest Llama-8B contributions: an MLP matrix's bf16 gradient is 112 MiB, a head

@@ -55,19 +55,28 @@ from typing import Literal
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import block_stores, config_json, memory, runtime, speed
-from slimtune.checkpoint import EngineState
-from slimtune.chunk import partition, sliced
-from slimtune.chunk.downlink import Downlink
-from slimtune.chunk.state import ChunkState, Member, axis_of, narrow, open_settings, scratch
+from slimtune.step import block_stores
+from slimtune.model import config_json
+from slimtune.device import memory, runtime, speed
+from slimtune.store.checkpoint import EngineState
+from slimtune.engines.chunk import partition, sliced
+from slimtune.engines.chunk.downlink import Downlink
+from slimtune.engines.chunk.state import ChunkState, Member, axis_of, narrow, open_settings, scratch
 from slimtune.config import RunConfig, positive, setting
-from slimtune.data import Batch
-from slimtune.distributed import SINGLE, Dist
-from slimtune.engines.base import (StepResult, check_resumable, copy_named, evaluate_batches, model_loss,
-                                   step_divisor, to_float)
+from slimtune.data.dataset import Batch
+from slimtune.dist.ranks import SINGLE, Dist
+from slimtune.engines.base import (
+    StepResult,
+    check_resumable,
+    copy_named,
+    evaluate_batches,
+    model_loss,
+    step_divisor,
+    to_float,
+)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
-from slimtune.model import Stack
+from slimtune.model.stack import Stack
 from slimtune.optim import rules
 
 

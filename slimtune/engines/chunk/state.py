@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slimtune import runtime
-from slimtune.checkpoint import EngineState
-from slimtune.chunk.partition import Piece, Stream, partition
+from slimtune.device import runtime
+from slimtune.store.checkpoint import EngineState
+from slimtune.engines.chunk.partition import Piece, Stream, partition
 from slimtune.config import RunConfig
 from slimtune.errors import UserError
 from slimtune.optim import rules

@@ -39,22 +39,33 @@ from typing import Literal
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import block_stores, lora, memory, presets, runtime
-from slimtune.lsp import learning, schedule as lsp_schedule, sizing, updates as lsp_updates
-from slimtune.lsp.speed import step_time
-from slimtune.checkpoint import EngineState
+from slimtune.step import block_stores
+from slimtune.model import lora
+from slimtune.device import memory, runtime
+from slimtune import presets
+from slimtune.engines.lsp import learning, schedule as lsp_schedule, sizing, updates as lsp_updates
+from slimtune.engines.lsp.speed import step_time
+from slimtune.store.checkpoint import EngineState
 from slimtune.config import RunConfig, TrainConfig, positive, setting
-from slimtune.data import Batch
-from slimtune.distributed import SINGLE, Dist
-from slimtune.engines.base import (StepResult, check_resumable, copy_named, evaluate_batches, model_loss,
-                                   step_divisor, to_float, weak_hook)
+from slimtune.data.dataset import Batch
+from slimtune.dist.ranks import SINGLE, Dist
+from slimtune.engines.base import (
+    StepResult,
+    check_resumable,
+    copy_named,
+    evaluate_batches,
+    model_loss,
+    step_divisor,
+    to_float,
+    weak_hook,
+)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
-from slimtune.host_unit import StepGuard
-from slimtune.model import Stack
+from slimtune.optim.host_unit import StepGuard
+from slimtune.model.stack import Stack
 from slimtune.optim import projectors, rules
 from slimtune.optim.host_adam import MOMENTS, Group, HostAdam
-from slimtune.lsp.projected_linear import ProjectedLinear
+from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
 
 @dataclass

@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import torch
 
-from slimtune import memory
+from slimtune.device import memory
 from slimtune.optim import projectors
 from slimtune.optim.host_adam import HostAdam
-from slimtune.lsp.projected_linear import ProjectedLinear
+from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
 
 class Collector:

@@ -4,9 +4,9 @@ and the projector check spread over the steps between checks."""
 
 from __future__ import annotations
 
-from slimtune import speed
+from slimtune.device import speed
 from slimtune.config import RunConfig
-from slimtune.lsp import sizing
+from slimtune.engines.lsp import sizing
 
 
 def subspace_numbers(model_config, d: int) -> int:

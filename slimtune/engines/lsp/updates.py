@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slimtune import runtime
-from slimtune.distributed import SINGLE, Dist
-from slimtune.host_unit import StepGuard
-from slimtune.lsp.schedule import Clock, Schedule
+from slimtune.device import runtime
+from slimtune.dist.ranks import SINGLE, Dist
+from slimtune.optim.host_unit import StepGuard
+from slimtune.engines.lsp.schedule import Clock, Schedule
 from slimtune.optim import rules
 from slimtune.optim.host_adam import HostAdam
-from slimtune.lsp.projected_linear import ProjectedLinear
+from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
 
 @dataclass

@@ -32,8 +32,8 @@ from collections import deque
 from typing import Sequence
 
 from slimtune.errors import UserError
-from slimtune.pipeline.cost_model import Costs
-from slimtune.pipeline.schedule import Engine, Schedule, measure
+from slimtune.engines.roundpipe.cost_model import Costs
+from slimtune.engines.roundpipe.schedule import Engine, Schedule, measure
 
 
 def bind_layers(costs: Costs, stages: int, sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:

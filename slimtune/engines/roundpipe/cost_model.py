@@ -36,9 +36,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from slimtune import config_json, presets, speed
+from slimtune.model import config_json
+from slimtune import presets
+from slimtune.device import speed
 from slimtune.errors import UserError
-from slimtune.pipeline.stages import LayerCost
+from slimtune.engines.roundpipe.stages import LayerCost
 
 BF16 = 2  # bytes a weight, gradient or activation element
 MEMORY_SHARE = 0.3  # a stage may hold 0.6 x the card's memory / 2 (roundpipe.md 2.5; all of it taken as free)

@@ -56,27 +56,34 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import memory, runtime, speed
-from slimtune.checkpoint import EngineState
+from slimtune.device import memory, runtime, speed
+from slimtune.store.checkpoint import EngineState
 from slimtune.config import RunConfig
-from slimtune.data import Batch
-from slimtune.distributed import SINGLE, Dist
-from slimtune.engines.base import (StepResult, autocast_for, check_resumable, copy_named, evaluate_batches,
-                                   step_divisor, to_float)
+from slimtune.data.dataset import Batch
+from slimtune.dist.ranks import SINGLE, Dist
+from slimtune.engines.base import (
+    StepResult,
+    autocast_for,
+    check_resumable,
+    copy_named,
+    evaluate_batches,
+    step_divisor,
+    to_float,
+)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
-from slimtune.host_unit import HostUnit, load_units_state, units_state
-from slimtune.loss import causal_lm_loss
-from slimtune.model import Stack
+from slimtune.optim.host_unit import HostUnit, load_units_state, units_state
+from slimtune.step.loss import causal_lm_loss
+from slimtune.model.stack import Stack
 from slimtune.optim import rules
-from slimtune.pipeline import jobs
-from slimtune.pipeline.partitioner import LayerTimes, costs_from_bytes, plan_stages
-from slimtune.pipeline.row_split import split_rows
-from slimtune.pipeline.settings import RoundPipeConfig, validate, worker_devices
-from slimtune.pipeline.stages import Job, Partition, assign
-from slimtune.pipeline.mailbox import Mailbox
-from slimtune.pipeline.step_weights import Gate, StepWeights, WeightVersions
-from slimtune.pipeline.worker import Worker
+from slimtune.engines.roundpipe import jobs
+from slimtune.engines.roundpipe.partitioner import LayerTimes, costs_from_bytes, plan_stages
+from slimtune.engines.roundpipe.row_split import split_rows
+from slimtune.engines.roundpipe.settings import RoundPipeConfig, validate, worker_devices
+from slimtune.engines.roundpipe.stages import Job, Partition, assign
+from slimtune.engines.roundpipe.mailbox import Mailbox
+from slimtune.engines.roundpipe.step_weights import Gate, StepWeights, WeightVersions
+from slimtune.engines.roundpipe.worker import Worker
 
 
 class RoundPipeEngine:

@@ -29,18 +29,18 @@ from typing import Callable
 
 import torch
 
-from slimtune import activations
+from slimtune.step import activations
 from slimtune.config import ActivationsConfig, LossConfig
-from slimtune.data import Batch
+from slimtune.data.dataset import Batch
 from slimtune.engines.base import autocast_for
-from slimtune.host_unit import HostUnit
-from slimtune.loss import causal_lm_loss
-from slimtune.pipeline.mailbox import Mailbox
-from slimtune.pipeline.row_split import token_slice
-from slimtune.pipeline.stages import Job, token_range
-from slimtune.pipeline.step_weights import StepWeights
-from slimtune.pipeline.timing import BackwardTiming, StepTimes
-from slimtune.pipeline.worker import Prefetch, Worker
+from slimtune.optim.host_unit import HostUnit
+from slimtune.step.loss import causal_lm_loss
+from slimtune.engines.roundpipe.mailbox import Mailbox
+from slimtune.engines.roundpipe.row_split import token_slice
+from slimtune.engines.roundpipe.stages import Job, token_range
+from slimtune.engines.roundpipe.step_weights import StepWeights
+from slimtune.engines.roundpipe.timing import BackwardTiming, StepTimes
+from slimtune.engines.roundpipe.worker import Prefetch, Worker
 
 EMBED = -1  # the job index whose hand-offs are the embedding rows (job 0's inputs)
 

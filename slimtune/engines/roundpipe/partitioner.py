@@ -48,7 +48,7 @@ import itertools
 import math
 from typing import Iterator, Sequence
 
-from slimtune.pipeline.stages import LayerCost, Partition, Stage, StageKind
+from slimtune.engines.roundpipe.stages import LayerCost, Partition, Stage, StageKind
 
 
 class _Spans:

@@ -15,8 +15,8 @@ import copy
 import torch
 from torch import nn
 
-from slimtune import runtime
-from slimtune.model import Stack
+from slimtune.device import runtime
+from slimtune.model.stack import Stack
 
 
 class Replica:

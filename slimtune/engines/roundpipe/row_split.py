@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune.data import Batch
+from slimtune.data.dataset import Batch
 
 
 def split_rows(batch: Batch, pieces: int) -> list[Batch]:

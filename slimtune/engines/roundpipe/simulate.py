@@ -1,6 +1,6 @@
 """RoundPipe's schedule as a discrete-event simulation, beside GPipe, 1F1B and interleaved 1F1B.
 
-    python -m slimtune.pipeline.simulate --model Qwen3-8B --gpu rtx4090 --workers 8 --png timeline.png
+    python -m slimtune.engines.roundpipe.simulate --model Qwen3-8B --gpu rtx4090 --workers 8 --png timeline.png
     slimtune simulate --costs spec:1.7B --reference
 
 RoundPipe plays exactly the jobs of stages.assign, the action list the runtime executes: per step
@@ -38,17 +38,17 @@ import sys
 from typing import Sequence
 
 from slimtune.errors import UserError
-from slimtune.pipeline import baselines, cost_model
-from slimtune.pipeline.cost_model import Costs
-from slimtune.pipeline.schedule import Engine, Schedule, measure
-from slimtune.pipeline.stages import Partition, Stage, assign
+from slimtune.engines.roundpipe import baselines, cost_model
+from slimtune.engines.roundpipe.cost_model import Costs
+from slimtune.engines.roundpipe.schedule import Engine, Schedule, measure
+from slimtune.engines.roundpipe.stages import Partition, Stage, assign
 
 OPTIMIZERS = ("async", "sync")
 
 
 def plan(costs: Costs, workers: int) -> Partition:
     """The partitioner's plan (roundpipe.md 2.6) for these costs, capped by the card's memory share."""
-    from slimtune.pipeline.partitioner import plan_stages
+    from slimtune.engines.roundpipe.partitioner import plan_stages
 
     try:
         return plan_stages(costs.layers, workers, memory_cap=costs.memory_cap, max_tail_shards=workers)
@@ -274,7 +274,7 @@ def _partition(args: argparse.Namespace, costs: Costs, spec: str) -> Partition |
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `slimtune simulate` and `python -m slimtune.pipeline.simulate`."""
+    """The options of `slimtune simulate` and `python -m slimtune.engines.roundpipe.simulate`."""
     parser.add_argument("--model", help="a preset (e.g. Qwen3-8B) or HF folder: per-layer costs modelled")
     parser.add_argument("--gpu", default="rtx4090", help="the card the costs are modelled on (default rtx4090)")
     parser.add_argument("--costs", help="measured costs instead: a JSON file (slimtune/pipeline/cost_model.py has its "
@@ -310,7 +310,7 @@ def run(args: argparse.Namespace) -> list[Schedule]:
     found = compare(costs, args.workers, micro_batches, _partition(args, costs, spec), args.chunks, modes,
                     args.accumulate, args.reference)
     if args.png:
-        from slimtune.pipeline import timeline
+        from slimtune.engines.roundpipe import timeline
 
         timeline.write_png(found, args.png)
     if args.json:
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> list[Schedule]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slimtune.pipeline.simulate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m slimtune.engines.roundpipe.simulate", description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

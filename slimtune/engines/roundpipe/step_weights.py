@@ -29,9 +29,9 @@ from concurrent.futures import Future
 
 import torch
 
-from slimtune import runtime
-from slimtune.host_unit import HostUnit
-from slimtune.pipeline.mailbox import Mailbox
+from slimtune.device import runtime
+from slimtune.optim.host_unit import HostUnit
+from slimtune.engines.roundpipe.mailbox import Mailbox
 
 
 class Gate:

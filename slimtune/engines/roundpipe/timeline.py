@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from slimtune.errors import UserError
-from slimtune.pipeline.schedule import Schedule
+from slimtune.engines.roundpipe.schedule import Schedule
 
 COLOURS = {
     "forward": "#4C78A8",

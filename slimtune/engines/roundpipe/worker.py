@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slimtune import memory, runtime
-from slimtune.host_unit import HostUnit
-from slimtune.pipeline.mailbox import Mailbox, WorkerFailed
-from slimtune.pipeline.replica import Replica
-from slimtune.pipeline.stages import Job
-from slimtune.pipeline.timing import Clock
+from slimtune.device import memory, runtime
+from slimtune.optim.host_unit import HostUnit
+from slimtune.engines.roundpipe.mailbox import Mailbox, WorkerFailed
+from slimtune.engines.roundpipe.replica import Replica
+from slimtune.engines.roundpipe.stages import Job
+from slimtune.engines.roundpipe.timing import Clock
 
 
 PIECE_BYTES = 256 * 2**20  # weights go up in pieces of at most this, so an activation waits for one piece

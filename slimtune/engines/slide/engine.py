@@ -56,25 +56,33 @@ from typing import Literal
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune import activations, block_stores, memory, runtime, speed
-from slimtune.checkpoint import EngineState
+from slimtune.step import activations, block_stores
+from slimtune.device import memory, runtime, speed
+from slimtune.store.checkpoint import EngineState
 from slimtune.config import RunConfig, TrainConfig, positive, setting
-from slimtune.data import Batch
-from slimtune.distributed import SINGLE, Dist
-from slimtune.engines.base import (StepResult, autocast_for, check_resumable, copy_named, evaluate_batches,
-                                   step_divisor, to_float)
+from slimtune.data.dataset import Batch
+from slimtune.dist.ranks import SINGLE, Dist
+from slimtune.engines.base import (
+    StepResult,
+    autocast_for,
+    check_resumable,
+    copy_named,
+    evaluate_batches,
+    step_divisor,
+    to_float,
+)
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
-from slimtune.chunk.host_gradients import ActiveGradients
-from slimtune.chunk.state import ChunkState, axis_of, narrow
-from slimtune.chunk.state import open_settings as chunk_open_settings
-from slimtune.chunk.state import scratch as chunk_scratch
-from slimtune.host_unit import HostUnit, StepGuard, load_units_state, units_state
-from slimtune.loss import chunk_tokens, head_inputs
-from slimtune.model import Stack
+from slimtune.engines.slide.host_gradients import ActiveGradients
+from slimtune.engines.chunk.state import ChunkState, axis_of, narrow
+from slimtune.engines.chunk.state import open_settings as chunk_open_settings
+from slimtune.engines.chunk.state import scratch as chunk_scratch
+from slimtune.optim.host_unit import HostUnit, StepGuard, load_units_state, units_state
+from slimtune.step.loss import chunk_tokens, head_inputs
+from slimtune.model.stack import Stack
 from slimtune.optim import rules
 from slimtune.optim.host_adam import MOMENTS_ON_DISK, moments_bytes, moments_folder
-from slimtune.streamed_ce import streamed_ce
+from slimtune.engines.slide.streamed_ce import streamed_ce
 
 
 @dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimtune.chunk.partition import Piece
-from slimtune.chunk.state import ChunkState, narrow
+from slimtune.engines.chunk.partition import Piece
+from slimtune.engines.chunk.state import ChunkState, narrow
 
 
 class ActiveGradients:

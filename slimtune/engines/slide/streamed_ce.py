@@ -16,8 +16,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from slimtune import memory
-from slimtune.data import IGNORE_INDEX
+from slimtune.device import memory
+from slimtune.data.dataset import IGNORE_INDEX
 
 Tiles = Callable[[], Iterator[tuple[int, int, torch.Tensor]]]
 Sink = Callable[[int, int, torch.Tensor], None]
