@@ -58,14 +58,12 @@ class Run:
 
     @property
     def devices(self) -> list[torch.device]:
-        """Every device the run computes on: an engine with several workers names them (`devices`)."""
-        return list(getattr(self.engine, "devices", [self.device]))
+        """Every device the run computes on (several where the engine has several workers)."""
+        return list(self.engine.devices)
 
     def trainable_count(self) -> int:
-        """Trained weights: the engine's count where it trains weights autograd does not see (lsp's
-        projected matrices are frozen parameters trained through their subspace), else requires_grad's."""
-        own = getattr(self.engine, "trained_numel", None)
-        return own() if own is not None else sum(p.numel() for p in self.stack.model.parameters() if p.requires_grad)
+        """Trained weights, as the engine counts them (Engine.trained_numel)."""
+        return self.engine.trained_numel()
 
     @functools.cached_property
     def eval_batches(self) -> list[data.Batch]:
@@ -393,7 +391,7 @@ def _next_starts_early(run: Run, step: int) -> bool:
     after this step no checkpoint, evaluation or end reads the engine (one process: under torchrun
     the ranks' sums would have to be ordered across two steps)."""
     t = run.cfg.train
-    return (getattr(run.engine, "starts_ahead", False) and not run.dist.active and step < t.steps
+    return (run.engine.starts_ahead and not run.dist.active and step < t.steps
             and not _due(step, t.eval_every, t.steps) and not _due(step, t.save_every, t.steps))
 
 
@@ -406,10 +404,10 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
     # Under torchrun: this rank's share, and the divisor of the whole step (every rank's targets).
     micro_batches = dist.shard(step_batches)
     total_targets = sum(b.num_targets for b in step_batches) if dist.active else None
-    early = {"then": (drawn.draw_early(count), None)} if _next_starts_early(run, step) else {}
+    then = (drawn.draw_early(count), None) if _next_starts_early(run, step) else None
     tick = time.perf_counter()
     try:
-        result = combine_ranks(dist, step, run.engine.step(micro_batches, total_targets, **early))
+        result = combine_ranks(dist, step, run.engine.step(micro_batches, total_targets, then=then))
     except torch.OutOfMemoryError:
         raise UserError(out_of_memory_advice(run, step)) from None
     skips.note(result.applied)

@@ -1,23 +1,19 @@
-"""The engine interface the training loop relies on, what one step reports, and the helpers every
-engine shares (evaluation, loading trainable state, scalars that may be fake)."""
+"""The engine contract: what train.py, checkpoints, export and the planner use of an engine, and what
+one step reports. Nothing else lives here; the parts engines share sit below them (step/, optim/,
+store/, device/)."""
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from collections.abc import Callable
+import abc
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
-from slimtune.step import activations
-from slimtune.device import memory
-from slimtune.store.checkpoint import EngineState
 from slimtune.data.dataset import Batch
-from slimtune.errors import UserError
-from slimtune.step.loss import causal_lm_loss
+from slimtune.store.checkpoint import EngineState
+
+# The next step's (micro_batches, total_targets), handed to step() ahead of time (`then=`).
+NextStep = tuple[list[Batch], "int | None"]
 
 
 @dataclass
@@ -39,131 +35,60 @@ class StepResult:
     applied: bool = True
 
 
-class Engine(Protocol):
+class Engine(abc.ABC):
     """What train.fit, checkpoints, export and the planner's estimate use of an engine. Every engine
-    is built as `Engine(stack, cfg: RunConfig, device, precision, dist)` (see registry.EngineSpec.build);
-    under data parallelism it sums its gradients across dist's ranks before its optimizer."""
+    is built as `Engine(stack, cfg: RunConfig, device, precision, dist)` (see registry.EngineSpec.build)
+    and keeps `stack` and `device`; under data parallelism it sums its gradients across dist's ranks
+    before its optimizer. The methods with a body are defaults an engine overrides where it differs."""
 
     name: str
     meter: object  # memory.meter_for(...): the device meter its steps read (the estimate swaps it)
+    stack: object  # model.stack.Stack: the model it trains
+    device: torch.device  # the device it was built for
+    # True: step() may take the next step's batches (`then=`) and begin that step before this one ends.
+    starts_ahead: bool = False
 
-    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
+    @abc.abstractmethod
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None,
+             then: NextStep | None = None) -> StepResult:
         """One optimizer step over `micro_batches` (gradient accumulation). `total_targets`: the
         step's trained-token count over every rank (data parallelism; step_divisor), else None.
-        An engine whose `starts_ahead` attribute is true also takes `then=(micro_batches,
-        total_targets)` of the next step, which it may begin before this one ends; the loop passes
-        it only where nothing reads the engine between the two steps (train._next_starts_early),
-        and the next call gets those same batches."""
-        ...
+        `then`: the next step's (micro_batches, total_targets), passed only to an engine that
+        `starts_ahead`, and only where nothing reads the engine between the two steps
+        (train._next_starts_early); the next call gets those same batches. Others never see it."""
 
+    @abc.abstractmethod
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
         """Summed exact loss and trained-token count over `batches`, without gradients."""
-        ...
 
+    @abc.abstractmethod
     def state_dict(self) -> EngineState:
         """Everything exact resume needs, in the format every engine shares."""
-        ...
 
+    @abc.abstractmethod
     def load_state_dict(self, state: EngineState) -> None:
         """Resume from a state this or another engine wrote; one sentence (UserError) if it cannot."""
-        ...
 
+    @abc.abstractmethod
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The trained weights by parameter name: what export writes (the model's own parameters may
         point elsewhere, e.g. at device slots)."""
-        ...
 
+    @abc.abstractmethod
     def host_bytes(self) -> int:
         """Host RAM the engine holds for the device (masters, moments, staging), for the planner."""
-        ...
 
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every device the engine computes on: its own device, unless it has several workers."""
+        return [self.device]
 
-def weak_hook(method, *bound) -> Callable:
-    """A tensor hook that calls an engine's bound `method` (with `bound` arguments first) while the
-    engine lives. Autograd holds hooks from C++, where Python's collector cannot see the cycle
-    engine -> model -> parameter -> hook -> engine: a hook holding the engine strongly keeps it,
-    its weights and its optimizer state alive after the last reference (a second engine in one
-    process, as device_checks and tests build, then shares the card with the first)."""
-    ref = weakref.WeakMethod(method)
+    def trained_numel(self) -> int:
+        """Trained weights: requires_grad's count, unless the engine trains weights autograd does not
+        see (lsp's projected matrices are frozen parameters trained through their subspace)."""
+        return sum(p.numel() for p in self.stack.model.parameters() if p.requires_grad)
 
-    def hook(*args):
-        target = ref()
-        if target is not None:
-            target(*bound, *args)
-    return hook
-
-
-def step_divisor(micro_batches: list[Batch], total_targets: int | None) -> int:
-    """What every micro-batch's summed loss is divided by: the step's trained-token count, over every
-    rank's micro-batches under data parallelism (the loop passes it), so that the gradients summed
-    across ranks are the gradient of the mean loss over the whole global batch."""
-    count = sum(b.num_targets for b in micro_batches) if total_targets is None else total_targets
-    return max(count, 1)
-
-
-def to_float(value: torch.Tensor | float) -> float:
-    """A step's scalar for the log; NaN for a fake tensor (the estimate runs steps without values)."""
-    if isinstance(value, torch.Tensor) and is_fake(value):
-        return float("nan")
-    return float(value)
-
-
-def autocast_for(device: torch.device, precision: str):
-    """bf16 autocast for precision bf16 (the default on CUDA only: fp32 is the CPU's fast dtype)."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def model_loss(stack, activations_cfg, loss_cfg, device: torch.device, precision: str, batch: Batch,
-               reading=memory.NO_READING, training: bool = True, store=None):
-    """The exact loss (loss.LossOutput) of `batch` (on the device) through the whole model as it sits
-    on the device: the blocks as activations_cfg checkpoints them (`store`: their inputs' store),
-    then the final norm, head and loss; the meter's phases and segments marked on the way."""
-    blocks = activations.runner(activations_cfg, store)
-    with autocast_for(device, precision):
-        with reading.phase("activations"):
-            hidden = stack.body_hidden(batch.input_ids, batch.position_ids, blocks, batch.segmented)
-        with reading.phase("loss"):
-            memory.mark("loss")
-            return causal_lm_loss(hidden, stack.norm, stack.head, batch.targets, loss_cfg,
-                                  trained_positions=batch.trained_positions, training=training)
-
-
-def evaluate_batches(batches: list[Batch], exact_loss_sum: Callable[[Batch], torch.Tensor]) -> tuple[float, int]:
-    """(summed exact loss, trained tokens) over `batches`; `exact_loss_sum(batch)` is the engine's
-    loss of one batch, run without gradients."""
-    loss_sum, tokens = 0.0, 0
-    with torch.no_grad():
-        for batch in batches:
-            loss_sum += float(exact_loss_sum(batch))
-            tokens += batch.num_targets
-    return loss_sum, tokens
-
-
-def check_resumable(state: EngineState, names: list[str], engine: str,
-                    decided_by: str = "the method, lora.* or freeze settings") -> None:
-    """One sentence when a checkpoint trained other tensors than this run trains: nothing could be
-    resumed exactly. It names what differs: the engine that wrote the checkpoint, or, under the same
-    engine, `decided_by`: what decides which tensors this engine trains (a training run has already
-    refused another method, adapter or freeze patterns, run_folder's identity: lsp names lsp.train_other)."""
-    mine, theirs = set(names), set(state.trainable)
-    if mine == theirs:
-        return
-    only = sorted(theirs - mine) or sorted(mine - theirs)
-    side = "the checkpoint has" if theirs - mine else "this run trains"
-    lacks = f"{side} {len(only)} trained tensor(s) the other lacks, e.g. '{only[0]}'"
-    afresh = "or start afresh with train.overwrite=true or another output_dir."
-    if state.engine != engine:
-        raise UserError(f"the checkpoint was written by engine {state.engine} and trained other tensors than this run"
-                        f" (engine {engine}) does ({lacks}); resume with the engine and settings it was written with"
-                        f" (engine={state.engine}), {afresh}")
-    raise UserError(f"the checkpoint trained other tensors than this run does ({lacks}): {decided_by} differ(s) from"
-                    f" the checkpoint's; resume with the settings it was written with, {afresh}")
-
-
-def copy_named(targets: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
-    """Copy source[name] into targets[name] for every name (dtype and device converted on the way)."""
-    with torch.no_grad():
-        for name, target in targets.items():
-            target.copy_(source[name])
+    def use_sample(self, batches: list[Batch]) -> None:
+        """The fit sample: `EngineSpec.sample_examples(cfg)` examples held out of training, as batches,
+        handed over once before the first step (lsp fits its projectors on them). By default unused."""
+        del batches

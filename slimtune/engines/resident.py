@@ -18,15 +18,10 @@ from slimtune.store.checkpoint import EngineState
 from slimtune.config import RunConfig
 from slimtune.data.dataset import Batch
 from slimtune.dist.ranks import SINGLE, Dist
-from slimtune.engines.base import (
-    StepResult,
-    check_resumable,
-    evaluate_batches,
-    model_loss,
-    step_divisor,
-    to_float,
-    weak_hook,
-)
+from slimtune.engines.base import Engine, NextStep, StepResult
+from slimtune.step.forward import evaluate_batches, model_loss, step_divisor, to_float
+from slimtune.step.hooks import weak_hook
+from slimtune.store.checkpoint import check_resumable
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.dist.grad_buckets import GradientBuckets
 from slimtune.errors import UserError
@@ -35,7 +30,7 @@ from slimtune.model.stack import Stack
 from slimtune.optim import rules
 
 
-class ResidentEngine:
+class ResidentEngine(Engine):
     name = "resident"
 
     def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
@@ -79,7 +74,8 @@ class ResidentEngine:
         return model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision, batch,
                           reading, training, store)
 
-    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None,
+             then: NextStep | None = None) -> StepResult:
         self.stack.model.train()
         total = step_divisor(micro_batches, total_targets)
         lr = rules.lr_at(self.train_cfg, self.step_count)

@@ -170,7 +170,7 @@ def units_state(units: list[HostUnit], names: dict[int, str]) -> tuple[dict, dic
 def load_units_state(units: list[HostUnit], names: dict[int, str], state) -> None:
     """Moments and step counts by parameter name (a checkpoint.EngineState) into the units' own
     buffers (RAM or mapped files), then their shadows from the masters (loaded by the caller)."""
-    from slimtune.engines.base import copy_named
+    from slimtune.store.checkpoint import copy_named
 
     for unit in units:
         for param, k, i in unit.members:

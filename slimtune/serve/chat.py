@@ -104,7 +104,7 @@ class Conversation:
         if room <= 0:
             raise UserError(f"the prompt is {len(ids)} tokens and the model takes at most {self.limit}; "
                             "send a shorter message.")
-        from slimtune.engines.base import autocast_for
+        from slimtune.step.precision import autocast_for
 
         settings = inference.generation_settings(model, tok, room, self.temperature)
         prompt = torch.tensor([ids], device=device)

@@ -2,7 +2,7 @@
 
 Loss and perplexity: the file is read, tokenized and batched as training reads its evaluation split
 (data.load_splits with nothing held out, data.eval_batches), and each batch's loss is the one the
-trainer evaluates (engines.base.model_loss: the whole model, the exact cross-entropy over the
+trainer evaluates (step.forward.model_loss: the whole model, the exact cross-entropy over the
 trained tokens). loss = summed loss / trained tokens, perplexity = exp(loss), as train.evaluate.
 
 Exact match (prompt_response and chat data): the greedy answer to each prompt, decoded without
@@ -98,7 +98,7 @@ def exact_match(model: torch.nn.Module, tokenizer, device: torch.device, cases: 
 def loss_sum(loaded: inference.Loaded, batches: list[data.Batch]) -> tuple[float, int]:
     """(summed loss, trained tokens) over `batches`, as the trainer evaluates them."""
     from slimtune.config import ActivationsConfig, LossConfig
-    from slimtune.engines.base import evaluate_batches, model_loss
+    from slimtune.step.forward import evaluate_batches, model_loss
     from slimtune.model.stack import Stack
 
     stack, activations, loss = Stack(loaded.model), ActivationsConfig(), LossConfig()

@@ -64,7 +64,7 @@ class Loaded:
     model: torch.nn.Module
     tokenizer: Any
     device: torch.device
-    precision: str  # "fp32" | "bf16": bf16 runs under autocast (engines.base.autocast_for)
+    precision: str  # "fp32" | "bf16": bf16 runs under autocast (step.precision.autocast_for)
     source: Source
 
     def describe(self) -> str:
@@ -228,7 +228,7 @@ def greedy_answers(model: torch.nn.Module, tokenizer, device: torch.device, prom
                    max_new_tokens: int, batch_size: int = 50, precision: str = "fp32") -> list[str]:
     """Each prompt's greedy completion, decoded without special tokens: batches of left-padded
     prompts, so that every prompt ends where generation starts."""
-    from slimtune.engines.base import autocast_for
+    from slimtune.step.precision import autocast_for
 
     model.eval()
     settings = generation_settings(model, tokenizer, max_new_tokens)

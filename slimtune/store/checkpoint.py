@@ -341,7 +341,7 @@ def load(folder: Path, template=None) -> tuple[int, EngineState, dict, dict]:
 
 def _load_sharded(folder: Path, template) -> tuple[dict, dict, dict]:
     """The sharded state, read into the resuming engine's own tensors; the names it saved must be
-    the ones that engine trains (else engines.base.check_resumable's sentence, from the caller)."""
+    the ones that engine trains (else check_resumable's sentence, from the caller)."""
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(str(folder / SHARDED))
@@ -355,3 +355,31 @@ def _load_sharded(folder: Path, template) -> tuple[dict, dict, dict]:
     dcp.load(wanted, storage_reader=reader)
     return tuple({k.removeprefix(prefix): v for k, v in wanted.items() if k.startswith(prefix)}
                  for prefix in ("trainable/", "exp_avg/", "exp_avg_sq/"))
+
+
+def check_resumable(state: EngineState, names: list[str], engine: str,
+                    decided_by: str = "the method, lora.* or freeze settings") -> None:
+    """One sentence when a checkpoint trained other tensors than this run trains: nothing could be
+    resumed exactly. It names what differs: the engine that wrote the checkpoint, or, under the same
+    engine, `decided_by`: what decides which tensors this engine trains (a training run has already
+    refused another method, adapter or freeze patterns, run_folder's identity: lsp names lsp.train_other)."""
+    mine, theirs = set(names), set(state.trainable)
+    if mine == theirs:
+        return
+    only = sorted(theirs - mine) or sorted(mine - theirs)
+    side = "the checkpoint has" if theirs - mine else "this run trains"
+    lacks = f"{side} {len(only)} trained tensor(s) the other lacks, e.g. '{only[0]}'"
+    afresh = "or start afresh with train.overwrite=true or another output_dir."
+    if state.engine != engine:
+        raise UserError(f"the checkpoint was written by engine {state.engine} and trained other tensors than this run"
+                        f" (engine {engine}) does ({lacks}); resume with the engine and settings it was written with"
+                        f" (engine={state.engine}), {afresh}")
+    raise UserError(f"the checkpoint trained other tensors than this run does ({lacks}): {decided_by} differ(s) from"
+                    f" the checkpoint's; resume with the settings it was written with, {afresh}")
+
+
+def copy_named(targets: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    """Copy source[name] into targets[name] for every name (dtype and device converted on the way)."""
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(source[name])

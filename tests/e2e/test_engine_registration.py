@@ -17,7 +17,9 @@ from slimtune.device import memory, speed
 from slimtune.store.checkpoint import EngineState
 from slimtune.config import setting
 from slimtune.data.dataset import IGNORE_INDEX
-from slimtune.engines.base import StepResult, check_resumable, copy_named, evaluate_batches, step_divisor, to_float
+from slimtune.engines.base import Engine, StepResult
+from slimtune.step.forward import evaluate_batches, step_divisor, to_float
+from slimtune.store.checkpoint import check_resumable, copy_named
 from slimtune.errors import UserError
 
 
@@ -30,7 +32,7 @@ class ToyConfig:
             raise UserError(f"toy.momentum must be in [0, 1), got {self.momentum}.")
 
 
-class ToyEngine:
+class ToyEngine(Engine):
     name = "toy"
 
     def __init__(self, stack, cfg, device, precision, dist):
@@ -53,7 +55,7 @@ class ToyEngine:
         for state in self.optimizer.state.values():
             yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
 
-    def step(self, micro_batches, total_targets=None):
+    def step(self, micro_batches, total_targets=None, then=None):
         self.stack.model.train()
         total = step_divisor(micro_batches, total_targets)
         with self.meter.measure(self._tensors()) as reading:

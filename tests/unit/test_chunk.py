@@ -116,7 +116,7 @@ def dense_gradients(model, batch_list) -> dict[str, torch.Tensor]:
 
 def side_gradients(engine: ChunkEngine, k: int, batch_list) -> dict[str, torch.Tensor]:
     """Chunk k's side gradients after forward and backward, by piece (name, start)."""
-    from slimtune.engines.base import model_loss
+    from slimtune.step.forward import model_loss
     from slimtune.device import memory
     engine._open(k, memory.NO_READING)
     total = sum(b.num_targets for b in batch_list)

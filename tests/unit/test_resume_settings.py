@@ -11,7 +11,7 @@ from conftest import engine_config
 from slimtune import config, engines
 from slimtune.run import resume_settings
 from slimtune.config import DataConfig, RunConfig, TrainConfig
-from slimtune.engines.base import check_resumable
+from slimtune.store.checkpoint import check_resumable
 from slimtune.errors import UserError
 from slimtune.run.resume_settings import APPLIED, REFUSED, SAFE
 

@@ -65,15 +65,9 @@ from slimtune.engines.chunk.state import ChunkState, Member, axis_of, narrow, op
 from slimtune.config import RunConfig, positive, setting
 from slimtune.data.dataset import Batch
 from slimtune.dist.ranks import SINGLE, Dist
-from slimtune.engines.base import (
-    StepResult,
-    check_resumable,
-    copy_named,
-    evaluate_batches,
-    model_loss,
-    step_divisor,
-    to_float,
-)
+from slimtune.engines.base import Engine, NextStep, StepResult
+from slimtune.step.forward import evaluate_batches, model_loss, step_divisor, to_float
+from slimtune.store.checkpoint import check_resumable, copy_named
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.model.stack import Stack
@@ -143,7 +137,7 @@ def _refuse_more_chunks_than_slices(cfg: RunConfig) -> None:
                                                   f"its trainable tensors hold at most {most:,} slices"))
 
 
-class ChunkEngine:
+class ChunkEngine(Engine):
     name = "chunk"
 
     def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
@@ -205,7 +199,8 @@ class ChunkEngine:
         self.downlink.close(self.slices.values())
         return self.state.grad_views(k)
 
-    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None,
+             then: NextStep | None = None) -> StepResult:
         self.stack.model.train()
         total = step_divisor(micro_batches, total_targets)
         k, lr = self.state.active, self.state.lr(self.step_count)

@@ -49,16 +49,10 @@ from slimtune.store.checkpoint import EngineState
 from slimtune.config import RunConfig, TrainConfig, positive, setting
 from slimtune.data.dataset import Batch
 from slimtune.dist.ranks import SINGLE, Dist
-from slimtune.engines.base import (
-    StepResult,
-    check_resumable,
-    copy_named,
-    evaluate_batches,
-    model_loss,
-    step_divisor,
-    to_float,
-    weak_hook,
-)
+from slimtune.engines.base import Engine, NextStep, StepResult
+from slimtune.step.forward import evaluate_batches, model_loss, step_divisor, to_float
+from slimtune.step.hooks import weak_hook
+from slimtune.store.checkpoint import check_resumable, copy_named
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.optim.host_unit import StepGuard
@@ -126,7 +120,7 @@ def validate(cfg: RunConfig) -> None:
                         " skipped whole; set train.max_grad_norm > 0 or train.on_nonfinite=stop.")
 
 
-class LspEngine:
+class LspEngine(Engine):
     name = "lsp"
 
     def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
@@ -260,7 +254,8 @@ class LspEngine:
 
     # ------------------------------------------------------------ one step
 
-    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None,
+             then: NextStep | None = None) -> StepResult:
         self.stack.model.train()
         total = step_divisor(micro_batches, total_targets)
         self._lr = lr = rules.lr_at(self.train_cfg, self.step_count)

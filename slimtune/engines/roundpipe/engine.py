@@ -61,15 +61,10 @@ from slimtune.store.checkpoint import EngineState
 from slimtune.config import RunConfig
 from slimtune.data.dataset import Batch
 from slimtune.dist.ranks import SINGLE, Dist
-from slimtune.engines.base import (
-    StepResult,
-    autocast_for,
-    check_resumable,
-    copy_named,
-    evaluate_batches,
-    step_divisor,
-    to_float,
-)
+from slimtune.engines.base import Engine, NextStep, StepResult
+from slimtune.step.forward import evaluate_batches, step_divisor, to_float
+from slimtune.step.precision import autocast_for
+from slimtune.store.checkpoint import check_resumable, copy_named
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.optim.host_unit import HostUnit, load_units_state, units_state
@@ -86,7 +81,7 @@ from slimtune.engines.roundpipe.step_weights import Gate, StepWeights, WeightVer
 from slimtune.engines.roundpipe.worker import Worker
 
 
-class RoundPipeEngine:
+class RoundPipeEngine(Engine):
     name = "roundpipe"
 
     def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
@@ -94,7 +89,7 @@ class RoundPipeEngine:
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.max_tokens = cfg.data.max_length  # no micro-batch is longer: the tail's shards stay non-empty
         self.section: RoundPipeConfig = cfg.section("roundpipe")
-        self.devices = worker_devices(self.section, device)
+        self._devices = worker_devices(self.section, device)
         if device.type == "cuda" and dist.local_world_size > 1:
             # Its workers take the machine's cards from cuda:0: two ranks of one machine would share them.
             raise UserError(f"engine=roundpipe spreads one rank over this machine's cards, and torchrun started "
@@ -324,7 +319,7 @@ class RoundPipeEngine:
     # ------------------------------------------------------------ the Engine interface
 
     def step(self, micro_batches: list[Batch], total_targets: int | None = None,
-             then: tuple[list[Batch], int | None] | None = None) -> StepResult:
+             then: NextStep | None = None) -> StepResult:
         """One step. `then`: the next step's (micro_batches, total_targets), which async starts now,
         before this one ends, so its first stages fill the workers this step's last stages leave
         idle; the next call must pass those same batches. No result changes: that step computes at
@@ -478,6 +473,11 @@ class RoundPipeEngine:
         updating, self._updating = self._updating, {}
         for future in updating.values():
             future.result()
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Its workers' devices (roundpipe.devices), the first one its own."""
+        return self._devices
 
     def host_bytes(self) -> int:
         """Host RAM held for the workers: every unit's masters, accumulators, moments and frozen

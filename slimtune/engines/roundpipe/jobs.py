@@ -32,7 +32,7 @@ import torch
 from slimtune.step import activations
 from slimtune.config import ActivationsConfig, LossConfig
 from slimtune.data.dataset import Batch
-from slimtune.engines.base import autocast_for
+from slimtune.step.precision import autocast_for
 from slimtune.optim.host_unit import HostUnit
 from slimtune.step.loss import causal_lm_loss
 from slimtune.engines.roundpipe.mailbox import Mailbox

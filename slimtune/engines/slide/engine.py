@@ -62,15 +62,10 @@ from slimtune.store.checkpoint import EngineState
 from slimtune.config import RunConfig, TrainConfig, positive, setting
 from slimtune.data.dataset import Batch
 from slimtune.dist.ranks import SINGLE, Dist
-from slimtune.engines.base import (
-    StepResult,
-    autocast_for,
-    check_resumable,
-    copy_named,
-    evaluate_batches,
-    step_divisor,
-    to_float,
-)
+from slimtune.engines.base import Engine, NextStep, StepResult
+from slimtune.step.forward import evaluate_batches, step_divisor, to_float
+from slimtune.step.precision import autocast_for
+from slimtune.store.checkpoint import check_resumable, copy_named
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.engines.slide.host_gradients import ActiveGradients
@@ -124,7 +119,7 @@ def validate(cfg: RunConfig) -> None:
                         " be skipped whole; set train.max_grad_norm > 0 or train.on_nonfinite=stop.")
 
 
-class SlideEngine:
+class SlideEngine(Engine):
     name = "slide"
 
     def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
@@ -418,7 +413,8 @@ class SlideEngine:
 
     # ------------------------------------------------------------ the Engine interface
 
-    def step(self, micro_batches: list[Batch], total_targets: int | None = None) -> StepResult:
+    def step(self, micro_batches: list[Batch], total_targets: int | None = None,
+             then: NextStep | None = None) -> StepResult:
         self.stack.model.train()
         total = step_divisor(micro_batches, total_targets)
         active = self.chunk_state.active if self.chunked else None
