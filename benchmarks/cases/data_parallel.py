@@ -10,8 +10,8 @@ the machinery's cost and overlap on this box (one process gets both cores, two g
 speed-up to expect on two GPUs.
 
 Payload per engine. Each engine's step on a 7M-parameter Llama (hidden 256, 4 blocks, vocabulary
-8000; fp32), run with distributed.Counting: the bytes it hands to its all-reduces per step, on the
-real code path, beside the trained parameters' bytes (what a plain DDP would send). lsp's is d x d
+8000; fp32), run with Counting (slimtune/dist/ranks.py): the bytes it hands to its all-reduces per
+step, on the real code path, beside the trained parameters' bytes (what a plain DDP would send). lsp's is d x d
 per projected matrix.
 
     python benchmarks/run.py data_parallel      # ~4 minutes on 2 cores

@@ -1,7 +1,8 @@
 """Engine lsp (spec lsp-offload.md): what crosses the host link and what it needs on the device, at
-the default subspace size (lsp.d = -1: derived from the shapes, lsp/sizing.py) and at d = 512.
+the default subspace size (lsp.d = -1: derived from the shapes, slimtune/engines/lsp/sizing.py) and
+at d = 512.
 
-Part 1, link bytes (fake tensors, counted by runtime.Link): lsp's bytes per step against
+Part 1, link bytes (fake tensors, counted by Link in slimtune/device/runtime.py): lsp's bytes per step against
 full-gradient offload, i.e. the gradient bytes the slide engine sends down per step (its
 Link.bytes_down at depths 3 and 4, extrapolated in depth as the estimate does: bytes are affine in
 depth), for Llama-3.2-1B/3B and Llama-3.1-8B, batch 1 x 1024. Goal (issue 12): <= 5% at the default d.

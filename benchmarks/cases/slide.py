@@ -5,7 +5,7 @@ training meter) for Llama-3.1-8B, Qwen2.5-7B and Qwen2.5-14B at 1K and 4K tokens
 fine-tuning, bf16 compute with fp32 master weights and fp32 AdamW moments on the host, clipping on,
 block inputs in host RAM; with the host RAM it holds (masters, gradient accumulators, moments, bf16
 shadows, staging, block inputs: counted from the tensors it allocates) and the bytes it moves
-across the host link per step (counted by runtime.Link and the store). Beside it, the resident
+across the host link per step (counted by Link in slimtune/device/runtime.py and the store). Beside it, the resident
 engine's estimate for the same run. Goal: Llama-3.1-8B at 1K tokens in <= 4 GiB of device memory.
 
 Part 2: a scaled-down model run for real on the CPU (Llama-3.2-1B shapes with 4 blocks, T=256,

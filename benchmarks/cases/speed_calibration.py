@@ -1,8 +1,8 @@
 """Calibrating the planner's time model against measured CPU steps.
 
 For a few model shapes and both methods, a real resident step (fp32, CPU, memory meter off)
-is timed and set beside speed.serial_step_time() on the CPU profile that `slimtune probe` measures
-(its fp32 GEMM rate and memory bandwidth). The ratio modelled-at-100%-MFU / measured is
+is timed and set beside speed.serial_step_time() (slimtune/device/speed.py) on the CPU profile that
+`slimtune probe` measures (its fp32 GEMM rate and memory bandwidth). The ratio modelled-at-100%-MFU / measured is
 the model-FLOPs utilisation the CPU reaches: the number the GPU figure (assumed) stands for.
 """
 
