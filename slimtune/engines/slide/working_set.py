@@ -1,0 +1,361 @@
+"""Engine slide's working set: which trained numbers the host keeps, adds gradients into and
+updates, as one object the engine calls (chosen once from slide.working_set). The engine moves
+blocks, activations and gradients the same way under both; the working set decides what the host
+does with what arrives, the learning rate, the gradient norm, the update and the checkpoint.
+
+AllTensors (the default): every trainable tensor has an fp32 master, a gradient accumulator and
+AdamW moments in its host unit's HostAdam (optim/host_unit.py). With clipping off each unit's AdamW
+runs as soon as its gradients are complete, while the device goes on with the blocks below; with
+clipping every update waits for the global norm, noted per unit by its last host job.
+
+OneChunk (slide.working_set=chunk: ChunkFT's working set on the window, spec chunkft.md): the units
+keep no HostAdam; their trainable tensors rest on the host as weights in the compute dtype, only
+the active chunk's pieces of the gradients that arrive are added up (host_gradients.py), and after
+backward one host AdamW updates that chunk (engines/chunk/state.py: every chunk's masters and
+moments, in RAM or files) and writes its new weights into the host tensors the next upload reads.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from slimtune.config import RunConfig
+from slimtune.device import runtime, speed
+from slimtune.dist.ranks import Dist
+from slimtune.engines.chunk.state import ChunkState, axis_of, narrow
+from slimtune.engines.chunk.state import open_settings as chunk_open_settings
+from slimtune.engines.chunk.state import scratch as chunk_scratch
+from slimtune.engines.slide.host_gradients import ActiveGradients
+from slimtune.errors import UserError
+from slimtune.optim import rules
+from slimtune.optim.host_adam import moments_bytes
+from slimtune.optim.host_unit import HostUnit, StepGuard, load_units_state, units_state
+from slimtune.store.checkpoint import EngineState, copy_named
+
+
+class WorkingSet(abc.ABC):
+    """The seam between engine slide and its working set. The class methods answer for a RunConfig
+    before anything is built (config's check, scratch folders, the planner); an instance serves one
+    engine: built before the host units (they take its `sink`), then `attach`ed to them."""
+
+    # False: the estimate runs the step at full depth (what it holds depends on a partition of the model).
+    by_depth = True
+    # Where the host units send a block's gradients; None: into their own HostAdams' accumulators.
+    sink: ActiveGradients | None = None
+
+    # ------------------------------------------------------------ before anything is built
+
+    @classmethod
+    @abc.abstractmethod
+    def refuse(cls, cfg: RunConfig) -> None:
+        """What this working set does not do, refused in one sentence (UserError)."""
+
+    @classmethod
+    def scratch(cls, cfg: RunConfig) -> dict[str, str]:
+        """Folders of its own it keeps files in: {setting: folder}."""
+        del cfg
+        return {}
+
+    @classmethod
+    def open_settings(cls, cfg: RunConfig) -> list[dict]:
+        """Settings the run left to the planner, as candidates in order of preference."""
+        del cfg
+        return []
+
+    @classmethod
+    @abc.abstractmethod
+    def modelled_time(cls, cfg: RunConfig, counts: speed.StepCounts, gpu, flops: float,
+                      dequant: float) -> speed.StepTime:
+        """The step's modelled time, given its FLOPs and a 4-bit base's dequantized bytes."""
+
+    # ------------------------------------------------------------ building
+
+    def embedding_dtype(self, weight_dtype: torch.dtype | None) -> torch.dtype | None:
+        """What an untied embedding rests in on the host (None: its master's dtype); its rows are
+        gathered there, never sent up, so it needs no narrow copy unless it rests narrow anyway."""
+        del weight_dtype
+        return None
+
+    @abc.abstractmethod
+    def moments_bytes(self, trained: list[nn.Parameter]) -> int:
+        """Bytes of AdamW moments the host units keep (slide.moments=disk: the moment files' need)."""
+
+    @abc.abstractmethod
+    def attach(self, units: list[HostUnit], worker: runtime.HostWorker) -> None:
+        """The engine's host units (blocks, then edges) and the worker their host jobs run on."""
+
+    # ------------------------------------------------------------ one step
+
+    @abc.abstractmethod
+    def begin_step(self, step: int) -> float:
+        """A step begins: its learning rate."""
+
+    def backward_update(self, lr: float, guard: StepGuard) -> tuple | None:
+        """The HostUnit.update arguments for the units to update as their last gradients arrive, in
+        the last micro-batch's backward; None: nothing updates before the step's end."""
+        del lr, guard
+        return None
+
+    @abc.abstractmethod
+    def add_head_rows(self, weight: nn.Parameter, start: int, stop: int, rows: torch.Tensor) -> None:
+        """Rows [start, stop) of the LM head's gradient (one vocabulary tile, on the host)."""
+
+    @abc.abstractmethod
+    def add_embedding_rows(self, weight: nn.Parameter, ids: torch.Tensor, rows: torch.Tensor,
+                           padding_idx: int | None) -> None:
+        """The embedding's gradient rows by token id, the padding row excepted (as nn.Embedding)."""
+
+    @abc.abstractmethod
+    def grad_norm(self) -> torch.Tensor:
+        """After backward, the worker idle: the norm of the gradients the update will clip by."""
+
+    @abc.abstractmethod
+    def update(self, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
+        """The step's updates submitted (or, not `applied`, its gradients dropped)."""
+
+    def end_step(self, applied: bool) -> None:
+        """After the step's updates finished."""
+        del applied
+
+    def extras(self) -> dict:
+        """The step's own figures, for StepResult.extras."""
+        return {}
+
+    # ------------------------------------------------------------ accounting and checkpoints
+
+    def host_bytes(self) -> int:
+        """Host RAM held besides the units' own (their HostAdams and frozen tensors)."""
+        return 0
+
+    def disk_bytes(self) -> int:
+        """Disk held by its state (block inputs on disk are the store's)."""
+        return 0
+
+    @abc.abstractmethod
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trained weights at full precision by parameter name."""
+
+    @abc.abstractmethod
+    def state_dict(self, engine: str, step: int) -> EngineState:
+        """Everything exact resume needs."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: EngineState) -> None:
+        """Weights, moments and step counts (the names were checked by the engine)."""
+
+
+class AllTensors(WorkingSet):
+    """Every trainable tensor's master, accumulator and moments in its host unit's HostAdam."""
+
+    def __init__(self, cfg: RunConfig, names: dict[int, str], model: nn.Module, device: torch.device, dist: Dist):
+        del model, device, dist  # the units sum their own gradients across ranks
+        self.train_cfg, self.names = cfg.train, names
+        self.clipping = cfg.train.max_grad_norm > 0
+
+    @classmethod
+    def refuse(cls, cfg: RunConfig) -> None:
+        if cfg.train.on_nonfinite == "skip" and cfg.train.max_grad_norm == 0:
+            raise UserError("engine=slide updates each block while backward runs when clipping is off, so a step cannot"
+                            " be skipped whole; set train.max_grad_norm > 0 or train.on_nonfinite=stop.")
+
+    @classmethod
+    def modelled_time(cls, cfg: RunConfig, counts: speed.StepCounts, gpu, flops: float,
+                      dequant: float) -> speed.StepTime:
+        """Copies overlap compute; the host AdamW is exposed under clipping."""
+        disk = 2 * counts.disk_bytes if cfg.activations.checkpoint == "disk" else 0.0
+        return speed.overlapped_step_time(flops, counts.trainable_params, gpu, cfg.precision, counts.host_link_bytes,
+                                          disk, updates_exposed=cfg.train.max_grad_norm > 0, memory_bytes=dequant)
+
+    def moments_bytes(self, trained: list[nn.Parameter]) -> int:
+        return moments_bytes(trained)
+
+    def attach(self, units: list[HostUnit], worker: runtime.HostWorker) -> None:
+        self.units, self.worker = units, worker
+        self.accumulators = {key: grad for unit in units for key, grad in unit.accumulators.items()}
+
+    def begin_step(self, step: int) -> float:
+        return rules.lr_at(self.train_cfg, step)
+
+    def backward_update(self, lr: float, guard: StepGuard) -> tuple | None:
+        """Without clipping, each unit's AdamW as soon as its gradients are complete (the guard stops
+        the units after one whose gradients are not finite)."""
+        return None if self.clipping else (lr, 1.0, guard)
+
+    def add_head_rows(self, weight: nn.Parameter, start: int, stop: int, rows: torch.Tensor) -> None:
+        self.accumulators[id(weight)][start:stop].add_(rows)
+
+    def add_embedding_rows(self, weight: nn.Parameter, ids: torch.Tensor, rows: torch.Tensor,
+                           padding_idx: int | None) -> None:
+        accumulator = self.accumulators[id(weight)]
+        rows = rows.to(accumulator.dtype)
+        if padding_idx is not None:  # as nn.Embedding: the padding row gets no gradient
+            rows[ids == padding_idx] = 0
+        accumulator.index_add_(0, ids, rows)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global norm, from the per-unit norms the host jobs noted when each unit's gradients
+        were complete (before any update touched them)."""
+        norms = [n for u in self.units if u.adam is not None for n in u.norms]
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def update(self, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
+        """With clipping, every unit's AdamW now (a step that may not update only empties the
+        accumulators); without, the updates ran during backward."""
+        if not self.clipping:
+            return
+        coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
+        coef = 1.0 if is_fake(coefficient) else float(coefficient)
+        for unit in self.units:
+            if unit.adam is not None:
+                job = (unit.update, lr, coef) if applied else (unit.discard,)
+                unit.update_job = self.worker.submit(*job)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The host masters (what the modules point at between steps is not relied on)."""
+        return {self.names[id(param)]: unit.adam.member(k, i).master
+                for unit in self.units for param, k, i in unit.members}
+
+    def state_dict(self, engine: str, step: int) -> EngineState:
+        exp_avg, exp_avg_sq, steps = units_state(self.units, self.names)
+        return EngineState(engine=engine, step=step, trainable=self.trainable_state(),
+                           exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, adam_steps=steps)
+
+    def load_state_dict(self, state: EngineState) -> None:
+        """Masters and moments by name, into the units' own buffers (RAM or mapped files)."""
+        copy_named(self.trainable_state(), state.trainable)
+        load_units_state(self.units, self.names, state)
+
+
+class OneChunk(WorkingSet):
+    """One chunk's masters, moments and gradients at a time (engines/chunk/state.py), the trainable
+    tensors resting on the host as weights."""
+
+    by_depth = False  # the host share depends on the partition of the whole model
+
+    def __init__(self, cfg: RunConfig, names: dict[int, str], model: nn.Module, device: torch.device, dist: Dist):
+        self.cfg, self.names, self.model, self.device, self.dist = cfg, names, model, device, dist
+        self.train_cfg = cfg.train
+        self.sink = ActiveGradients(None, names)  # its state comes with attach
+        self.active = 0
+
+    @classmethod
+    def refuse(cls, cfg: RunConfig) -> None:
+        if cfg.method != "full":
+            raise UserError("slide.working_set=chunk is full fine-tuning a chunk at a time; set method=full.")
+
+    @classmethod
+    def scratch(cls, cfg: RunConfig) -> dict[str, str]:
+        """chunk.state=disk keeps the chunks' state under chunk.state_dir."""
+        return chunk_scratch(cfg)
+
+    @classmethod
+    def open_settings(cls, cfg: RunConfig) -> list[dict]:
+        return chunk_open_settings(cfg)
+
+    @classmethod
+    def modelled_time(cls, cfg: RunConfig, counts: speed.StepCounts, gpu, flops: float,
+                      dequant: float) -> speed.StepTime:
+        """The host AdamW of the active chunk after backward, exposed; with its state in files, that
+        chunk's masters and moments read and written once a step (the disk figure holds every chunk's
+        state, 12 bytes a number, and the block inputs on disk)."""
+        del dequant  # full fine-tuning only: no 4-bit base
+        chunk = cfg.section("chunk")
+        active = counts.trainable_params / chunk.n_chunks
+        state_bytes = 12 * counts.trainable_params if chunk.state == "disk" else 0
+        inputs = counts.disk_bytes - state_bytes if cfg.activations.checkpoint == "disk" else 0
+        disk = 2 * inputs + 2 * 12 * active * (chunk.state == "disk")
+        return speed.overlapped_step_time(flops, int(active), gpu, cfg.precision, counts.host_link_bytes, disk,
+                                          updates_exposed=True)
+
+    def embedding_dtype(self, weight_dtype: torch.dtype | None) -> torch.dtype | None:
+        """The embedding rests narrow too: its rows are gathered in the compute dtype, and a
+        full-precision copy of it is what the working set exists not to keep."""
+        return weight_dtype
+
+    def moments_bytes(self, trained: list[nn.Parameter]) -> int:
+        del trained
+        return 0  # the units keep no moments: the chunk state does
+
+    def attach(self, units: list[HostUnit], worker: runtime.HostWorker) -> None:
+        """The chunks' masters and AdamW state over the trainable tensors, which rest on the host."""
+        self.worker = worker
+        self.host = {self.names[id(t.param)]: t.host for u in units for t in u.binding.tensors if t.trainable}
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        axis = axis_of(self.model)
+        self.state = ChunkState(params, {n: axis(n, p) for n, p in params.items()}, self.cfg, self.device,
+                                any(is_fake(t) for t in self.host.values()), self.host.__getitem__)
+        self.sink.state = self.state
+
+    def begin_step(self, step: int) -> float:
+        """The active chunk's accumulators receive this step's gradients."""
+        self.active = self.state.active
+        self.sink.open(self.active)
+        return self.state.lr(step)
+
+    def add_head_rows(self, weight: nn.Parameter, start: int, stop: int, rows: torch.Tensor) -> None:
+        self.sink.add_rows(weight, start, stop, rows)
+
+    def add_embedding_rows(self, weight: nn.Parameter, ids: torch.Tensor, rows: torch.Tensor,
+                           padding_idx: int | None) -> None:
+        self.sink.add_indexed(weight, ids, rows, padding_idx)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The chunk's gradients summed across ranks first (the worker is idle: the host group is
+        this thread's until the next job)."""
+        self.dist.all_reduce_(self.state.adams[self.active].grads, host=True, what="the chunk's gradient sum")
+        return self.state.grad_norm(self.active)
+
+    def update(self, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
+        """The active chunk's host AdamW (clipped by its own norm), its new weights written into the
+        host tensors they go up from; or its gradients dropped."""
+        k = self.active
+        if not applied:
+            self.worker.submit(self.state.discard, k)
+        else:
+            coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
+            host = self.host
+
+            def write(piece, values: torch.Tensor) -> None:
+                narrow(host[piece.name], piece).copy_(values)
+
+            self.worker.submit(self.state.update, k, lr, 1.0 if is_fake(coefficient) else float(coefficient), write)
+        self.worker.barrier()
+
+    def end_step(self, applied: bool) -> None:
+        if applied:
+            self.state.advance()
+
+    def extras(self) -> dict:
+        return {"chunk": self.active}
+
+    def host_bytes(self) -> int:
+        """The trainable tensors' host weights and the chunk state (masters and moments in RAM, the
+        active chunk's accumulators)."""
+        return sum(runtime.nbytes(t) for t in self.host.values()) + self.state.host_bytes()
+
+    def disk_bytes(self) -> int:
+        return self.state.disk_bytes()
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return self.state.trainable_state()
+
+    def state_dict(self, engine: str, step: int) -> EngineState:
+        return self.state.state_dict(engine, step)
+
+    def load_state_dict(self, state: EngineState) -> None:
+        self.state.load_state_dict(state)
+        copy_named(self.host, state.trainable)
+
+
+# slide.working_set's choices.
+WORKING_SETS: dict[str, type[WorkingSet]] = {"all": AllTensors, "chunk": OneChunk}
+
+
+def working_set_of(cfg: RunConfig) -> type[WorkingSet]:
+    """The working set a run's settings choose."""
+    return WORKING_SETS[cfg.section("slide").working_set]
