@@ -1,11 +1,14 @@
 """End-to-end helpers: a tiny model folder with a small arithmetic dataset, and the CLI as a user runs it."""
 
+import json
 import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import pytest
+import torch
 
 from conftest import save_tiny_model, write_jsonl
 
@@ -40,3 +43,51 @@ def slimtune(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedP
     if check and proc.returncode != 0:
         raise AssertionError(f"slimtune {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc
+
+
+def records(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict a step."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class TrainedTwice(NamedTuple):
+    straight: list[dict]  # the straight run's metric records
+    resumed: list[dict]  # the stopped and resumed run's
+    stdout: str  # the straight run's
+
+
+def assert_trains_and_resumes_exactly(workdir: Path, args: list[str], steps: int, stop_at: int,
+                                      trained: Callable[[str], bool], resumed_args: tuple[str, ...] = ()
+                                      ) -> TrainedTwice:
+    """`slimtune train run.yaml *args` for `steps` steps into straight/, and the same plus `resumed_args`
+    stopped at `stop_at` and started again with the same command into resumed/ (args must save a
+    checkpoint at stop_at). The habit every engine's e2e test keeps: the run trained (its last loss
+    under its first) and exported a model that loads in transformers and differs from the base in
+    exactly the tensors `trained` names; the resumed run says where it resumed, logs the straight run's
+    losses bit for bit and exports the same model tensor for tensor."""
+    first = slimtune("train", "run.yaml", *args, f"train.steps={steps}", "output_dir=straight", cwd=workdir)
+    again = [*args, *resumed_args, "output_dir=resumed"]
+    slimtune("train", "run.yaml", *again, f"train.steps={stop_at}", cwd=workdir)
+    out = slimtune("train", "run.yaml", *again, f"train.steps={steps}", cwd=workdir)
+    assert f"resumed from {stop_at}" in out.stdout
+    straight, resumed = records(workdir / "straight"), records(workdir / "resumed")
+    assert [r["step"] for r in straight] == list(range(1, steps + 1))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+    assert straight[-1]["loss"] < straight[0]["loss"]
+    model, base, twin = (exported(workdir / folder) for folder in ("straight/model", "model", "resumed/model"))
+    changed = {k for k, v in model.items() if not torch.equal(v, base[k])}
+    assert changed == {k for k in model if trained(k)}, sorted(changed ^ {k for k in model if trained(k)})
+    assert model.keys() == twin.keys() and all(torch.equal(v, twin[k]) for k, v in model.items())
+    return TrainedTwice(straight, resumed, first.stdout)
+
+
+def every_tensor(key: str) -> bool:
+    """What full fine-tuning trains: every tensor of the model."""
+    return True
+
+
+def exported(folder: Path) -> dict[str, torch.Tensor]:
+    """A model folder's tensors as transformers loads them."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).state_dict()
