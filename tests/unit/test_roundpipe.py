@@ -234,8 +234,8 @@ def test_async_a_step_that_may_not_update_still_gives_the_step_after_next_its_we
     cfg = run_cfg(RoundPipeConfig(workers=2, optimizer="async"))
 
     def poison_step_1(engine: RoundPipeEngine) -> None:
-        norm = engine._grad_norm
-        engine._grad_norm = lambda: torch.tensor(float("inf")) if engine.step_count == 1 else norm()
+        norm = engine.optimizer.grad_norm
+        engine.optimizer.grad_norm = lambda: torch.tensor(float("inf")) if engine.step_count == 1 else norm()
 
     found = run(RoundPipeEngine, models["untied"], cfg, steps=5, setup=poison_step_1)
     assert [r.applied for r in found[3]] == [True, False, True, True, True]
@@ -260,7 +260,7 @@ def slow_everything(engine: RoundPipeEngine, seed: int) -> None:
         worker.delay = jitter(seed + worker.index)
         upload, pause = worker.link.to_device, jitter(seed + 10 + worker.index)
         worker.link.to_device = lambda host, after=None, upload=upload, pause=pause: (pause(), upload(host, after))[1]
-    for thread in (engine.host, engine.optimizer_thread):
+    for thread in {id(t): t for t in (engine.host, engine.optimizer.thread)}.values():  # sync: one and the same
         submit, pause = thread.submit, jitter(seed + 20)
         thread.submit = lambda fn, *args, submit=submit, pause=pause: submit(lambda: (pause(), fn(*args))[1])
 

@@ -3,7 +3,9 @@
 The schedule, as data:
   stages.py       layer costs, stages, a partition, jobs on workers from the global cursor
   partitioner.py  the partition from measured (or modelled) per-layer costs; brute force for tests
-The runtime (engine roundpipe, engines/roundpipe.py):
+The runtime (engine roundpipe, engine.py):
+  optimizer.py    roundpipe.optimizer's variants as objects: sync (exact) and async (one step stale)
+  step_weights.py async: which weights each step computes at, and what a step begun early waits for
   worker.py       a stateless worker: its thread, streams, module replica, weight prefetch
   replica.py      a module tree sharing the original's tensors, rebound per worker
   jobs.py         forward, fused-tail and backward jobs over the micro-batches

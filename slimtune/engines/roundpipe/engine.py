@@ -1,43 +1,32 @@
 """Engine `roundpipe`: several devices as stateless workers, fed the model's stages round robin
-(RoundPipe; the team's spec is roundpipe.md; the schedule's pieces are in slimtune/pipeline/).
+(RoundPipe; the team's spec is roundpipe.md; the schedule's pieces are beside this file, in
+slimtune/engines/roundpipe/).
 
-Where things live. Host: one host unit per layer (host_unit.py: each block; the final norm with the
-LM head), holding the fp32 masters of its trainable tensors, their gradient accumulators and AdamW
-moments (a HostAdam), its frozen tensors (a LoRA base, 4-bit codes), and the embedding table (its
-rows are gathered on the host). Workers: nothing between jobs; during a job its stage's weights
+Where things live. Host: one host unit per layer (optim/host_unit.py: each block; the final norm
+with the LM head), holding the fp32 masters of its trainable tensors, their gradient accumulators and
+AdamW moments (a HostAdam), its frozen tensors (a LoRA base, 4-bit codes), and the embedding table
+(its rows are gathered on the host). Workers: nothing between jobs; during a job its stage's weights
 (and the next job's, prefetched), the stage's activations for one micro-batch, and the trainable
 gradients of the stage summed over the step's micro-batches.
 
 One step. Each of the loop's batches is cut by rows into roundpipe.micro_batches micro-batches (0:
-one more than the workers; at most its rows). The partitioner (pipeline/partitioner.py) cuts the
-layers into forward stages, a fused tail and backward stages from per-layer costs (proportional to
-their bytes; the spec's measured-time EMA is pipeline.partitioner.LayerTimes, not fed yet), and the
-jobs take workers from one cursor that carries on across steps (pipeline/stages.py). When the
-tail is the final norm + LM head + loss alone, the partitioner may cut it by tokens into up to
-roundpipe.tail_shards jobs (0: up to the workers), each on a slice of every micro-batch's tokens, so
-a large vocabulary's head stops pacing every stage (pipeline/jobs.py). Every worker
-thread runs its jobs in order; a micro-batch waits only for the same micro-batch of the job before
-(pipeline/mailbox.py), so when M >= N every worker has work while the others finish theirs.
-Gradients go down when a job ends and are added into the host accumulators by the host worker.
+one more than the workers; at most its rows). The partitioner (partitioner.py) cuts the layers into
+forward stages, a fused tail and backward stages from per-layer costs (proportional to their bytes
+until measured, then the per-layer time EMA, partitioner.LayerTimes), and the jobs take workers
+from one cursor that carries on across steps (stages.py). When the tail is the final norm + LM head
++ loss alone, the partitioner may cut it by tokens into up to roundpipe.tail_shards jobs (0: up to
+the workers), each on a slice of every micro-batch's tokens, so a large vocabulary's head stops
+pacing every stage (jobs.py). Every worker thread runs its jobs in order; a micro-batch waits only
+for the same micro-batch of the job before (mailbox.py), so when M >= N every worker has work while
+the others finish theirs. Gradients go down when a job ends and are added into the host
+accumulators by the host worker.
 
-The optimizer (roundpipe.optimizer):
-  sync   after the last backward job, the global norm, clipping, every unit's AdamW; the next step
-         uploads the new weights. Exactly plain AdamW.
-  async  the step's AdamW runs on the host while the next step computes, which therefore sees the
-         weights from before it: step k (from 0) computes its gradient at the weights after k - 1
-         updates (steps 0 and 1 both at W0), and W_k = AdamW(W_{k-1}, gradient at W_{k-2}). Not
-         exact: one step stale, as the spec's reference is by default. The weights that go up are
-         two host versions of every trainable tensor: step s reads version s % 2, and step s's
-         update writes its result straight into the version step s read, for step s + 2
-         (pipeline/step_weights.py: no copies, 2 bytes a number of host RAM more in bf16). The
-         gradients land in buffers of their own (4 bytes a number more). The AdamW goes unit by
-         unit in the order a step first reads them (the embedding table, then layer by layer),
-         and the step after next uploads a unit as soon as its own update is done, so its first
-         jobs start before the whole update has ended. Checkpoints keep the version the next step
-         reads, so resume is exact. Since the next step needs nothing of this one, the loop hands
-         step() the next step's batches (`then`, except before a checkpoint, an evaluation or the
-         end): its first jobs start while this step's last ones still run, filling the workers the
-         drain leaves idle, as the simulator (pipeline/simulate.py) plays it, and no result changes.
+The optimizer (roundpipe.optimizer) is an object chosen once here (optimizer.py: sync, exact; async,
+one step stale): the engine asks it where gradients go, which weights a step reads, the norm, the
+learning rate and the update, and never which one it is. Where it `starts_ahead`, the loop hands
+step() the next step's batches (`then`, except before a checkpoint, an evaluation or the end): its
+first jobs start while this step's last ones still run, filling the workers the drain leaves idle,
+as the simulator (simulate.py) plays it, and no result changes.
 
 Not done: dropout (workers share torch's random generator, so a recompute could not redraw the
 forward's masks; refused in one sentence), weight pieces bin-packed behind activation copies (on a
@@ -49,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from concurrent.futures import Future
 import weakref
 from dataclasses import dataclass
 
@@ -77,7 +65,8 @@ from slimtune.engines.roundpipe.row_split import split_rows
 from slimtune.engines.roundpipe.settings import RoundPipeConfig, validate, worker_devices
 from slimtune.engines.roundpipe.stages import Job, Partition, assign
 from slimtune.engines.roundpipe.mailbox import Mailbox
-from slimtune.engines.roundpipe.step_weights import Gate, StepWeights, WeightVersions
+from slimtune.engines.roundpipe.optimizer import VARIANTS
+from slimtune.engines.roundpipe.step_weights import Gate, StepWeights
 from slimtune.engines.roundpipe.worker import Worker
 
 
@@ -110,9 +99,10 @@ class RoundPipeEngine(Engine):
         fake = any(is_fake(p) for p in stack.model.parameters())
         self.workers = [Worker(i, d, stack.model, inline=fake) for i, d in enumerate(self.devices)]
         # The host threads wait on the workers' copy events; each is given this run's first card.
-        self.host = runtime.HostWorker(inline=fake, device=self.device)  # gradient additions and the AdamW
-        self.optimizer_thread = runtime.HostWorker(inline=fake, device=self.device)  # async: the next step's update
-        for owner in (*self.workers, self.host, self.optimizer_thread):
+        self.host = runtime.HostWorker(inline=fake, device=self.device)  # gradient additions (sync: the AdamW)
+        self.optimizer = VARIANTS[self.section.optimizer](self._all_units(), self.table_unit, cfg.train, self.host,
+                                                          self.device, inline=fake)
+        for owner in (*self.workers, self.host, self.optimizer):
             weakref.finalize(self, owner.close)
         self.layer_times = LayerTimes(len(self.units), costs_from_bytes(
             [u.binding.weight_bytes for u in self.units], [u.binding.grad_bytes > 0 for u in self.units]))
@@ -120,18 +110,10 @@ class RoundPipeEngine(Engine):
         self.partition: Partition = self._plan()
         self.cursor = 0
         self.step_count = 0
-        self.asynchronous = self.section.optimizer == "async"
-        self.versions = WeightVersions(self._all_units(), self.device) if self.asynchronous else None
-        self.incoming = self._incoming_buffers() if self.asynchronous else {}
-        self.accumulators = {key: grad for unit in self._all_units() for key, grad in unit.accumulators.items()}
-        self._updating: dict[int, Future] = {}  # async: per unit (_all_units index), its last update submitted
-        self._updating_step = -1  # the step whose update that is
         self.meter = memory.meter_for(self.device, cfg.train.measure_memory)  # the run's kind (train prints it)
         self.measure = cfg.train.measure_memory
-        # async: the loop may hand step() the next step's batches (then=), to start before this one ends.
-        self.starts_ahead = self.asynchronous and not fake
-        self._versioned = frozenset(i for i, unit in enumerate(self._all_units())
-                                    if self.asynchronous and any(t.trainable for t in unit.binding.tensors))
+        # The loop may hand step() the next step's batches (then=), to start before this one ends.
+        self.starts_ahead = self.optimizer.starts_ahead and not fake
         self._next_step = 0  # the index of the next step to start (one ahead of step_count while one runs early)
         self._next_gate = Gate(opened=True)  # that step's gate: it opens when the step before it has ended
         self._last_mailbox: Mailbox | None = None  # the last started step's: a failure there stops the next
@@ -161,24 +143,7 @@ class RoundPipeEngine(Engine):
         except ValueError as err:
             raise UserError(f"engine=roundpipe cannot cut the model into stages: {err}") from None
 
-    def _incoming_buffers(self) -> dict[int, torch.Tensor]:
-        """async: the step's incoming gradients, per trainable tensor (the accumulators are still
-        being read by the update before)."""
-        return {id(t.param): runtime.host_empty(t.host.shape, t.host.dtype, self.device, pinned=False).zero_()
-                for unit in self._all_units() for t in unit.binding.tensors if t.trainable}
-
     # ------------------------------------------------------------ the pieces of a step
-
-    def _source_at(self, step: int):
-        """slot tensor -> the host tensor step `step`'s uploads read: async, a trainable tensor's
-        version step % 2 (step_weights.py); else where the tensor lives."""
-        if not self.asynchronous:
-            return lambda t: t.upload
-        return lambda t: self.versions.of(t.param, step % 2) if t.trainable else t.upload
-
-    def _accumulator(self, param: torch.Tensor) -> torch.Tensor:
-        """Where a trainable tensor's downloaded gradient is added (async: the step's own buffers)."""
-        return self.incoming[id(param)] if self.asynchronous else self.accumulators[id(param)]
 
     def _add_grads(self, to_host, shards: "_InShardOrder", job: Job, grads: list[tuple]) -> None:
         """A job's downloaded gradients, added on the host worker (through the step's gate): now, or
@@ -192,7 +157,7 @@ class RoundPipeEngine(Engine):
             shards.put(job.shard, adds)
 
     def _adder(self, param: torch.Tensor, host: torch.Tensor, event: object):
-        accumulator = self._accumulator(param)
+        accumulator = self.optimizer.accumulator(param)
 
         def add() -> None:
             if event is not None:
@@ -218,7 +183,7 @@ class RoundPipeEngine(Engine):
         padding = getattr(self.stack.embed, "padding_idx", None)
 
         def add(m: int, host: torch.Tensor, event: object) -> None:
-            accumulator, ids = self._accumulator(weight), pieces[m].input_ids.reshape(-1)
+            accumulator, ids = self.optimizer.accumulator(weight), pieces[m].input_ids.reshape(-1)
 
             def job() -> None:
                 if event is not None:
@@ -250,7 +215,7 @@ class RoundPipeEngine(Engine):
 
         return jobs.StepContext(
             pieces=pieces, total=total, units=self.units, mailbox=weights.mailbox, weights=weights,
-            source=self._source_at(weights.step),
+            source=self.optimizer.source_at(weights.step),
             add_grads=functools.partial(self._add_grads, to_host, _InShardOrder(to_host)),
             add_embedding_grad=add_embedding_grad,
             tail_jobs=range(first_tail, first_tail + self.partition.tail.shards),
@@ -277,12 +242,11 @@ class RoundPipeEngine(Engine):
         return _Started(micro_batches, ctx, futures, meters, deferred, next_gate)
 
     def _step_weights(self) -> StepWeights:
-        """The StepWeights of the step to start now. The update two steps before writes its version:
-        it may still be running if `_updating` holds it, and is done otherwise (the update after
-        it, if already submitted, waited for it first). Its gate is the one the step before opens."""
+        """The StepWeights of the step to start now: the units it waits for and the updates still
+        writing its weights (the optimizer's); its gate is the one the step before opens."""
         step, self._next_step = self._next_step, self._next_step + 1
-        pending = self._updating if self._updating_step == step - 2 else {}
-        weights = StepWeights(step, self._versioned, pending, self.section.timeout_s, self._next_gate)
+        weights = StepWeights(step, self.optimizer.versioned, self.optimizer.pending_for(step), self.section.timeout_s,
+                              self._next_gate)
         if self._last_mailbox is not None:  # a step begun early stops with the one before
             self._last_mailbox.passes_failure_to(weights.mailbox)
         self._last_mailbox = weights.mailbox
@@ -320,10 +284,10 @@ class RoundPipeEngine(Engine):
 
     def step(self, micro_batches: list[Batch], total_targets: int | None = None,
              then: NextStep | None = None) -> StepResult:
-        """One step. `then`: the next step's (micro_batches, total_targets), which async starts now,
-        before this one ends, so its first stages fill the workers this step's last stages leave
-        idle; the next call must pass those same batches. No result changes: that step computes at
-        the same weights either way."""
+        """One step. `then`: the next step's (micro_batches, total_targets), begun now where the
+        optimizer `starts_ahead`, before this one ends, so its first stages fill the workers this
+        step's last stages leave idle; the next call must pass those same batches. No result
+        changes: that step computes at the same weights either way."""
         self.stack.model.train()
         started = self._take_ahead(micro_batches) or self._start(micro_batches, total_targets)
         if then is not None and self.starts_ahead:
@@ -336,7 +300,7 @@ class RoundPipeEngine(Engine):
 
     def _finish(self, started: "_Started") -> StepResult:
         """Wait for a started step's jobs, sum its losses and gradients, and submit its update."""
-        ctx, lr = started.ctx, rules.lr_at(self.train_cfg, self.step_count)
+        ctx, lr = started.ctx, self.optimizer.lr_at(self.step_count)
         failed = self._wait_jobs(started)
         peaks = self._close_meters(started.meters)
         if failed is not None:  # its mailbox passed the failure on: a step started early stops too
@@ -352,10 +316,10 @@ class RoundPipeEngine(Engine):
         self._observe(ctx)
         # The host worker is idle (barrier; a step started early holds its additions at its gate):
         # its gloo group is this thread's until the next job.
-        self.dist.all_reduce_(self._gradients(), host=True, what="the stages' gradient sum")
-        grad_norm = self._grad_norm()
+        self.dist.all_reduce_(self.optimizer.gradients(), host=True, what="the stages' gradient sum")
+        grad_norm = self.optimizer.grad_norm()
         applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm)
-        self._update(lr, grad_norm, applied, ctx.weights)
+        self.optimizer.apply(lr, grad_norm, applied, ctx.weights)
         started.next_gate.open()  # the next step's gradient additions
         self.step_count += 1
         worst = max(peaks, key=lambda p: p[1] or 0) if peaks else (None, None, None)
@@ -409,71 +373,6 @@ class RoundPipeEngine(Engine):
             found.append((f"worker{index}", meter.peak, meter.peak_breakdown))
         return found
 
-    def _gradients(self) -> list[torch.Tensor]:
-        if self.asynchronous:
-            return list(self.incoming.values())
-        return [g for unit in self._all_units() if unit.adam is not None for g in unit.adam.grads]
-
-    def _grad_norm(self) -> torch.Tensor:
-        grads = self._gradients()
-        if not grads:
-            return torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-
-    def _update(self, lr: float, grad_norm: torch.Tensor, applied: bool, weights: StepWeights) -> None:
-        """sync: every unit's AdamW now. async: the previous step's must be done (it reads the
-        accumulators), this step's sums move into them, and each unit's AdamW is queued in the
-        order the step after next needs them, each writing its result into the version this step
-        read (step_weights.py)."""
-        coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
-        coef = 1.0 if is_fake(coefficient) else float(coefficient)
-        adams = [u for u in self._all_units() if u.adam is not None]
-        if not self.asynchronous:
-            for unit in adams:
-                self.host.submit(unit.update, lr, coef) if applied else self.host.submit(unit.discard)
-            self.host.barrier()
-            return
-        self._wait_update()  # the previous step's: it reads the accumulators this step's sums go into
-        with torch.no_grad():
-            for unit in self._all_units():
-                for t in unit.binding.tensors:
-                    if t.trainable:
-                        unit.accumulators[id(t.param)].copy_(self.incoming[id(t.param)])
-                        self.incoming[id(t.param)].zero_()
-        units, parity = self._all_units(), weights.step % 2
-        for index in self._update_order():
-            self._updating[index] = self.optimizer_thread.submit(
-                self._update_unit, units[index], self.versions.flats(index, parity), weights.reads_of(index), lr, coef,
-                applied)
-        self._updating_step = weights.step
-
-    @staticmethod
-    def _update_unit(unit: HostUnit, into: list[torch.Tensor], reads: list, lr: float, coef: float,
-                     applied: bool) -> None:
-        """One unit's AdamW into the version its step read, once that step's uploads of it have
-        left host memory; a step that may not update still writes the unchanged weights there, as
-        the step after next reads them."""
-        for event in reads:
-            event.synchronize()
-        if applied:
-            unit.update(lr, coef, shadows=into)
-        else:
-            unit.discard()
-            unit.adam.refresh_shadows(into)
-
-    def _update_order(self) -> list[int]:
-        """The units with an optimizer, in the order the step after next first reads them: the
-        embedding table (its rows are gathered first), then layer by layer (the forward jobs), so
-        that step's first jobs need not wait for the whole update (step_weights.py)."""
-        units = self._all_units()
-        order = [self.table_unit, *range(len(units))]
-        return [i for n, i in enumerate(order) if i >= 0 and i not in order[:n] and units[i].adam is not None]
-
-    def _wait_update(self) -> None:
-        updating, self._updating = self._updating, {}
-        for future in updating.values():
-            future.result()
-
     @property
     def devices(self) -> list[torch.device]:
         """Its workers' devices (roundpipe.devices), the first one its own."""
@@ -481,22 +380,19 @@ class RoundPipeEngine(Engine):
 
     def host_bytes(self) -> int:
         """Host RAM held for the workers: every unit's masters, accumulators, moments and frozen
-        tensors; async: the second version of the weights and the incoming gradients too
-        (hand-offs are the step's)."""
-        held = sum(u.host_bytes() for u in self._all_units())
-        extra = self.versions.extra_bytes() if self.versions is not None else 0
-        return held + extra + sum(runtime.nbytes(t) for t in self.incoming.values())
+        tensors, and what the optimizer holds beside them (hand-offs are the step's)."""
+        return sum(u.host_bytes() for u in self._all_units()) + self.optimizer.host_bytes()
 
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
         """On worker 0, layer by layer without grad, with the latest weights."""
         self.stack.model.eval()
         self._settled()
-        self._wait_update()
+        self.optimizer.wait()
         return evaluate_batches(batches, self._eval_loss)
 
     def _eval_loss(self, batch: Batch) -> torch.Tensor:
         worker, stack = self.workers[0], self.workers[0].replica.stack
-        latest = self._source_at(self.step_count + 1)  # every update is done: the step after next's weights
+        latest = self.optimizer.source_at(self.step_count + 1)  # every update is done: the step after next's weights
         weight, found = self._embedding_weight()
         table = latest(found) if found is not None else weight.data
         device_batch = batch.to(worker.device)
@@ -518,33 +414,26 @@ class RoundPipeEngine(Engine):
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         self._settled()
-        self._wait_update()
+        self.optimizer.wait()
         return {self.names[id(param)]: unit.adam.member(k, i).master
                 for unit in self._all_units() for param, k, i in unit.members}
 
     def state_dict(self) -> EngineState:
-        self._wait_update()
+        self.optimizer.wait()
         exp_avg, exp_avg_sq, steps = units_state(self._all_units(), self.names)
-        extra = {"roundpipe": {"cursor": self.cursor}}
-        if self.asynchronous:  # the weights the next step computes at: one update behind the masters
-            extra["roundpipe"]["compute"] = {name: self.versions.of(p, self.step_count % 2)
-                                             for p, name in self._trainables()}
+        extra = {"roundpipe": {"cursor": self.cursor, **self.optimizer.saved(self.step_count, self._trainables())}}
         return EngineState(engine=self.name, step=self.step_count, trainable=self.trainable_state(),
                            exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, adam_steps=steps, extra=extra)
 
     def load_state_dict(self, state: EngineState) -> None:
         check_resumable(state, list(self.names.values()), self.name)
         self._settled()
-        self._wait_update()
+        self.optimizer.wait()
         copy_named(self.trainable_state(), state.trainable)
         load_units_state(self._all_units(), self.names, state)
         own = state.extra.get("roundpipe", {}) if state.engine == self.name else {}
         self.cursor = int(own.get("cursor", 0)) % len(self.workers)
-        if self.asynchronous:  # the next step's version as saved, the one after's the masters
-            saved, step, pairs = own.get("compute", {}), state.step, self._trainables()
-            copy_named({n: self.versions.of(p, (step + 1) % 2) for p, n in pairs}, state.trainable)
-            copy_named({n: self.versions.of(p, step % 2) for p, n in pairs},
-                       {n: saved.get(n, state.trainable[n]) for _, n in pairs})
+        self.optimizer.load(state.step, own, self._trainables(), state.trainable)
         self.step_count = self._next_step = state.step
         self._next_gate, self._last_mailbox = Gate(opened=True), None
 
@@ -609,7 +498,7 @@ def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch
     flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len, recompute=True) * accum / workers
     return speed.overlapped_step_time(flops, counts.trainable_params, gpu, cfg.precision,
                                       counts.host_link_bytes / workers, 0.0,
-                                      updates_exposed=cfg.section("roundpipe").optimizer == "sync")
+                                      updates_exposed=VARIANTS[cfg.section("roundpipe").optimizer].updates_exposed)
 
 
 def _worker_count(cfg: RunConfig) -> int:
