@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune.device import memory, runtime, speed
+from slimtune.device import memory, runtime
 from slimtune.store.checkpoint import EngineState
 from slimtune.config import RunConfig
 from slimtune.data.dataset import Batch
@@ -62,10 +62,11 @@ from slimtune.optim import rules
 from slimtune.engines.roundpipe import jobs
 from slimtune.engines.roundpipe.partitioner import LayerTimes, costs_from_bytes, plan_stages
 from slimtune.engines.roundpipe.row_split import split_rows
-from slimtune.engines.roundpipe.settings import RoundPipeConfig, validate, worker_devices
+from slimtune.engines.roundpipe.settings import RoundPipeConfig, on_cards, plans, validate, worker_devices
+from slimtune.engines.roundpipe.speed import step_time
 from slimtune.engines.roundpipe.stages import Job, Partition, assign
 from slimtune.engines.roundpipe.mailbox import Mailbox
-from slimtune.engines.roundpipe.optimizer import VARIANTS
+from slimtune.engines.roundpipe.optimizer import variant_of
 from slimtune.engines.roundpipe.step_weights import Gate, StepWeights
 from slimtune.engines.roundpipe.worker import Worker
 
@@ -100,8 +101,8 @@ class RoundPipeEngine(Engine):
         self.workers = [Worker(i, d, stack.model, inline=fake) for i, d in enumerate(self.devices)]
         # The host threads wait on the workers' copy events; each is given this run's first card.
         self.host = runtime.HostWorker(inline=fake, device=self.device)  # gradient additions (sync: the AdamW)
-        self.optimizer = VARIANTS[self.section.optimizer](self._all_units(), self.table_unit, cfg.train, self.host,
-                                                          self.device, inline=fake)
+        self.optimizer = variant_of(cfg)(self._all_units(), self.table_unit, cfg.train, self.host, self.device,
+                                         inline=fake)
         for owner in (*self.workers, self.host, self.optimizer):
             weakref.finalize(self, owner.close)
         self.layer_times = LayerTimes(len(self.units), costs_from_bytes(
@@ -486,37 +487,6 @@ def _complete(handoff: tuple) -> torch.Tensor:
     if event is not None:
         event.synchronize()
     return host
-
-
-def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,
-              seq_len: int) -> speed.StepTime:
-    """Modelled for the given card count: the step's FLOPs (every backward stage recomputed) shared
-    by the workers, the weights crossing each worker's link (the estimate's bytes, spread over the
-    workers), and the host AdamW: hidden behind the next step when async, exposed when sync."""
-    workers = _worker_count(cfg)
-    accum = cfg.train.grad_accum
-    flops = speed.step_flops(model_config, cfg.method, batch_size, seq_len, recompute=True) * accum / workers
-    return speed.overlapped_step_time(flops, counts.trainable_params, gpu, cfg.precision,
-                                      counts.host_link_bytes / workers, 0.0,
-                                      updates_exposed=VARIANTS[cfg.section("roundpipe").optimizer].updates_exposed)
-
-
-def _worker_count(cfg: RunConfig) -> int:
-    workers = cfg.section("roundpipe").workers
-    return len(workers) if isinstance(workers, list) else workers
-
-
-def plans(method: str) -> list[dict]:
-    """bf16 with the exact (sync) optimizer; LoRA over a bf16 or a 4-bit base. The stale async
-    optimizer changes the result, so it is the user's choice, never the planner's."""
-    plan = {"precision": "bf16", "activations.checkpoint": "none"}
-    return [plan, {**plan, "quant.scheme": "nf4"}] if method == "lora" else [plan]
-
-
-def on_cards(plan: dict, cards: int) -> dict | None:
-    """A worker per card, from two cards: on one, slide's window is the better streaming plan (its
-    updates overlap the backward; a lone worker waits for each whole stage)."""
-    return {**plan, "roundpipe.workers": cards} if cards > 1 else None
 
 
 register(EngineSpec(

@@ -29,8 +29,9 @@ from concurrent.futures import Future
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimtune.config import TrainConfig
+from slimtune.config import RunConfig, TrainConfig
 from slimtune.device import runtime
+from slimtune.errors import UserError
 from slimtune.optim import rules
 from slimtune.optim.host_unit import HostUnit
 from slimtune.store.checkpoint import copy_named
@@ -54,6 +55,10 @@ class Update(abc.ABC):
         self.thread = host  # the host worker its AdamW runs on
         # The units whose weights a step waits for, unit by unit (StepWeights); the rest are read in place.
         self.versioned: frozenset[int] = frozenset()
+
+    @classmethod
+    def refuse(cls, cfg: RunConfig) -> None:
+        """What this variant does not do, refused in one sentence (before anything is built)."""
 
     def lr_at(self, step: int) -> float:
         return rules.lr_at(self.train_cfg, step)
@@ -153,6 +158,12 @@ class AsyncUpdate(Update):
         self._updating: dict[int, Future] = {}  # per unit (units index), its last update submitted
         self._updating_step = -1  # the step whose update that is
 
+    @classmethod
+    def refuse(cls, cfg: RunConfig) -> None:
+        if cfg.train.on_nonfinite == "skip":  # a step's update may not be left out once the next has begun
+            raise UserError("roundpipe.optimizer=async has already started the next step when a step's gradient is"
+                            " found not finite; set train.on_nonfinite=stop or roundpipe.optimizer=sync.")
+
     def gradients(self) -> list[torch.Tensor]:
         return list(self.incoming.values())
 
@@ -232,3 +243,8 @@ def _first_read_order(units: list[HostUnit], table_unit: int) -> list[int]:
 
 
 VARIANTS: dict[str, type[Update]] = {"sync": SyncUpdate, "async": AsyncUpdate}  # roundpipe.optimizer's choices
+
+
+def variant_of(cfg: RunConfig) -> type[Update]:
+    """The variant a run's roundpipe.optimizer names."""
+    return VARIANTS[cfg.section("roundpipe").optimizer]

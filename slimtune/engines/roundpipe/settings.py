@@ -1,4 +1,5 @@
-"""Engine roundpipe's settings (the `roundpipe.*` section), what it refuses, and its workers' devices."""
+"""Engine roundpipe's settings (the `roundpipe.*` section), what it refuses, its workers' devices and
+the plans the planner weighs for it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from slimtune.config import RunConfig, setting
 from slimtune.errors import UserError
+from slimtune.engines.roundpipe.optimizer import variant_of
 
 _CUDA_NAME = re.compile(r"^cuda(:\d+)?$")
 
@@ -70,9 +72,7 @@ def validate(cfg: RunConfig) -> None:
         raise UserError("engine=roundpipe cannot redraw dropout masks when a stage is recomputed on another worker;"
                         " set lora.dropout=0.")
     _refuse_missing_devices(cfg)
-    if cfg.train.on_nonfinite == "skip" and cfg.section("roundpipe").optimizer == "async":
-        raise UserError("roundpipe.optimizer=async has already started the next step when a step's gradient is found"
-                        " not finite; set train.on_nonfinite=stop or roundpipe.optimizer=sync.")
+    variant_of(cfg).refuse(cfg)
 
 
 def _refuse_missing_devices(cfg: RunConfig) -> None:
@@ -105,3 +105,16 @@ def worker_devices(section: RoundPipeConfig, device: torch.device) -> list[torch
     if device.type != "cuda":
         return [torch.device("cpu")] * section.workers
     return [torch.device("cuda", i % torch.cuda.device_count()) for i in range(section.workers)]
+
+
+def plans(method: str) -> list[dict]:
+    """bf16 with the exact (sync) optimizer; LoRA over a bf16 or a 4-bit base. The stale async
+    optimizer changes the result, so it is the user's choice, never the planner's."""
+    plan = {"precision": "bf16", "activations.checkpoint": "none"}
+    return [plan, {**plan, "quant.scheme": "nf4"}] if method == "lora" else [plan]
+
+
+def on_cards(plan: dict, cards: int) -> dict | None:
+    """A worker per card, from two cards: on one, slide's window is the better streaming plan (its
+    updates overlap the backward; a lone worker waits for each whole stage)."""
+    return {**plan, "roundpipe.workers": cards} if cards > 1 else None
