@@ -8,6 +8,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from slimtune.run import interrupts
 from slimtune.errors import UserError
@@ -28,26 +29,70 @@ With no config at all, `slimtune train` runs the built-in demo (tiny model, CPU,
 """
 
 
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The top-level parser and each command's own parser by name."""
-    from slimtune import engines  # noqa: F401  (registers every engine: their settings are in the help)
-    from slimtune.config import help_text
+class _Command(argparse.ArgumentParser):
+    """A command's parser that adds its arguments when first used: to parse, or to say its help or
+    usage. Some need heavy imports (train's help lists every registered engine's settings, simulate's
+    options are the roundpipe engine's), which `slimtune --version` and the other commands never pay."""
 
+    def __init__(self, *args, arguments: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._arguments = arguments
+
+    def _add_arguments(self) -> None:
+        arguments, self._arguments = self._arguments, None
+        if arguments is not None:
+            arguments(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._add_arguments()
+        return super().parse_known_args(args, namespace)
+
+    def parse_known_intermixed_args(self, args=None, namespace=None):
+        self._add_arguments()
+        return super().parse_known_intermixed_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._add_arguments()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._add_arguments()
+        return super().format_help()
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and each command's own parser by name (its arguments added when used)."""
     parser = argparse.ArgumentParser(prog="slimtune", description="Fine-tune language models that do not fit on your GPU.")
     parser.add_argument("--version", action="version", version=f"slimtune {version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser(
-        "train", help="fine-tune from a YAML config (no config: run the demo)", allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=TRAIN_EPILOG.format(fields="\n".join(help_text())),
-    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Command)
+    sub.add_parser("train", help="fine-tune from a YAML config (no config: run the demo)", allow_abbrev=False,
+                   formatter_class=argparse.RawDescriptionHelpFormatter, arguments=_add_train)
+    sub.add_parser("plan", help="what fits a GPU and what runs fastest, from the real step on fake tensors",
+                   arguments=_add_plan)
+    sub.add_parser("probe", help="measure this machine's device and write a GPU profile", arguments=_add_probe)
+    sub.add_parser("simulate", help="RoundPipe's schedule beside GPipe and 1F1B: bubble and step time, simulated",
+                   arguments=_add_simulate)
+    sub.add_parser("export", help="write a merged HF model folder from a LoRA run", arguments=_add_export)
+    sub.add_parser("chat", help="talk to a trained model in the terminal, answers streamed as they come",
+                   arguments=_add_chat)
+    sub.add_parser("eval", help="loss, perplexity and exact match of greedy answers on a data file",
+                   arguments=_add_eval)
+    return parser, sub.choices
+
+
+def _add_train(train: argparse.ArgumentParser) -> None:
+    from slimtune.engines import settings
+
+    train.epilog = TRAIN_EPILOG.format(fields="\n".join(settings.help_text()))
     train.add_argument("config", nargs="?", help="run config (YAML)")
     train.add_argument("overrides", nargs="*", help="key=value settings applied over the config")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
     train.add_argument("--gpu", help="with plan=auto: the card to plan for (same as gpu=...)")
     train.add_argument("--nproc", type=int, help="train with data parallelism on this many processes on this machine"
                        " (torchrun --standalone --nproc-per-node N; one per GPU on CUDA). Several machines: see README")
-    plan = sub.add_parser("plan", help="what fits a GPU and what runs fastest, from the real step on fake tensors")
+
+
+def _add_plan(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--model", required=True, help="a preset name (e.g. Llama-3.1-8B) or a local HF folder")
     plan.add_argument("--gpu", required=True, help="a card name (rtx4090, h100, ...), a size (24GiB) or a probe JSON")
     plan.add_argument("--seq", type=int, default=2048, help="tokens per row (default 2048)")
@@ -65,19 +110,22 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--detail", action="store_true", help="add the device peak's breakdown to the table")
     plan.add_argument("--json", action="store_true", help="print the plans as a JSON list")
     plan.add_argument("--png", metavar="FILE", help="also draw the plans' memory against the card as a PNG picture")
-    probe = sub.add_parser("probe", help="measure this machine's device and write a GPU profile")
+
+
+def _add_probe(probe: argparse.ArgumentParser) -> None:
     probe.add_argument("--out", help="write the profile here (JSON, usable as --gpu FILE)")
-    simulate = sub.add_parser("simulate", help="RoundPipe's schedule beside GPipe and 1F1B: bubble and step time, simulated")
+
+
+def _add_simulate(simulate: argparse.ArgumentParser) -> None:
     from slimtune.engines.roundpipe import simulate as pipeline_simulate
 
     pipeline_simulate.add_arguments(simulate)
-    export = sub.add_parser("export", help="write a merged HF model folder from a LoRA run")
+
+
+def _add_export(export: argparse.ArgumentParser) -> None:
     export.add_argument("run_dir", help="the run's output_dir")
     export.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
     export.add_argument("--out", help="destination folder (default: RUN_DIR/merged)")
-    _add_chat(sub)
-    _add_eval(sub)
-    return parser, sub.choices
 
 
 RUN_DIR_HELP = ("a run's output_dir (LoRA: its adapter over the base, nothing merged), an adapter folder or a HF "
@@ -85,10 +133,9 @@ RUN_DIR_HELP = ("a run's output_dir (LoRA: its adapter over the base, nothing me
 DEVICE_HELP = "auto (default: CUDA when present), cpu, cuda, cuda:N"
 
 
-def _add_chat(sub) -> None:
+def _add_chat(chat: argparse.ArgumentParser) -> None:
     from slimtune.serve.chat import STYLES
 
-    chat = sub.add_parser("chat", help="talk to a trained model in the terminal, answers streamed as they come")
     chat.add_argument("run_dir", help=RUN_DIR_HELP)
     chat.add_argument("--prompt", help="answer this one message, then exit")
     chat.add_argument("--system", help="a system message opening the conversation (chat style)")
@@ -101,10 +148,9 @@ def _add_chat(sub) -> None:
     chat.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
 
 
-def _add_eval(sub) -> None:
+def _add_eval(evaluate: argparse.ArgumentParser) -> None:
     from slimtune.serve.evaluate import ANSWER_SLACK, FORMATS
 
-    evaluate = sub.add_parser("eval", help="loss, perplexity and exact match of greedy answers on a data file")
     evaluate.add_argument("run_dir", help=RUN_DIR_HELP)
     evaluate.add_argument("--data", required=True, help="a file (or saved dataset folder) in any format training reads")
     evaluate.add_argument("--format", choices=FORMATS,
@@ -151,9 +197,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parsing takes positionals in one run, so a later one is refused; argparse can intermix them only
     on a parser without subcommands, so the command's own parser reads everything after its name."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv == ["--version"]:  # at once: the full parser imports every engine for the train help
-        print(f"slimtune {version()}")
-        raise SystemExit(0)
     parser, commands = _parser()
     if not argv or argv[0] not in commands:  # no command, --help or an unknown one: the top level answers
         return parser.parse_args(argv)
@@ -171,7 +214,8 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _train_or_demo(args: argparse.Namespace) -> None:
-    from slimtune import config, train
+    from slimtune import train
+    from slimtune.engines import settings
 
     if args.config is None and not args.overrides:
         from slimtune import demo
@@ -192,7 +236,7 @@ def _train_or_demo(args: argparse.Namespace) -> None:
         if distributed.launched():
             raise UserError("--nproc starts torchrun itself; under torchrun leave it out (each rank is one process).")
     quiet = (lambda text: None) if args.nproc is not None and args.nproc > 1 else None  # rank 0 warns, not twice
-    cfg = config.load(path, overrides, warn=quiet)  # checked here, once, before any rank starts
+    cfg = settings.load(path, overrides, warn=quiet)  # checked here, once, before any rank starts
     if args.nproc is not None and args.nproc > 1:
         from slimtune import launch
 

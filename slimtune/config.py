@@ -1,8 +1,9 @@
-"""Typed run configuration: YAML plus `a.b=value` overrides -> a validated RunConfig.
+"""Typed run configuration: plain dataclass sections, YAML plus `a.b=value` overrides read into them.
 
 Each field's `help` metadata is the documentation (`slimtune train --help` prints it).
 Unknown keys, wrong types and impossible values are refused with one sentence naming
-the key.
+the key. This module knows no engine: whoever reads settings hands in the engine sections they
+may hold, and engines.settings (above the registered engines) completes and validates a RunConfig.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import yaml
 
-from slimtune.config_sources import Sources, listed, say_warning, unread_sections
+from slimtune.config_sources import Sources
 from slimtune.errors import UserError
 
 
@@ -247,95 +249,18 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
-        # Every registered engine's section exists (its defaults unless given), so a plan can switch engine.
-        self.sections = {name: self.sections.get(name) or entry.section() for name, entry in _ENGINES.items()
-                         if entry.section is not None}
+        self.sections = dict(self.sections)  # its own: dataclasses.replace hands the same dict on
 
     def section(self, engine: str) -> Any:
         """The settings section of `engine` (e.g. cfg.section("slide").slots)."""
         return self.sections[engine]
 
-    def validate(self) -> None:
+    def check_sections(self) -> None:
+        """Each section's own check, an engine's section checked like the others. The checks across
+        sections and of the engine need the registered engines: engines.settings.validate."""
         for section in (self.data, self.lora, self.quant, self.activations, self.loss, self.train, self.log,
                         self.dist, *self.sections.values()):
-            section.validate()  # every section has one: an engine section is checked like the others
-        if self.engine not in _ENGINES:
-            close = difflib.get_close_matches(self.engine, _ENGINES, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise UserError(f"engine must be one of {', '.join(_ENGINES)}; got {self.engine!r}{hint}.")
-        if self.quant.scheme != "none" and self.method == "full":
-            raise UserError(_quant_needs_lora(self))
-        if self.loss.mode == "subset" and self.method == "full":
-            raise UserError("loss.mode=subset needs a frozen LM head; with method=full the head trains. Use loss.mode=exact.")
-        if self.plan == "auto" and self.gpu is None and self.device == "cpu":
-            raise UserError("plan=auto needs gpu (e.g. --gpu 8GiB) when training on the CPU.")
-        if self.gpu is not None:
-            from slimtune import presets
-
-            presets.gpu_profile(self.gpu)  # a card the planner knows, a size or a profile: said now, not when planning
-        strategies = _ENGINES[self.engine].strategies
-        if self.dist.strategy not in strategies:
-            raise UserError(f"dist.strategy={self.dist.strategy} is not available with engine {self.engine}, which offers"
-                            f" {' or '.join(strategies)}; use dist.strategy={strategies[0]} or engine=resident.")
-        _ENGINES[self.engine].validate(self)
-
-
-def _quant_needs_lora(cfg: RunConfig) -> str:
-    """What is true of a 4-bit base with method=full: the engines that take it with LoRA (each
-    engine's own check says, on the run's other settings as given), and whether this one is among them."""
-    lora_engines = [name for name in _ENGINES if _accepts(dataclasses.replace(cfg, engine=name, method="lora"))]
-    said = f"quant.scheme={cfg.quant.scheme} quantizes frozen weights, but method=full trains every weight"
-    if cfg.engine in lora_engines:
-        return f"{said}; use method=lora (a 4-bit base with LoRA adapters)."
-    where = f"engine {_either(lora_engines)}" if lora_engines else "no engine with these settings"
-    return (f"{said}, and engine={cfg.engine} trains full weights only; a 4-bit base needs method=lora, on {where}"
-            f" (or set quant.scheme=none to train every weight with engine={cfg.engine}).")
-
-
-def _either(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-
-
-def _accepts(cfg: RunConfig) -> bool:
-    try:
-        cfg.validate()
-    except UserError:
-        return False
-    return True
-
-
-# ---------------------------------------------------------------- engine settings
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What the settings need to know of an engine: its section (a dataclass of fields made with
-    `setting`, read as cfg.section(name)), its one-line summary for the help, and its check of a
-    whole RunConfig (what it does not do, refused in one sentence)."""
-
-    summary: str
-    section: type | None
-    validate: Callable[[RunConfig], None]
-    strategies: tuple[str, ...] = ("ddp",)  # dist.strategy values it runs (every engine runs ddp)
-
-
-# Filled by slimtune.engines.register when an engine module is imported; this module names no engine.
-_ENGINES: dict[str, EngineSettings] = {}
-
-
-def register_engine(name: str, settings: EngineSettings) -> None:
-    """Called by slimtune.engines.register (which checks that names are unique)."""
-    if name in {f.name for f in dataclasses.fields(RunConfig)}:
-        raise ValueError(f"engine name {name!r} collides with the setting of that name")
-    _ENGINES[name] = settings
-
-
-def unregister_engine(name: str) -> None:
-    _ENGINES.pop(name, None)
-
-
-def _require_engines() -> None:
-    if not _ENGINES:
-        raise RuntimeError("no engine is registered: import slimtune.engines before loading a RunConfig.")
+            section.validate()
 
 
 def positive(name: str, value: float) -> None:
@@ -346,26 +271,32 @@ def positive(name: str, value: float) -> None:
 # ---------------------------------------------------------------- loading
 
 
-def load(path: str | Path | None, overrides: list[str] = (), base: dict | None = None,
-         warn: Callable[[str], None] | None = None) -> RunConfig:
-    """Read YAML (or start from `base`), apply `a.b=value` overrides, build and validate. A key is
-    named by where the user gave it (the YAML file's line, or the command line). `warn` hears, once,
-    of settings the user gave (in the file or an override, not in `base`) that the run will not read:
-    another engine's section; by default a line on stderr (rank 0's alone under torchrun)."""
+NO_SECTIONS: Mapping[str, type] = types.MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Read:
+    """Settings as read: the RunConfig (engine sections: those given), and the dotted keys the user
+    gave in the file or an override (not in `base`), the innermost of each, in order."""
+
+    cfg: RunConfig
+    given: list[str]
+
+
+def read(path: str | Path | None, overrides: list[str] = (), base: dict | None = None,
+         sections: Mapping[str, type] = NO_SECTIONS) -> Read:
+    """Read YAML (or start from `base`), apply `a.b=value` overrides, and type them into a RunConfig:
+    an unknown key or a wrong type is refused in a sentence naming the key where the user gave it (the
+    YAML file's line, or the command line). `sections` (engine name -> its settings dataclass) are the
+    engine sections the settings may hold, handed in by the caller: this module knows no engine.
+    Nothing is checked beyond the types; engines.settings.load completes and validates."""
     raw = copy.deepcopy(base or {})  # overrides write into nested sections: never into the caller's
     sources = Sources(f"in {path}" if path is not None else "in the settings given")
     if path is not None:
         raw = _read_yaml(Path(path), sources)
     for item in overrides:
         _apply_override(raw, item, sources)
-    _require_engines()
-    cfg = from_dict(RunConfig, raw, prefix="", sources=sources)
-    cfg.validate()
-    ignored = unread_sections(cfg, sources.given())
-    if ignored:
-        (warn or say_warning)(f"{listed(ignored)} {'is' if len(ignored) == 1 else 'are'} set but engine is"
-                              f" {cfg.engine}: ignored.")
-    return cfg
+    return Read(from_dict(RunConfig, raw, prefix="", sources=sources, sections=sections), sources.given())
 
 
 def _read_yaml(path: Path, sources: Sources) -> dict:
@@ -405,30 +336,32 @@ def _apply_override(raw: dict, item: str, sources: Sources) -> None:
     sources.give(key, "on the command line")
 
 
-def from_dict(cls: type, raw: Any, prefix: str, sources: Sources) -> Any:
-    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types by name and place."""
+def from_dict(cls: type, raw: Any, prefix: str, sources: Sources,
+              sections: Mapping[str, type] = NO_SECTIONS) -> Any:
+    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types by name and place;
+    a RunConfig also reads the engine `sections` named (into cfg.sections)."""
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(raw, dict):
         raise UserError(f"{where} {sources.of(prefix.rstrip('.'))} must be a mapping, got {type(raw).__name__}.")
-    known = _keys_of(cls)
+    known = _keys_of(cls, sections)
     for key in raw:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             raise UserError(f"unknown key '{prefix}{key}' {sources.of(f'{prefix}{key}')}{hint}.")
-    values, sections = {}, {}
+    values, given_sections = {}, {}
     for name, (hint, required) in known.items():
         if name in raw:
             value = _coerce(hint, raw[name], prefix + name, sources)
-            (sections if cls is RunConfig and name in _ENGINES else values)[name] = value
+            (given_sections if name in sections else values)[name] = value
         elif required:
             raise UserError(f"missing required key '{prefix}{name}' {sources.default}.")
-    return cls(**values, sections=sections) if cls is RunConfig else cls(**values)
+    return cls(**values, sections=given_sections) if cls is RunConfig else cls(**values)
 
 
-def _keys_of(cls: type) -> dict[str, tuple[Any, bool]]:
-    """key -> (type, required) of what `cls` reads: its fields, and for RunConfig every registered
-    engine's section, right after `engine`."""
+def _keys_of(cls: type, sections: Mapping[str, type] = NO_SECTIONS) -> dict[str, tuple[Any, bool]]:
+    """key -> (type, required) of what `cls` reads: its fields, and for RunConfig the engine
+    `sections`, right after `engine`."""
     hints = typing.get_type_hints(cls)
     keys = {}
     for f in dataclasses.fields(cls):
@@ -436,7 +369,7 @@ def _keys_of(cls: type) -> dict[str, tuple[Any, bool]]:
             continue
         keys[f.name] = (hints[f.name], f.default is REQUIRED and f.default_factory is REQUIRED)
         if cls is RunConfig and f.name == "engine":
-            keys.update((name, (e.section, False)) for name, e in _ENGINES.items() if e.section is not None)
+            keys.update((name, (section, False)) for name, section in sections.items())
     return keys
 
 
@@ -525,12 +458,13 @@ def flatten(settings: dict, prefix: str = "") -> dict:
     return out
 
 
-def help_text(cls: type = RunConfig, prefix: str = "") -> list[str]:
-    """One line per key: key, default, help. Sections (engine sections included) are expanded."""
-    _require_engines()
+def help_text(cls: type = RunConfig, prefix: str = "", summaries: Mapping[str, str] = NO_SECTIONS,
+              sections: Mapping[str, type] = NO_SECTIONS) -> list[str]:
+    """One line per key: key, default, help; sections expanded. For RunConfig, the engines
+    (`summaries`: name -> one line) are listed under `engine` and their `sections` expanded there."""
     lines = []
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    for name, (hint, _) in _keys_of(cls).items():
+    for name, (hint, _) in _keys_of(cls, sections).items():
         if dataclasses.is_dataclass(hint):
             lines.extend(help_text(hint, prefix + name + "."))
             continue
@@ -543,5 +477,5 @@ def help_text(cls: type = RunConfig, prefix: str = "") -> list[str]:
             default = "(required)"
         lines.append(f"  {prefix + name:<22} {default:<18} {f.metadata.get('help', '')}")
         if cls is RunConfig and name == "engine":
-            lines += [f"    {engine:<20} {'(an engine)':<18} {e.summary}" for engine, e in _ENGINES.items()]
+            lines += [f"    {engine:<20} {'(an engine)':<18} {summary}" for engine, summary in summaries.items()]
     return lines

@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import slimtune.engines  # noqa: F401  (registers every engine, as the CLI does: config.load needs them)
-
 
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
@@ -95,10 +93,13 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def engine_config(train=None, **fields):
     """A RunConfig for building an engine straight from a Stack in a test (no model folder or data
-    is read): `train` a TrainConfig, `fields` any other RunConfig field (sections={"slide": ...})."""
+    is read): `train` a TrainConfig, `fields` any other RunConfig field (sections={"slide": ...}); every
+    engine's section not given holds its defaults, as in a loaded config. Not validated."""
     from slimtune.config import DataConfig, RunConfig, TrainConfig
+    from slimtune.engines import settings
 
-    return RunConfig(model="(test)", data=DataConfig(path="(test)"), train=train or TrainConfig(), **fields)
+    return settings.complete(RunConfig(model="(test)", data=DataConfig(path="(test)"), train=train or TrainConfig(),
+                                       **fields))
 
 
 def shapes_in_turn(plans: list[tuple[str, dict]], shapes: list[str]) -> list[tuple[str, str, dict]]:

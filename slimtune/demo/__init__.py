@@ -13,8 +13,9 @@ import shutil
 import time
 from pathlib import Path
 
-from slimtune import config, train
+from slimtune import train
 from slimtune.data import dataset as data
+from slimtune.engines import settings
 from slimtune.serve import evaluate as scoring
 from slimtune.run.metrics import format_table
 
@@ -51,7 +52,7 @@ def accuracy(run: train.Run, records: list[dict], batch_size: int = 50, max_new_
 def main(progress: bool = True) -> dict:
     began = time.perf_counter()
     shutil.rmtree(OUTPUT_DIR, ignore_errors=True)  # the demo always starts fresh
-    cfg = config.load(None, [], base=SETTINGS)
+    cfg = settings.load(None, [], base=SETTINGS)
     run = train.build(cfg)
     records = heldout()
     print(f"slimtune demo: LoRA on a {sum(p.numel() for p in run.stack.model.parameters()):,}-parameter base model, "

@@ -3,7 +3,8 @@
 An engine is a module here, or a folder whose engine.py registers it (with the engine's own parts
 beside it); it registers itself (registry.register) when imported. Importing this package imports
 every engine in it, so the built-in engines are always known. The interface they implement
-is engines.base.Engine; train.py runs any of them through it.
+is engines.base.Engine; train.py runs any of them through it. engines.settings reads a run's
+settings with the registered engines' sections and checks (config.py knows no engine).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from slimtune.engines.registry import EngineSpec, get, names, plans_for, registe
 
 __all__ = ["EngineSpec", "get", "names", "plans_for", "register", "unregister"]
 
-_NOT_ENGINES = {"base", "registry"}
+_NOT_ENGINES = {"base", "registry", "settings"}
 
 for _found in pkgutil.iter_modules(__path__):
     if _found.name not in _NOT_ENGINES:

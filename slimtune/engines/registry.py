@@ -1,13 +1,15 @@
 """The engine registry: an engine is one module that declares itself here, once.
 
 `register(EngineSpec(...))`, called at the engine module's import, puts in one place everything the
-rest of slimtune needs to know of an engine: its settings section and their check (handed on to
-config), the plans the planner weighs for it, where the model is placed before it is built, its
-modelled step time, and its constructor. config, train, planner and speed name no engine.
+rest of slimtune needs to know of an engine: its settings section and their check (engines.settings
+reads a run's settings with them: config knows no engine), the plans the planner weighs for it,
+where the model is placed before it is built, its modelled step time, and its constructor. config,
+train, planner and speed name no engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -109,8 +111,9 @@ def register(spec: EngineSpec) -> EngineSpec:
     known = _SPECS.get(spec.name)
     if known is not None and known.module != module:
         raise ValueError(f"engine {spec.name!r} is already registered by {known.module}")
+    if spec.name in {f.name for f in dataclasses.fields(config.RunConfig)}:  # its section is a top-level key
+        raise ValueError(f"engine name {spec.name!r} collides with the setting of that name")
     spec = EngineSpec(**{**spec.__dict__, "module": module})
-    config.register_engine(spec.name, config.EngineSettings(spec.summary, spec.section, spec.validate, spec.strategies))
     _SPECS[spec.name] = spec
     return spec
 
@@ -118,7 +121,6 @@ def register(spec: EngineSpec) -> EngineSpec:
 def unregister(name: str) -> None:
     """Forget an engine (a test's own, or a notebook's that is about to be redefined)."""
     _SPECS.pop(name, None)
-    config.unregister_engine(name)
 
 
 def get(name: str) -> EngineSpec:
@@ -127,6 +129,11 @@ def get(name: str) -> EngineSpec:
 
 def names() -> list[str]:
     return list(_SPECS)
+
+
+def specs() -> list[EngineSpec]:
+    """Every registered engine, in the order they registered."""
+    return list(_SPECS.values())
 
 
 def plans_for(method: str, cards: int = 1) -> list[dict]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slimtune import config as config_module
 from slimtune.model import config_json
 from slimtune import engines, presets
+from slimtune.engines import settings
 from slimtune.planning import estimate, worker as planning_worker, rank_plan
 from slimtune.device import speed
 from slimtune.planning.estimate_cache import cached_estimate, is_cached
@@ -164,7 +164,7 @@ def warm_up(model: str | None) -> None:
 def _run_config(base: RunConfig, plan: dict) -> RunConfig:
     """`base` with the plan's dotted-key settings applied, validated like any run config (the planner's
     own settings: nothing for the user to be warned of)."""
-    return config_module.load(None, [f"{k}={v}" for k, v in plan.items()], base=to_dict(base), warn=lambda text: None)
+    return settings.load(None, [f"{k}={v}" for k, v in plan.items()], base=to_dict(base), warn=lambda text: None)
 
 
 def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_size: int, seq_len: int,
@@ -344,7 +344,7 @@ def planning_config(method: str, rank: int = 16, **train) -> RunConfig:
     """A RunConfig for planning a model by preset or folder (no data is read)."""
     base = {"model": "(planned)", "data": "(planned)", "method": method, "lora": {"rank": rank, "alpha": 2 * rank},
             "train": {"batch_size": 1, **train}}
-    return config_module.load(None, [], base=base)
+    return settings.load(None, [], base=base)
 
 
 def plan_run(cfg: RunConfig, model_config, machine: Machine) -> tuple[list[PlanResult], PlanResult | None]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from slimtune import config
 from slimtune.config import RunConfig
-from slimtune.engines import registry
+from slimtune.engines import registry, settings
 from slimtune.errors import UserError
 
 SAFE, APPLIED, REFUSED = "safe", "applied", "refused"
@@ -174,16 +174,16 @@ def rule(key: str) -> Rule:
     return RULES.get(key, _UNKNOWN)
 
 
-def in_use(key: str, settings: dict) -> bool:
-    """Whether a run with these (flattened) settings reads `key`."""
+def in_use(key: str, flat: dict) -> bool:
+    """Whether a run with these flattened settings (`flat`) reads `key`."""
     section = key.partition(".")[0]
     if section == "lora":
-        return settings.get("method") == "lora"
+        return flat.get("method") == "lora"
     if key == "freeze":
-        return settings.get("method") == "full"
-    engine = settings.get("engine")
+        return flat.get("method") == "full"
+    engine = flat.get("engine")
     if section == "chunk":  # slide's chunk working set reads the chunk section too
-        return engine == "chunk" or (engine == "slide" and settings.get("slide.working_set") == "chunk")
+        return engine == "chunk" or (engine == "slide" and flat.get("slide.working_set") == "chunk")
     if "." in key and section in registry.names():
         return engine == section
     return True
@@ -218,7 +218,7 @@ def _engine_change(change: Change, before: dict, cfg: RunConfig) -> Change:
     numbers of training examples out as their own sample (registry.EngineSpec.sample_examples): then
     the data stream's batches are not the checkpoint's."""
     try:
-        held_before = registry.get(change.old).sample_examples(config.load(None, base=before))
+        held_before = registry.get(change.old).sample_examples(settings.load(None, base=before))
     except (KeyError, UserError):  # an engine no longer registered, or settings this version refuses
         return change
     held_now = registry.get(change.new).sample_examples(cfg)

@@ -1,6 +1,8 @@
 """What `slimtune train` accepts on its command line and in its data, through the CLI as a user runs it."""
 
 import json
+import subprocess
+import sys
 
 from conftest import write_jsonl
 from e2e_helpers import slimtune, workdir  # noqa: F401  (workdir is a fixture)
@@ -33,6 +35,25 @@ def test_bad_input_after_flags_still_ends_in_one_sentence(workdir):
 def test_train_help_still_works(workdir):
     proc = slimtune("train", "--help", cwd=workdir)
     assert proc.stdout.startswith("usage: slimtune train") and "override any of them as key=value" in proc.stdout
+
+
+VERSION_ALONE = """
+import sys
+from slimtune import cli
+try:
+    cli.main(["--version"])
+except SystemExit as stop:
+    assert stop.code == 0, stop.code
+assert "slimtune.engines" not in sys.modules and "torch" not in sys.modules, sorted(sys.modules)
+"""
+
+
+def test_version_is_said_without_importing_an_engine(workdir):
+    """--version is parsed like any option: the commands' arguments (train's help lists every engine's
+    settings) are added only when a command is used, so nothing heavy is imported for it."""
+    assert slimtune("--version", cwd=workdir).stdout.startswith("slimtune ")
+    proc = subprocess.run([sys.executable, "-c", VERSION_ALONE], cwd=workdir, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("slimtune "), proc.stderr
 
 
 def test_chat_record_without_an_assistant_turn_is_named_by_its_line(workdir):

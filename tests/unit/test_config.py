@@ -1,8 +1,17 @@
-"""Config: the README's example config loads as written; mistakes are refused by key."""
+"""Config: the README's example config loads as written; mistakes are refused by key; config.py
+reads settings with no engine imported, and the checks that need the engines (engines.settings) say
+the same sentences of a built-in engine and of one a test registers."""
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from slimtune import config
+from slimtune import config, engines
+from slimtune.config import setting
+from slimtune.engines import settings
 from slimtune.errors import UserError
 
 CONTRACT = """\
@@ -26,7 +35,7 @@ def write(tmp_path, text):
 
 
 def test_contract_config_loads(tmp_path):
-    cfg = config.load(write(tmp_path, CONTRACT))
+    cfg = settings.load(write(tmp_path, CONTRACT))
     assert cfg.model == "path/to/hf-folder"
     assert cfg.data.format == "chat" and cfg.data.max_length == 512
     assert cfg.lora.rank == 16 and cfg.lora.alpha == 32.0 and cfg.lora.targets == "all-linear"
@@ -35,7 +44,7 @@ def test_contract_config_loads(tmp_path):
 
 
 def test_overrides_apply_with_yaml_types(tmp_path):
-    cfg = config.load(write(tmp_path, CONTRACT), ["train.steps=7", "lora.targets=[q_proj, v_proj]", "train.lr=1e-3"])
+    cfg = settings.load(write(tmp_path, CONTRACT), ["train.steps=7", "lora.targets=[q_proj, v_proj]", "train.lr=1e-3"])
     assert cfg.train.steps == 7
     assert cfg.lora.targets == ["q_proj", "v_proj"]
     assert cfg.train.lr == 1e-3
@@ -65,26 +74,26 @@ def test_overrides_apply_with_yaml_types(tmp_path):
 )
 def test_mistakes_name_the_key(tmp_path, overrides, needle):
     with pytest.raises(UserError) as err:
-        config.load(write(tmp_path, CONTRACT), overrides)
+        settings.load(write(tmp_path, CONTRACT), overrides)
     assert needle in str(err.value)
 
 
 def test_unknown_key_suggests_the_close_one(tmp_path):
     with pytest.raises(UserError, match=r"did you mean 'output_dir'"):
-        config.load(write(tmp_path, CONTRACT.replace("output_dir", "output_dri")))
+        settings.load(write(tmp_path, CONTRACT.replace("output_dir", "output_dri")))
 
 
 def test_missing_required_and_bad_yaml(tmp_path):
     with pytest.raises(UserError, match="missing required key 'model'"):
-        config.load(write(tmp_path, "data: x.jsonl\n"))
+        settings.load(write(tmp_path, "data: x.jsonl\n"))
     with pytest.raises(UserError, match=r"run.yaml line 2: not valid YAML"):
-        config.load(write(tmp_path, "model: a\n  data: : b\n"))
+        settings.load(write(tmp_path, "model: a\n  data: : b\n"))
     with pytest.raises(UserError, match="config file 'nope.yaml' does not exist"):
-        config.load("nope.yaml")
+        settings.load("nope.yaml")
 
 
 def test_every_field_has_help():
-    lines = config.help_text()
+    lines = settings.help_text()
     assert any(line.strip().startswith("train.lr") for line in lines)
     assert all(len(line.split(None, 2)) == 3 for line in lines)
 
@@ -96,4 +105,110 @@ def test_example_configs_load():
     assert examples
     for path in examples:
         assert path.read_text().startswith("# slimtune train "), f"{path.name} must start with its command"
-        config.load(path)
+        settings.load(path)
+
+
+# ---------------------------------------------------------------- a config does not depend on what was imported
+
+ALONE = textwrap.dedent("""
+    import sys
+    from dataclasses import dataclass
+
+    from slimtune import config
+    from slimtune.errors import UserError
+
+    @dataclass
+    class Slots:
+        slots: int = config.setting(2, "a section the caller hands in")
+
+        def validate(self):
+            pass
+
+    contract, with_section = sys.argv[1:]
+    found = config.read(contract, ["train.steps=7"])
+    assert found.cfg.engine == "resident" and found.cfg.train.steps == 7 and found.cfg.sections == {}
+    assert found.given[-1] == "train.steps" and found.cfg.lora.rank == 16
+    try:
+        config.read(with_section)
+    except UserError as err:
+        assert str(err).startswith("unknown key 'slide' in "), err
+    else:
+        raise AssertionError("an engine section nobody handed in was read")
+    assert config.read(with_section, sections={"slide": Slots}).cfg.section("slide").slots == 3
+    assert "slimtune.engines" not in sys.modules and "torch" not in sys.modules, sorted(sys.modules)
+""")
+
+
+def test_config_reads_a_file_in_a_fresh_interpreter_with_no_engine_imported(tmp_path):
+    with_section = tmp_path / "slide.yaml"
+    with_section.write_text(CONTRACT + "slide: {slots: 3}\n")
+    proc = subprocess.run([sys.executable, "-c", ALONE, str(write(tmp_path, CONTRACT)), str(with_section)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_engine_section_is_completed_with_its_defaults_and_a_copy_shares_none():
+    cfg = settings.load(None, ["engine=chunk", "method=full", "chunk.n_chunks=4"], base={"model": "m", "data": "d"})
+    assert set(cfg.sections) == set(settings.sections()) and cfg.section("chunk").n_chunks == 4
+    bare = config.read(None, base={"model": "m", "data": "d"}).cfg
+    assert bare.sections == {} and settings.complete(bare).section("chunk") == type(cfg.section("chunk"))()
+    other = dataclasses.replace(cfg, engine="resident")
+    assert other.sections is not cfg.sections
+
+
+def test_an_unknown_engine_is_named_with_the_close_one():
+    with pytest.raises(UserError) as err:
+        settings.load(None, ["engine=slid"], base={"model": "m", "data": "d"})
+    assert str(err.value) == f"engine must be one of {', '.join(engines.names())}; got 'slid' (did you mean 'slide'?)."
+    assert {"resident", "slide"} <= set(engines.names())
+
+
+@dataclasses.dataclass
+class PluginConfig:
+    momentum: float = setting(0.0, "engine=plugin: SGD momentum.")
+
+    def validate(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise UserError(f"plugin.momentum must be in [0, 1), got {self.momentum}.")
+
+
+def plugin_validate(cfg) -> None:
+    if cfg.method != "full":
+        raise UserError("engine=plugin trains every weight; set method=full.")
+
+
+@pytest.fixture()
+def plugin():
+    engines.register(engines.EngineSpec(name="plugin", summary="an engine a test registers.", build=None,
+                                        step_time=None, section=PluginConfig, validate=plugin_validate))
+    yield
+    engines.unregister("plugin")
+
+
+def refusal(*overrides: str) -> str:
+    with pytest.raises(UserError) as err:
+        settings.load(None, list(overrides), base={"model": "m", "data": "d"})
+    return str(err.value)
+
+
+def test_an_engine_registered_in_a_test_is_read_checked_and_helped_like_a_built_in(plugin):
+    cfg = settings.load(None, ["engine=plugin", "method=full", "plugin.momentum=0.5"], base={"model": "m", "data": "d"})
+    assert cfg.section("plugin").momentum == 0.5 and cfg.section("slide") is not None
+    assert refusal("engine=plugin") == "engine=plugin trains every weight; set method=full."
+    assert refusal("engine=plugin", "method=full", "plugin.momentum=1.5") == "plugin.momentum must be in [0, 1), got 1.5."
+    assert refusal("engine=plugn").endswith(", plugin; got 'plugn' (did you mean 'plugin'?).")
+    assert refusal("plugin.momentm=0.5") == "unknown key 'plugin.momentm' on the command line (did you mean" \
+                                            " 'plugin.momentum'?)."
+    assert refusal("engine=plugin", "method=full", "quant.scheme=nf4").startswith(
+        "quant.scheme=nf4 quantizes frozen weights, but method=full trains every weight, and engine=plugin trains full"
+        " weights only; a 4-bit base needs method=lora, on engine ")
+    lines = settings.help_text()
+    assert any(line.split()[:2] == ["plugin", "(an"] and "an engine a test registers." in line for line in lines)
+    assert any(line.strip().startswith("plugin.momentum") for line in lines)
+    assert config.read(None, base={"model": "m", "data": "d"}).cfg.sections == {}  # config's reading never changes
+
+
+def test_a_forgotten_engine_is_forgotten_by_the_settings(plugin):
+    engines.unregister("plugin")
+    assert refusal("plugin.momentum=0.5").startswith("unknown key 'plugin' in the settings given")
+    assert "plugin" not in settings.sections() and not any("plugin" in line for line in settings.help_text())

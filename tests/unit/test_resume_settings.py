@@ -9,6 +9,7 @@ import torch
 
 from conftest import engine_config
 from slimtune import config, engines
+from slimtune.engines import settings
 from slimtune.run import resume_settings
 from slimtune.config import DataConfig, RunConfig, TrainConfig
 from slimtune.store.checkpoint import check_resumable
@@ -19,7 +20,7 @@ from slimtune.run.resume_settings import APPLIED, REFUSED, SAFE
 def built_in_keys() -> set[str]:
     """Every key of the flattened settings, engine sections of slimtune's own engines included (an
     engine a test registers and forgets to unregister is left out)."""
-    cfg = RunConfig(model="m", data=DataConfig(path="d"))
+    cfg = settings.complete(RunConfig(model="m", data=DataConfig(path="d")))
     foreign = {name for name in engines.names() if not engines.get(name).module.startswith("slimtune.")}
     return {key for key in config.flatten(config.to_dict(cfg)) if key.partition(".")[0] not in foreign}
 
@@ -42,7 +43,7 @@ def test_a_refused_change_is_one_sentence_with_both_values_and_the_way_out():
     before = config.to_dict(engine_config(engine="lsp", method="full"))
     now = copy.deepcopy(before)
     now["lsp"]["train_other"], now["train"]["steps"] = True, 200
-    cfg = config.load(None, base={**now, "model": "m", "data": {"path": "d"}})
+    cfg = settings.load(None, base={**now, "model": "m", "data": {"path": "d"}})
     found = resume_settings.changes(before, cfg)
     assert {c.key for c in found} == {"lsp.train_other", "train.steps", "model", "data.path"}
     with pytest.raises(UserError) as refusal:
