@@ -7,7 +7,8 @@ import copy
 import json
 from pathlib import Path
 
-from slimtune import config, demo, train
+from slimtune import demo, train
+from slimtune.engines import settings as run_settings
 
 
 def time_to_accuracy(name: str, variant: dict, steps: int, every: int, root: Path) -> dict:
@@ -22,7 +23,7 @@ def time_to_accuracy(name: str, variant: dict, steps: int, every: int, root: Pat
     curve, records = [], []
     for upto in range(every, steps + 1, every):
         settings["train"]["steps"] = upto
-        run, _ = train.fit(config.load(None, [], base=settings), progress=False)
+        run, _ = train.fit(run_settings.load(None, [], base=settings), progress=False)
         accuracy = demo.accuracy(run, demo.heldout())
         records = [json.loads(line) for line in (Path(settings["output_dir"]) / "metrics.jsonl").read_text()
                    .splitlines() if line]

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 from _accuracy import time_to_accuracy
-from slimtune import config, presets
+from slimtune import presets
+from slimtune.engines import settings
 from slimtune.planning import estimate
 
 GIB = 2**30
@@ -39,9 +40,9 @@ SEQ = 1024
 
 
 def peak_row(model_config, n: int, extra: tuple[str, ...]) -> dict:
-    cfg = config.load(None, ["engine=chunk", "method=full", "precision=bf16", "train.batch_size=1",
-                             "activations.checkpoint=recompute", f"chunk.n_chunks={n}", *extra],
-                      base={"model": "(benchmark)", "data": "(benchmark)"})
+    cfg = settings.load(None, ["engine=chunk", "method=full", "precision=bf16", "train.batch_size=1",
+                               "activations.checkpoint=recompute", f"chunk.n_chunks={n}", *extra],
+                        base={"model": "(benchmark)", "data": "(benchmark)"})
     began = time.perf_counter()
     found = estimate.estimate(model_config, cfg, 1, SEQ)
     weights = found.breakdown["weights"]
@@ -67,9 +68,9 @@ def part1(quick: bool) -> list[dict]:
 
 
 def slide_row(model_config, n: int, state: str) -> dict:
-    cfg = config.load(None, ["engine=slide", "method=full", "precision=bf16", "train.batch_size=1",
-                             "activations.checkpoint=host", "slide.working_set=chunk", f"chunk.n_chunks={n}",
-                             f"chunk.state={state}"], base={"model": "(benchmark)", "data": "(benchmark)"})
+    cfg = settings.load(None, ["engine=slide", "method=full", "precision=bf16", "train.batch_size=1",
+                               "activations.checkpoint=host", "slide.working_set=chunk", f"chunk.n_chunks={n}",
+                               f"chunk.state={state}"], base={"model": "(benchmark)", "data": "(benchmark)"})
     found = estimate.estimate(model_config, cfg, 1, SEQ)
     per_param = found.host_bytes / found.trainable_params
     return {"n_chunks": n, "state": state, "device_peak_gib": found.device_peak_bytes / GIB,

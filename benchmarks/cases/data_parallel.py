@@ -91,7 +91,7 @@ ENGINES = {
 
 
 def _payloads(quick: bool) -> list[dict]:
-    from slimtune import config as config_module
+    from slimtune.engines import settings
     from slimtune.data.dataset import IGNORE_INDEX, Batch
 
     model = _small_model()
@@ -105,7 +105,7 @@ def _payloads(quick: bool) -> list[dict]:
     for label, plan in ENGINES.items():
         base = {"model": "(benchmark)", "data": "(benchmark)", "method": plan["method"], "engine": plan["engine"],
                 "precision": "fp32", "train": {"batch_size": rows, "steps": 4, "max_grad_norm": 1.0}}
-        cfg = config_module.load(None, plan.get("overrides", []), base=base)
+        cfg = settings.load(None, plan.get("overrides", []), base=base)
         counting = distributed.Counting()
         stack = assembly.stack_of(copy.deepcopy(model), cfg, torch.device("cpu"), "fp32")
         engine = assembly.assemble(cfg, stack, torch.device("cpu"), "fp32", counting)

@@ -44,8 +44,8 @@ import time
 
 import torch
 
-from slimtune import config as config_module
 from slimtune import assembly, presets
+from slimtune.engines import settings
 from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.planning.estimate import estimate
 from slimtune.engines.roundpipe.stages import uniform_partition
@@ -95,7 +95,7 @@ def run_config(overrides: dict, output_dir: str):
     # a roundpipe worker that waits a minute for a hand-off has hung: end the check, not the device time
     base = {"model": "(checks)", "data": "(checks)", "output_dir": output_dir, "train": {"batch_size": 1},
             "roundpipe": {"timeout_s": 60.0}}
-    return config_module.load(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
+    return settings.load(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
 
 
 def build_engine(model, cfg, where: torch.device):

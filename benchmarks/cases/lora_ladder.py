@@ -32,6 +32,7 @@ import torch
 
 from slimtune import config as config_module
 from slimtune import assembly, presets
+from slimtune.engines import settings
 from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.planning.estimate import STEPS, estimate
 from slimtune.model.stack import Stack
@@ -88,7 +89,7 @@ def rungs(seq: int) -> list[tuple[str, dict]]:
 def run_config(overrides: dict, output_dir: str) -> config_module.RunConfig:
     base = {"model": "(ladder)", "data": "(ladder)", "method": "lora", "precision": "fp32", "output_dir": output_dir,
             "lora": {"rank": 16, "alpha": 32, "targets": "all-linear"}, "train": {"batch_size": 1}}
-    return config_module.load(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
+    return settings.load(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
 
 
 def ladder_batch(seq: int, vocab_size: int, seed: int = 0) -> Batch:

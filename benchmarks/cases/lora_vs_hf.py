@@ -188,10 +188,11 @@ def summarize(steps: list[dict], warmup: int) -> dict:
 
 
 def slimtune_side(spec: dict) -> dict:
-    from slimtune import config, train
+    from slimtune import train
+    from slimtune.engines import settings
 
     t = TRAIN
-    cfg = config.load(None, [], base={
+    cfg = settings.load(None, [], base={
         "model": spec["model"], "output_dir": spec["out"], "device": "cpu", "precision": "fp32", "method": "lora",
         "data": {"path": spec["data"], "format": "prompt_response", "max_length": SEQ_LEN, "packing": True,
                  "eval_fraction": 0.0},

@@ -18,7 +18,8 @@ import time
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from slimtune import assembly, config, presets
+from slimtune import assembly, presets
+from slimtune.engines import settings
 from slimtune.data import dataset as data
 from slimtune.planning import estimate
 from slimtune.engines.lsp import sizing
@@ -29,8 +30,8 @@ SEQ = 1024
 
 
 def run_config(engine: str, *extra: str):
-    return config.load(None, [f"engine={engine}", "method=full", "precision=bf16", "train.batch_size=1", *extra],
-                       base={"model": "(benchmark)", "data": "(benchmark)"})
+    return settings.load(None, [f"engine={engine}", "method=full", "precision=bf16", "train.batch_size=1", *extra],
+                         base={"model": "(benchmark)", "data": "(benchmark)"})
 
 
 def slide_gradient_bytes(model_config, depth: int) -> int:

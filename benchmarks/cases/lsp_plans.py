@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from slimtune import config, presets
+from slimtune.engines import settings
 from slimtune.planning import estimate, planner
 
 SEQ = 2048
@@ -43,7 +44,7 @@ def full_depth_check(name: str) -> list[dict]:
     base = config.to_dict(planner.planning_config("full"))
     rows = []
     for extra in ([], ["activations.checkpoint=recompute"]):
-        cfg = config.load(None, ["engine=lsp", "precision=bf16", *extra], base=base)
+        cfg = settings.load(None, ["engine=lsp", "precision=bf16", *extra], base=base)
         began = time.perf_counter()
         fast = estimate.estimate(model_config, cfg, 1, SEQ)
         by_depth_s = time.perf_counter() - began

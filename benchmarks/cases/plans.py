@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from slimtune import config, presets
+from slimtune.engines import settings
 from slimtune.planning import estimate, planner
 from slimtune.planning.estimate import fake_model, make_fake, meta_model, synthetic_batch
 from slimtune.device.memory import LiveBytesMeter
@@ -100,8 +101,8 @@ def cold_plan(name: str, method: str) -> tuple[float, list[dict]]:
 def full_depth_check(name: str, method: str, found: dict) -> dict:
     """One plan's figures against the fake step at full depth (no extrapolation)."""
     model_config, base = presets.model_config(name), config.to_dict(planner.planning_config(method))
-    cfg = config.load(None, [f"{k}={v}" for k, v in {"engine": found["engine"], **found["options"]}.items()],
-                      base=base)
+    cfg = settings.load(None, [f"{k}={v}" for k, v in {"engine": found["engine"], **found["options"]}.items()],
+                        base=base)
     began = time.perf_counter()
     full = estimate.estimate(model_config, cfg, BATCH, SEQ, by_depth=False)
     same = (full.device_peak_bytes, full.breakdown, full.host_bytes, full.disk_bytes, full.host_link_bytes) == (

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from slimtune import config as config_module
+from slimtune.engines import settings
 from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.engines.resident import ResidentEngine
 from slimtune.engines.roundpipe.engine import RoundPipeEngine
@@ -45,7 +45,7 @@ def model_and_batch(quick: bool):
 def cfg_for(overrides: dict):
     base = {"model": "(bench)", "data": "(bench)", "output_dir": "/tmp/slimtune-bench", "method": "full",
             "precision": "fp32", "train": {"lr": 1e-3, "batch_size": 8, "max_grad_norm": 1.0}}
-    return config_module.load(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
+    return settings.load(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
 
 
 def steps(engine_class, model, batch, cfg, early: bool = False):

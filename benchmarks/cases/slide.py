@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from slimtune import config as config_module
 from slimtune import assembly, presets
+from slimtune.engines import settings
 from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.planning.estimate import estimate
 
@@ -34,10 +34,10 @@ GOAL = dict(model="Llama-3.1-8B", seq=1024, gib=4.0)
 
 
 def run_config(engine: str, precision: str = "bf16"):
-    return config_module.load(None, [f"engine={engine}", "method=full", f"precision={precision}",
-                                     "train.batch_size=1", "activations.checkpoint=host" if engine == "slide" else
-                                     "activations.checkpoint=none"],
-                              base={"model": "(benchmark)", "data": "(benchmark)"})
+    return settings.load(None, [f"engine={engine}", "method=full", f"precision={precision}",
+                                "train.batch_size=1", "activations.checkpoint=host" if engine == "slide" else
+                                "activations.checkpoint=none"],
+                         base={"model": "(benchmark)", "data": "(benchmark)"})
 
 
 def estimated(model_config, engine: str, seq: int) -> dict:

@@ -14,7 +14,8 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from slimtune import assembly, config, presets
+from slimtune import assembly, presets
+from slimtune.engines import settings
 from slimtune.planning import probe
 from slimtune.device import speed
 from slimtune.planning.estimate import synthetic_batch
@@ -41,8 +42,8 @@ def real_stack(shape: dict) -> Stack:
 
 def measure(shape: dict, method: str, steps: int) -> dict:
     stack = real_stack(shape)
-    cfg = config.load(None, [], base={"model": "-", "data": "-", "method": method, "precision": "fp32",
-                                      "train": {"batch_size": BATCH, "measure_memory": False, "lr": 1e-5}})
+    cfg = settings.load(None, [], base={"model": "-", "data": "-", "method": method, "precision": "fp32",
+                                        "train": {"batch_size": BATCH, "measure_memory": False, "lr": 1e-5}})
     engine = assembly.assemble(cfg, stack, torch.device("cpu"), "fp32")
     batch = synthetic_batch(BATCH, SEQ, shape["vocab_size"])
     times = []

@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from slimtune import config, demo, train
+from slimtune import demo, train
+from slimtune.engines import settings as run_settings
 
 STEPS = 300  # the demo's 500 cut to fit the time budget
 KS = (64, 256, 1024)
@@ -33,7 +34,7 @@ def one_run(name: str, loss: dict, steps: int, root: Path) -> dict:
     settings["train"].update(steps=steps, eval_every=0, measure_memory=False)
     settings["loss"] = loss
     settings["output_dir"] = str(root / name.replace(" ", "_").replace("=", ""))
-    cfg = config.load(None, [], base=settings)
+    cfg = run_settings.load(None, [], base=settings)
     began = time.perf_counter()
     run, summary = train.fit(cfg, progress=False)
     accuracy = demo.accuracy(run, demo.heldout())
