@@ -2,7 +2,8 @@
 
 import json
 
-from slimtune import config, demo, train
+from slimtune import demo, train
+from slimtune.engines import settings
 
 
 def test_assets_are_small_and_heldout_is_disjoint():
@@ -14,6 +15,6 @@ def test_assets_are_small_and_heldout_is_disjoint():
 
 
 def test_base_model_fails_the_task_before_fine_tuning(tmp_path):
-    settings = dict(demo.SETTINGS, output_dir=str(tmp_path / "out"))
-    run = train.build(config.load(None, [], base=settings))
+    base = dict(demo.SETTINGS, output_dir=str(tmp_path / "out"))
+    run = train.build(settings.load(None, [], base=base))
     assert demo.accuracy(run, demo.heldout()) <= 0.05

@@ -25,6 +25,7 @@ import yaml
 
 from conftest import write_jsonl
 from slimtune import config, train
+from slimtune.engines import settings
 from slimtune.run import resume_settings
 from slimtune.errors import UserError
 from slimtune.run.resume_settings import APPLIED, REFUSED
@@ -106,7 +107,7 @@ class Runs:
         base = {"model": str(self.model), "data": {"path": str(self.data), "max_length": 32},
                 "train": {"steps": steps, "batch_size": 2, "lr": 0.01, "measure_memory": False},
                 "output_dir": str(self.folder(engine)), "device": "cpu", "engine": engine}
-        return config.load(None, [*BASE[engine], *overrides], base=base)
+        return settings.load(None, [*BASE[engine], *overrides], base=base)
 
     def folder(self, engine: str) -> Path:
         return self.root / engine / "run"

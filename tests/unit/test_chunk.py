@@ -15,11 +15,11 @@ from torch import nn
 
 from conftest import engine_config, tiny_config
 from test_slide import batches, model_of
-from slimtune import config as config_module
 from slimtune.planning import estimate
 from slimtune.engines.chunk import partition
 from slimtune.config import TrainConfig
 from slimtune.data.dataset import IGNORE_INDEX
+from slimtune.engines import settings
 from slimtune.engines.chunk.engine import ChunkConfig, ChunkEngine
 from slimtune.errors import UserError
 from slimtune.model.stack import Stack
@@ -368,7 +368,7 @@ def test_the_estimate_equals_the_cpu_meter_on_the_heaviest_chunk_and_bounds_the_
     from conftest import save_tiny_model
     from slimtune import assembly
     folder = save_tiny_model(tmp_path, tokenizer)
-    cfg = config_module.load(None, ["engine=chunk", "method=full", "precision=fp32", f"chunk.n_chunks={n}",
+    cfg = settings.load(None, ["engine=chunk", "method=full", "precision=fp32", f"chunk.n_chunks={n}",
                                     f"chunk.gradients={gradients}"],
                              base={"model": str(folder), "data": "x.jsonl", "train": {"batch_size": 2}})
     predicted = estimate.estimate(tiny_config("llama", len(tokenizer)), cfg, 2, 48)
@@ -449,7 +449,7 @@ def test_n_chunks_zero_is_settled_as_the_fewest_chunks_that_fit_the_card(engine)
     from slimtune import presets
     model_config = tiny_config(num_hidden_layers=2)
     extra = ["slide.working_set=chunk", "activations.checkpoint=host"] if engine == "slide" else []
-    cfg = config_module.load(None, [f"engine={engine}", "method=full", "precision=bf16", "chunk.n_chunks=0", *extra],
+    cfg = settings.load(None, [f"engine={engine}", "method=full", "precision=bf16", "chunk.n_chunks=0", *extra],
                              base={"model": "x", "data": "x.jsonl", "train": {"batch_size": 2}})
     big = planner.Machine(presets.gpu_profile("rtx4090"), 2**40, 2**40)
     need = {n: planner.weigh(model_config, cfg, {"engine": engine, "chunk.n_chunks": n}, big, 2,

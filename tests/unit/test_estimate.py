@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import shapes_in_turn, save_tiny_model, tiny_config
-from slimtune import assembly, config, engines
+from slimtune import assembly, engines
+from slimtune.engines import settings
 from slimtune.planning import estimate
 from slimtune.model.stack import load_model
 
@@ -52,7 +53,7 @@ ROTATED = shapes_in_turn(PLANS, list(SHAPES))
 def test_estimate_matches_the_measured_peak(tmp_path, tokenizer, shape, method, plan):
     family, overrides = SHAPES[shape]
     folder = save_tiny_model(tmp_path, tokenizer, family, **overrides)
-    cfg = config.load(None, [f"{k}={v}" for k, v in plan.items()],
+    cfg = settings.load(None, [f"{k}={v}" for k, v in plan.items()],
                       base={"model": str(folder), "data": "x.jsonl", "method": method, "lora": {"rank": 4},
                             "train": {"batch_size": 2, "grad_accum": 2}, "lsp": FEW_FIT_STEPS})
     predicted = estimate.estimate(tiny_config(family, len(tokenizer), **overrides), cfg, 2, 48)
@@ -93,7 +94,7 @@ def test_the_estimate_runs_few_loop_steps_and_still_equals_the_meter(tmp_path, t
     monkeypatch.setattr(quant, "DEQUANT_TILE_ELEMENTS", 256)  # 8 rows of a 32-wide weight: 4-8 tiles
     monkeypatch.setattr(loss, "CAST_TILE_ROWS", 64)  # 5 tiles of the 300-row head
     folder = save_tiny_model(tmp_path, tokenizer)
-    cfg = config.load(None, [f"{k}={v}" for k, v in plan.items()] + ["loss.chunk_size=6", "activations.mlp_chunk=8"],
+    cfg = settings.load(None, [f"{k}={v}" for k, v in plan.items()] + ["loss.chunk_size=6", "activations.mlp_chunk=8"],
                       base={"model": str(folder), "data": "x.jsonl", "method": method, "lora": {"rank": 4},
                             "train": {"batch_size": 2}, "slide": {"head_tile_mb": 0.005}, "lsp": FEW_FIT_STEPS})
     predicted = estimate.estimate(tiny_config("llama", len(tokenizer)), cfg, 2, 48)

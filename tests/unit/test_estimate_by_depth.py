@@ -10,6 +10,7 @@ import pytest
 
 from conftest import shapes_in_turn, tiny_config
 from slimtune import cli, config, engines, presets
+from slimtune.engines import settings
 from slimtune.planning import estimate, planner
 
 SHAPES = {
@@ -25,7 +26,7 @@ FIELDS = ("device_peak_bytes", "breakdown", "host_bytes", "disk_bytes", "host_li
 
 def run_config(method: str, plan: dict):
     base = config.to_dict(planner.planning_config(method, rank=4))
-    return config.load(None, [f"{k}={v}" for k, v in plan.items()], base=base)
+    return settings.load(None, [f"{k}={v}" for k, v in plan.items()], base=base)
 
 
 # A plan estimated at full depth only (EngineSpec.by_depth: chunk's) has nothing to compare.
@@ -84,8 +85,8 @@ def test_phases_that_grow_with_depth_at_other_rates_are_segments_apart(phases, m
     one segment held both, its peak would be the larger of two lines and the estimate by depth
     would fall short at full depth. Each plan meets one pair of phases, in turn, and every engine
     meets both (shapes_in_turn), as the test above meets the shapes."""
-    settings, shape = PHASES[phases]
-    cfg = run_config(method, {**plan, **settings})
+    phase, shape = PHASES[phases]
+    cfg = run_config(method, {**plan, **phase})
     model_config = tiny_config("qwen2", num_hidden_layers=12, tie_word_embeddings=True, **shape)
     fast = estimate.estimate(model_config, cfg, 2, 48)
     full = estimate.estimate(model_config, cfg, 2, 48, by_depth=False)

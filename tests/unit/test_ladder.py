@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from slimtune import assembly, config
+from slimtune import assembly
+from slimtune.engines import settings
 from slimtune.model import lora
 from slimtune.model.stack import Stack, load_model
 from test_oracle_step import TRAIN, HandLoRA, make_batches, oracle_steps
@@ -31,7 +32,7 @@ def rung_config(tmp_path, folder, overrides):
             "train": {"steps": t.steps, "batch_size": t.batch_size, "grad_accum": t.grad_accum, "lr": t.lr,
                       "weight_decay": t.weight_decay, "warmup_steps": t.warmup_steps, "schedule": t.schedule,
                       "max_grad_norm": t.max_grad_norm}}
-    return config.load(None, [*overrides, f"loss.masking={str(masking).lower()}"], base=base)
+    return settings.load(None, [*overrides, f"loss.masking={str(masking).lower()}"], base=base)
 
 
 def dense_reference(model, reference) -> list:

@@ -20,9 +20,9 @@ from test_slide import batches
 from test_slide import model_of as slide_model_of
 from slimtune.store import checkpoint
 from slimtune.planning import estimate
-from slimtune import config as config_module
 from slimtune.config import TrainConfig
 from slimtune.data.dataset import IGNORE_INDEX
+from slimtune.engines import settings
 from slimtune.engines.lsp.engine import LspConfig, LspEngine
 from slimtune.model.stack import Stack
 from slimtune.optim import projectors, rules
@@ -143,7 +143,7 @@ def test_the_link_moves_two_d_squared_fp32_numbers_a_matrix_a_step():
     # same bytes; a shallow matrix's Z goes up before the next step's forward, counted there.
     assert [r.host_link_bytes for r in steps[3:]] == [2 * numbers * 4] * 3, [r.host_link_bytes for r in steps]
     assert sum(a.groups[0].numel for a in engine.adams) == numbers
-    predicted = estimate.estimate(tiny_config(num_hidden_layers=2), config_module.load(
+    predicted = estimate.estimate(tiny_config(num_hidden_layers=2), settings.load(
         None, ["engine=lsp", "method=full", "lsp.d=8", "lsp.r=3", "precision=fp32", "lsp.fit_iterations=2"],
         base={"model": "x", "data": "x.jsonl"}), 2, 12)
     assert predicted.host_link_bytes == 2 * numbers * 4

@@ -29,7 +29,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from slimtune import assembly, config
+from slimtune import assembly
+from slimtune.engines import settings
 from slimtune.device import memory
 from slimtune.data.dataset import IGNORE_INDEX, Batch
 
@@ -154,7 +155,7 @@ def hidden_by_op(ops: list[dict], mem: list[dict]) -> dict[str, int]:
 def step_peaks(model, plan: dict, tmp_path, monkeypatch) -> tuple[int, int, str]:
     """(allocator peak, meter peak) of the second step above the bytes at its start, and a diagnosis."""
     base = {"model": "(test)", "data": "(test)", "output_dir": str(tmp_path), "train": {"batch_size": 1}}
-    cfg = config.load(None, [f"{k}={v}" for k, v in {**plan, "precision": "fp32"}.items()], base=base)
+    cfg = settings.load(None, [f"{k}={v}" for k, v in {**plan, "precision": "fp32"}.items()], base=base)
     batch = one_batch()
     gc.collect()
     # The profiler runs from the build on, so every storage the step frees is one it saw allocated.

@@ -81,9 +81,9 @@ def test_a_nonfinite_step_changes_no_weight_and_the_run_goes_on_exactly(engine_c
 
 @pytest.mark.parametrize("engine", ["slide", "lsp"])
 def test_skip_is_refused_when_updates_run_during_backward(engine):
-    from slimtune import config
+    from slimtune.engines import settings
     from slimtune.errors import UserError
 
     with pytest.raises(UserError, match="cannot be skipped whole"):
-        config.load(None, [f"engine={engine}", "method=full", "train.on_nonfinite=skip", "train.max_grad_norm=0"],
+        settings.load(None, [f"engine={engine}", "method=full", "train.on_nonfinite=skip", "train.max_grad_norm=0"],
                     base={"model": "(test)", "data": "(test)"})

@@ -7,6 +7,7 @@ import torch
 
 from conftest import write_jsonl
 from slimtune import cli, config, presets, train
+from slimtune.engines import settings
 from slimtune.planning import planner, probe
 from slimtune.errors import UserError
 
@@ -79,7 +80,7 @@ def run_config(tmp_path, model_dir, *overrides):
     write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{a} plus {a}?", "response": f" {2 * a}"} for a in range(30)])
     base = {"model": str(model_dir), "data": {"path": str(tmp_path / "d.jsonl"), "max_length": 32},
             "train": {"steps": 1, "batch_size": 2}, "output_dir": str(tmp_path / "out"), "device": "cpu"}
-    return config.load(None, list(overrides), base=base)
+    return settings.load(None, list(overrides), base=base)
 
 
 def test_plan_auto_trains_with_the_recommended_plan(tmp_path, tiny_model_dir):
@@ -125,7 +126,7 @@ def test_every_plan_with_a_4bit_base_pays_for_its_dequantization_in_the_modelled
     for plan in quantized:
         times = {}
         for scheme in ("nf4", "none"):
-            cfg = config.load(None, [f"{k}={v}" for k, v in {**plan, "quant.scheme": scheme}.items()], base=base)
+            cfg = settings.load(None, [f"{k}={v}" for k, v in {**plan, "quant.scheme": scheme}.items()], base=base)
             times[scheme] = engines.get(cfg.engine).step_time(model_config, cfg, counts, gpu, 1, 1024).seconds
         passes = 3 if plan["engine"] == "slide" or plan.get("activations.checkpoint", "none") != "none" else 2
         floor = speed.dequant_bytes(model_config, passes) / (gpu.memory_gbps * 1e9)

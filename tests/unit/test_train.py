@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import save_tiny_model, write_jsonl
-from slimtune import config, train
+from slimtune import train
+from slimtune.engines import settings
 from slimtune.model import lora
 
 
@@ -15,7 +16,7 @@ def small_run(tmp_path, model_dir, **overrides):
     write_jsonl(tmp_path / "d.jsonl", records)
     base = {"model": str(model_dir), "data": {"path": str(tmp_path / "d.jsonl"), "max_length": 32},
             "train": {"steps": 2, "batch_size": 2}, "output_dir": str(tmp_path / "out"), "device": "cpu"}
-    return config.load(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
+    return settings.load(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
 
 
 def test_bf16_lora_keeps_the_base_in_bf16_and_adapters_in_fp32(tmp_path, tiny_model_dir):
@@ -92,7 +93,7 @@ def test_an_engines_own_sample_is_held_out_of_training():
     examples = [data.Example([3 * i, 3 * i + 1, 3 * i + 2], [3 * i + 1, 3 * i + 2, data.IGNORE_INDEX])
                 for i in range(1, 21)]  # no token in two examples
     splits = data.Splits(train=list(examples), eval=[], report=data.DataReport(20, 0, 0, 0))
-    cfg = config.load(None, [], base={"model": "x", "data": "x.jsonl", "train": {"batch_size": 2}})
+    cfg = settings.load(None, [], base={"model": "x", "data": "x.jsonl", "train": {"batch_size": 2}})
     batches, rest = train.engine_sample(cfg, splits, SimpleNamespace(pad_token_id=0), 6)
     firsts = {e.input_ids[0] for e in examples}
     sampled = {int(t) for b in batches for t in b.input_ids.reshape(-1)} & firsts
