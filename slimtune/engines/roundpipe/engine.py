@@ -45,14 +45,13 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimtune.device import memory, runtime
-from slimtune.store.checkpoint import EngineState
 from slimtune.config import RunConfig
 from slimtune.data.dataset import Batch
 from slimtune.dist.ranks import SINGLE, Dist
 from slimtune.engines.base import Engine, NextStep, StepResult
 from slimtune.step.forward import evaluate_batches, step_divisor, to_float
 from slimtune.step.precision import autocast_for
-from slimtune.store.checkpoint import check_resumable, copy_named
+from slimtune.store.checkpoint import EngineState, check_resumable, copy_named
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
 from slimtune.optim.host_unit import HostUnit, load_units_state, units_state

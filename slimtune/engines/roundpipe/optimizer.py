@@ -44,7 +44,9 @@ Trainables = list[tuple[torch.Tensor, str]]  # (parameter, its name) of every tr
 class Update(abc.ABC):
     """One optimizer variant over the engine's host units (`units`: every block, the final norm
     with the head, the untied embedding; `table_unit` the index of the one holding the embedding
-    table, -1 for none). `host` is the engine's host worker, where the gradient additions run."""
+    table, -1 for none). `host` is the engine's host worker, where the gradient additions run;
+    `device` and `inline` (the planner's fake step) are for a variant that starts a thread of its
+    own. Every variant is built with the same arguments, so the engine names none."""
 
     starts_ahead: bool = False  # the next step may begin before this one ends (the engine's then=)
     updates_exposed: bool = True  # the host AdamW adds to the step's time (speed.overlapped_step_time)
