@@ -16,6 +16,7 @@ from conftest import engine_config  # noqa: E402
 from test_slide import batches, model_of  # noqa: E402
 from slimtune import assembly, train
 from slimtune.dist import ranks as distributed  # noqa: E402
+from slimtune.engines import settings  # noqa: E402
 from slimtune.engines.chunk.engine import ChunkConfig  # noqa: E402
 from slimtune.config import DistConfig, TrainConfig  # noqa: E402
 from slimtune.engines.lsp.engine import LspConfig  # noqa: E402
@@ -70,7 +71,7 @@ def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: 
     settings["lr"] = lr if lr is not None else LR[precision]
     settings["eps"] = EPS[precision]
     cfg = engine_config(TrainConfig(**settings), precision=precision, **fields)
-    cfg.validate()
+    settings.validate(cfg)
     model = model_of(3, dtype=torch.float64 if precision == "fp64" else torch.float32, **model_settings)
     stack = assembly.stack_of(model, cfg, CPU, precision)
     engine = assembly.assemble(cfg, stack, CPU, precision, dist)

@@ -16,6 +16,7 @@ from slimtune.dist import ranks as distributed
 from slimtune import train
 from slimtune.config import DistConfig
 from slimtune.data.dataset import BatchStream
+from slimtune.engines import settings
 from slimtune.engines.base import StepResult
 from slimtune.errors import UserError
 
@@ -110,8 +111,8 @@ def test_the_stream_position_is_tied_to_the_world_size():
 def test_fsdp_is_refused_where_an_engine_does_not_shard():
     cfg = engine_config(engine="slide", method="full", dist=DistConfig(strategy="fsdp"))
     with pytest.raises(UserError, match="dist.strategy=fsdp is not available with engine slide"):
-        cfg.validate()
-    engine_config(engine="resident", method="full", dist=DistConfig(strategy="fsdp")).validate()
+        settings.validate(cfg)
+    settings.validate(engine_config(engine="resident", method="full", dist=DistConfig(strategy="fsdp")))
 
 
 def test_outside_torchrun_there_is_one_process(monkeypatch):

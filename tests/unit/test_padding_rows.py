@@ -16,6 +16,7 @@ from test_chunk import reference_of
 from test_slide import batches, model_of
 from slimtune.config import TrainConfig
 from slimtune.data.dataset import IGNORE_INDEX, Batch
+from slimtune.engines import settings
 from slimtune.engines.chunk.engine import ChunkConfig, ChunkEngine
 from slimtune.engines.resident import ResidentEngine
 from slimtune.engines.roundpipe.engine import RoundPipeConfig, RoundPipeEngine
@@ -53,7 +54,7 @@ def padded(vocab: int, seed: int) -> list[Batch]:
 
 def trained(engine_class, model, fields: dict) -> dict[str, torch.Tensor]:
     cfg = engine_config(TrainConfig(**TRAIN), method="full", **fields)
-    cfg.validate()
+    settings.validate(cfg)
     engine = engine_class(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
     for step in range(STEPS):
         engine.step(padded(model.config.vocab_size, step))
