@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from conftest import engine_config, tiny_config
-from slimtune import config as config_module
+from slimtune.engines import settings
 from slimtune.planning import estimate
 from slimtune.model import lora, quant
 from slimtune.device import runtime
@@ -51,9 +51,11 @@ def batches(vocab: int, seed: int, micro: int = 2, rows: int = 2, seq: int = 12)
 
 
 def train_cfg(slide: SlideConfig | None = None, **overrides):
-    """The RunConfig every engine here is built with: these training settings, `slide` as its section."""
+    """The RunConfig every engine here is built with: these training settings, `slide` as its section.
+    The device meter is off unless a test reads peaks: on the CPU it is a dispatch mode that sees
+    every op, most of a step's time on these tiny models, and it changes no number a step computes."""
     base = dict(steps=4, batch_size=2, grad_accum=2, lr=1e-2, weight_decay=0.1, warmup_steps=1,
-                schedule="cosine", max_grad_norm=0.5)
+                schedule="cosine", max_grad_norm=0.5, measure_memory=False)
     return engine_config(TrainConfig(**{**base, **overrides}), sections={"slide": slide} if slide else {})
 
 
@@ -129,23 +131,24 @@ def test_bf16_compute_keeps_fp32_masters_and_tracks_resident():
 
 def peak_of(layers: int) -> tuple[int, object]:
     model = model_of(layers=layers, dtype=torch.float32)
-    engine = SlideEngine(Stack(model), train_cfg(grad_accum=1), CPU, "fp32")
+    engine = SlideEngine(Stack(model), train_cfg(grad_accum=1, measure_memory=True), CPU, "fp32")
     results = [engine.step(batches(model.config.vocab_size, seed, 1)) for seed in range(2)]
     return results[-1].device_peak_bytes, engine
 
 
 def test_device_peak_is_flat_in_depth_and_the_pool_is_never_reallocated():
     peaks = {}
-    for layers in (8, 16, 32):
+    for layers in (4, 8, 16):  # from 4: the first and last blocks, which the window treats apart, and two between
         peaks[layers], engine = peak_of(layers)
         pointers = [t.data_ptr() for t in engine.pool.tensors()]
         engine.step(batches(engine.stack.config.vocab_size, 9, 1))
         assert [t.data_ptr() for t in engine.pool.tensors()] == pointers
         assert engine.pool.allocations == len(engine.pool.slots) == 2
         assert all(unit.slot is None for unit in engine.units)  # every slot came back
-    assert peaks[8] == peaks[16] == peaks[32], peaks
-    resident = ResidentEngine(Stack(model_of(layers=32, dtype=torch.float32)), train_cfg(grad_accum=1), CPU, "fp32")
-    assert resident.step(batches(300, 0, 1)).device_peak_bytes > 4 * peaks[32]  # what the window saves
+    assert peaks[4] == peaks[8] == peaks[16], peaks
+    resident = ResidentEngine(Stack(model_of(layers=16, dtype=torch.float32)),
+                              train_cfg(grad_accum=1, measure_memory=True), CPU, "fp32")
+    assert resident.step(batches(300, 0, 1)).device_peak_bytes > 4 * peaks[16]  # what the window saves
 
 
 def test_resume_is_exact():
@@ -219,7 +222,7 @@ def test_uploads_wait_for_updates_and_staging_for_its_reader(monkeypatch):
 
 def test_estimate_equals_the_cpu_meter():
     model_config = tiny_config(num_hidden_layers=3)
-    cfg = config_module.load(None, ["engine=slide", "method=full", "precision=fp32", "train.batch_size=2",
+    cfg = settings.load(None, ["engine=slide", "method=full", "precision=fp32", "train.batch_size=2",
                                     "train.grad_accum=1"], base={"model": "(test)", "data": "(test)"})
     batch = batches(model_config.vocab_size, 0, 1)[0]
     found = estimate.estimate(model_config, cfg, 2, 12, batch=batch)
@@ -239,7 +242,7 @@ def test_estimate_equals_the_cpu_meter():
 ])
 def test_what_slide_does_not_do_is_refused_in_one_sentence(override, words):
     with pytest.raises(UserError, match=words.replace(".", r"\.")):
-        config_module.load(None, ["engine=slide", override, "quant.scheme=int4"],
+        settings.load(None, ["engine=slide", override, "quant.scheme=int4"],
                            base={"model": "(test)", "data": "(test)"})
 
 
@@ -319,3 +322,21 @@ def test_a_unit_is_uploaded_only_after_its_pending_update():
             assert torch.equal(param.data, unit.adam.member(k, i).master)
     finally:
         engine._unload(1)
+
+
+def test_the_working_sets_share_one_seam_and_the_engine_never_asks_which():
+    """Every slide.working_set choice is a complete WorkingSet, and engine.py holds no branch on the
+    choice: what differs lives in working_set.py."""
+    import inspect
+    import typing
+
+    from slimtune.engines.slide import engine as slide_module
+    from slimtune.engines.slide.working_set import WORKING_SETS, WorkingSet
+
+    assert set(WORKING_SETS) == set(typing.get_args(typing.get_type_hints(SlideConfig)["working_set"]))
+    for choice, kind in WORKING_SETS.items():
+        assert issubclass(kind, WorkingSet) and not inspect.isabstract(kind), choice
+    source = inspect.getsource(slide_module)
+    for branch in ("chunked", "working_set ==", "working_set !=", "isinstance(", "getattr(", "hasattr(",
+                   *(kind.__name__ for kind in WORKING_SETS.values())):
+        assert branch not in source, branch
