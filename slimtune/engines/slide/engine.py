@@ -1,7 +1,7 @@
 """Engine `slide`: fine-tuning a model far larger than the device, with a sliding window of blocks
-(SlideFormer; the team's spec is slide-window.md), on the offload runtime (runtime.py).
+(SlideFormer; the team's spec is slide-window.md), on the offload runtime (device/runtime.py).
 
-Where things live. Host: host units (host_unit.py), one per block (the last block with the final
+Where things live. Host: host units (optim/host_unit.py), one per block (the last block with the final
 norm), the LM head and the embedding (one unit for a tied pair), each with the fp32 masters of its
 trainable tensors, their gradient accumulators and AdamW moments (a HostAdam: torch's fused CPU
 AdamW), its frozen tensors (a LoRA base, 4-bit codes); and each block's input (the activations
@@ -125,7 +125,7 @@ class SlideEngine(Engine):
 
     @property
     def chunk_state(self):
-        """The chunk working set's ChunkState (engines/chunk/state.py); tests read its partition."""
+        """A chunk working set's ChunkState (engines/chunk/state.py): test_chunk reads its partition."""
         return self.working_set.state
 
     def _edge_tensor(self, param: torch.Tensor) -> runtime.SlotTensor | None:
@@ -137,6 +137,7 @@ class SlideEngine(Engine):
         folder = scratch(cfg).get("slide.moments_dir")
         need = self.working_set.moments_bytes([p for p in self.stack.model.parameters() if p.requires_grad])
         return moments_folder(self, Path(folder), MOMENTS_ON_DISK, need) if folder else None
+
     # ------------------------------------------------------------ the pieces of a step
 
     def _make_head_tiles(self, weight_dtype: torch.dtype | None) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
-"""Where host gradients go under a chunk working set (engine slide with slide.working_set=chunk):
-only into the active chunk's accumulators (chunk/state.py's Working views), whatever arrives.
+"""Where host gradients go under a chunk working set (engine slide with slide.working_set=chunk,
+working_set.OneChunk): only into the active chunk's accumulators (engines/chunk/state.py's Working
+views), whatever arrives.
 
 slide computes every gradient of a block on the device as usual and sends the block's gradients
 down; the head's come a vocabulary tile at a time and the embedding's as rows with their token ids.
