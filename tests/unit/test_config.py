@@ -34,6 +34,7 @@ def write(tmp_path, text):
     return path
 
 
+@pytest.mark.quick
 def test_contract_config_loads(tmp_path):
     cfg = settings.load(write(tmp_path, CONTRACT))
     assert cfg.model == "path/to/hf-folder"
@@ -43,6 +44,7 @@ def test_contract_config_loads(tmp_path):
     assert cfg.output_dir == "runs/demo"
 
 
+@pytest.mark.quick
 def test_overrides_apply_with_yaml_types(tmp_path):
     cfg = settings.load(write(tmp_path, CONTRACT), ["train.steps=7", "lora.targets=[q_proj, v_proj]", "train.lr=1e-3"])
     assert cfg.train.steps == 7
@@ -78,11 +80,13 @@ def test_mistakes_name_the_key(tmp_path, overrides, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.quick
 def test_unknown_key_suggests_the_close_one(tmp_path):
     with pytest.raises(UserError, match=r"did you mean 'output_dir'"):
         settings.load(write(tmp_path, CONTRACT.replace("output_dir", "output_dri")))
 
 
+@pytest.mark.quick
 def test_missing_required_and_bad_yaml(tmp_path):
     with pytest.raises(UserError, match="missing required key 'model'"):
         settings.load(write(tmp_path, "data: x.jsonl\n"))
@@ -92,12 +96,14 @@ def test_missing_required_and_bad_yaml(tmp_path):
         settings.load("nope.yaml")
 
 
+@pytest.mark.quick
 def test_every_field_has_help():
     lines = settings.help_text()
     assert any(line.strip().startswith("train.lr") for line in lines)
     assert all(len(line.split(None, 2)) == 3 for line in lines)
 
 
+@pytest.mark.quick
 def test_example_configs_load():
     from pathlib import Path
 
@@ -147,6 +153,7 @@ def test_config_reads_a_file_in_a_fresh_interpreter_with_no_engine_imported(tmp_
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.quick
 def test_every_engine_section_is_completed_with_its_defaults_and_a_copy_shares_none():
     cfg = settings.load(None, ["engine=chunk", "method=full", "chunk.n_chunks=4"], base={"model": "m", "data": "d"})
     assert set(cfg.sections) == set(settings.sections()) and cfg.section("chunk").n_chunks == 4
@@ -156,6 +163,7 @@ def test_every_engine_section_is_completed_with_its_defaults_and_a_copy_shares_n
     assert other.sections is not cfg.sections
 
 
+@pytest.mark.quick
 def test_an_unknown_engine_is_named_with_the_close_one():
     with pytest.raises(UserError) as err:
         settings.load(None, ["engine=slid"], base={"model": "m", "data": "d"})

@@ -76,6 +76,7 @@ def resident(models):
     return {name: run(ResidentEngine, model, cfg) for name, model in models.items()}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("workers,micro", [(1, 1), (2, 0), (3, 2), (4, 7)])
 @pytest.mark.parametrize("tied", ["untied", "tied"])
 def test_sync_equals_plain_adamw_for_several_workers_and_micro_batches(models, resident, workers, micro, tied):
@@ -219,6 +220,7 @@ def delayed_reference(model, cfg, steps=3, rows=4, skip=()):
     return losses, {names[id(p)]: p.detach().clone() for p in params}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("workers", [1, 3])
 def test_async_equals_the_one_step_delayed_recurrence(models, resident, workers):
     cfg = run_cfg(RoundPipeConfig(workers=workers, optimizer="async"), measure_memory=False)
