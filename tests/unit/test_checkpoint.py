@@ -29,6 +29,7 @@ def through_disk(tmp_path, state: checkpoint.EngineState) -> checkpoint.EngineSt
     return loaded
 
 
+@pytest.mark.quick
 def test_the_format_round_trips_through_disk(tmp_path):
     engine = ResidentEngine(Stack(model_of()), engine_config(TRAIN), CPU, "fp64")
     engine.step(batches(300, 0, 2))
@@ -41,6 +42,7 @@ def test_the_format_round_trips_through_disk(tmp_path):
         assert all(torch.equal(mine[k], back[k]) for k in mine), field
 
 
+@pytest.mark.quick  # slide steps once from resident's state and lands on resident's weights
 @pytest.mark.parametrize("first, second", [(ResidentEngine, SlideEngine), (SlideEngine, ResidentEngine)],
                          ids=["resident-then-slide", "slide-then-resident"])
 def test_a_checkpoint_resumes_exactly_under_the_other_engine(tmp_path, first, second):

@@ -218,11 +218,11 @@ def test_one_chunk_equals_torch_adamw_over_twenty_steps():
 
 
 @pytest.mark.parametrize("chunk", [
-    ChunkConfig(n_chunks=3),
-    ChunkConfig(n_chunks=4, switch_every=2, lr_schedule="per_sweep"),
-    ChunkConfig(n_chunks=5, order="random"),
-    ChunkConfig(n_chunks=3, gradients="host"),
-], ids=["round-robin", "switch-every-2-per-sweep", "random", "gradients-on-host"])
+    pytest.param(ChunkConfig(n_chunks=3), id="round-robin", marks=pytest.mark.quick),
+    pytest.param(ChunkConfig(n_chunks=4, switch_every=2, lr_schedule="per_sweep"), id="switch-every-2-per-sweep"),
+    pytest.param(ChunkConfig(n_chunks=5, order="random"), id="random"),
+    pytest.param(ChunkConfig(n_chunks=3, gradients="host"), id="gradients-on-host"),
+])
 def test_several_chunks_equal_a_dense_masked_adamw_with_state_per_tensor_and_chunk(chunk):
     model = model_of(layers=2)
     reference = reference_of(model)
@@ -394,8 +394,10 @@ def slide_chunk_cfg(chunk: ChunkConfig, **train):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("chunk", [ChunkConfig(n_chunks=3), ChunkConfig(n_chunks=4, order="random", switch_every=2)],
-                         ids=["round-robin", "random-switch-2"])
+@pytest.mark.parametrize("chunk", [
+    pytest.param(ChunkConfig(n_chunks=3), id="round-robin", marks=pytest.mark.quick),
+    pytest.param(ChunkConfig(n_chunks=4, order="random", switch_every=2), id="random-switch-2"),
+])
 def test_chunk_on_slide_equals_chunk_on_resident(tied, chunk):
     from slimtune.engines.slide.engine import SlideEngine
     model = model_of(layers=3, tie_word_embeddings=tied)

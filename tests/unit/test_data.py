@@ -25,6 +25,8 @@ from slimtune.data.dataset import (
 )
 from slimtune.errors import UserError
 
+pytestmark = pytest.mark.quick  # files to batches, cheap
+
 PR = [
     {"prompt": "question: what is two plus two?", "response": " answer: four"},
     {"prompt": "hello world", "response": " the quick brown fox"},

@@ -8,7 +8,11 @@ import ast
 from pathlib import Path
 from typing import NamedTuple
 
+import pytest
+
 import slimtune
+
+pytestmark = pytest.mark.quick  # the layers, read from the source: cheap
 
 ROOT = Path(slimtune.__file__).parent
 

@@ -9,6 +9,8 @@ from slimtune.model import lora
 from slimtune.config import LoraConfig
 from slimtune.model.stack import load_model
 
+pytestmark = pytest.mark.quick  # the PEFT format and merging, cheap
+
 
 def randomize_adapters(model):
     torch.manual_seed(1)

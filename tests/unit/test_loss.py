@@ -15,6 +15,8 @@ from slimtune.config import LossConfig, QuantConfig
 from slimtune.data.dataset import IGNORE_INDEX, trained_positions
 from slimtune.errors import UserError
 
+pytestmark = pytest.mark.quick  # the losses' exactness, cheap
+
 B, T, D, V = 3, 7, 8, 37
 TOL = dict(rtol=0, atol=1e-12)
 

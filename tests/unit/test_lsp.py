@@ -86,7 +86,7 @@ def adam_on_z(model: nn.Module, engine: LspEngine, cfg, steps: int, train_other:
     return losses, effective
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("clip", [pytest.param(0.0, id="unclipped"), pytest.param(0.05, id="clipped", marks=pytest.mark.quick)])
 @pytest.mark.parametrize("train_other", [False, True], ids=["blocks-only", "train-other"])
 def test_twenty_steps_with_fixed_projectors_equal_adam_on_z(clip, train_other):
     cfg = run_cfg(LspConfig(d=8, r=3, check_every=0, train_other=train_other), max_grad_norm=clip)

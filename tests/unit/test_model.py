@@ -8,6 +8,8 @@ from conftest import save_tiny_model
 from slimtune.errors import UserError
 from slimtune.model.stack import Stack, load_model, read_config
 
+pytestmark = pytest.mark.quick  # loading and the Stack view, cheap
+
 FAMILIES = [
     ("llama", {}),
     ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 1, "attention_bias": True,

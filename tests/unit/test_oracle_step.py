@@ -15,6 +15,8 @@ from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.engines.resident import ResidentEngine
 from slimtune.model.stack import Stack, load_model
 
+pytestmark = pytest.mark.quick  # resident against the plain-PyTorch oracle: every engine is checked against resident
+
 # warmup 1, cosine over 3 steps: lr factors 1, 1, 0.5 (written out, not computed by slimtune)
 LR, FACTORS = 1e-2, [1.0, 1.0, 0.5]
 TRAIN = TrainConfig(steps=3, batch_size=2, grad_accum=2, lr=LR, weight_decay=0.1, warmup_steps=1,
