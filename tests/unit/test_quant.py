@@ -122,8 +122,12 @@ def test_nf4_blocks_run_over_the_flattened_weight(shape):
     nibbles = quant._nibbles(qw.codes.view(-1))[:n].long()
     blocks = torch.arange(n) // 64
     flat = torch.tensor(quant.NF4_TABLE)[nibbles] * qw.scales[blocks]
-    assert torch.equal(qw.dequantize(), flat.view(shape))
-    assert ((w - qw.dequantize()).norm() / w.norm()) < 0.11
+    # An odd element count takes bitsandbytes' generic kernel, which it wraps in torch.compile: eager,
+    # it computes the same elementwise products (bit for bit) without 20 to 35 s of C++ compiling.
+    with torch.compiler.set_stance("force_eager"):
+        dense = qw.dequantize()
+    assert torch.equal(dense, flat.view(shape))
+    assert ((w - dense).norm() / w.norm()) < 0.11
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
