@@ -18,7 +18,6 @@ moments, in RAM or files) and writes its new weights into the host tensors the n
 from __future__ import annotations
 
 import abc
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,8 +31,7 @@ from slimtune.engines.chunk.state import open_settings as chunk_open_settings
 from slimtune.engines.chunk.state import scratch as chunk_scratch
 from slimtune.engines.slide.host_gradients import ActiveGradients
 from slimtune.errors import UserError
-from slimtune.optim import rules
-from slimtune.optim.host_adam import moments_bytes
+from slimtune.optim import host_adam, rules
 from slimtune.optim.host_unit import HostUnit, StepGuard, load_units_state, units_state
 from slimtune.store.checkpoint import EngineState, copy_named
 
@@ -172,7 +170,7 @@ class AllTensors(WorkingSet):
                                           disk, updates_exposed=cfg.train.max_grad_norm > 0, memory_bytes=dequant)
 
     def moments_bytes(self, trained: list[nn.Parameter]) -> int:
-        return moments_bytes(trained)
+        return host_adam.moments_bytes(trained)
 
     def attach(self, units: list[HostUnit], worker: runtime.HostWorker) -> None:
         self.units, self.worker = units, worker
