@@ -1,6 +1,6 @@
 """Where each setting the user gave came from (a YAML file's line, or the command line), for the sentence
 that names a mistyped key; and which given settings the run will not read (another engine's section),
-said once as a warning. config.load keeps one Sources while it reads the file and the overrides."""
+said once as a warning. config.read keeps one Sources while it reads the file and the overrides."""
 
 from __future__ import annotations
 
