@@ -12,6 +12,7 @@ import torch
 
 from conftest import save_tiny_model
 from slimtune import config, engines, presets
+from slimtune.engines import settings
 from slimtune.planning import planner  # noqa: F401  (engines registers every engine)
 from slimtune.engines.chunk.partition import Stream, partition
 from slimtune.errors import UserError
@@ -167,9 +168,10 @@ def test_more_chunks_than_the_model_has_slices_are_refused_when_the_settings_loa
     loaded, against the slices the model's config.json allows."""
     with pytest.raises(UserError, match=r"chunk.n_chunks=100,000,000 is more chunks than the model in '.*' can be cut "
                                         r"into: its trainable tensors hold at most [0-9,]+ slices"):
-        config.load(None, ["engine=chunk", "method=full", "chunk.n_chunks=100000000"],
-                    base={"model": str(model_dir), "data": "x.jsonl"})
-    config.load(None, ["engine=chunk", "method=full", "chunk.n_chunks=64"], base={"model": str(model_dir), "data": "x"})
+        settings.load(None, ["engine=chunk", "method=full", "chunk.n_chunks=100000000"],
+                      base={"model": str(model_dir), "data": "x.jsonl"})
+    settings.load(None, ["engine=chunk", "method=full", "chunk.n_chunks=64"],
+                  base={"model": str(model_dir), "data": "x"})
 
 
 def test_the_partition_refuses_more_chunks_than_slices_before_cutting():
@@ -190,24 +192,24 @@ def test_the_partition_refuses_more_chunks_than_slices_before_cutting():
 
 def test_a_4bit_base_on_a_full_only_engine_names_the_engines_that_take_it():
     with pytest.raises(UserError) as err:
-        config.load(None, ["engine=chunk", "method=full", "quant.scheme=nf4"], base={"model": "m", "data": "d"})
+        settings.load(None, ["engine=chunk", "method=full", "quant.scheme=nf4"], base={"model": "m", "data": "d"})
     said = str(err.value)
     assert "engine=chunk trains full weights only; a 4-bit base needs method=lora, on engine " in said
     named = said.split("on engine ")[1].split(" (")[0].replace(" or ", ", ").split(", ")
     assert "chunk" not in named and "resident" in named
     for engine in named:  # what it advises is accepted
-        config.load(None, [f"engine={engine}", "method=lora", "quant.scheme=nf4"], base={"model": "m", "data": "d"})
+        settings.load(None, [f"engine={engine}", "method=lora", "quant.scheme=nf4"], base={"model": "m", "data": "d"})
 
 
 def test_a_mistyped_key_is_placed_where_it_was_given(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: m\ndata: d.jsonl\nchunk:\n  n_chunks: 4\n  nchunk: 2\n")
     with pytest.raises(UserError) as err:
-        config.load(path)
+        settings.load(path)
     assert str(err.value) == f"unknown key 'chunk.nchunk' in {path} line 5 (did you mean 'chunk.n_chunks'?)."
     path.write_text("model: m\ndata: d.jsonl\n")
     with pytest.raises(UserError) as err:
-        config.load(path, ["chunk.nchunks=4"])
+        settings.load(path, ["chunk.nchunks=4"])
     assert str(err.value) == "unknown key 'chunk.nchunks' on the command line (did you mean 'chunk.n_chunks'?)."
 
 
@@ -217,25 +219,26 @@ def test_another_engines_settings_the_user_gave_are_said_to_be_ignored_once(tmp_
     path = tmp_path / "run.yaml"
     path.write_text("model: m\ndata: d.jsonl\nchunk: {n_chunks: 4}\n")
     heard = []
-    cfg = config.load(path, ["slide.slots=3"], warn=heard.append)
+    cfg = settings.load(path, ["slide.slots=3"], warn=heard.append)
     assert heard == ["chunk.n_chunks and slide.slots are set but engine is resident: ignored."]
     heard.clear()
-    config.load(path, ["engine=chunk", "method=full"], warn=heard.append)  # its own section
-    config.load(path, ["engine=slide", "slide.working_set=chunk", "method=full"], warn=heard.append)  # it reads chunk.*
-    config.load(None, [], base=config.to_dict(cfg), warn=heard.append)  # every section at its value: none given
-    config.load(path, ["plan=auto", "gpu=8GiB"], warn=heard.append)  # the planner chooses the engine later
+    settings.load(path, ["engine=chunk", "method=full"], warn=heard.append)  # its own section
+    settings.load(path, ["engine=slide", "slide.working_set=chunk", "method=full"],
+                  warn=heard.append)  # it reads chunk.*
+    settings.load(None, [], base=config.to_dict(cfg), warn=heard.append)  # every section at its value: none given
+    settings.load(path, ["plan=auto", "gpu=8GiB"], warn=heard.append)  # the planner chooses the engine later
     assert heard == []
 
 
 def test_listed_roundpipe_workers_must_be_devices_of_this_machine():
     missing = f"cuda:{torch.cuda.device_count()}"  # the first index this machine lacks (cuda:0 without CUDA)
-    settings = ["engine=roundpipe", "method=full"]
+    chosen = ["engine=roundpipe", "method=full"]
     with pytest.raises(UserError, match=f"roundpipe.workers names '{missing}', which this run cannot use"):
-        config.load(None, [*settings, f"roundpipe.workers=[{missing}]"], base={"model": "m", "data": "d"})
+        settings.load(None, [*chosen, f"roundpipe.workers=[{missing}]"], base={"model": "m", "data": "d"})
     with pytest.raises(UserError, match="roundpipe.workers names 'cuda:0', which this run cannot use \\(device=cpu\\)"):
-        config.load(None, [*settings, "roundpipe.workers=[cuda:0]", "device=cpu"], base={"model": "m", "data": "d"})
+        settings.load(None, [*chosen, "roundpipe.workers=[cuda:0]", "device=cpu"], base={"model": "m", "data": "d"})
     with pytest.raises(UserError, match="roundpipe.workers\\[1\\] is 'gpu1', not a CUDA device such as cuda:0"):
-        config.load(None, [*settings, "roundpipe.workers=[cuda:0, gpu1]"], base={"model": "m", "data": "d"})
+        settings.load(None, [*chosen, "roundpipe.workers=[cuda:0, gpu1]"], base={"model": "m", "data": "d"})
 
 
 @pytest.mark.parametrize("size", ["0GiB", "-8GB", "0.0G", "nanGiB"])
@@ -244,6 +247,6 @@ def test_a_card_size_that_is_not_positive_says_so(size):
                                         f"24GiB or 500MiB; got '{size}'."):
         presets.gpu_profile(size)
     with pytest.raises(UserError, match="a GPU size must be a positive number"):  # train's gpu=, said as it loads
-        config.load(None, [f"gpu={size}"], base={"model": "m", "data": "d"})
+        settings.load(None, [f"gpu={size}"], base={"model": "m", "data": "d"})
     with pytest.raises(UserError, match="--host-ram must be a positive size such as 64GiB"):
         planner.Machine.named("8GiB", host_ram=size)

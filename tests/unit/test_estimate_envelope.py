@@ -9,6 +9,7 @@ import pytest
 
 from conftest import tiny_config
 from slimtune import config
+from slimtune.engines import settings
 from slimtune.planning import estimate, planner
 
 DEPTH, MARGIN = 12, 1  # resident: one block at each end is fitted apart
@@ -43,8 +44,8 @@ def synthetic_step(middle):
 def test_the_peak_in_either_end_block_between_the_margins_is_found(monkeypatch, end, middle):
     step, depths = synthetic_step(middle)
     monkeypatch.setattr(estimate, "_step", step)
-    cfg = config.load(None, ["engine=resident", "precision=bf16"],
-                      base=config.to_dict(planner.planning_config("full", rank=4)))
+    cfg = settings.load(None, ["engine=resident", "precision=bf16"],
+                        base=config.to_dict(planner.planning_config("full", rank=4)))
     model_config = tiny_config(num_hidden_layers=DEPTH)
     fast = estimate.estimate(model_config, cfg, 1, 16)
     assert depths == [2 * MARGIN + 1, 2 * MARGIN + 2]  # by depth: the two probes only

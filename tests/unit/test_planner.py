@@ -97,7 +97,7 @@ def test_out_of_memory_ends_with_a_plan_that_fits(tmp_path, tiny_model_dir):
     cfg = run_config(tmp_path, tiny_model_dir)
     run = train.build(cfg)
 
-    def exhausted(micro_batches, total_targets=None):
+    def exhausted(micro_batches, total_targets=None, then=None):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     run.engine.step = exhausted

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from slimtune import config, train
+from slimtune.engines import settings as run_settings
 from slimtune.run import metrics
 from slimtune.errors import UserError
 from slimtune.run.metrics import MetricsLog
@@ -23,7 +24,7 @@ RECORDS = [{"step": s, "loss": 1.0 / s, "lr": 0.1 * s, "tokens": 10 + s, "device
 
 def settings(tmp_path, *overrides):
     base = {"model": "m", "data": {"path": "d.jsonl"}, "output_dir": str(tmp_path / "out")}
-    return config.load(None, list(overrides), base=base)
+    return run_settings.load(None, list(overrides), base=base)
 
 
 def opened(tmp_path, cfg, resume_step=0):
