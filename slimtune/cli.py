@@ -89,7 +89,7 @@ def _add_train(train: argparse.ArgumentParser) -> None:
     train.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
     train.add_argument("--gpu", help="with plan=auto: the card to plan for (same as gpu=...)")
     train.add_argument("--nproc", type=int, help="train with data parallelism on this many processes on this machine"
-                       " (torchrun --standalone --nproc-per-node N; one per GPU on CUDA). Several machines: see README")
+                       " (torchrun --standalone --nproc-per-node N; one per GPU on CUDA). Several machines: see docs/data-parallel.md")
 
 
 def _add_plan(plan: argparse.ArgumentParser) -> None:

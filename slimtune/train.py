@@ -1,7 +1,7 @@
 """The training loop, one for every engine: build the run in its fixed order, then step,
 log, evaluate, checkpoint, and write the result.
 
-Under torchrun (distributed.py) every rank runs this loop on its own share of each step: the step's
+Under torchrun (dist/ranks.py) every rank runs this loop on its own share of each step: the step's
 grad_accum x world_size micro-batches come from one seeded stream every rank reads alike, and rank r
 trains micro-batches r, r + world_size, ... (the global batch is batch_size x grad_accum x
 world_size rows); each engine divides by the step's trained-token count over all ranks and sums its
@@ -250,7 +250,7 @@ def _due(step: int, every: int, last: int) -> bool:
 
 def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[Run, dict]:
     """Train `cfg` to its last step (resuming when a checkpoint exists); returns the run and its summary.
-    The run folder is inspected before anything loads and held (locked) until the end (run_folder.py).
+    The run folder is inspected before anything loads and held (locked) until the end (run/folder.py).
     Under torchrun (distributed.launched) every rank calls it; the summary is rank 0's to print."""
     owned = run is None and distributed.launched()
     dist = run.dist if run is not None else distributed.from_env(cfg.dist.timeout_s)

@@ -1,7 +1,7 @@
 """Chat templates: which one applies, rendering, and where the assistant turns are.
 
 The template is data.chat_template (Jinja text or a file path), else the tokenizer's own,
-else DEFAULT_CHAT_TEMPLATE (documented in data.py's module docstring).
+else DEFAULT_CHAT_TEMPLATE (documented in data/dataset.py's module docstring).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ size from them (nothing built).
 transformers builds whatever a config.json says: a zero head count divides by zero in the attention,
 a zero vocabulary fails deep in the embedding or the loss, and a claimed million layers are built one
 module at a time before anything else is looked at. So model.read_config (train, chat, eval, export),
-presets.model_config (plan) and the simulator's shapes (pipeline/cost_model.py) check the fields
+presets.model_config (plan) and the simulator's shapes (engines/roundpipe/cost_model.py) check the fields
 here first, each mistake one sentence naming the file and the field. Plain JSON: no torch, no
 transformers (the simulator imports neither).
 """

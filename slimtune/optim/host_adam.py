@@ -184,7 +184,7 @@ class HostAdam:
     def refresh_shadows(self, into: list[torch.Tensor] | None = None) -> None:
         """The shadows become the masters rounded once (after an update, or after loading masters).
         `into`: per group, other tensors laid out as the masters to write instead (a pipeline's
-        versions of the weights, pipeline/step_weights.py), in the shadows' dtype or the masters'."""
+        versions of the weights, engines/roundpipe/step_weights.py), in the shadows' dtype or the masters'."""
         with torch.no_grad():
             for shadow, master in zip(self.shadows if into is None else into, self.masters):
                 if shadow is not None:

@@ -104,7 +104,7 @@ class ChunkConfig:
 
     @staticmethod
     def read_by(cfg: RunConfig) -> bool:
-        """Whether the run reads this section (config.unread_sections): engine chunk, and slide's chunk
+        """Whether the run reads this section (config_sources.unread_sections): engine chunk, and slide's chunk
         working set."""
         return cfg.engine == "chunk" or (cfg.engine == "slide" and cfg.section("slide").working_set == "chunk")
 

@@ -20,7 +20,7 @@ all). Sync: step k+1's uploads wait for all of it. Async (staleness 1): step k+1
 k-1's update, so its forward jobs start on the cursor while step k's optimizer runs; the update goes
 layer by layer in the runtime's order (Costs.update_order: forward, a tied table first; each layer
 its share of the AdamW time, Costs.update_shares), and a job's upload waits only for its own
-layers' update, as the runtime's per-unit updates do (engines/roundpipe.py: each writes its result
+layers' update, as the runtime's per-unit updates do (engines/roundpipe/engine.py: each writes its result
 into the host version of the weights that step reads, so there is no copy to play). Several steps
 are simulated and the steady state measured (schedule.py). Baselines (stages bound to workers, with
 offload) are in baselines.py, per-layer costs in cost_model.py, the timeline picture in timeline.py.
@@ -277,8 +277,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `slimtune simulate` and `python -m slimtune.engines.roundpipe.simulate`."""
     parser.add_argument("--model", help="a preset (e.g. Qwen3-8B) or HF folder: per-layer costs modelled")
     parser.add_argument("--gpu", default="rtx4090", help="the card the costs are modelled on (default rtx4090)")
-    parser.add_argument("--costs", help="measured costs instead: a JSON file (slimtune/pipeline/cost_model.py has its "
-                        "format) or spec:1.7B | spec:8B | spec:32B (the paper simulator's inputs, roundpipe.md 3)")
+    parser.add_argument("--costs", help="measured costs instead: a JSON file (slimtune/engines/roundpipe/"
+                        "cost_model.py has its format) or spec:1.7B | spec:8B | spec:32B (the paper simulator's inputs, roundpipe.md 3)")
     parser.add_argument("--workers", type=int, default=8, help="GPUs (default 8)")
     parser.add_argument("--micro-batches", type=int, help="micro-batches a step (default 2 x workers)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens a row, modelled costs (default 2048)")
