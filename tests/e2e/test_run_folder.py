@@ -79,7 +79,7 @@ def test_skipped_steps_are_counted_and_the_run_goes_on(here, monkeypatch):
     def one_bad_step(run_, step, *args):
         if step == 3:
             step_of_engine = run_.engine.step
-            run_.engine.step = lambda batches, total=None: _not_applied(step_of_engine(batches, total))
+            run_.engine.step = lambda batches, total=None, then=None: _not_applied(step_of_engine(batches, total, then=then))
             try:
                 return real(run_, step, *args)
             finally:
