@@ -67,10 +67,10 @@ def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: 
     each of dist's ranks (SINGLE: the whole step's in one process)."""
     fields, model_settings, *train_settings = CASES[name]
     fields = copy.deepcopy(fields)
-    settings = {**TRAIN, **(train_settings[0] if train_settings else {}), "grad_accum": micro_per_rank}
-    settings["lr"] = lr if lr is not None else LR[precision]
-    settings["eps"] = EPS[precision]
-    cfg = engine_config(TrainConfig(**settings), precision=precision, **fields)
+    train_fields = {**TRAIN, **(train_settings[0] if train_settings else {}), "grad_accum": micro_per_rank}
+    train_fields["lr"] = lr if lr is not None else LR[precision]
+    train_fields["eps"] = EPS[precision]
+    cfg = engine_config(TrainConfig(**train_fields), precision=precision, **fields)
     settings.validate(cfg)
     model = model_of(3, dtype=torch.float64 if precision == "fp64" else torch.float32, **model_settings)
     stack = assembly.stack_of(model, cfg, CPU, precision)
