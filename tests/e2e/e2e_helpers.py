@@ -15,9 +15,14 @@ from conftest import save_tiny_model, write_jsonl
 
 @pytest.fixture()
 def workdir(tmp_path, tokenizer) -> Path:
-    save_tiny_model(tmp_path / "model", tokenizer)
-    write_sums(tmp_path / "train.jsonl")
-    (tmp_path / "run.yaml").write_text(
+    return make_workdir(tmp_path, tokenizer)
+
+
+def make_workdir(folder: Path, tokenizer) -> Path:
+    """`folder` with the tiny model (model/), the sums task (train.jsonl) and run.yaml: LoRA, 8 steps."""
+    save_tiny_model(folder / "model", tokenizer)
+    write_sums(folder / "train.jsonl")
+    (folder / "run.yaml").write_text(
         "model: model\n"
         "data: {path: train.jsonl, format: prompt_response, max_length: 64}\n"
         "method: lora\n"
@@ -25,7 +30,7 @@ def workdir(tmp_path, tokenizer) -> Path:
         "train: {steps: 8, batch_size: 4, lr: 1.0e-3, warmup_steps: 2, save_every: 2, eval_every: 4}\n"
         "output_dir: out\n"
     )
-    return tmp_path
+    return folder
 
 
 def write_sums(path: Path) -> None:

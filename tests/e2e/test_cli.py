@@ -2,25 +2,36 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from e2e_helpers import slimtune, workdir  # noqa: F401  (workdir is a fixture)
+from e2e_helpers import assert_trains_and_resumes_exactly, every_tensor, make_workdir, slimtune
+from e2e_helpers import workdir  # noqa: F401  (a fixture)
 
 
 def losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_writes_result_metrics_plot_and_checkpoints(workdir):
-    proc = slimtune("train", "run.yaml", "--no-progress", cwd=workdir)
-    out = workdir / "out"
-    assert "final train loss" in proc.stdout and "measured" in proc.stdout
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tokenizer) -> tuple[Path, str]:
+    """run.yaml as it is (LoRA, 8 steps, a checkpoint every 2, eval every 4) trained once into out/,
+    with what the run printed: the tests below read it, and one that writes copies it first."""
+    folder = make_workdir(tmp_path_factory.mktemp("lora-run"), tokenizer)
+    return folder, slimtune("train", "run.yaml", "--no-progress", cwd=folder).stdout
+
+
+def test_train_writes_result_metrics_plot_and_checkpoints(lora_run):
+    folder, stdout = lora_run
+    out = folder / "out"
+    assert "final train loss" in stdout and "measured" in stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
     for key in ("step", "loss", "tokens_per_s", "device_peak_bytes"):
@@ -41,8 +52,8 @@ def test_full_finetune_writes_a_loadable_model(workdir):
     assert model.config.model_type == "llama"
 
 
-def test_resume_after_kill_is_bit_exact(workdir):
-    slimtune("train", "run.yaml", "train.steps=8", "output_dir=straight", "--no-progress", cwd=workdir)
+def test_resume_after_kill_is_bit_exact(workdir, lora_run):
+    straight = lora_run[0] / "out"  # the same run.yaml, model and data, 8 steps straight
     # kill -9 once a checkpoint exists, then resume with the same command
     cmd = [sys.executable, "-m", "slimtune.cli", "train", "run.yaml", "train.steps=8", "output_dir=killed",
            "train.save_every=1", "train.keep_last=3", "--no-progress"]
@@ -58,16 +69,17 @@ def test_resume_after_kill_is_bit_exact(workdir):
     out = slimtune("train", "run.yaml", "train.steps=8", "output_dir=killed", "train.save_every=1",
                    "train.keep_last=3", "--no-progress", cwd=workdir)
     assert f"resumed from {stopped_at}" in out.stdout
-    assert losses(workdir / "killed") == losses(workdir / "straight")
+    assert losses(workdir / "killed") == losses(straight)
 
 
-def test_export_merge_equals_base_plus_adapter(workdir):
+def test_export_merge_equals_base_plus_adapter(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from slimtune.model import lora
     from slimtune.model.stack import load_model
 
-    slimtune("train", "run.yaml", "train.steps=3", "train.lr=0.05", "--no-progress", cwd=workdir)
+    workdir = tmp_path / "run"
+    shutil.copytree(lora_run[0], workdir)  # export reads the run folder: a copy of its own
     slimtune("export", "out", "--merge", "--out", "merged", cwd=workdir)
     merged = AutoModelForCausalLM.from_pretrained(str(workdir / "merged"), local_files_only=True).eval()
     adapted = load_model(workdir / "model", torch.float32, torch.device("cpu")).eval()
@@ -105,24 +117,16 @@ def test_export_of_a_non_run_folder_is_refused(workdir):
 
 
 def test_slide_trains_resumes_exactly_and_exports(workdir):
-    """engine=slide through the CLI: full fine-tuning, stopped after 3 steps and resumed to 6,
-    logs the same losses as 6 steps straight; the export loads. (A resident checkpoint resuming
-    under slide, and back, is exact in float64: tests/unit/test_checkpoint.py.)"""
-    from transformers import AutoModelForCausalLM
-
-    common = ("run.yaml", "engine=slide", "method=full", "train.schedule=constant")
-    slimtune("train", *common, "train.steps=6", "output_dir=straight", "--no-progress", cwd=workdir)
-    slimtune("train", *common, "train.steps=3", "output_dir=split", "--no-progress", cwd=workdir)
-    out = slimtune("train", *common, "train.steps=6", "output_dir=split", "--no-progress", cwd=workdir)
-    assert "resumed from 3" in out.stdout
-    assert len(losses(workdir / "straight")) == 6
-    assert losses(workdir / "split") == losses(workdir / "straight")
-    model = AutoModelForCausalLM.from_pretrained(str(workdir / "straight" / "model"), local_files_only=True)
-    assert model.config.model_type == "llama"
+    """engine=slide through the CLI: full fine-tuning, stopped after 3 steps and resumed to 6, logs
+    the same losses as 6 steps straight, and exports the same model, every tensor trained. (A
+    resident checkpoint resuming under slide, and back, is exact in float64: tests/unit/test_checkpoint.py.)"""
+    slide = ["engine=slide", "method=full", "train.schedule=constant", "--no-progress"]
+    assert_trains_and_resumes_exactly(workdir, slide, steps=6, stop_at=3, trained=every_tensor)
 
 
-def test_resuming_with_other_trained_weights_is_one_sentence_and_changes_nothing(workdir):
-    slimtune("train", "run.yaml", "train.steps=2", "--no-progress", cwd=workdir)
+def test_resuming_with_other_trained_weights_is_one_sentence_and_changes_nothing(lora_run, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(lora_run[0], workdir)
     settings = (workdir / "out" / "config.yaml").read_text()
     proc = slimtune("train", "run.yaml", "method=full", "train.steps=4", "--no-progress", cwd=workdir, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
