@@ -23,12 +23,13 @@ from slimtune.errors import UserError
 TESTS = Path(__file__).resolve().parent.parent
 
 
-def torchrun(nproc: int, script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node nproc script args` as a user starts it."""
+def torchrun(nproc: int, script: Path, *args: str, stderr) -> subprocess.Popen:
+    """`torchrun --standalone --nproc-per-node nproc script args` as a user starts it, started; its
+    stderr to the file `stderr` (a pipe no one reads yet could fill and stall the ranks)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
                "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=0", str(script), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=TESTS,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=TESTS,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_ranks_train_as_one_process_on_the_whole_batch(tmp_path):
@@ -36,16 +37,27 @@ def test_ranks_train_as_one_process_on_the_whole_batch(tmp_path):
     or doubled reduction would not already break here, and --nproc 2 runs end to end
     (tests/e2e/test_cli_distributed.py)."""
     world = 3
-    proc = torchrun(world, TESTS / "dist_cases.py", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = tmp_path / "torchrun.err"
+    with log.open("w") as stderr:
+        job = torchrun(world, TESTS / "dist_cases.py", str(tmp_path), stderr=stderr)
+    try:
+        # Meanwhile (the ranks, waiting on one another, leave a core to spare): what one process
+        # trains on the whole batch, and, in fp64, on one rank's share alone.
+        micro = dist_cases.micro_per_rank(world)
+        whole = {(name, precision): dist_cases.run_case(name, distributed.SINGLE, micro * world, precision)
+                 for precision in dist_cases.PRECISIONS for name in dist_cases.CASES}
+        alone = {name: dist_cases.run_case(name, distributed.SINGLE, micro)[2] for name in dist_cases.CASES}
+        job.wait(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode == 0, log.read_text()[-4000:]
     for precision, tol in (("fp64", 1e-10), ("fp32", 1e-6)):
         for name in dist_cases.CASES:
             case = f"{name} ({precision})"
             saved = torch.load(tmp_path / f"{name}-{precision}.pt", weights_only=False)
-            assert saved["world"] == world
+            assert saved["world"] == world and saved["micro"] == micro
             losses, norms, weights = saved["found"]
-            ref_losses, ref_norms, ref_weights = dist_cases.run_case(name, distributed.SINGLE, saved["micro"] * world,
-                                                                     precision)
+            ref_losses, ref_norms, ref_weights = whole[name, precision]
             assert losses == pytest.approx(ref_losses, abs=tol, rel=0), case
             assert norms == pytest.approx(ref_norms, abs=tol, rel=0), case
             assert weights.keys() == ref_weights.keys(), case
@@ -53,8 +65,7 @@ def test_ranks_train_as_one_process_on_the_whole_batch(tmp_path):
                 torch.testing.assert_close(weights[key], value, atol=tol, rtol=0, msg=f"{case}: {key}")
             if precision == "fp64":
                 # The sum across ranks is what makes them agree: one rank's share alone trains other weights.
-                alone = dist_cases.run_case(name, distributed.SINGLE, saved["micro"])[2]
-                assert max((alone[k] - ref_weights[k]).abs().max().item() for k in ref_weights) > 1e-6, case
+                assert max((alone[name][k] - ref_weights[k]).abs().max().item() for k in ref_weights) > 1e-6, case
 
 
 def test_close_frees_the_process_groups_before_the_interpreter_ends():
