@@ -9,6 +9,19 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True)
+def python_sigint():
+    """Every test starts with Python's own Ctrl-C handler, as a fresh slimtune process does. A test
+    worker runs many tests in one process, and torch's launcher (run in-process by some) installs its
+    own SIGINT handler and leaves it; interrupts.watching() then rightly stands aside, and a process a
+    test starts would inherit SIGINT ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    yield
+
+
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
     """The planner's estimate cache goes to a folder of this session, not the user's ~/.cache: every
