@@ -19,4 +19,6 @@ for arg in "$@"; do
   if [ "$arg" = "--quick" ]; then args+=(-m quick); else args+=("$arg"); fi
 done
 # Two worker processes (pytest-xdist): our machines and CI have 2 cores; SLIMTUNE_TEST_WORKERS=0 runs in one.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${SLIMTUNE_TEST_WORKERS:-2}" "${args[@]}"
+# loadgroup: tests are dealt out one at a time, except a module marked xdist_group, which one worker
+# runs whole, so its module fixture (a trained run, a planned model) is built once.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${SLIMTUNE_TEST_WORKERS:-2}" --dist loadgroup "${args[@]}"

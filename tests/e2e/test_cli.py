@@ -15,6 +15,10 @@ import torch
 from e2e_helpers import assert_trains_and_resumes_exactly, every_tensor, make_workdir, slimtune
 from e2e_helpers import workdir  # noqa: F401  (a fixture)
 
+# One xdist worker runs this module (scripts/test.sh: --dist loadgroup), so its module fixture
+# (lora_run) is built once, not once on each worker.
+pytestmark = pytest.mark.xdist_group("test_cli")
+
 
 def losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

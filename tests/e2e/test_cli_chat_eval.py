@@ -23,6 +23,10 @@ from slimtune.data import dataset as data
 from slimtune.model import lora
 from slimtune.model.stack import load_model, load_tokenizer
 
+# One xdist worker runs this module (scripts/test.sh: --dist loadgroup), so its module fixture
+# (runs) is built once, not once on each worker.
+pytestmark = pytest.mark.xdist_group("test_cli_chat_eval")
+
 BASE = demo.ASSETS / "base"
 PROMPTS = ["9 + 13 =", "27 + 20 =", "11 + 10 =", "12 plus 7 is", "Tomar lives in"]
 LONG = "The sum of 12 and 7 is 19. Tomar is a baker. The sum of 3 and 4 is"  # 25 tokens; the others 5 or 6

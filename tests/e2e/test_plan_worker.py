@@ -13,6 +13,10 @@ from transformers import LlamaConfig
 from slimtune.planning import planner, worker as planning_worker
 from slimtune import presets
 
+# One xdist worker runs this module (scripts/test.sh: --dist loadgroup), so its module fixture
+# (alone) is built once, not once on each worker.
+pytestmark = pytest.mark.xdist_group("test_plan_worker")
+
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory):

@@ -28,6 +28,10 @@ from e2e_helpers import write_sums
 from slimtune.store import checkpoint
 from slimtune import cli, train
 
+# One xdist worker runs this module (scripts/test.sh: --dist loadgroup), so its module fixture
+# (project) is built once, not once on each worker.
+pytestmark = pytest.mark.xdist_group("test_result_folders")
+
 MANIFEST = "slimtune-result.json"  # MANIFEST, spelled out: a user's tools may look for it by name
 
 RUN_YAML = ("model: model\n"

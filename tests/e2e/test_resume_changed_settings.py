@@ -30,6 +30,10 @@ from slimtune.run import resume_settings
 from slimtune.errors import UserError
 from slimtune.run.resume_settings import APPLIED, REFUSED
 
+# One xdist worker runs this module (scripts/test.sh: --dist loadgroup), so its module fixture
+# (runs) is built once, not once on each worker.
+pytestmark = pytest.mark.xdist_group("test_resume_changed_settings")
+
 BASE = {"resident": [], "slide": ["method=full", "activations.checkpoint=host"],
         "lsp": ["method=full", "lsp.fit_samples=4", "lsp.fit_iterations=3", "lsp.d=8"],
         "chunk": ["method=full", "chunk.n_chunks=2"], "roundpipe": ["method=full"]}
