@@ -254,7 +254,7 @@ def test_version_is_the_installed_one_else_pyproject_s(capsys, monkeypatch):
 def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp_path, capsys, monkeypatch):
     import types
 
-    import slimtune
+    import slimtune.planning
     from slimtune.planning import planner
 
     calls = []
@@ -262,7 +262,7 @@ def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp
     picture.write_png = lambda results, machine, path, title: calls.append((results, machine, path, title)) or \
         Path(path)
     monkeypatch.setitem(sys.modules, "slimtune.planning.picture", picture)
-    monkeypatch.setattr(slimtune, "plan_picture", picture, raising=False)
+    monkeypatch.setattr(slimtune.planning, "picture", picture, raising=False)
     results = ["a plan"]
     monkeypatch.setattr(planner, "plan", lambda *a, **k: results)
     monkeypatch.setattr(planner, "table", lambda found, title, machine, detail=False: f"TABLE {title}")
