@@ -428,7 +428,7 @@ def test_chunk_on_slide_holds_the_weights_and_one_chunks_gradients_on_the_host_a
     results = [straight.step(b) for b in step_batches(vocab, 6)]
     total = sum(p.numel() for p in straight.stack.model.parameters())
     staging = sum(s.numel() for s in straight.staging)
-    largest = max(straight.chunk_state.numel(k) for k in range(4))
+    largest = max(straight.working_set.state.numel(k) for k in range(4))
     # host: the weights (fp64 here, bf16 on a GPU), one chunk's gradient accumulators, the staging
     assert straight.host_bytes() == total * 8 + largest * 8 + staging
     assert results[-1].disk_peak_bytes >= 3 * total * 8  # masters and both moments, in files

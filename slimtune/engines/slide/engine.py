@@ -123,11 +123,6 @@ class SlideEngine(Engine):
                 HostUnit("embedding", [stack.embed], device, self.working_set.embedding_dtype(weight_dtype), train,
                          moments, sink)]
 
-    @property
-    def chunk_state(self):
-        """A chunk working set's ChunkState (engines/chunk/state.py): test_chunk reads its partition."""
-        return self.working_set.state
-
     def _edge_tensor(self, param: torch.Tensor) -> runtime.SlotTensor | None:
         return next((found for unit in self.edges if (found := unit.tensor_of(param)) is not None), None)
 
