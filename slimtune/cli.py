@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
@@ -378,6 +379,7 @@ def _main(argv: list[str] | None) -> int:
 
             planning_worker.start(_option("--model"))  # it imports slimtune while this process parses and loads
         args = _parse(argv)
+        importlib.import_module(COMMAND_MODULES[args.command])  # torch's seconds, under this watch
     try:
         code = _run(args)
     except Exception as err:  # a bug, or a collective that failed inside torch (FSDP's own)
@@ -418,6 +420,13 @@ def _option(flag: str) -> str | None:
         if word.startswith(flag + "="):
             return word[len(flag) + 1:]
     return None
+
+
+# The module each command runs from, imported before the command begins (in _main, under the watch of
+# the imports): a Ctrl-C in those seconds ends the command line without a word, as one during parsing.
+COMMAND_MODULES = {"train": "slimtune.train", "plan": "slimtune.planning.planner", "probe": "slimtune.planning.probe",
+                   "simulate": "slimtune.engines.roundpipe.simulate", "export": "slimtune.export",
+                   "chat": "slimtune.serve.chat", "eval": "slimtune.serve.evaluate"}
 
 
 def _run(args: argparse.Namespace) -> int:

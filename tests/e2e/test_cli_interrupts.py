@@ -73,3 +73,12 @@ def test_ctrl_c_while_the_imports_run_exits_130_without_a_word(workdir, command)
     finally:
         proc.kill()
     assert (proc.returncode, out, err) == (130, "", "")
+
+
+def test_every_command_names_the_module_it_imports_under_the_watch():
+    """cli.COMMAND_MODULES: a command without an entry would fail at once; one whose module is gone, too."""
+    import importlib
+
+    assert set(cli.COMMAND_MODULES) == set(cli._parser()[1])
+    for module in cli.COMMAND_MODULES.values():
+        importlib.import_module(module)
