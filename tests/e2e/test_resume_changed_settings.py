@@ -126,6 +126,8 @@ class Runs:
         return folder
 
     def straight(self, engine: str) -> dict:
+        """The unchanged continuation's weights. Made on first call in the engine's folder, which
+        it leaves holding that run: a test that reads its folder afterwards takes this first."""
         if engine not in self._straight:
             self.fresh(engine)
             run, _ = train.fit(self.config(engine), progress=False)
@@ -216,6 +218,7 @@ def test_a_changed_lsp_r_or_d_fits_projectors_afresh_at_the_new_shape_and_a_resu
     """Item 2 (lsp.r was announced but the checkpoint's rank-4 projectors were loaded) and item 8
     (lsp.d ended in a size mismatch): every matrix gets projectors of the new rank or size, all are
     fit at the first resumed step, and the run's next checkpoint resumes bit for bit."""
+    straight = runs.straight("lsp")  # before fresh(): the first call trains in the folder
     folder = runs.fresh("lsp")
     changed = runs.config("lsp", f"{key}={value}", "train.save_every=1", "train.keep_last=5", steps=4)
     run, _ = train.fit(changed, progress=False)
@@ -226,7 +229,7 @@ def test_a_changed_lsp_r_or_d_fits_projectors_afresh_at_the_new_shape_and_a_resu
     records = {r["step"]: r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())}
     assert records[3]["lsp_refit"] == len(modules)  # every matrix fit at the first resumed step
     changed_weights, changed_losses = weights(run), _losses(folder)
-    assert any(not torch.equal(changed_weights[n], w) for n, w in runs.straight("lsp").items())
+    assert any(not torch.equal(changed_weights[n], w) for n, w in straight.items())
     # killed after step 3's checkpoint: the resume with the same settings is exact
     shutil.rmtree(folder / "checkpoints" / "step-00000004")
     again, _ = train.fit(changed, progress=False)
