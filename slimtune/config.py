@@ -138,6 +138,13 @@ class TrainConfig:
     betas: list[float] = setting([0.9, 0.999], "AdamW betas.")
     eps: float = setting(1.0e-8, "AdamW epsilon.")
     max_grad_norm: float = setting(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    master: Literal["split", "fp32"] = setting(
+        "split", "Host optimizers (engines slide, chunk, roundpipe) under precision bf16: split keeps each fp32 master"
+                 " as the bf16 weight that goes up plus a 16-bit residual (4 bytes a number, the same updates);"
+                 " fp32 keeps it whole beside a bf16 copy (6 bytes).")
+    moments: Literal["fp32", "8bit"] = setting(
+        "fp32", "Host optimizers' AdamW moments: fp32 (8 bytes a number), or 8-bit blockwise codes as bitsandbytes'"
+                " AdamW8bit keeps them (2 bytes a number; the update is approximate, the master stays exact).")
     schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "Learning-rate decay after warmup.")
     warmup_steps: int = setting(0, "Linear warmup steps from 0 to lr.")
     seed: int = setting(0, "Seed for initialisation, data order and dropout.")

@@ -191,7 +191,11 @@ def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch
 
 def validate(cfg: RunConfig) -> None:
     """dist.strategy=fsdp: FSDP gathers a block when the block module is called, which the block
-    checkpointing of activations.py does in parts, and it shards float tensors, not 4-bit codes."""
+    checkpointing of activations.py does in parts, and it shards float tensors, not 4-bit codes.
+    train.moments=8bit is the host optimizer's: this engine runs torch's AdamW where the weights are."""
+    if cfg.train.moments == "8bit":
+        raise UserError("train.moments=8bit codes the moments of the host optimizer (engines slide, chunk,"
+                        " roundpipe); engine=resident keeps torch's AdamW on the device: set train.moments=fp32.")
     if cfg.dist.strategy != "fsdp":
         return
     if cfg.activations.checkpoint != "none":

@@ -20,7 +20,7 @@ from slimtune.device import memory, runtime
 from slimtune.config import TrainConfig
 from slimtune.dist.ranks import SINGLE
 from slimtune.optim import rules
-from slimtune.optim.host_adam import Group, HostAdam
+from slimtune.optim.host_adam import CODED, MOMENTS, Group, HostAdam, Layout, coded_state, load_coded_state
 
 
 class HostUnit:
@@ -35,8 +35,11 @@ class HostUnit:
     bf16), their gradients go to the sink, and whoever owns the sink updates them."""
 
     def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
-                 train: TrainConfig, moments_dir: Path | None, gradient_sink=None):
-        self.name, self.device = name, device
+                 train: TrainConfig, moments_dir: Path | None, gradient_sink=None, whole_grads: bool = False):
+        """`whole_grads`: each micro-batch's gradients come down whole, in the compute dtype (a block's
+        slot; not an LM head's fp32 tiles or an embedding's summed rows), so with one micro-batch a step
+        the accumulators keep them in that dtype."""
+        self.name, self.device, self.whole_grads = name, device, whole_grads
         tensors = []
         for owner, attr, tensor, is_param in runtime.own_tensors(modules):
             if is_param and tensor.requires_grad:
@@ -73,18 +76,22 @@ class HostUnit:
         groups = rules.decay_groups([t.param for t in trainable], train.weight_decay)
         by_param = {id(t.param): t for t in trainable}
         master_dtype = torch.promote_types(trainable[0].param.dtype, torch.float32)  # fp32 masters; fp64 stays
+        device_dtype = trainable[0].device_dtype
+        layout = Layout.for_run(train, device_dtype if self.whole_grads else None)
         adam = HostAdam(self.name, [Group(tuple(p.shape for p in params), decay) for params, decay in groups],
                         master_dtype, self.device, rules.adamw_settings(train),
-                        shadow_dtype=trainable[0].device_dtype, moments_dir=moments_dir)
+                        shadow_dtype=device_dtype, moments_dir=moments_dir, layout=layout)
+        adam.load_group_masters([[p.data for p in params] for params, _ in groups])
         with torch.no_grad():
             for k, (params, _) in enumerate(groups):
                 for i, param in enumerate(params):
                     views, t = adam.member(k, i), by_param[id(param)]
-                    views.master.copy_(param.data)
-                    param.data, t.host, t.shadow = views.master, views.master, views.shadow
+                    # Between steps a parameter points at what rests on the host: its whole master, or
+                    # under the split layout its bf16 weight (the master is rebuilt only to update).
+                    rest = views.master if views.master is not None else views.shadow
+                    param.data, t.host, t.shadow = rest, rest, views.shadow
                     self.accumulators[id(param)] = views.grad
                     self.members.append((param, k, i))
-        adam.refresh_shadows()
         return adam
 
     def _rest_as_weights(self, trainable: list[runtime.SlotTensor]) -> None:
@@ -104,6 +111,12 @@ class HostUnit:
         """Host RAM this unit holds: its HostAdam's, and its frozen tensors."""
         frozen = sum(t.host.numel() * t.host.element_size() for t in self.binding.tensors if not t.trainable)
         return frozen + (self.adam.host_bytes() if self.adam is not None else 0)
+
+    def rows(self, param: nn.Parameter, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a table this unit holds, at full precision (an embedding's lookup on the
+        host: a trained table's rows from its master, not from the bf16 weight that goes up)."""
+        found = next(((k, i) for p, k, i in self.members if p is param), None)
+        return param.data[ids] if found is None else self.adam.rows(*found, ids)
 
     def tensor_of(self, param: torch.Tensor) -> runtime.SlotTensor | None:
         return next((t for t in self.binding.tensors if t.param is param), None)
@@ -156,31 +169,43 @@ class HostUnit:
 
 
 def units_state(units: list[HostUnit], names: dict[int, str]) -> tuple[dict, dict, dict]:
-    """(exp_avg, exp_avg_sq, adam_steps) by parameter name over the units' HostAdams (the live
-    tensors), for checkpoint.EngineState; `names`: id(parameter) -> its name."""
+    """(exp_avg, exp_avg_sq, adam_steps) by parameter name over the units' HostAdams (fp32: the live
+    tensors where they rest whole), for checkpoint.EngineState; `names`: id(parameter) -> its name."""
     exp_avg, exp_avg_sq, steps = {}, {}, {}
     for unit in units:
         for param, k, i in unit.members:
-            name, views = names[id(param)], unit.adam.member(k, i)
-            exp_avg[name], exp_avg_sq[name] = views.exp_avg, views.exp_avg_sq
+            name = names[id(param)]
+            exp_avg[name], exp_avg_sq[name] = (unit.adam.moment_of(k, i, m) for m in MOMENTS)
             steps[name] = float(unit.adam.state(k)["step"])
     return exp_avg, exp_avg_sq, steps
 
 
-def load_units_state(units: list[HostUnit], names: dict[int, str], state) -> None:
-    """Moments and step counts by parameter name (a checkpoint.EngineState) into the units' own
-    buffers (RAM or mapped files), then their shadows from the masters (loaded by the caller)."""
-    from slimtune.store.checkpoint import copy_named
+def units_masters(units: list[HostUnit], names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """The units' masters at full precision by parameter name (views, or rebuilt from their split)."""
+    return {names[id(param)]: unit.adam.master_of(k, i) for unit in units for param, k, i in unit.members}
 
+
+def load_units_state(units: list[HostUnit], names: dict[int, str], state) -> None:
+    """Masters, moments and step counts by parameter name (a checkpoint.EngineState) into the units'
+    own buffers (RAM or mapped files), a group at a time (8-bit moments are coded over a whole
+    group); a tensor the checkpoint has no moments for keeps its own. Shadows follow the masters."""
     for unit in units:
+        groups: dict[int, list[tuple[int, str]]] = {}
         for param, k, i in unit.members:
-            name, views = names[id(param)], unit.adam.member(k, i)
-            if name in state.exp_avg:
-                copy_named({"m": views.exp_avg, "v": views.exp_avg_sq},
-                           {"m": state.exp_avg[name], "v": state.exp_avg_sq[name]})
-                unit.adam.state(k)["step"].fill_(state.adam_steps[name])  # one count per group: all equal
-        if unit.adam is not None:
-            unit.adam.refresh_shadows()  # what goes up must be the loaded weights
+            groups.setdefault(k, []).append((i, names[id(param)]))
+        for k, members in groups.items():
+            members.sort()
+            moments = {m: [getattr(state, m)[n] if n in state.exp_avg else unit.adam.moment_of(k, i, m)
+                           for i, n in members] for m in MOMENTS}
+            saved = [n for _, n in members if n in state.adam_steps]
+            step = state.adam_steps[saved[0]] if saved else float(unit.adam.state(k)["step"])  # one count a group
+            unit.adam.load_group(k, [state.trainable[n] for _, n in members], moments, step)
+    load_coded_state([u.adam for u in units if u.adam is not None], state.extra.get(CODED, {}))
+
+
+def units_coded(units: list[HostUnit]) -> dict[str, torch.Tensor]:
+    """The units' 8-bit moments as they rest, for EngineState.extra[CODED] (host_adam.coded_state)."""
+    return coded_state([u.adam for u in units if u.adam is not None])
 
 
 class StepGuard:

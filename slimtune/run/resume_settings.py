@@ -139,6 +139,8 @@ RULES: dict[str, Rule] = {
     "train.betas": safe(),
     "train.eps": safe(),
     "train.max_grad_norm": safe(),
+    "train.master": safe(),  # checkpoints hold fp32 masters whichever way they rested
+    "train.moments": applied("the saved moments are coded to 8 bits, or decoded to fp32, as the run resumes"),
     "train.schedule": safe(),
     "train.warmup_steps": safe(),
     "train.seed": refused("the data order, and the examples an engine holds out, are drawn from it"),

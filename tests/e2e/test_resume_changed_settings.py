@@ -68,6 +68,8 @@ CASES = [
     ("slide", {"slide.working_set": "chunk"}, DIFFERS),
     ("slide", {"slide.slots": 3, "slide.moments": "disk", "slide.moments_dir": "elsewhere"}, SAME),
     ("slide", {"slide.head_tile_mb": 0.01}, None),
+    ("slide", {"train.master": "fp32"}, SAME),  # fp32 compute: nothing to split; checkpoints hold fp32 masters
+    ("slide", {"train.moments": "8bit"}, DIFFERS),
     ("lsp", {"lsp.alpha": 0.01, "lsp.fit_iterations": 1, "lsp.fit_lr": 0.5, "lsp.schedule": "sync", "lsp.k": 1,
              "lsp.p": 1, "lsp.h": 1, "lsp.u": 1}, SAME),
     ("lsp", {"lsp.check_every": 1}, None),

@@ -16,7 +16,6 @@ host copy).
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,8 @@ from slimtune.engines.chunk.partition import Piece, Stream, partition
 from slimtune.config import RunConfig
 from slimtune.errors import UserError
 from slimtune.optim import rules
-from slimtune.optim.host_adam import MOMENTS, Group, HostAdam, Working, moments_folder
+from slimtune.optim import host_adam
+from slimtune.optim.host_adam import MOMENTS, Group, HostAdam, Layout, Working, moments_folder
 
 STATE_BYTES = 8  # two fp32 AdamW moments a number: what each number costs beside its own bytes
 ON_DISK = runtime.DiskUse("chunk.state=disk", "the chunks' masters and AdamW moments", "chunk.state_dir",
@@ -100,8 +100,9 @@ class ChunkState:
         if self.section.state != "disk":
             return None
         root = Path(scratch(cfg)["chunk.state_dir"])
-        need = sum(3 * math.prod(s.shape) * torch.promote_types(self.params[s.name].dtype, torch.float32).itemsize
-                   for s in self.streams.values())  # a master and two moments a number
+        params = list(self.params.values())  # a master (or its weight and residual) and two moments a number
+        need = sum(p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize for p in params) + \
+            host_adam.moments_bytes(params, self.train_cfg.moments)
         return root if self.fake else moments_folder(self, root, ON_DISK, need)
 
     def _stream(self, name: str, param: nn.Parameter, axis: int) -> Stream:
@@ -119,7 +120,11 @@ class ChunkState:
         param = next(iter(self.params.values()))
         self.dtype = torch.promote_types(param.dtype, torch.float32)
         shadow = param.dtype if param.dtype != self.dtype else None
-        self.working = Working(max(self.numel(k) for k in range(len(self.chunks))), self.dtype, self.device, shadow)
+        layout = Layout.for_run(self.train_cfg, None)  # gradients are summed from slices: fp32
+        # Under the split layout each chunk's bf16 weights are half its masters, so no shared shadows.
+        split = layout.split and shadow == torch.bfloat16 and self.dtype == torch.float32
+        self.working = Working(max(self.numel(k) for k in range(len(self.chunks))), self.dtype, self.device,
+                               None if split else shadow)
         adams, members = [], []
         for k, pieces in enumerate(self.chunks):
             decayed = [p for p in pieces if rules.decays(self.params[p.name])]
@@ -128,7 +133,8 @@ class ChunkState:
             groups = [Group(tuple(self.piece_shape(p) for p in g), wd) for g, wd in grouped]
             adams.append(HostAdam(f"chunk {k}", groups, self.dtype, self.device, rules.adamw_settings(self.train_cfg),
                                   shadow_dtype=shadow, moments_dir=self.state_dir,
-                                  masters_on_disk=self.state_dir is not None, working=self.working))
+                                  masters_on_disk=self.state_dir is not None, working=self.working,
+                                  layout=layout))
             members.append([(p, g, i) for g, (group, _) in enumerate(grouped) for i, p in enumerate(group)])
         return adams, members
 
@@ -196,7 +202,8 @@ class ChunkState:
             return
         with torch.no_grad():
             for piece, g, i in self.members[k]:
-                self.adams[k].member(g, i).master.copy_(narrow(self.weight_of(piece.name).detach(), piece))
+                self.adams[k].set_master(g, i, narrow(self.weight_of(piece.name).detach(), piece))
+            self.adams[k].refresh_shadows()
         self.visited[k] = True
 
     def update(self, k: int, lr: float, clip: float, write: Callable[[Piece, torch.Tensor], None]) -> None:
@@ -206,7 +213,7 @@ class ChunkState:
         adam = self.adams[k]
         adam.update(lr, clip)
         for piece, g, i in self.members[k]:
-            views = adam.member(g, i)
+            views = adam.member(g, i)  # what goes up: the bf16 weight (shadow, or split half), or the master
             write(piece, views.shadow if views.shadow is not None else views.master)
 
     def discard(self, k: int) -> None:
@@ -218,9 +225,7 @@ class ChunkState:
         return sum(a.host_bytes() for a in self.adams) + self.working.host_bytes()
 
     def disk_bytes(self) -> int:
-        if self.state_dir is None:
-            return 0
-        return sum(3 * m.numel() * m.element_size() for a in self.adams for m in a.masters)
+        return sum(a.disk_bytes() for a in self.adams)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The weights by name at full precision: the masters where a chunk was visited."""
@@ -228,7 +233,7 @@ class ChunkState:
         for k, adam in enumerate(self.adams):
             if self.visited[k]:
                 for piece, g, i in self.members[k]:
-                    narrow(state[piece.name], piece).copy_(adam.member(g, i).master)
+                    narrow(state[piece.name], piece).copy_(adam.master_of(g, i))
         return state
 
     def state_dict(self, engine: str, step: int) -> EngineState:
@@ -236,15 +241,15 @@ class ChunkState:
         steps = {}
         for k, adam in enumerate(self.adams):
             for piece, g, i in self.members[k]:
-                views = adam.member(g, i)
                 for m in MOMENTS:
-                    narrow(moments[m][piece.name], piece).copy_(getattr(views, m))
+                    narrow(moments[m][piece.name], piece).copy_(adam.moment_of(g, i, m))
                 steps.setdefault(piece.name, float(adam.state(g)["step"]))
         extra = {"n_chunks": len(self.chunks), "visited": list(self.visited), "sweep": self.sweep,
                  "position": self.position, "done_on_active": self.done_on_active,
                  "chunk_steps": [[float(a.state(g)["step"]) for g in range(len(a.groups))] for a in self.adams]}
         return EngineState(engine=engine, step=step, trainable=self.trainable_state(), exp_avg=moments["exp_avg"],
-                           exp_avg_sq=moments["exp_avg_sq"], adam_steps=steps, extra={"chunk": extra})
+                           exp_avg_sq=moments["exp_avg_sq"], adam_steps=steps,
+                           extra={"chunk": extra, host_adam.CODED: host_adam.coded_state(self.adams)})
 
     def load_state_dict(self, state: EngineState) -> None:
         """Masters, moments and steps per (tensor, chunk), and where the sweep was. From a checkpoint
@@ -254,17 +259,14 @@ class ChunkState:
         if mine is not None and mine["n_chunks"] != len(self.chunks):
             raise UserError(f"the checkpoint was cut into {mine['n_chunks']} chunks and this run into"
                             f" {len(self.chunks)}: set chunk.n_chunks={mine['n_chunks']} to resume it.")
-        with torch.no_grad():
-            for k, adam in enumerate(self.adams):
-                for piece, g, i in self.members[k]:
-                    views = adam.member(g, i)
-                    views.master.copy_(narrow(state.trainable[piece.name], piece))
-                    for m in MOMENTS:
-                        getattr(views, m).copy_(narrow(getattr(state, m)[piece.name], piece))
-                for g in range(len(adam.groups)):
-                    first = next(p for p, group, _ in self.members[k] if group == g)
-                    adam.state(g)["step"].fill_(mine["chunk_steps"][k][g] if mine else state.adam_steps[first.name])
-                adam.refresh_shadows()
+        for k, adam in enumerate(self.adams):
+            for g in range(len(adam.groups)):
+                pieces = [piece for piece, group, _ in sorted(self.members[k], key=lambda m: m[2]) if group == g]
+                step = mine["chunk_steps"][k][g] if mine else state.adam_steps[pieces[0].name]
+                adam.load_group(g, [narrow(state.trainable[p.name], p) for p in pieces],
+                                {m: [narrow(getattr(state, m)[p.name], p) for p in pieces] for m in MOMENTS}, step)
+        if mine:  # the same partition: its 8-bit moments as they rested
+            host_adam.load_coded_state(self.adams, state.extra.get(host_adam.CODED, {}))
         self.visited = list(mine["visited"]) if mine else [True] * len(self.chunks)
         if mine:
             self.sweep, self.position, self.done_on_active = mine["sweep"], mine["position"], mine["done_on_active"]

@@ -110,6 +110,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.method != "full":
         raise UserError("engine=lsp is full fine-tuning of the block linears in a learned subspace; set method=full"
                         " (LoRA runs on engine=resident or slide).")
+    if cfg.train.moments == "8bit":
+        raise UserError("engine=lsp keeps its d x d coordinates' moments in fp32 (they are small); set"
+                        " train.moments=fp32.")
     if cfg.train.weight_decay > 0:
         raise UserError("engine=lsp trains each matrix in a d x d subspace, where decoupled weight decay of the weight"
                         " has no exact form; set train.weight_decay=0.")

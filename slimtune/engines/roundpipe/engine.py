@@ -54,7 +54,7 @@ from slimtune.step.precision import autocast_for
 from slimtune.store.checkpoint import EngineState, check_resumable, copy_named
 from slimtune.engines.registry import EngineSpec, register
 from slimtune.errors import UserError
-from slimtune.optim.host_unit import HostUnit, load_units_state, units_state
+from slimtune.optim.host_unit import CODED, HostUnit, load_units_state, units_coded, units_masters, units_state
 from slimtune.step.loss import causal_lm_loss
 from slimtune.model.stack import Stack
 from slimtune.optim import rules
@@ -415,13 +415,13 @@ class RoundPipeEngine(Engine):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         self._settled()
         self.optimizer.wait()
-        return {self.names[id(param)]: unit.adam.member(k, i).master
-                for unit in self._all_units() for param, k, i in unit.members}
+        return units_masters(self._all_units(), self.names)
 
     def state_dict(self) -> EngineState:
         self.optimizer.wait()
         exp_avg, exp_avg_sq, steps = units_state(self._all_units(), self.names)
-        extra = {"roundpipe": {"cursor": self.cursor, **self.optimizer.saved(self.step_count, self._trainables())}}
+        extra = {"roundpipe": {"cursor": self.cursor, **self.optimizer.saved(self.step_count, self._trainables())},
+                 CODED: units_coded(self._all_units())}
         return EngineState(engine=self.name, step=self.step_count, trainable=self.trainable_state(),
                            exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, adam_steps=steps, extra=extra)
 
@@ -429,7 +429,6 @@ class RoundPipeEngine(Engine):
         check_resumable(state, list(self.names.values()), self.name)
         self._settled()
         self.optimizer.wait()
-        copy_named(self.trainable_state(), state.trainable)
         load_units_state(self._all_units(), self.names, state)
         own = state.extra.get("roundpipe", {}) if state.engine == self.name else {}
         self.cursor = int(own.get("cursor", 0)) % len(self.workers)

@@ -110,8 +110,9 @@ class StepWeights:
 class WeightVersions:
     """The two host versions of the trainable tensors of every unit with an optimizer, laid out as
     its HostAdam's masters (flat per group) so an update writes one straight into a version. In
-    bf16 version 0 is the HostAdam's own shadows (what goes up anyway), so async costs one more
-    copy of the weights in the upload dtype (2 bytes a number); where the weights go up in the
+    bf16 with whole masters version 0 is the HostAdam's own shadows (what goes up anyway), so async
+    costs one more copy of the weights in the upload dtype (2 bytes a number); under the split
+    layout (train.master=split) both versions are copies (4 bytes), as the weights are half the master; where the weights go up in the
     masters' dtype (fp32, fp64) both versions are copies, since the masters change under an update."""
 
     def __init__(self, units: list[HostUnit], device: torch.device):
@@ -126,17 +127,18 @@ class WeightVersions:
 
     def _made(self, unit: HostUnit, device: torch.device) -> list[torch.Tensor]:
         adam = unit.adam
-        dtype = adam.shadow_dtype or adam.masters[0].dtype
-        flats = [runtime.host_empty(master.shape, dtype, device) for master in adam.masters]
-        with torch.no_grad():
-            for flat, master in zip(flats, adam.masters):
-                flat.copy_(master)
+        flats = [runtime.host_empty((g.numel,), adam.shadow_dtype or adam.dtype, device) for g in adam.groups]
+        adam.refresh_shadows(flats)  # the current weights, as they go up
         self._own += flats
         return flats
 
     def _first(self, unit: HostUnit, device: torch.device) -> list[torch.Tensor]:
+        """Version 0: the HostAdam's own shadows where they only follow the masters; a copy where they
+        are the masters' own top half (the split layout: they change with every update)."""
         shadows = unit.adam.shadows
-        return list(shadows) if all(s is not None for s in shadows) else self._made(unit, device)
+        if unit.adam.split or any(s is None for s in shadows):
+            return self._made(unit, device)
+        return list(shadows)
 
     def of(self, param: torch.Tensor, parity: int) -> torch.Tensor:
         """The version `parity` of a trainable tensor (step s reads parity s % 2)."""

@@ -90,7 +90,8 @@ class SlideEngine(Engine):
         moments = self._moments_dir(cfg)
         blocks, count = stack.blocks, len(stack.blocks)
         self.units = [HostUnit(f"block {i}", [blocks[i]] + ([stack.norm] if i == count - 1 else []), device,
-                               weight_dtype, cfg.train, moments, self.working_set.sink) for i in range(count)]
+                               weight_dtype, cfg.train, moments, self.working_set.sink, whole_grads=True)
+                      for i in range(count)]
         self.edges = self._edge_units(cfg.train, weight_dtype, moments)
         for unit in self._all_units():
             unit.dist = dist  # each unit's complete gradients are summed across ranks on the host worker
@@ -205,8 +206,10 @@ class SlideEngine(Engine):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows, gathered on the host (the V x D table never goes up)."""
-        with torch.no_grad():
-            rows = self.stack.embed(input_ids.cpu())
+        weight = self.stack.embed.weight
+        unit = next((u for u in self.edges if u.tensor_of(weight) is not None), None)
+        with torch.no_grad():  # a trained table's rows come from its master, not the bf16 weight that goes up
+            rows = self.stack.embed(input_ids.cpu()) if unit is None else unit.rows(weight, input_ids.cpu())
         return self.link.ready(self.link.to_device(rows.contiguous()))
 
     def _embed_backward(self, input_ids: torch.Tensor, grad: torch.Tensor) -> None:

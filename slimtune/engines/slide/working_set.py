@@ -32,7 +32,8 @@ from slimtune.engines.chunk.state import scratch as chunk_scratch
 from slimtune.engines.slide.host_gradients import ActiveGradients
 from slimtune.errors import UserError
 from slimtune.optim import host_adam, rules
-from slimtune.optim.host_unit import HostUnit, StepGuard, load_units_state, units_state
+from slimtune.optim.host_unit import (CODED, HostUnit, StepGuard, load_units_state, units_coded, units_masters,
+                                      units_state)
 from slimtune.store.checkpoint import EngineState, copy_named
 
 
@@ -170,7 +171,7 @@ class AllTensors(WorkingSet):
                                           disk, updates_exposed=cfg.train.max_grad_norm > 0, memory_bytes=dequant)
 
     def moments_bytes(self, trained: list[nn.Parameter]) -> int:
-        return host_adam.moments_bytes(trained)
+        return host_adam.moments_bytes(trained, self.train_cfg.moments)
 
     def attach(self, units: list[HostUnit], worker: runtime.HostWorker) -> None:
         self.units, self.worker = units, worker
@@ -213,19 +214,21 @@ class AllTensors(WorkingSet):
                 job = (unit.update, lr, coef) if applied else (unit.discard,)
                 unit.update_job = self.worker.submit(*job)
 
+    def disk_bytes(self) -> int:
+        """The memory-mapped moment files (slide.moments=disk)."""
+        return sum(u.adam.disk_bytes() for u in self.units if u.adam is not None)
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The host masters (what the modules point at between steps is not relied on)."""
-        return {self.names[id(param)]: unit.adam.member(k, i).master
-                for unit in self.units for param, k, i in unit.members}
+        return units_masters(self.units, self.names)
 
     def state_dict(self, engine: str, step: int) -> EngineState:
         exp_avg, exp_avg_sq, steps = units_state(self.units, self.names)
-        return EngineState(engine=engine, step=step, trainable=self.trainable_state(),
-                           exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, adam_steps=steps)
+        return EngineState(engine=engine, step=step, trainable=self.trainable_state(), exp_avg=exp_avg,
+                           exp_avg_sq=exp_avg_sq, adam_steps=steps, extra={CODED: units_coded(self.units)})
 
     def load_state_dict(self, state: EngineState) -> None:
         """Masters and moments by name, into the units' own buffers (RAM or mapped files)."""
-        copy_named(self.trainable_state(), state.trainable)
         load_units_state(self.units, self.names, state)
 
 
