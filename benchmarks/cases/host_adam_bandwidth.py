@@ -19,11 +19,16 @@ optimizer layout comes to it, on 1 and 2 threads (torch.set_num_threads):
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -133,8 +138,7 @@ def measure_layout(name: str, n: int, reps: int, flush: torch.Tensor) -> dict:
         found = rate(timed(lambda: adam.update(SETTINGS["lr"]), prepare, reps), traffic(name, n)["total"])
         zeroing = timed(grad.zero_, lambda: flush.fill_(1.0), reps)
         del adam  # its memory-mapped files close before the folder goes
-    return {**found, "zero_grad_ns_a_number": zeroing["best_s"] / n * 1e9,
-            "bytes_a_number": traffic(name, n)["per_number"], "ns_a_number": found["best_s"] / n * 1e9}
+    return {**found, "zero_grad_ns_a_number": zeroing["best_s"] / n * 1e9}
 
 
 def bench_root() -> str:
@@ -197,58 +201,218 @@ PIECES_OF = {  # the tile pieces each layout runs (tiled_adamw's forms); m and v
 }
 
 
-def reading(layouts: dict, tile: dict, copy_gbps: float) -> dict:
-    """Per layout: ns a number its bytes need at the copy bandwidth, ns its pieces compute in cache,
-    ns the zeroing pass, and the measured total."""
+def reading(layouts: dict, probes: dict, tile: dict, copy_gbps: float) -> dict:
+    """Per layout, in ns a number: the measured update, the time its bytes need at the copy
+    bandwidth, its tile pieces computed in cache, the accumulator's zeroing pass alone, and the C
+    one-pass loop where it ran."""
     out = {}
     for name, found in layouts.items():
-        memory_ns = found["bytes_a_number"] / copy_gbps
-        out[name] = {"measured_ns": found["ns_a_number"], "bytes_at_copy_speed_ns": memory_ns,
+        out[name] = {"measured_ns": found["ns_a_number"], "bytes_at_copy_speed_ns": found["bytes_a_number"] / copy_gbps,
                      "pieces_in_cache_ns": sum(tile[p] for p in PIECES_OF[name]),
-                     "zero_grad_ns": found["zero_grad_ns_a_number"]}
+                     "zero_grad_ns": found["zero_grad_ns_a_number"],
+                     "c_one_pass_ns": probes[name]["ns_a_number"] if name in probes else None}
     return out
+
+
+# ------------------------------------------------------------ a what-if: one pass in plain C
+
+# Not slimtune's code: the same update as the split layouts, written as one loop that gcc vectorizes
+# (no intrinsics), to show what a kernel that touches each byte once reaches on this machine. Its
+# arithmetic is torch's fused CPU AdamW's, operation for operation (the m lerp and the v update as
+# fused multiply-adds, nothing else contracted), and `same_bits` checks it against HostAdam.update.
+C_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+typedef struct { float decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt, eps; } Hyper;
+static inline float f_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t u_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bf16_to_f(uint16_t b) { return f_of((uint32_t)b << 16); }
+static inline float combine(uint16_t w, int16_t r) { return f_of(((uint32_t)w << 16) + (uint32_t)(int32_t)r); }
+static inline void split(float p, uint16_t *w, int16_t *r) {  /* round to nearest even; finite values */
+    uint32_t u = u_of(p), top = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    int32_t res = (int32_t)u - (int32_t)(top << 16);
+    *w = (uint16_t)top; *r = (int16_t)(res > 32767 ? 32767 : res);
+}
+static inline float adamw(float p, float g, float *m, float *v, const Hyper *h) {
+    p = p * h->decay;
+    *m = fmaf(h->one_minus_beta1, g - *m, *m);
+    *v = fmaf(h->one_minus_beta2 * g, g, *v * h->beta2);
+    return p - h->step_size * *m / (sqrtf(*v) / h->bias2_sqrt + h->eps);
+}
+void split_adamw(uint16_t *w, int16_t *r, uint16_t *g, float *m, float *v, long n, const Hyper *h, int threads) {
+    #pragma omp parallel for simd schedule(static) num_threads(threads)
+    for (long i = 0; i < n; i++) {
+        split(adamw(combine(w[i], r[i]), bf16_to_f(g[i]), &m[i], &v[i], h), &w[i], &r[i]);
+        g[i] = 0;
+    }
+}
+/* 8-bit moments (moments8.py): blocks of 256, decoded, updated, coded again with a fresh absmax. */
+typedef struct { uint8_t *codes; float *absmax; const float *map; const uint8_t *base; const float *mid; } Coded;
+static inline void encode(const float *x, uint8_t *codes, float amax, const Coded *c) {
+    const float s = 1.0f / (amax > 1e-38f ? amax : 1e-38f);
+    for (int j = 0; j < 256; j++) {
+        float y = x[j] * s; uint32_t key = (u_of(y) >> 16) & 0xFFFF;
+        codes[j] = (uint8_t)(c->base[key] + (y > c->mid[key]));
+    }
+}
+void split8_adamw(uint16_t *w, int16_t *r, uint16_t *g, const Coded *m8, const Coded *v8, long n,
+                  const Hyper *h, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long b = 0; b < n / 256; b++) {
+        float m[256], v[256], am = 0.f, av = 0.f;
+        const long o = b * 256;
+        for (int j = 0; j < 256; j++) {
+            m[j] = m8->map[m8->codes[o + j]] * m8->absmax[b];
+            v[j] = v8->map[v8->codes[o + j]] * v8->absmax[b];
+        }
+        for (int j = 0; j < 256; j++) {
+            split(adamw(combine(w[o + j], r[o + j]), bf16_to_f(g[o + j]), &m[j], &v[j], h), &w[o + j], &r[o + j]);
+            g[o + j] = 0;
+        }
+        for (int j = 0; j < 256; j++) { float x = fabsf(m[j]); am = x > am ? x : am; av = v[j] > av ? v[j] : av; }
+        m8->absmax[b] = am; v8->absmax[b] = av;
+        encode(m, m8->codes + o, am, m8);
+        encode(v, v8->codes + o, av, v8);
+    }
+}
+"""
+C_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+
+
+class CHyper(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_float) for name in
+                ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "bias2_sqrt", "eps")]
+
+
+class CCoded(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "absmax", "map", "base", "mid")]
+
+
+def build_probe(folder: Path):
+    """The C loops as a shared library, or None where gcc is missing or fails."""
+    compiler = shutil.which("gcc")
+    if compiler is None:
+        return None
+    (folder / "probe.c").write_text(C_SOURCE)
+    made = subprocess.run([compiler, *C_FLAGS, str(folder / "probe.c"), "-o", str(folder / "probe.so")],
+                          capture_output=True, text=True)
+    return ctypes.CDLL(str(folder / "probe.so")) if made.returncode == 0 else None
+
+
+def c_hyper(step: int, weight_decay: float = 0.01) -> CHyper:
+    """AdamW's constants for `step`, computed in double and rounded to fp32 as torch's kernel does."""
+    lr, (beta1, beta2), eps = SETTINGS["lr"], SETTINGS["betas"], SETTINGS["eps"]
+    return CHyper(1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
+                  math.sqrt(1 - beta2 ** step), eps)
+
+
+def c_coded(moment) -> tuple[CCoded, tuple]:
+    """A moments8.Moment8 as the C loop reads it (and what must outlive the call)."""
+    from slimtune.optim import moments8
+
+    base, mid = moments8._lookup(moment.signed)  # the quantizer's own tables: the same codes by construction
+    held = (moment.codes, moment.absmax, moment.code, base, mid)
+    return CCoded(*(t.data_ptr() for t in held)), held
+
+
+def c_update(lib, adam, threads: int) -> None:
+    """adam's next AdamW step (one group, split layout), done by the C loop on adam's own tensors."""
+    adam.steps[0].add_(1)
+    hyper = c_hyper(int(adam.steps[0]))
+    w, r, g = adam.shadows[0], adam.residuals[0], adam.grads[0]
+    n, ptrs = g.numel(), [ctypes.c_void_p(t.data_ptr()) for t in (w, r, g)]
+    m, v = adam.moments[0]["exp_avg"], adam.moments[0]["exp_avg_sq"]
+    if isinstance(m, torch.Tensor):
+        lib.split_adamw(*ptrs, ctypes.c_void_p(m.data_ptr()), ctypes.c_void_p(v.data_ptr()), ctypes.c_long(n),
+                        ctypes.byref(hyper), threads)
+        return
+    (cm, _keep_m), (cv, _keep_v) = c_coded(m), c_coded(v)
+    lib.split8_adamw(*ptrs, ctypes.byref(cm), ctypes.byref(cv), ctypes.c_long(n), ctypes.byref(hyper), threads)
+
+
+def same_bits(lib, name: str, n: int, steps: int = 3) -> bool:
+    """The C loop and HostAdam.update, from the same state and gradients, leave the same bits."""
+    ours, theirs = host_adam(name, n, None), host_adam(name, n, None)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        grads = (torch.randn(n, generator=generator) * 1e-3).to(torch.bfloat16)
+        ours.grads[0].copy_(grads)
+        theirs.grads[0].copy_(grads)
+        ours.update(SETTINGS["lr"])
+        c_update(lib, theirs, torch.get_num_threads())
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(state_of(ours), state_of(theirs)))
+
+
+def state_of(adam) -> list[torch.Tensor]:
+    held = [adam.shadows[0], adam.residuals[0], adam.grads[0]]
+    for moment in adam.moments[0].values():
+        held += [moment] if isinstance(moment, torch.Tensor) else [moment.codes, moment.absmax]
+    return held
+
+
+def measure_probe(lib, name: str, n: int, reps: int, flush: torch.Tensor) -> dict:
+    """The C loop's step over a layout's tensors (built by HostAdam), timed like HostAdam.update."""
+    adam, threads = host_adam(name, n, None), torch.get_num_threads()
+    source = (torch.randn(n) * 1e-3).to(torch.bfloat16)
+
+    def prepare():
+        adam.grads[0].copy_(source)
+        flush.fill_(1.0)
+
+    found = rate(timed(lambda: c_update(lib, adam, threads), prepare, reps), traffic(name, n)["total"])
+    return {**found, "same_bits_as_host_adam": same_bits(lib, name, QUICK_N)}
 
 
 # ------------------------------------------------------------ the run
 
 
+class Sizes(NamedTuple):  # (a dataclass needs the module in sys.modules; run.py loads cases without it)
+    copy_n: int
+    adam_n: int
+    copy_reps: int
+    adam_reps: int
+    tile_repeat: int
+
+
+FULL, QUICK = Sizes(COPY_N, ADAM_N, 10, 5, 40), Sizes(QUICK_N, QUICK_N, 1, 1, 5)
+PROBED = ("split", "split_8bit")  # the layouts the C what-if runs
+
+
 def run(quick: bool) -> dict:
-    copy_n, adam_n = (QUICK_N, QUICK_N) if quick else (COPY_N, ADAM_N)
-    copy_reps, adam_reps, tile_repeat = (1, 1, 5) if quick else (10, 5, 40)
+    sizes = QUICK if quick else FULL
     load_before, threads_before = os.getloadavg(), torch.get_num_threads()
     flush = torch.empty(FLUSH_BYTES // 4)
     by_threads = {}
+    with tempfile.TemporaryDirectory(prefix="host-adam-probe-") as folder:
+        lib = build_probe(Path(folder))
     try:
         for threads in THREADS:
             torch.set_num_threads(threads)
-            by_threads[str(threads)] = measure_at(threads, copy_n, adam_n, copy_reps, adam_reps, tile_repeat, flush)
+            by_threads[str(threads)] = measure_at(sizes, flush, lib)
     finally:
         torch.set_num_threads(threads_before)
-    result = {"copy_numbers": copy_n, "adam_numbers": adam_n, "goal_of_copy_one_thread": GOAL,
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average_before": load_before,
-              "load_average_after": os.getloadavg(), "threads": by_threads}
+    result = {"copy_numbers": sizes.copy_n, "adam_numbers": sizes.adam_n, "goal_of_copy_one_thread": GOAL,
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "c_flags": list(C_FLAGS) if lib else None,
+              "load_average_before": load_before, "load_average_after": os.getloadavg(), "threads": by_threads}
     summarize(result)
     return result
 
 
-def measure_at(threads: int, copy_n: int, adam_n: int, copy_reps: int, adam_reps: int, tile_repeat: int,
-               flush: torch.Tensor) -> dict:
-    refs = stream(copy_n, copy_reps)
-    copy_gbps = refs["copy"]["gbps"]
-    fused = torch_fused(adam_n, adam_reps, flush)
-    fused["of_copy"] = fused["gbps"] / copy_gbps
-    fused["ns_a_number"] = fused["best_s"] / adam_n * 1e9
-    out = {"stream": refs, "torch_fused_adamw": fused}
-    try:
-        layouts = {name: measure_layout(name, adam_n, adam_reps, flush) for name in LAYOUTS}
-    except ImportError as err:  # the host optimizer's new modules not landed yet
-        out["host_adam_error"] = str(err)
-        return out
-    for found in layouts.values():
+def measure_at(sizes: Sizes, flush: torch.Tensor, lib) -> dict:
+    """Everything at the current torch thread count; fractions are of the copy at that count."""
+    refs = stream(sizes.copy_n, sizes.copy_reps)
+    copy_gbps, n = refs["copy"]["gbps"], sizes.adam_n
+    fused = torch_fused(n, sizes.adam_reps, flush)
+    layouts = {name: measure_layout(name, n, sizes.adam_reps, flush) for name in LAYOUTS}
+    probes = {name: measure_probe(lib, name, n, sizes.adam_reps, flush) for name in PROBED} if lib else {}
+    for found in (fused, *layouts.values(), *probes.values()):
         found["of_copy"] = found["gbps"] / copy_gbps
-    tile = pieces(tile_repeat)
-    out.update(host_adam=layouts, tile_pieces_ns=tile, reading=reading(layouts, tile, copy_gbps))
-    return out
+        found["ns_a_number"] = found["best_s"] / n * 1e9
+        found["bytes_a_number"] = found["bytes"] / n
+    tile = pieces(sizes.tile_repeat)
+    return {"stream": refs, "torch_fused_adamw": fused, "host_adam": layouts, "c_one_pass": probes,
+            "tile_pieces_ns": tile, "reading": reading(layouts, probes, tile, copy_gbps)}
 
 
 def summarize(result: dict) -> None:
@@ -257,6 +421,6 @@ def summarize(result: dict) -> None:
         print(f"{threads} thread(s): copy {refs['copy']['gbps']:.1f} GB/s, triad {refs['triad']['gbps']:.1f}, "
               f"add in place {refs['add_in_place']['gbps']:.1f}; torch fused AdamW "
               f"{found['torch_fused_adamw']['gbps']:.1f} ({found['torch_fused_adamw']['of_copy']:.0%} of copy)")
-        for name, layout in found.get("host_adam", {}).items():
+        for name, layout in [*found["host_adam"].items(), *(("C " + k, v) for k, v in found["c_one_pass"].items())]:
             print(f"  {name:11s} {layout['bytes_a_number']:5.2f} B/number {layout['best_s'] * 1e3:7.1f} ms "
                   f"{layout['gbps']:5.1f} GB/s {layout['of_copy']:4.0%} of copy {layout['ns_a_number']:.2f} ns/number")
