@@ -221,9 +221,11 @@ class Moment8:
     def _check(self, start: int, stop: int, tile: torch.Tensor) -> None:
         aligned = start % BLOCK == 0 and (stop % BLOCK == 0 or stop == self.numel)
         if not (aligned and 0 <= start <= stop <= self.numel):
-            raise ValueError(f"tile [{start}, {stop}) of a {self.numel}-number moment is not aligned to blocks of {BLOCK}")
+            raise ValueError(f"tile [{start}, {stop}) of a {self.numel}-number moment is not aligned "
+                             f"to blocks of {BLOCK}")
         if tile.shape != (stop - start,) or tile.dtype != torch.float32 or not tile.is_contiguous():
-            raise ValueError(f"tile must be contiguous fp32 of shape ({stop - start},), got {tuple(tile.shape)} {tile.dtype}")
+            raise ValueError(f"tile must be contiguous fp32 of shape ({stop - start},), "
+                             f"got {tuple(tile.shape)} {tile.dtype}")
 
     def _rows(self, start: int, stop: int, tile: torch.Tensor):
         """(codes, absmax, tile) as (blocks, 256) views, then the last partial block as (1, rest)."""

@@ -130,7 +130,8 @@ def test_quantize_and_dequantize_equal_bitsandbytes(signed, n):
     codes, absmax = native_quantize(x, moment.code)
     assert torch.equal(moment.absmax, absmax)
     out = moment.dequantize(0, n, torch.empty(n))
-    assert torch.equal(out.view(torch.int32), native_dequantize(moment.codes, moment.absmax, moment.code).view(torch.int32))
+    theirs = native_dequantize(moment.codes, moment.absmax, moment.code)
+    assert torch.equal(out.view(torch.int32), theirs.view(torch.int32))
     # bitsandbytes' native CPU codes (blocks of normal absmax): within one grid step more than the
     # nearest code's error bound; the free-running AdamW bound below rests on this.
     scale = absmax.repeat_interleave(BLOCK)[:n].double()
@@ -235,15 +236,17 @@ def step_8bit(p, g, m8, v8, step, adamw, tile=BLOCK * 16):
     """One step of the host optimizer's loop: per tile, dequantize m and v, AdamW, quantize back."""
     for start in range(0, N, tile):
         stop = min(start + tile, N)
-        m, v = m8.dequantize(start, stop, torch.empty(stop - start)), v8.dequantize(start, stop, torch.empty(stop - start))
+        m = m8.dequantize(start, stop, torch.empty(stop - start))
+        v = v8.dequantize(start, stop, torch.empty(stop - start))
         adamw(p[start:stop], g[start:stop], m, v, step)
         m8.quantize(start, stop, m)
         v8.quantize(start, stop, v)
 
 
 def adamw8bit(p):
-    optimizer = bnb().optim.AdamW8bit([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, min_8bit_size=0)
-    return optimizer
+    """bitsandbytes' AdamW8bit on the CPU: blockwise (256), and 8-bit for every size (min_8bit_size=0;
+    its default 4096 would keep small tensors in fp32)."""
+    return bnb().optim.AdamW8bit([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, min_8bit_size=0)
 
 
 @pytest.mark.parametrize("adamw", [adamw_like_bitsandbytes, fused_adamw])
@@ -315,7 +318,8 @@ def test_twenty_free_steps_stay_within_the_derived_bound_of_adamw8bit():
         optimizer.step()
         state = optimizer.state[p]
         v = v8.dequantize(0, N, torch.empty(N)).double()
-        assert torch.allclose(native_dequantize(state["state2"], state["absmax2"], v8.code).double(), v, rtol=1e-6, atol=0)
+        theirs_v = native_dequantize(state["state2"], state["absmax2"], v8.code).double()
+        assert torch.allclose(theirs_v, v, rtol=1e-6, atol=0)  # v: the same in both, as derived
         b1, b2 = BETAS
         drift = b1 * (drift + h_mine * absmax_mine + h_bnb * absmax_bnb)
         bound += LR * drift / ((1 - b1**step) * (v.sqrt() / math.sqrt(1 - b2**step) + EPS))
