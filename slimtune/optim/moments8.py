@@ -43,6 +43,7 @@ BLOCK = 256  # numbers per absmax, as bitsandbytes' 8-bit optimizers use
 CODES = 256
 KEY_SHIFT = 16  # an fp32 number's bucket is its top 32 - 16 bits
 KEYS = 1 << (32 - KEY_SHIFT)
+CHUNK = 1 << 16  # numbers quantized at once: longer ranges go in pieces, so scratch stays 0.8 MiB
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -126,9 +127,9 @@ class _Tiles:
 
 
 class _Scratch(threading.local):
-    """Working tiles for the thread quantizing, grown to the largest tile seen and kept: no
-    allocation per tile, and host-resident, so no device meter counts them (13 bytes a number of
-    the largest tile). The views for each tile shape are kept too: a 64K tile is quantized in
+    """Working tiles for the thread quantizing, grown to the largest piece seen (CHUNK numbers at
+    most) and kept: no allocation per tile, and host-resident, so no device meter counts them (13
+    bytes a number: 0.8 MiB a thread). The views for each tile shape are kept too: a 64K tile is quantized in
     about 12 torch calls, and making their views anew each time cost a fifth as much as the
     arithmetic."""
 
@@ -228,12 +229,14 @@ class Moment8:
                              f"got {tuple(tile.shape)} {tile.dtype}")
 
     def _rows(self, start: int, stop: int, tile: torch.Tensor):
-        """(codes, absmax, tile) as (blocks, 256) views, then the last partial block as (1, rest)."""
+        """(codes, absmax, tile) as (blocks, 256) views of at most CHUNK numbers (the scratch stays
+        small and in cache whatever the range), then the last partial block as (1, rest)."""
         full = (stop - start) // BLOCK * BLOCK
-        first = start // BLOCK
-        if full:
-            yield (self.codes[start : start + full].view(-1, BLOCK), self.absmax[first : first + full // BLOCK],
-                   tile[:full].view(-1, BLOCK))
+        for offset in range(0, full, CHUNK):
+            size = min(CHUNK, full - offset)
+            first = (start + offset) // BLOCK
+            yield (self.codes[start + offset : start + offset + size].view(-1, BLOCK),
+                   self.absmax[first : first + size // BLOCK], tile[offset : offset + size].view(-1, BLOCK))
         if full < stop - start:
-            last = first + full // BLOCK
+            last = (start + full) // BLOCK
             yield self.codes[start + full : stop].view(1, -1), self.absmax[last : last + 1], tile[full:].view(1, -1)

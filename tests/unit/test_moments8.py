@@ -120,7 +120,7 @@ def test_maps_are_bitsandbytes_dynamic_maps(signed):
 
 
 @pytest.mark.parametrize("signed", [True, False])
-@pytest.mark.parametrize("n", [BLOCK * 37 + 77, BLOCK * 8, 255])
+@pytest.mark.parametrize("n", [BLOCK * 37 + 77, BLOCK * 8, 255, (1 << 17) + BLOCK * 3 + 5])
 def test_quantize_and_dequantize_equal_bitsandbytes(signed, n):
     x = nasty(n, signed, seed=n + signed) if n > 7 * BLOCK else torch.randn(n)
     x = x if signed else x.abs()
