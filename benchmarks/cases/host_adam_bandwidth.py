@@ -20,6 +20,7 @@ optimizer layout comes to it, on 1 and 2 threads (torch.set_num_threads):
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import shutil
@@ -79,14 +80,20 @@ def stream(n: int, reps: int) -> dict:
     }
 
 
-def torch_fused(n: int, reps: int, flush: torch.Tensor) -> dict:
-    """torch.optim.AdamW(fused=True) on one fp32 parameter, small random gradients each step."""
+def torch_fused(n: int, reps: int, flush: torch.Tensor, folder: Path | None = None) -> dict:
+    """torch.optim.AdamW(fused=True) on one fp32 parameter, small random gradients each step; with
+    `folder`, its moments moved into memory-mapped files there (the same kernel on page-cache memory)."""
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(n) * 0.02)
     source = torch.randn(n) * 1e-3
     param.grad = source.clone()
     opt = torch.optim.AdamW([param], lr=SETTINGS["lr"], betas=SETTINGS["betas"], eps=SETTINGS["eps"],
                             weight_decay=0.01, fused=True)
+    opt.step()  # makes the moments
+    for key in ("exp_avg", "exp_avg_sq") if folder is not None else ():
+        (folder / key).write_bytes(b"")
+        os.truncate(folder / key, 4 * n)
+        opt.state[param][key] = torch.from_file(str(folder / key), shared=True, size=n).copy_(opt.state[param][key])
 
     def prepare():
         param.grad.copy_(source)
@@ -308,12 +315,32 @@ def c_hyper(step: int, weight_decay: float = 0.01) -> CHyper:
 
 
 def c_coded(moment) -> tuple[CCoded, tuple]:
-    """A moments8.Moment8 as the C loop reads it (and what must outlive the call)."""
+    """A moments8.Moment8 as the C loop reads it (and the tensors that must outlive the call)."""
+    held = (moment.codes, moment.absmax, *code_tables(moment.signed))
+    return CCoded(*(t.data_ptr() for t in held)), held
+
+
+@functools.cache
+def code_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(map, base, mid) for the C encoder, built here from the map alone: numbers whose top 16 bits
+    are k take code base[k], plus one above mid[k] (the one midpoint of adjacent map values inside
+    that bucket, or +inf). The nearest code, a midpoint itself taking the lower one; same_bits holds
+    this against moments8's own quantizer."""
     from slimtune.optim import moments8
 
-    base, mid = moments8._lookup(moment.signed)  # the quantizer's own tables: the same codes by construction
-    held = (moment.codes, moment.absmax, moment.code, base, mid)
-    return CCoded(*(t.data_ptr() for t in held)), held
+    code = moments8.dynamic_map(signed)
+    mids = (code[:-1] + code[1:]) / 2
+    first = torch.arange(1 << 16, dtype=torch.int64) << 16
+    ends = [((bits + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32).view(torch.float32)
+            for bits in (first, first | 0xFFFF)]
+    low, high = torch.minimum(*ends), torch.maximum(*ends)
+    base = torch.searchsorted(mids, low, side="left")
+    inside = torch.searchsorted(mids, high, side="right") - base
+    nan = low.isnan() | high.isnan()
+    base[nan], inside[nan] = code.numel() - 1, 0
+    assert int(inside.max()) <= 1, "a bucket holds two midpoints"
+    mid = torch.where(inside == 1, mids[base.clamp(max=mids.numel() - 1)], torch.tensor(math.inf))
+    return code, base.to(torch.uint8), mid.contiguous()
 
 
 def c_update(lib, adam, threads: int) -> None:
@@ -404,14 +431,17 @@ def measure_at(sizes: Sizes, flush: torch.Tensor, lib) -> dict:
     refs = stream(sizes.copy_n, sizes.copy_reps)
     copy_gbps, n = refs["copy"]["gbps"], sizes.adam_n
     fused = torch_fused(n, sizes.adam_reps, flush)
+    with tempfile.TemporaryDirectory(prefix="host-adam-bench-", dir=bench_root()) as root:
+        fused_files = torch_fused(n, sizes.adam_reps, flush, Path(root))
     layouts = {name: measure_layout(name, n, sizes.adam_reps, flush) for name in LAYOUTS}
     probes = {name: measure_probe(lib, name, n, sizes.adam_reps, flush) for name in PROBED} if lib else {}
-    for found in (fused, *layouts.values(), *probes.values()):
+    for found in (fused, fused_files, *layouts.values(), *probes.values()):
         found["of_copy"] = found["gbps"] / copy_gbps
         found["ns_a_number"] = found["best_s"] / n * 1e9
         found["bytes_a_number"] = found["bytes"] / n
     tile = pieces(sizes.tile_repeat)
-    return {"stream": refs, "torch_fused_adamw": fused, "host_adam": layouts, "c_one_pass": probes,
+    return {"stream": refs, "torch_fused_adamw": fused, "torch_fused_adamw_moments_in_files": fused_files,
+            "host_adam": layouts, "c_one_pass": probes,
             "tile_pieces_ns": tile, "reading": reading(layouts, probes, tile, copy_gbps)}
 
 
@@ -420,7 +450,8 @@ def summarize(result: dict) -> None:
         refs = found["stream"]
         print(f"{threads} thread(s): copy {refs['copy']['gbps']:.1f} GB/s, triad {refs['triad']['gbps']:.1f}, "
               f"add in place {refs['add_in_place']['gbps']:.1f}; torch fused AdamW "
-              f"{found['torch_fused_adamw']['gbps']:.1f} ({found['torch_fused_adamw']['of_copy']:.0%} of copy)")
+              f"{found['torch_fused_adamw']['gbps']:.1f} ({found['torch_fused_adamw']['of_copy']:.0%} of copy), "
+              f"moments in files {found['torch_fused_adamw_moments_in_files']['gbps']:.1f}")
         for name, layout in [*found["host_adam"].items(), *(("C " + k, v) for k, v in found["c_one_pass"].items())]:
             print(f"  {name:11s} {layout['bytes_a_number']:5.2f} B/number {layout['best_s'] * 1e3:7.1f} ms "
                   f"{layout['gbps']:5.1f} GB/s {layout['of_copy']:4.0%} of copy {layout['ns_a_number']:.2f} ns/number")
