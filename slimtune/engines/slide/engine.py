@@ -21,22 +21,31 @@ One micro-batch:
             adds them to the accumulators and, on the last micro-batch without clipping, runs that
             unit's AdamW while the device goes on with the block below. The embedding's gradient
             rows are added on the host.
-  step end  with clipping: the global norm over the host accumulators, then every unit's AdamW.
-            A barrier ends the step, so the result is exactly synchronous AdamW.
+  step end  with clipping: the global norm over the host accumulators, then every unit's AdamW,
+            submitted in the order the next step reads the units (below).
 
 Gradient accumulation: gradients of every micro-batch are summed on the host (each loss divided by
 the step's trained-token count, as in resident); updates wait for the last micro-batch. Clipping
-needs the global norm before any update, so with train.max_grad_norm > 0 every update runs after the
-last backward (the host AdamW time is then not hidden behind the device; each unit's norm is noted
-by its last host job, so only the sum of squares waits); with clipping off, each unit's update
-overlaps the backward of the blocks below it (`WorkingSet.backward_update`).
+needs the global norm before any update, so with train.max_grad_norm > 0 every update is submitted
+after the last backward (each unit's norm is noted by its last host job, so only the sum of squares
+waits), in the order the next step reads the units: the embedding (its rows are gathered first),
+blocks 0..N-1, the LM head (read at the loss). When the loop hands step() the next step's batches
+(`then=`: nothing reads the engine in between) the step returns with those updates still running, and
+the next forward overtakes them: block i waits only for block i's update (`HostUnit.update_job`, in
+`bind`), the embedding rows for the embedding's, the head tiles for the head's; a prefetch skips a
+unit still updating rather than hold up the block before it. The weights are those of the sequential
+order bit for bit: each unit's update is its own, and the next step's host jobs (gradient additions)
+queue behind the updates on the one worker thread. Without `then`, a barrier ends the step. With
+clipping off, each unit's update overlaps the backward of the blocks below it
+(`WorkingSet.backward_update`).
 
 What the host keeps, adds gradients into and updates is the working set's (working_set.py, chosen
 once from slide.working_set): every tensor's master and AdamW state in its unit (the default, as
 above), or one chunk's at a time (ChunkFT's on the window; the trainable tensors rest on the host as
 weights). The device side is the same under both: the engine never asks which it has.
 
-Ordering is explicit: a unit's next upload waits for its last update (`HostUnit.update_job`), a
+Ordering is explicit: a unit's next upload or host read waits for its last update
+(`HostUnit.update_job`; evaluation, trainable_state and state_dict wait for the whole worker), a
 staging buffer is refilled only after the host job that read it finished, and a slot is refilled
 only after the device work on it (an event on CUDA). On the CPU every copy is synchronous and the
 same code runs; host tensors are marked host-resident, so the meter counts what a GPU would hold.
@@ -97,7 +106,10 @@ class SlideEngine(Engine):
             unit.dist = dist  # each unit's complete gradients are summed across ranks on the host worker
         self.worker = runtime.HostWorker(inline=any(is_fake(p) for p in stack.model.parameters()), device=device)
         weakref.finalize(self, self.worker.close)  # its thread goes with the engine
-        self.working_set.attach(self._all_units(), self.worker)
+        # The loop may hand step() the next step's batches (then=): the step's updates then run on
+        # while the next forward starts. The planner's fake step runs its host jobs inline: nothing to overlap.
+        self.starts_ahead = not self.worker.inline
+        self.working_set.attach(self._all_units(), self.worker, self._read_order())
         stack.rotary.to(device)
         self.link = runtime.Link(device)
         grad_bytes = max(u.binding.grad_bytes for u in self.units)
@@ -126,6 +138,23 @@ class SlideEngine(Engine):
 
     def _edge_tensor(self, param: torch.Tensor) -> runtime.SlotTensor | None:
         return next((found for unit in self.edges if (found := unit.tensor_of(param)) is not None), None)
+
+    def _edge_unit(self, param: torch.Tensor) -> HostUnit | None:
+        return next((unit for unit in self.edges if unit.tensor_of(param) is not None), None)
+
+    def _read_order(self) -> list[HostUnit]:
+        """The units in the order a step first reads them: the embedding (its rows are gathered
+        before block 0; a tied table with the head), the blocks, the LM head (read at the loss)."""
+        embedding = self._edge_unit(self.stack.embed.weight)
+        return [*([embedding] if embedding else []), *self.units,
+                *(u for u in self.edges if u is not embedding)]
+
+    @staticmethod
+    def _await_update(unit: HostUnit | None) -> None:
+        """Wait for the unit's last AdamW before reading its host tensors (it may still run on the
+        worker while the next step's forward goes on)."""
+        if unit is not None and unit.update_job is not None:
+            unit.update_job.result()
 
     def _moments_dir(self, cfg: RunConfig) -> runtime.ScratchFolder | None:
         """slide.moments=disk: a private folder for the moment files, removed with the engine (sized
@@ -165,9 +194,12 @@ class SlideEngine(Engine):
         self.link.wait(unit.ready)  # compute waits for the copies (a prefetch's too)
 
     def _prefetch(self, index: int, with_grads: bool) -> None:
-        """Start copying unit `index` in while the current one computes, if a slot is free."""
+        """Start copying unit `index` in while the current one computes, if a slot is free and its
+        last update is done (waiting for it here would hold up the block that computes now)."""
         if 0 <= index < len(self.units) and self.units[index].slot is None and self.pool.free:
             unit = self.units[index]
+            if unit.update_job is not None and not unit.update_job.done():
+                return
             unit.ready = unit.bind(self.pool.acquire(unit.name), self.link, with_grads)
 
     @contextlib.contextmanager
@@ -207,7 +239,8 @@ class SlideEngine(Engine):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows, gathered on the host (the V x D table never goes up)."""
         weight = self.stack.embed.weight
-        unit = next((u for u in self.edges if u.tensor_of(weight) is not None), None)
+        unit = self._edge_unit(weight)
+        self._await_update(unit)
         with torch.no_grad():  # a trained table's rows come from its master, not the bf16 weight that goes up
             rows = self.stack.embed(input_ids.cpu()) if unit is None else unit.rows(weight, input_ids.cpu())
         return self.link.ready(self.link.to_device(rows.contiguous()))
@@ -229,6 +262,7 @@ class SlideEngine(Engine):
     def _tiles(self):
         """Yields (start, stop, rows of the LM head on the device), one tile at a time."""
         host = self.edge_head_weight()  # at rest: the host master (or frozen host tensor)
+        self._await_update(self._edge_unit(self.stack.head.weight))
         buffers, vocab = self.head_tiles, host.shape[0]
         rows = buffers[0].shape[0]
         for k, start in enumerate(range(0, vocab, rows)):
@@ -353,7 +387,8 @@ class SlideEngine(Engine):
             grad_norm = self.working_set.grad_norm()
             applied = rules.is_finite(loss_sum) and rules.is_finite(grad_norm) and not guard.tripped
             self.working_set.update(lr, grad_norm, applied)
-            self.worker.barrier()
+            if then is None:  # something may read the engine before the next step: the updates end here
+                self.worker.barrier()
         self.step_count += 1
         self.working_set.end_step(applied)
         return StepResult(
@@ -380,6 +415,7 @@ class SlideEngine(Engine):
         return held + self.working_set.host_bytes()
 
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
+        self.worker.barrier()  # the last step's updates, if it left them running
         self.stack.model.eval()
         return evaluate_batches(batches, self._eval_loss)
 
@@ -392,7 +428,8 @@ class SlideEngine(Engine):
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The working set's weights at full precision by parameter name (what the modules point at
-        between steps is not relied on)."""
+        between steps is not relied on), once the last step's updates are done."""
+        self.worker.barrier()
         return self.working_set.trainable_state()
 
     def state_dict(self) -> EngineState:

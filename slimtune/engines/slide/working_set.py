@@ -6,13 +6,17 @@ does with what arrives, the learning rate, the gradient norm, the update and the
 AllTensors (the default): every trainable tensor has an fp32 master, a gradient accumulator and
 AdamW moments in its host unit's HostAdam (optim/host_unit.py). With clipping off each unit's AdamW
 runs as soon as its gradients are complete, while the device goes on with the blocks below; with
-clipping every update waits for the global norm, noted per unit by its last host job.
+clipping every update waits for the global norm, noted per unit by its last host job, and is then
+submitted in the order the next step reads the units, each unit's `update_job` its own AdamW (the
+next forward may overtake the rest).
 
 OneChunk (slide.working_set=chunk: ChunkFT's working set on the window, spec chunkft.md): the units
 keep no HostAdam; their trainable tensors rest on the host as weights in the compute dtype, only
 the active chunk's pieces of the gradients that arrive are added up (host_gradients.py), and after
 backward one host AdamW updates that chunk (engines/chunk/state.py: every chunk's masters and
-moments, in RAM or files) and writes its new weights into the host tensors the next upload reads.
+moments, in RAM or files) and writes its new weights into the host tensors the next upload reads,
+one host job per unit the chunk touches, in the order the next step reads them: each such unit's
+`update_job` is its own write (behind the chunk's AdamW), the units outside the chunk wait for nothing.
 """
 
 from __future__ import annotations
@@ -85,8 +89,9 @@ class WorkingSet(abc.ABC):
         """Bytes of AdamW moments the host units keep (slide.moments=disk: the moment files' need)."""
 
     @abc.abstractmethod
-    def attach(self, units: list[HostUnit], worker: runtime.HostWorker) -> None:
-        """The engine's host units (blocks, then edges) and the worker their host jobs run on."""
+    def attach(self, units: list[HostUnit], worker: runtime.HostWorker, read_order: list[HostUnit]) -> None:
+        """The engine's host units (blocks, then edges), the worker their host jobs run on, and the
+        same units in the order a step first reads them (the order updates after backward go in)."""
 
     # ------------------------------------------------------------ one step
 
@@ -115,7 +120,8 @@ class WorkingSet(abc.ABC):
 
     @abc.abstractmethod
     def update(self, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
-        """The step's updates submitted (or, not `applied`, its gradients dropped)."""
+        """The step's updates submitted (or, not `applied`, its gradients dropped), not waited for:
+        each unit's `update_job` is the last job that writes what it uploads or reads on the host."""
 
     def end_step(self, applied: bool) -> None:
         """After the step's updates finished."""
@@ -173,8 +179,8 @@ class AllTensors(WorkingSet):
     def moments_bytes(self, trained: list[nn.Parameter]) -> int:
         return host_adam.moments_bytes(trained, self.train_cfg.moments)
 
-    def attach(self, units: list[HostUnit], worker: runtime.HostWorker) -> None:
-        self.units, self.worker = units, worker
+    def attach(self, units: list[HostUnit], worker: runtime.HostWorker, read_order: list[HostUnit]) -> None:
+        self.units, self.worker, self.read_order = units, worker, read_order
         self.accumulators = {key: grad for unit in units for key, grad in unit.accumulators.items()}
 
     def begin_step(self, step: int) -> float:
@@ -203,13 +209,13 @@ class AllTensors(WorkingSet):
         return torch.linalg.vector_norm(torch.stack(norms))
 
     def update(self, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
-        """With clipping, every unit's AdamW now (a step that may not update only empties the
-        accumulators); without, the updates ran during backward."""
+        """With clipping, every unit's AdamW now, in the order the next step reads them (a step that
+        may not update only empties the accumulators); without, the updates ran during backward."""
         if not self.clipping:
             return
         coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
         coef = 1.0 if is_fake(coefficient) else float(coefficient)
-        for unit in self.units:
+        for unit in self.read_order:
             if unit.adam is not None:
                 job = (unit.update, lr, coef) if applied else (unit.discard,)
                 unit.update_job = self.worker.submit(*job)
@@ -282,10 +288,13 @@ class OneChunk(WorkingSet):
         del trained
         return 0  # the units keep no moments: the chunk state does
 
-    def attach(self, units: list[HostUnit], worker: runtime.HostWorker) -> None:
+    def attach(self, units: list[HostUnit], worker: runtime.HostWorker, read_order: list[HostUnit]) -> None:
         """The chunks' masters and AdamW state over the trainable tensors, which rest on the host."""
         self.worker = worker
         self.host = {self.names[id(t.param)]: t.host for u in units for t in u.binding.tensors if t.trainable}
+        # Per unit in read order, the names of its trainable tensors (a tied table once).
+        self.unit_names = [(u, list(dict.fromkeys(self.names[id(t.param)] for t in u.binding.tensors if t.trainable)))
+                           for u in read_order]
         params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         axis = axis_of(self.model)
         self.state = ChunkState(params, {n: axis(n, p) for n, p in params.items()}, self.cfg, self.device,
@@ -312,20 +321,32 @@ class OneChunk(WorkingSet):
         return self.state.grad_norm(self.active)
 
     def update(self, lr: float, grad_norm: torch.Tensor, applied: bool) -> None:
-        """The active chunk's host AdamW (clipped by its own norm), its new weights written into the
-        host tensors they go up from; or its gradients dropped."""
+        """The active chunk's host AdamW (clipped by its own norm), then its new weights written into
+        the host tensors they go up from, a job per unit it touches in read order (that unit's
+        `update_job`); or its gradients dropped (no weight changes: nothing to wait for)."""
         k = self.active
         if not applied:
             self.worker.submit(self.state.discard, k)
-        else:
-            coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
-            host = self.host
+            return
+        coefficient = rules.clip_coefficient(grad_norm, self.train_cfg.max_grad_norm)
+        new_weights: dict[str, list] = {}  # name -> [(piece, its new weights)], filled by the AdamW job
 
-            def write(piece, values: torch.Tensor) -> None:
-                narrow(host[piece.name], piece).copy_(values)
+        def note(piece, values: torch.Tensor) -> None:
+            new_weights.setdefault(piece.name, []).append((piece, values))
 
-            self.worker.submit(self.state.update, k, lr, 1.0 if is_fake(coefficient) else float(coefficient), write)
-        self.worker.barrier()
+        self.worker.submit(self.state.update, k, lr, 1.0 if is_fake(coefficient) else float(coefficient), note)
+        touched = {piece.name for piece in self.state.chunks[k]}
+        for unit, names in self.unit_names:
+            mine = [n for n in names if n in touched]
+            if mine:  # runs after the AdamW job (one worker, in order), before the next chunk's overwrites its views
+                unit.update_job = self.worker.submit(self._write, new_weights, mine)
+
+    def _write(self, new_weights: dict[str, list], names: list[str]) -> None:
+        """On the worker: the named tensors' new pieces into the host tensors they go up from."""
+        with torch.no_grad():
+            for name in names:
+                for piece, values in new_weights[name]:
+                    narrow(self.host[name], piece).copy_(values)
 
     def end_step(self, applied: bool) -> None:
         if applied:
