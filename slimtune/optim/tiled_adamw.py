@@ -1,16 +1,24 @@
-"""One AdamW step over a flat run of numbers, a tile at a time, whatever form they rest in.
+"""One AdamW step over a flat run of numbers, whatever form they rest in, with torch's bits.
 
 A host optimizer's numbers rest in the narrowest form that still updates exactly: the master as a
 bf16 weight plus a 16-bit residual (split_master.py), the gradient in the dtype it came down in,
 the moments as fp32 or as 8-bit blockwise codes (moments8.py). AdamW itself is torch's fused CPU
-kernel (`torch._fused_adamw_`, what torch.optim.AdamW(fused=True) runs), applied to one tile of
-TILE numbers at a time: the tile is rebuilt into fp32 scratch that stays in the cache, updated, and
-written back in its resting form, so each number crosses memory once each way.
+kernel (`torch._fused_adamw_`, what torch.optim.AdamW(fused=True) runs), by one of two paths:
+- native: where the forms allow it (an fp32 master, split or whole with at most one bf16 shadow; a
+  gradient in fp32 or bf16 from one flat tensor; fp32 moments), one C loop over the whole run
+  (native/adamw.c) reads each number's pieces, updates them and writes them back in one pass, with
+  the fused kernel's bits (native/adamw.py checks them on the machine before first use);
+- tiled: everywhere else (8-bit moments, fp64 masters, no C compiler, SLIMTUNE_NATIVE=0), the fused
+  kernel on one tile of TILE numbers at a time: the tile is rebuilt into fp32 scratch that stays in
+  the cache, updated, and written back in its resting form, so each number crosses memory once
+  each way, at the cost of a few torch calls a tile.
+Both paths consume the gradient: it is emptied (zeroed) by the step, while its numbers are in cache.
 
 Tiles start at multiples of TILE from the run's start. The fused kernel computes the last
 `numel % 8` numbers of a call on a scalar path whose rounding can differ from its vector path
 (the second moment's, by an ulp); tiles that are multiples of the vector width put exactly the
-same numbers on each path as one call over the whole run does, so tiled and whole agree bit for bit.
+same numbers on each path as one call over the whole run does, so tiled and whole agree bit for bit
+(and the native loop takes the scalar formula for the same last numbers).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import torch
 
 from slimtune.device import runtime
 from slimtune.optim import moments8, split_master
+from slimtune.optim.native import adamw as native
 
 TILE = 1 << 16  # numbers a tile: a multiple of 256 (an 8-bit block) and of every vector width
 
@@ -52,10 +61,13 @@ SCRATCH = Scratch()
 
 
 def adamw(hyper: Hyper, step: torch.Tensor, numel: int, dtype: torch.dtype, master: "Form", grad: "Form",
-          exp_avg: "Form", exp_avg_sq: "Form") -> None:
-    """One AdamW step over [0, numel) in `dtype` (the masters'); `step` is already advanced. Each Form
-    lends a tile: a view where it rests in `dtype` (no copy), or a copy read into scratch and
-    written back."""
+          exp_avg: "Form", exp_avg_sq: "Form", threads: int = 1) -> None:
+    """One AdamW step over [0, numel) in `dtype` (the masters'); `step` is already advanced; the
+    gradient is emptied. Natively where the forms allow it (on `threads` threads), else a tile at a
+    time: each Form then lends a tile, a view where it rests in `dtype` (no copy), or a copy read into
+    scratch and written back."""
+    if dtype == torch.float32 and _native(hyper, step, numel, master, grad, exp_avg, exp_avg_sq, threads):
+        return
     scratch = SCRATCH.tiles(dtype)
     for start in range(0, numel, TILE):
         stop = min(start + TILE, numel)
@@ -66,6 +78,18 @@ def adamw(hyper: Hyper, step: torch.Tensor, numel: int, dtype: torch.dtype, mast
         master.write(start, stop, p)
         exp_avg.write(start, stop, m)
         exp_avg_sq.write(start, stop, v)
+        grad.clear(start, stop)
+
+
+def _native(hyper: Hyper, step: torch.Tensor, numel: int, master: "Form", grad: "Form", exp_avg: "Form",
+            exp_avg_sq: "Form", threads: int) -> bool:
+    """The step by the native loop, if every form lends it whole tensors; False (nothing done) if not."""
+    parts = (master.native("master"), grad.native("grad"), exp_avg.native("exp_avg"),
+             exp_avg_sq.native("exp_avg_sq"))
+    if any(part is None for part in parts):
+        return False
+    tensors = {role: t for part in parts for role, t in part.items()}
+    return native.step(hyper, float(step), numel, tensors, clip=grad.clip, threads=threads)
 
 
 class Form:
@@ -77,6 +101,16 @@ class Form:
     def write(self, start: int, stop: int, tile: torch.Tensor) -> None:
         """The updated tile back into its resting form (nothing to do for a view)."""
         del start, stop, tile
+
+    def clear(self, start: int, stop: int) -> None:
+        """Empty [start, stop) after the update (a gradient's accumulator; nothing for other forms)."""
+        del start, stop
+
+    def native(self, role: str) -> dict[str, torch.Tensor | None] | None:
+        """This form's tensors by native.step's roles, when it plays `role` ("master", "grad",
+        "exp_avg", "exp_avg_sq") in a form the native loop reads; None otherwise (the tile path)."""
+        del role
+        return None
 
 
 class Whole(Form):
@@ -92,6 +126,13 @@ class Whole(Form):
     def write(self, start, stop, tile):
         for shadow in self.shadows:
             shadow[start:stop].copy_(tile)
+
+    def native(self, role):
+        if role != "master":
+            return None if self.shadows else {role: self.flat}
+        if len(self.shadows) > 1:
+            return None
+        return {"master": self.flat, "shadow": self.shadows[0] if self.shadows else None}
 
 
 class Scaled(Form):
@@ -113,6 +154,16 @@ class Scaled(Form):
                 out[a - start : b - start].copy_(flat[a - offset : b - offset])
         return out.mul_(self.clip) if self.clip != 1.0 else out
 
+    def clear(self, start, stop):
+        for offset, flat in self.pieces:
+            a, b = max(start, offset), min(stop, offset + flat.numel())
+            if a < b:
+                flat[a - offset : b - offset].zero_()
+
+    def native(self, role):
+        one = len(self.pieces) == 1 and self.pieces[0][0] == 0
+        return {"grad": self.pieces[0][1]} if role == "grad" and one else None
+
 
 class Split(Form):
     """A master resting as its bf16 weight and a 16-bit residual (split_master.py): rebuilt into
@@ -129,6 +180,11 @@ class Split(Form):
         split_master.split(tile, self.weights[start:stop], self.residuals[start:stop])
         for copy in self.copies:
             copy[start:stop].copy_(self.weights[start:stop])
+
+    def native(self, role):
+        if role != "master" or len(self.copies) > 1:
+            return None
+        return {"weight": self.weights, "residual": self.residuals, "shadow": self.copies[0] if self.copies else None}
 
 
 class Coded(Form):

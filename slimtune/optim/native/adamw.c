@@ -1,0 +1,197 @@
+/* One AdamW step over a flat run of numbers, in one pass, with the bits of torch's fused CPU AdamW.
+
+   A host optimizer's numbers rest narrow (tiled_adamw.py says which forms): the fp32 master whole
+   or as a bf16 weight plus a 16-bit residual (split_master.py), the gradient in fp32 or bf16, the
+   moments in fp32. This loop reads each number's pieces once, rebuilds the fp32 master, runs
+   AdamW on it and writes every piece back where it rests, so each byte crosses memory once each
+   way and the step runs at the memory's speed.
+
+   The arithmetic is torch._fused_adamw_'s for fp32 parameters in ADAMW mode, operation for
+   operation, so both paths leave the same bits (tests/unit/test_native_adamw.py holds them to it,
+   and the loader checks it again on the machine before using this file):
+     p = p * decay                                  only when weight decay is nonzero
+     m = fma(coeff, g - m, base)                    lerp(m, g, w), w = 1 - beta1: coeff = w and base = m
+                                                    when |w| < 0.5, else coeff = w - 1 and base = g
+     v = fma(c2 * g, g, v * beta2)                  c2 = 1 - beta2 (torch's vector path, as gcc
+                                                    contracted its v * beta2 + c2 * g * g)
+     v = fma(v, beta2, c2 * g * g)                  (its scalar path: the run's last n % 8 numbers)
+     p = p - step_size * m / (sqrt(v) / bias2_sqrt + eps)
+   Each constant is a double rounded once to float, as torch rounds it. Compiled with
+   -ffp-contract=off, so only the fmaf calls written here fuse. The gradient is first multiplied
+   by the clipping coefficient in fp32 (g * (float)clip), as tiled_adamw's tile path does.
+
+   Non-finite values: every finite input gives torch's bits. A NaN master gives a NaN, with the bf16
+   pattern 0xFFFF (torch's vector conversion); torch's scalar conversion writes 0x7FC0, so the
+   patterns of NaN weights may differ from the tile path's. */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define SLICE_ALIGN 256 /* threads split the run at multiples of this (cache lines, 8-bit blocks) */
+#define MAX_THREADS 64
+
+/* AdamW's constants for one step, each a double rounded once to float as torch rounds it
+   (native/adamw.py computes them). */
+typedef struct {
+    float decay;           /* 1 - lr * weight_decay, or 1 without weight decay */
+    float lerp_weight;     /* 1 - beta1 */
+    float beta2;
+    float one_minus_beta2;
+    float bias2_sqrt;      /* sqrt(1 - beta2^step) */
+    float eps;
+    float step_size;       /* lr / (1 - beta1^step) */
+    float clip;            /* the clipping coefficient, or 1 when not clipping */
+} Hyper;
+
+typedef struct {
+    int64_t numel;
+    int64_t vector_end;   /* numbers before it take torch's vector formula for v, the rest its scalar one */
+    int32_t split;        /* 1: weight + residual; 0: whole fp32 master */
+    int32_t grad_bf16;    /* 1: bf16 gradient; 0: fp32 */
+    int32_t threads;
+    float *master;        /* whole master, or NULL */
+    uint16_t *weight;     /* split: bf16 weight */
+    int16_t *residual;    /* split: residual */
+    uint16_t *shadow;     /* a bf16 copy of the new weights (whole: its shadow; split: a copy), or NULL */
+    void *grad;
+    float *exp_avg;
+    float *exp_avg_sq;
+} Run;
+
+static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* bf16 -> fp32: exact. */
+static inline float widen(uint16_t b) { return from_bits((uint32_t)b << 16); }
+
+/* fp32 -> bf16, round to nearest even (a carry into the exponent rounds up to the next binade or
+   to infinity, as it should); NaN -> 0xFFFF. */
+static inline uint16_t narrow(float f) {
+    uint32_t u = to_bits(f);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFFu : 0u;  /* integer compares: no branch */
+    return (uint16_t)(rounded | nan);
+}
+
+/* split_master.combine: (bits(weight) << 16) + residual, the residual sign-extended. */
+static inline float combine(uint16_t weight, int16_t residual) {
+    return from_bits(((uint32_t)weight << 16) + (uint32_t)(int32_t)residual);
+}
+
+/* split_master.split's residual: bits(master) - int16(weight) * 65536 in wrapping int32, clamped. */
+static inline int16_t residual_of(float master, uint16_t weight) {
+    uint32_t top = (uint32_t)(int32_t)(int16_t)weight << 16;
+    int32_t diff = (int32_t)(to_bits(master) - top);
+    diff = diff < 32767 ? diff : 32767;
+    diff = diff > -32768 ? diff : -32768;
+    return (int16_t)diff;
+}
+
+/* One number's AdamW. `scalar`: torch's scalar-path formula for v (a compile-time constant). The
+   clip and decay factors are 1 when unused: x * 1.0f is x, so no branch is needed to skip them. */
+static inline __attribute__((always_inline)) float adamw(float p, float g, float *m, float *v,
+                                                         const Hyper h, const float coeff,
+                                                         const int small, const int scalar) {
+    const float c2 = h.one_minus_beta2;
+    g = g * h.clip;
+    p = p * h.decay;
+    const float m0 = *m, v0 = *v;  /* loaded whatever the branch: a conditional load stops vectorizing */
+    const float m1 = fmaf(coeff, g - m0, small ? m0 : g);
+    const float v1 = scalar ? fmaf(v0, h.beta2, c2 * g * g) : fmaf(c2 * g, g, v0 * h.beta2);
+    *m = m1;
+    *v = v1;
+    return p - h.step_size * m1 / (sqrtf(v1) / h.bias2_sqrt + h.eps);
+}
+
+/* [begin, end) of a run. split, grad_bf16, shadows and scalar are compile-time constants at each
+   call, so every loop is straight-line code that gcc vectorizes; the pointers are restrict
+   parameters (the run's tensors never overlap), so it needs no run-time overlap checks. The gradient
+   is emptied as it is read. */
+static inline __attribute__((always_inline)) void span(
+        int64_t begin, int64_t end, const Hyper h, float *restrict master, uint16_t *restrict weight,
+        int16_t *restrict residual, uint16_t *restrict shadow, uint16_t *restrict g16, float *restrict g32,
+        float *restrict m, float *restrict v, const int split, const int grad_bf16, const int shadows,
+        const int scalar) {
+    const int small = fabsf(h.lerp_weight) < 0.5f;  /* lerp's two branches, as torch picks them */
+    const float coeff = small ? h.lerp_weight : h.lerp_weight - 1.0f;
+    for (int64_t i = begin; i < end; i++) {
+        float p = split ? combine(weight[i], residual[i]) : master[i];
+        float g = grad_bf16 ? widen(g16[i]) : g32[i];
+        p = adamw(p, g, &m[i], &v[i], h, coeff, small, scalar);
+        uint16_t top = narrow(p);
+        if (split) {
+            weight[i] = top;
+            residual[i] = residual_of(p, top);
+        } else {
+            master[i] = p;
+        }
+        if (shadows) shadow[i] = top;
+        if (grad_bf16) g16[i] = 0;
+        else g32[i] = 0.0f;
+    }
+}
+
+#define SPAN(split, bf16, shadows)                                                                  \
+    span(begin, end, *h, r->master, r->weight, r->residual, r->shadow, (uint16_t *)r->grad,          \
+         (float *)r->grad, r->exp_avg, r->exp_avg_sq, split, bf16, shadows, scalar)
+
+static void span_of_kind(const Run *r, const Hyper *h, int64_t begin, int64_t end, const int scalar) {
+    if (begin >= end) return;
+    const int kind = r->split * 4 + r->grad_bf16 * 2 + (r->shadow != NULL);
+    switch (kind) {
+        case 0: SPAN(0, 0, 0); break;
+        case 1: SPAN(0, 0, 1); break;
+        case 2: SPAN(0, 1, 0); break;
+        case 3: SPAN(0, 1, 1); break;
+        case 4: SPAN(1, 0, 0); break;
+        case 5: SPAN(1, 0, 1); break;
+        case 6: SPAN(1, 1, 0); break;
+        default: SPAN(1, 1, 1); break;
+    }
+}
+
+/* [begin, end), its numbers before r->vector_end on the vector formula, the rest on the scalar one. */
+static void slice(const Run *r, const Hyper *h, int64_t begin, int64_t end) {
+    int64_t mid = r->vector_end < begin ? begin : r->vector_end > end ? end : r->vector_end;
+    span_of_kind(r, h, begin, mid, 0);
+    span_of_kind(r, h, mid, end, 1);
+}
+
+typedef struct {
+    const Run *run;
+    const Hyper *hyper;
+    int64_t begin, end;
+} Slice;
+
+static void *slice_thread(void *arg) {
+    const Slice *s = (const Slice *)arg;
+    slice(s->run, s->hyper, s->begin, s->end);
+    return NULL;
+}
+
+/* The step over the whole run, on r->threads threads (this one among them). Returns 0. */
+int slimtune_adamw(const Run *r, const Hyper *h) {
+    int threads = r->threads < 1 ? 1 : r->threads > MAX_THREADS ? MAX_THREADS : r->threads;
+    int64_t per = (r->numel / threads + SLICE_ALIGN - 1) / SLICE_ALIGN * SLICE_ALIGN;
+    if (threads == 1 || per == 0) {
+        slice(r, h, 0, r->numel);
+        return 0;
+    }
+    Slice slices[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started = 0;
+    for (int t = 0; t < threads; t++) {
+        int64_t begin = t * per, end = begin + per < r->numel ? begin + per : r->numel;
+        slices[t] = (Slice){r, h, begin < r->numel ? begin : r->numel, end};
+    }
+    for (int t = 1; t < threads; t++) {  /* a thread that cannot start leaves its slice to this one */
+        if (pthread_create(&ids[t], NULL, slice_thread, &slices[t]) != 0) break;
+        started = t;
+    }
+    slice_thread(&slices[0]);
+    for (int t = started + 1; t < threads; t++) slice_thread(&slices[t]);
+    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
+    return 0;
+}

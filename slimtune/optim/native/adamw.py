@@ -1,0 +1,155 @@
+"""The one-pass host AdamW (adamw.c) as Python calls it: the run's tensors in, bits as torch's fused
+CPU AdamW leaves them out.
+
+`step` takes the run's tensors by role (as tiled_adamw's forms lend them), checks that the kernel
+can read them (real, contiguous CPU tensors of the dtypes it knows, no two overlapping) and calls
+it; it returns False, having done nothing, where it cannot, and the caller runs its tile path.
+SLIMTUNE_NATIVE=0 in the environment makes it always return False: the torch path, for comparing
+the two (they give the same bits; only the speed differs).
+
+Before first use the library is checked on this machine against torch._fused_adamw_ itself, on runs
+of every length mod 16 and both of lerp's branches: torch's arithmetic depends on how it was built
+(which multiply-adds its compiler fused, where its scalar tail begins), and a torch that computes
+otherwise is met with one line on stderr and the tile path, never with different bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from slimtune.optim.native import build
+
+# torch's fused CPU AdamW computes a call's last numel % 8 numbers on its scalar path (under both its
+# AVX2 and AVX512 builds, measured): v's multiply-add is fused the other way round there.
+SCALAR_TAIL = 8
+ENV = "SLIMTUNE_NATIVE"
+ROLES = ("master", "weight", "residual", "shadow", "grad", "exp_avg", "exp_avg_sq")
+DTYPES = {"master": (torch.float32,), "weight": (torch.bfloat16,), "residual": (torch.int16,),
+          "shadow": (torch.bfloat16,), "grad": (torch.float32, torch.bfloat16), "exp_avg": (torch.float32,),
+          "exp_avg_sq": (torch.float32,)}
+
+
+class Hyper(ctypes.Structure):
+    """adamw.c's Hyper: the step's constants, each rounded once to float."""
+
+    _fields_ = [(name, ctypes.c_float) for name in
+                ("decay", "lerp_weight", "beta2", "one_minus_beta2", "bias2_sqrt", "eps", "step_size", "clip")]
+
+
+class Run(ctypes.Structure):
+    """adamw.c's Run: the run's length, its layout and its tensors' addresses."""
+
+    _fields_ = [("numel", ctypes.c_int64), ("vector_end", ctypes.c_int64), ("split", ctypes.c_int32),
+                ("grad_bf16", ctypes.c_int32), ("threads", ctypes.c_int32),
+                *((role, ctypes.c_void_p) for role in ROLES)]
+
+
+def constants(hyper, step: float, clip: float) -> Hyper:
+    """The constants torch's kernel computes in double from (lr, betas, eps, weight decay) and the
+    step count, then rounds to float. `hyper`: tiled_adamw.Hyper (or anything with its fields)."""
+    bias1 = 1 - hyper.beta1 ** step
+    bias2 = 1 - hyper.beta2 ** step
+    decay = 1 - hyper.lr * hyper.weight_decay if hyper.weight_decay != 0 else 1.0
+    return Hyper(decay, 1 - hyper.beta1, hyper.beta2, 1 - hyper.beta2, math.sqrt(bias2), hyper.eps,
+                 hyper.lr / bias1, clip)
+
+
+def enabled() -> bool:
+    """False when SLIMTUNE_NATIVE=0 asks for torch's path."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+def step(hyper, step_count: float, numel: int, tensors: dict[str, torch.Tensor | None], clip: float = 1.0,
+         threads: int = 1) -> bool:
+    """One AdamW step over `numel` numbers, in place, on `threads` threads. `tensors` by role: a whole
+    fp32 "master" or a split "weight" and "residual"; an optional bf16 "shadow" that gets the new bf16
+    weights; the "grad" (fp32 or bf16; emptied as it is read) and fp32 "exp_avg", "exp_avg_sq". True
+    when done; False (nothing done) where SLIMTUNE_NATIVE=0, the library is unavailable or the
+    tensors are not ones it reads."""
+    if not enabled() or not _readable(numel, tensors):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    run = Run(numel, numel - numel % SCALAR_TAIL, tensors.get("weight") is not None,
+              tensors["grad"].dtype == torch.bfloat16, threads,
+              *(None if tensors.get(role) is None else tensors[role].data_ptr() for role in ROLES))
+    lib.slimtune_adamw(ctypes.byref(run), ctypes.byref(constants(hyper, step_count, clip)))
+    return True
+
+
+def _readable(numel: int, tensors: dict[str, torch.Tensor | None]) -> bool:
+    """The tensors are ones the kernel reads: a complete layout, each a real contiguous CPU tensor of
+    `numel` numbers in a dtype it knows, no two sharing memory."""
+    present = {role: t for role, t in tensors.items() if t is not None}
+    masters = "master" in present, "weight" in present and "residual" in present
+    if masters[0] == masters[1] or not {"grad", "exp_avg", "exp_avg_sq"} <= present.keys():
+        return False
+    for role, t in present.items():
+        if (role not in DTYPES or t.dtype not in DTYPES[role] or isinstance(t, FakeTensor)
+                or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != numel):
+            return False
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in present.values())
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """adamw.c built and loaded, once it has left torch's bits on this machine; else None (said once)."""
+    if not _cpu_runs_it():
+        build.say_once("the native host AdamW needs AVX2 and FMA, which torch does not use here "
+                       f"(capability {torch.backends.cpu.get_cpu_capability()}): the tiled torch path runs.")
+        return None
+    lib = build.load("adamw.c")
+    if lib is None:
+        return None
+    lib.slimtune_adamw.argtypes = [ctypes.POINTER(Run), ctypes.POINTER(Hyper)]
+    lib.slimtune_adamw.restype = ctypes.c_int
+    if not _agrees_with_torch(lib):
+        build.say_once(f"the native host AdamW does not give torch {torch.__version__}'s bits on this machine "
+                       f"(capability {torch.backends.cpu.get_cpu_capability()}): the tiled torch path runs.")
+        return None
+    return lib
+
+
+def _cpu_runs_it() -> bool:
+    """On x86 the library uses AVX2 and FMA: present whenever torch itself runs AVX2 or AVX512 code."""
+    if build.X86_FLAGS[0] not in build.flags():
+        return True
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+class _Settings:
+    """Hyper-parameters for the load-time check (tiled_adamw.Hyper's fields)."""
+
+    def __init__(self, lr, beta1, beta2, eps, weight_decay):
+        self.lr, self.beta1, self.beta2, self.eps, self.weight_decay = lr, beta1, beta2, eps, weight_decay
+
+
+def _agrees_with_torch(lib: ctypes.CDLL) -> bool:
+    """The library and torch._fused_adamw_ leave the same bits on runs of every length mod 16 (the
+    scalar tail), four of each, with and without weight decay and clipping, on both of lerp's branches
+    (a few milliseconds, once a process)."""
+    generator = torch.Generator().manual_seed(0)
+    for length in range(1024, 1088):
+        settings = _Settings(1e-3 * (1 + length % 3), (0.9, 0.3)[length % 2], 0.999, 1e-8, 0.01 * (length % 3))
+        numel, step_count, clip = length, float(1 + length % 5), (1.0, 0.37)[length % 2]
+        p, g, m = (torch.randn(numel, generator=generator) * scale for scale in (1.0, 1e-2, 1e-3))
+        v = torch.rand(numel, generator=generator) * 1e-4
+        ours = {"master": p.clone(), "grad": g.clone(), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+        run = Run(numel, numel - numel % SCALAR_TAIL, 0, 0, 1, *(ours[r].data_ptr() if r in ours else None
+                                                                 for r in ROLES))
+        lib.slimtune_adamw(ctypes.byref(run), ctypes.byref(constants(settings, step_count, clip)))
+        torch._fused_adamw_([p], [g.mul_(clip)], [m], [v], [], [torch.tensor(step_count)], amsgrad=False,
+                            lr=settings.lr, beta1=settings.beta1, beta2=settings.beta2,
+                            weight_decay=settings.weight_decay, eps=settings.eps, maximize=False)
+        if not all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                   for a, b in zip((p, m, v), (ours["master"], ours["exp_avg"], ours["exp_avg_sq"]))):
+            return False
+    return True

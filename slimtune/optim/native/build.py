@@ -1,0 +1,108 @@
+"""Compile a C file of this folder at first use and load it with ctypes.
+
+The library lands in a cache folder ($XDG_CACHE_HOME/slimtune/kernels, else
+~/.cache/slimtune/kernels) under a name keyed by the hash of its source, flags and compiler, so a
+changed source builds anew and an unchanged one loads in a millisecond. It is written to a temporary
+file and renamed into place, so two processes building at once (two test workers) each load a
+whole library. Without a compiler, or when compiling fails, `load` says so once on stderr (one
+line, no traceback) and returns None: the caller then takes its torch path.
+
+Plain C, no torch headers: a build takes a fraction of a second. ctypes releases the GIL while a
+loaded function runs, so a worker thread computes beside the Python thread driving the device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+# -ffp-contract=off: only the fmaf calls the source writes fuse, so its rounding is the source's.
+# -fno-math-errno: sqrtf is the bare instruction, which vectorizes.
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
+X86_FLAGS = ("-mavx2", "-mfma")  # the loader checks the CPU has both before loading (native/adamw.py)
+COMPILE_TIMEOUT_S = 120
+
+_said: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """One line on stderr, once per process: why a native kernel is not used."""
+    if message not in _said:
+        _said.add(message)
+        print(f"slimtune: {message}", file=sys.stderr)
+
+
+def flags() -> tuple[str, ...]:
+    return FLAGS + (X86_FLAGS if platform.machine().lower() in ("x86_64", "amd64") else ())
+
+
+def compiler() -> str | None:
+    """$CC, else cc, gcc or clang on the PATH."""
+    named = os.environ.get("CC")
+    candidates = [named] if named else ["cc", "gcc", "clang"]
+    return next((found for c in candidates if (found := shutil.which(c))), None)
+
+
+def cache_folder() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "slimtune" / "kernels"
+
+
+def library_path(source: Path, cc: str) -> Path:
+    """Where `source`'s library lives: its stem and a hash of the source, the flags and the compiler."""
+    key = hashlib.sha256(source.read_bytes() + "\0".join((*flags(), cc)).encode()).hexdigest()[:16]
+    return cache_folder() / f"{source.stem}-{key}.so"
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The library built from `name` (a .c file in this folder), built first if the cache lacks it;
+    None (said once) where it cannot be built or loaded."""
+    cc = compiler()
+    if cc is None:
+        say_once("no C compiler (cc, gcc, clang or $CC) found: the host AdamW runs on torch's tiled path "
+                 "(same results, slower).")
+        return None
+    source = HERE / name
+    target = library_path(source, cc)
+    if not target.exists():
+        failure = _build(cc, source, target)
+        if failure:
+            say_once(f"compiling {source.name} failed ({failure}): the host AdamW runs on torch's tiled path "
+                     "(same results, slower).")
+            return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as error:
+        say_once(f"loading {target} failed ({error}): the host AdamW runs on torch's tiled path.")
+        return None
+
+
+def _build(cc: str, source: Path, target: Path) -> str | None:
+    """Compile source into target atomically; the reason it failed, or None."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
+        os.close(handle)
+    except OSError as error:
+        return f"cannot write {target.parent}: {error.strerror}"
+    try:
+        made = subprocess.run([cc, *flags(), str(source), "-o", temporary, "-lm"], capture_output=True,
+                              text=True, timeout=COMPILE_TIMEOUT_S)
+        if made.returncode != 0:
+            last = (made.stderr.strip().splitlines() or ["no message"])[-1]
+            return f"{Path(cc).name} exited with {made.returncode}: {last}"
+        os.replace(temporary, target)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return str(error)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)

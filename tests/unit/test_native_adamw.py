@@ -1,0 +1,245 @@
+"""The native one-pass host AdamW (slimtune/optim/native) against torch.
+
+- Against torch._fused_adamw_ itself (what torch.optim.AdamW(fused=True) runs), whole fp32 masters
+  and fp32 gradients: the same bits over runs of more than 10^6 numbers per case, for several lr,
+  betas, eps, weight decays, step counts and clipping coefficients, values over many decades, zero
+  gradients, tiny and zero second moments, and every run length mod 16 (torch's scalar tail).
+- Against tiled_adamw's torch tile path (SLIMTUNE_NATIVE=0) for every layout the kernel reads: split
+  or whole master, bf16 or fp32 gradient, with or without a bf16 shadow; masters at the edges of
+  the split (binade boundaries, ties, the top of the range, subnormals, -0); on 1 and 2 threads; and
+  through HostAdam.update, whose layouts take it.
+- Building: a library is compiled once into the cache folder under its hash and loaded from there
+  after; no compiler, or a failing one, means one line on stderr and the torch path, never an error.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from slimtune.optim import split_master, tiled_adamw
+from slimtune.optim.host_adam import Group, HostAdam, Layout
+from slimtune.optim.native import adamw as native
+from slimtune.optim.native import build
+
+CPU = torch.device("cpu")
+MILLION = (1 << 20) + 13  # more than 10^6 numbers, with a scalar tail of 5
+
+
+@pytest.fixture(autouse=True)
+def needs_the_library():
+    """Skipped only without a compiler; with one, a library that fails its load-time check against
+    torch (and so is not used) fails here."""
+    if build.compiler() is None:
+        pytest.skip("no C compiler on this machine: the torch path runs, and is tested elsewhere")
+    assert native.library() is not None
+
+
+def spread(numel: int, generator: torch.Generator, low: int, high: int) -> torch.Tensor:
+    """Random signs and mantissas over decades 10^low .. 10^high."""
+    exponents = torch.randint(low, high + 1, (numel,), generator=generator).to(torch.float32)
+    return torch.randn(numel, generator=generator) * torch.pow(10.0, exponents)
+
+
+def state(numel: int, seed: int, extreme: bool = False) -> dict[str, torch.Tensor]:
+    """A master, gradient and moments; `extreme`: values over many decades, exact zero gradients and
+    moments, subnormal second moments."""
+    g = torch.Generator().manual_seed(seed)
+    if not extreme:
+        return {"master": torch.randn(numel, generator=g), "grad": torch.randn(numel, generator=g) * 1e-2,
+                "exp_avg": torch.randn(numel, generator=g) * 1e-3, "exp_avg_sq": torch.rand(numel, generator=g) * 1e-4}
+    grad = spread(numel, g, -30, 3)
+    grad[torch.rand(numel, generator=g) < 0.1] = 0.0
+    exp_avg = spread(numel, g, -30, 0)
+    exp_avg[torch.rand(numel, generator=g) < 0.1] = 0.0
+    exp_avg_sq = spread(numel, g, -45, 2).abs()  # down to fp32's subnormals
+    exp_avg_sq[torch.rand(numel, generator=g) < 0.1] = 0.0
+    return {"master": spread(numel, g, -20, 20), "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def torch_step(s: dict[str, torch.Tensor], hyper: tiled_adamw.Hyper, step: float, clip: float) -> None:
+    """The plain way: the gradient times clip (as torch multiplies a tensor by a Python float), then
+    torch's fused AdamW over the whole run."""
+    grad = s["grad"].mul_(clip) if clip != 1.0 else s["grad"]
+    torch._fused_adamw_([s["master"]], [grad], [s["exp_avg"]], [s["exp_avg_sq"]], [], [torch.tensor(step)],
+                        amsgrad=False, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                        weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+CASES = {  # (lr, beta1, beta2, eps, weight decay), step, clip, extreme values
+    "defaults": (tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), 1.0, 1.0, False),
+    "no_decay_step_7_clipped": (tiled_adamw.Hyper(2e-4, 0.9, 0.95, 1e-8, 0.0), 7.0, 0.37, False),
+    "large_lerp_weight": (tiled_adamw.Hyper(3e-2, 0.3, 0.9, 1e-6, 0.1), 3.0, 0.5, False),
+    "lerp_weight_one_half": (tiled_adamw.Hyper(1e-4, 0.5, 0.99, 1e-3, 0.5), 2.0, 1.0, False),
+    "large_step": (tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), 1e6, 0.9, False),
+    "extreme_values": (tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), 5.0, 0.123, True),
+    "extreme_values_step_1": (tiled_adamw.Hyper(1e-2, 0.8, 0.99, 1e-12, 0.0), 1.0, 1.0, True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_kernel_leaves_torch_fused_adamws_bits_over_a_million_numbers(case):
+    hyper, step, clip, extreme = CASES[case]
+    ours, theirs = state(MILLION, 1, extreme), state(MILLION, 1, extreme)
+    assert native.step(hyper, step, MILLION, ours, clip=clip)
+    torch_step(theirs, hyper, step, clip)
+    for role in ("master", "exp_avg", "exp_avg_sq"):
+        assert same_bits(ours[role], theirs[role]), role
+    assert torch.count_nonzero(ours["grad"]) == 0  # the gradient is consumed
+
+
+@pytest.mark.quick
+def test_every_run_length_mod_16_leaves_torch_fused_adamws_bits():
+    """Short runs: all vector path, all scalar tail, and every mix; 20 steps on each."""
+    hyper = tiled_adamw.Hyper(1e-2, 0.9, 0.99, 1e-8, 0.1)
+    for numel in [*range(1, 40), 1021, 1024]:
+        ours, theirs = state(numel, numel), state(numel, numel)
+        for step in range(1, 21):
+            fresh = torch.randn(numel, generator=torch.Generator().manual_seed(step)) * 1e-2
+            ours["grad"].copy_(fresh)
+            theirs["grad"].copy_(fresh)
+            assert native.step(hyper, float(step), numel, ours, clip=0.7)
+            torch_step(theirs, hyper, float(step), 0.7)
+        assert all(same_bits(ours[r], theirs[r]) for r in ("master", "exp_avg", "exp_avg_sq")), numel
+
+
+# ---------------------------------------------------------------- every layout against the tile path
+
+
+def layout_forms(split: bool, grad_dtype: torch.dtype, shadow: bool, masters: torch.Tensor, seed: int):
+    """(master form, gradient form, moment forms, the tensors to compare) for one layout."""
+    g = torch.Generator().manual_seed(seed)
+    numel = masters.numel()
+    grad = (torch.randn(numel, generator=g) * 1e-2).to(grad_dtype)
+    m, v = torch.randn(numel, generator=g) * 1e-3, torch.rand(numel, generator=g) * 1e-4
+    copy = torch.zeros(numel, dtype=torch.bfloat16) if shadow else None
+    if split:
+        weights, residuals = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.int16)
+        split_master.split(masters, weights, residuals)
+        master = tiled_adamw.Split(weights, residuals, (copy,) if shadow else ())
+        held = [weights, residuals]
+    else:
+        master = tiled_adamw.Whole(masters.clone(), (copy,) if shadow else ())
+        held = [master.flat]
+    forms = (master, tiled_adamw.Scaled([(0, grad)], 0.3), tiled_adamw.Whole(m), tiled_adamw.Whole(v))
+    return forms, [*held, grad, m, v, *([copy] if shadow else [])]
+
+
+def both_paths(monkeypatch, masters: torch.Tensor, steps: int = 3, threads: int = 1, **layout) -> None:
+    """The same steps by the native loop and by the tile path leave the same bits everywhere."""
+    runs = []
+    for native_on in ("1", "0"):
+        monkeypatch.setenv(native.ENV, native_on)
+        forms, held = layout_forms(masters=masters, seed=5, **layout)
+        for step in range(1, steps + 1):
+            forms[1].pieces[0][1].copy_(torch.randn(masters.numel(), generator=torch.Generator().manual_seed(step)))
+            tiled_adamw.adamw(tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), torch.tensor(float(step)),
+                              masters.numel(), torch.float32, *forms, threads=threads)
+        runs.append(held)
+    for ours, theirs in zip(*runs):
+        assert same_bits(ours, theirs)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16_grad", "fp32_grad"])
+@pytest.mark.parametrize("shadow", [True, False], ids=["shadow", "no_shadow"])
+def test_every_layout_equals_the_tile_path_bit_for_bit(monkeypatch, split, grad_dtype, shadow):
+    masters = torch.randn(3 * tiled_adamw.TILE + 11, generator=torch.Generator().manual_seed(2))
+    both_paths(monkeypatch, masters, split=split, grad_dtype=grad_dtype, shadow=shadow)
+
+
+def edge_masters() -> torch.Tensor:
+    """Masters where the split is delicate: every binade's boundary and bf16's ties on both sides
+    (some round up into the next binade), the largest finite values (some round to an infinite
+    weight), subnormals, +-0, and the exact upper tie of even weights (split_master's one rule)."""
+    exponents = torch.arange(-149, 128, dtype=torch.float64)
+    bases = torch.cat([torch.ldexp(torch.ones_like(exponents), exponents.to(torch.int64)),
+                       torch.tensor([3.3895313892515355e38, 3.4028234663852886e38, 0.0, 1e-45, 1.1754942e-38])])
+    bits = bases.to(torch.float32).view(torch.int32)
+    offsets = torch.tensor([-0x8001, -0x8000, -0x7FFF, -1, 0, 1, 0x7FFF, 0x8000, 0x8001, 0x18000], dtype=torch.int32)
+    near = (bits[:, None] + offsets[None, :]).flatten()
+    finite = near.view(torch.float32)
+    finite = finite[torch.isfinite(finite)]
+    return torch.cat([finite, -finite])
+
+
+def test_masters_at_the_edges_of_the_split_equal_the_tile_path(monkeypatch):
+    both_paths(monkeypatch, edge_masters(), split=True, grad_dtype=torch.bfloat16, shadow=True)
+    both_paths(monkeypatch, edge_masters(), split=False, grad_dtype=torch.float32, shadow=True)
+
+
+def test_two_threads_leave_the_bits_of_one(monkeypatch):
+    for numel in (255, 257, 2 * 256 + 7, 100_003):
+        masters = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+        both_paths(monkeypatch, masters, threads=2, split=True, grad_dtype=torch.bfloat16, shadow=False)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+def test_host_adam_updates_the_same_with_and_without_the_kernel(monkeypatch, split):
+    groups = [Group((torch.Size([300, 257]), torch.Size([1001])), 0.1), Group((torch.Size([4099]),), 0.0)]
+    adams = []
+    for native_on in ("1", "0"):
+        monkeypatch.setenv(native.ENV, native_on)
+        adam = HostAdam("n", groups, torch.float32, CPU, {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8},
+                        shadow_dtype=torch.bfloat16, layout=Layout(split=split, grad_dtype=torch.bfloat16))
+        adam.load_group_masters([[torch.randn(s, generator=torch.Generator().manual_seed(3)) for s in g.shapes]
+                                 for g in groups])
+        for step in range(4):
+            for k, group in enumerate(groups):
+                adam.grads[k].copy_(torch.randn(group.numel, generator=torch.Generator().manual_seed(step)))
+            adam.update(1e-2, (1.0, 0.5)[step % 2])
+        adams.append(adam.state_dict())
+    ours, theirs = adams
+    for key in ("masters", "exp_avg", "exp_avg_sq"):
+        assert all(same_bits(a, b) for a, b in zip(ours[key], theirs[key])), key
+
+
+def test_tensors_the_kernel_cannot_read_are_left_to_the_tile_path():
+    hyper, s = CASES["defaults"][0], state(64, 0)
+    assert not native.step(hyper, 1.0, 64, {**s, "master": s["master"].double()})
+    assert not native.step(hyper, 1.0, 64, {**s, "exp_avg": torch.zeros(128)[::2]})  # strided
+    assert not native.step(hyper, 1.0, 64, {**s, "exp_avg_sq": s["exp_avg"]})  # two roles, one tensor
+    assert not native.step(hyper, 1.0, 64, {k: v for k, v in s.items() if k != "exp_avg"})
+    assert not native.step(hyper, 1.0, 32, s)  # not the run's length
+    assert torch.equal(s["master"], state(64, 0)["master"])  # nothing was done
+
+
+# ---------------------------------------------------------------- building and falling back
+
+
+def test_a_library_is_built_once_into_the_cache_under_its_hash(tmp_path, monkeypatch):
+    """Two processes building into an empty cache at once each load a whole library; one file
+    remains, named by the hash, and no temporary files."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    script = "from slimtune.optim.native import build; assert build.load('adamw.c') is not None"
+    racers = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(2)]
+    assert [racer.wait(timeout=120) for racer in racers] == [0, 0]
+    built = list((tmp_path / "slimtune" / "kernels").iterdir())
+    assert built == [build.library_path(build.HERE / "adamw.c", build.compiler())]
+    monkeypatch.setattr(build, "_build", lambda *a: pytest.fail("rebuilt a library the cache holds"))
+    assert build.load("adamw.c") is not None
+
+
+@pytest.mark.parametrize("cc, said", [("no-such-compiler", "no C compiler"), ("false", "compiling adamw.c failed")])
+def test_without_a_working_compiler_the_tile_path_runs_and_says_so_once(tmp_path, monkeypatch, capsys, cc, said):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setattr(build, "_said", set())
+    native.library.cache_clear()
+    try:
+        hyper, s = CASES["defaults"][0], state(64, 0)
+        assert not native.step(hyper, 1.0, 64, s) and not native.step(hyper, 1.0, 64, s)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0] and "torch's tiled path" in lines[0]
+    finally:
+        native.library.cache_clear()
+
+
+def test_slimtune_native_0_takes_the_torch_path(monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")
+    assert not native.step(CASES["defaults"][0], 1.0, 64, state(64, 0))
