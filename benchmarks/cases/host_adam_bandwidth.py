@@ -10,15 +10,19 @@ optimizer layout comes to it, on 1 and 2 threads (torch.set_num_threads):
 - torch's fused CPU AdamW (torch.optim.AdamW(fused=True)) on one fp32 parameter of 2^25 numbers:
   28 bytes a number (read p, g, m, v; write p, m, v).
 - HostAdam.update for four layouts (whole fp32 master, split master, 8-bit moments, moments in
-  memory-mapped files), bytes counted from what the code touches, the accumulator's zeroing included.
+  memory-mapped files), bytes counted from what the code touches, the accumulator's emptying
+  included: on the tiled torch path (SLIMTUNE_NATIVE=0) and on the native C loop where it applies.
 - The pieces of the tiled update, each on one cache-resident tile (tiled_adamw.TILE numbers), so the
   time a layout spends computing can be set beside the time its bytes need.
+- A what-if for the layout the native loop does not take (8-bit moments): the same update as one
+  pass in plain C, checked bit for bit against HostAdam.update.
 
     python benchmarks/run.py host_adam_bandwidth        # ~2 minutes on 2 cores
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -37,6 +41,7 @@ COPY_N, ADAM_N, QUICK_N = 1 << 26, 1 << 25, 1 << 20
 THREADS = (1, 2)
 GOAL = 0.70  # of the copy bandwidth, on one thread
 SETTINGS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}
+NATIVE_ENV = "SLIMTUNE_NATIVE"  # 0: HostAdam takes tiled_adamw's torch path where the native loop would run
 FLUSH_BYTES = 64 << 20  # twice the L3: written before each timed update so no operand starts in cache
 
 # name -> (split master, gradient dtype (None: the masters'), moments, moments in files)
@@ -131,9 +136,11 @@ def host_adam(name: str, n: int, folder: Path | None):
     return adam
 
 
-def measure_layout(name: str, n: int, reps: int, flush: torch.Tensor) -> dict:
-    """One layout's update, timed; the accumulator's zeroing alone, timed, for the split of its cost."""
-    with tempfile.TemporaryDirectory(prefix="host-adam-bench-", dir=bench_root()) as root:
+def measure_layout(name: str, n: int, reps: int, flush: torch.Tensor, native: bool) -> dict:
+    """One layout's update, timed: HostAdam.update on the tiled path, or on the native one (which
+    HostAdam runs on one thread; at more, the native loop itself on HostAdam's tensors)."""
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="host-adam-bench-", dir=bench_root()) as root, native_path(native):
         adam = host_adam(name, n, Path(root) if LAYOUTS[name][3] else None)
         grad = adam.grads[0]
         source = (torch.randn(n) * 1e-3).to(grad.dtype)
@@ -142,10 +149,47 @@ def measure_layout(name: str, n: int, reps: int, flush: torch.Tensor) -> dict:
             grad.copy_(source)
             flush.fill_(1.0)
 
-        found = rate(timed(lambda: adam.update(SETTINGS["lr"]), prepare, reps), traffic(name, n)["total"])
-        zeroing = timed(grad.zero_, lambda: flush.fill_(1.0), reps)
+        step = (lambda: native_step(adam, threads)) if native and threads > 1 else (lambda: adam.update(SETTINGS["lr"]))
+        found = rate(timed(step, prepare, reps), traffic(name, n)["total"])
         del adam  # its memory-mapped files close before the folder goes
-    return {**found, "zero_grad_ns_a_number": zeroing["best_s"] / n * 1e9}
+    return found
+
+
+def native_step(adam, threads: int) -> None:
+    """adam's next step (one group, fp32 moments) by the native loop on `threads` threads."""
+    from slimtune.optim import tiled_adamw
+    from slimtune.optim.native import adamw
+
+    adam.steps[0].add_(1)
+    hyper = tiled_adamw.Hyper(SETTINGS["lr"], *SETTINGS["betas"], SETTINGS["eps"], adam.groups[0].weight_decay)
+    masters = ({"weight": adam.shadows[0], "residual": adam.residuals[0]} if adam.split
+               else {"master": adam.masters[0], "shadow": adam.shadows[0]})
+    tensors = {**masters, "grad": adam.grads[0], **adam.moments[0]}
+    assert adamw.step(hyper, float(adam.steps[0]), adam.groups[0].numel, tensors, threads=threads)
+
+
+@contextlib.contextmanager
+def native_path(on: bool):
+    """SLIMTUNE_NATIVE set for the block (0: tiled_adamw's torch path), as it was after."""
+    before = os.environ.get(NATIVE_ENV)
+    os.environ[NATIVE_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NATIVE_ENV)
+        else:
+            os.environ[NATIVE_ENV] = before
+
+
+def native_available() -> bool:
+    """The native host AdamW (slimtune/optim/native) is built and agrees with torch on this machine."""
+    try:
+        from slimtune.optim.native import adamw
+    except ImportError:
+        return False
+    with native_path(True):
+        return adamw.library() is not None
 
 
 def bench_root() -> str:
@@ -177,6 +221,8 @@ def pieces(repeat: int) -> dict:
         "split": lambda: split_master.split(p, weights, residuals),
         "widen_grad_bf16": lambda: out.copy_(grad16),
         "shadow_bf16": lambda: shadow.copy_(p),
+        "clear_grad_fp32": g.zero_,  # (then the next call's gradient is 0: the kernel's time does not depend on it)
+        "clear_grad_bf16": grad16.zero_,
         "dequantize_m": lambda: m8.dequantize(0, n, out),
         "quantize_m": lambda: m8.quantize(0, n, m),
         "dequantize_v": lambda: v8.dequantize(0, n, out),
@@ -199,34 +245,35 @@ def loop_seconds(fn, repeat: int) -> float:
     return time.perf_counter() - began
 
 
-PIECES_OF = {  # the tile pieces each layout runs (tiled_adamw's forms); m and v each
-    "whole": ("fused_adamw", "shadow_bf16"),
-    "split": ("fused_adamw", "combine", "split", "widen_grad_bf16"),
-    "split_8bit": ("fused_adamw", "combine", "split", "widen_grad_bf16", "dequantize_m", "quantize_m",
-                   "dequantize_v", "quantize_v"),
-    "split_disk": ("fused_adamw", "combine", "split", "widen_grad_bf16"),
+SPLIT_PIECES = ("fused_adamw", "combine", "split", "widen_grad_bf16", "clear_grad_bf16")
+PIECES_OF = {  # the tile pieces each layout runs on the tiled path (tiled_adamw's forms)
+    "whole": ("fused_adamw", "shadow_bf16", "clear_grad_fp32"),
+    "split": SPLIT_PIECES,
+    "split_8bit": (*SPLIT_PIECES, "dequantize_m", "quantize_m", "dequantize_v", "quantize_v"),
+    "split_disk": SPLIT_PIECES,
 }
 
 
-def reading(layouts: dict, probes: dict, tile: dict, copy_gbps: float) -> dict:
-    """Per layout, in ns a number: the measured update, the time its bytes need at the copy
-    bandwidth, its tile pieces computed in cache, the accumulator's zeroing pass alone, and the C
-    one-pass loop where it ran."""
+def reading(tiled: dict, native: dict, probes: dict, tile: dict, copy_gbps: float) -> dict:
+    """Per layout, in ns a number: the update on each path, the time its bytes need at the copy
+    bandwidth, the tiled path's pieces computed in cache, and the C what-if where it ran."""
     out = {}
-    for name, found in layouts.items():
-        out[name] = {"measured_ns": found["ns_a_number"], "bytes_at_copy_speed_ns": found["bytes_a_number"] / copy_gbps,
-                     "pieces_in_cache_ns": sum(tile[p] for p in PIECES_OF[name]),
-                     "zero_grad_ns": found["zero_grad_ns_a_number"],
-                     "c_one_pass_ns": probes[name]["ns_a_number"] if name in probes else None}
+    for name, found in tiled.items():
+        out[name] = {"tiled_ns": found["ns_a_number"],
+                     "native_ns": native[name]["ns_a_number"] if name in native else None,
+                     "bytes_at_copy_speed_ns": found["bytes_a_number"] / copy_gbps,
+                     "tiled_pieces_in_cache_ns": sum(tile[p] for p in PIECES_OF[name]),
+                     "c_what_if_ns": probes[name]["ns_a_number"] if name in probes else None}
     return out
 
 
 # ------------------------------------------------------------ a what-if: one pass in plain C
 
-# Not slimtune's code: the same update as the split layouts, written as one loop that gcc vectorizes
-# (no intrinsics), to show what a kernel that touches each byte once reaches on this machine. Its
-# arithmetic is torch's fused CPU AdamW's, operation for operation (the m lerp and the v update as
-# fused multiply-adds, nothing else contracted), and `same_bits` checks it against HostAdam.update.
+# Not slimtune's code: the split master with 8-bit moments (which the native loop does not take) as one
+# pass over blocks of 256 in plain C that gcc vectorizes (no intrinsics), to show what such a kernel
+# would reach here. Its arithmetic is torch's fused CPU AdamW's, operation for operation (m's lerp and
+# v's update as the fused multiply-adds torch's vector path does, nothing else contracted), its codes
+# moments8's; `same_bits` holds it to HostAdam.update's tiled path bit for bit.
 C_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -246,13 +293,6 @@ static inline float adamw(float p, float g, float *m, float *v, const Hyper *h) 
     *m = fmaf(h->one_minus_beta1, g - *m, *m);
     *v = fmaf(h->one_minus_beta2 * g, g, *v * h->beta2);
     return p - h->step_size * *m / (sqrtf(*v) / h->bias2_sqrt + h->eps);
-}
-void split_adamw(uint16_t *w, int16_t *r, uint16_t *g, float *m, float *v, long n, const Hyper *h, int threads) {
-    #pragma omp parallel for simd schedule(static) num_threads(threads)
-    for (long i = 0; i < n; i++) {
-        split(adamw(combine(w[i], r[i]), bf16_to_f(g[i]), &m[i], &v[i], h), &w[i], &r[i]);
-        g[i] = 0;
-    }
 }
 /* 8-bit moments (moments8.py): blocks of 256, decoded, updated, coded again with a fresh absmax. */
 typedef struct { uint8_t *codes; float *absmax; const float *map; const uint8_t *base; const float *mid; } Coded;
@@ -344,23 +384,18 @@ def code_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def c_update(lib, adam, threads: int) -> None:
-    """adam's next AdamW step (one group, split layout), done by the C loop on adam's own tensors."""
+    """adam's next AdamW step (one group, split master, 8-bit moments) by the C loop on adam's tensors."""
     adam.steps[0].add_(1)
     hyper = c_hyper(int(adam.steps[0]))
     w, r, g = adam.shadows[0], adam.residuals[0], adam.grads[0]
-    n, ptrs = g.numel(), [ctypes.c_void_p(t.data_ptr()) for t in (w, r, g)]
-    m, v = adam.moments[0]["exp_avg"], adam.moments[0]["exp_avg_sq"]
-    if isinstance(m, torch.Tensor):
-        lib.split_adamw(*ptrs, ctypes.c_void_p(m.data_ptr()), ctypes.c_void_p(v.data_ptr()), ctypes.c_long(n),
-                        ctypes.byref(hyper), threads)
-        return
-    (cm, _keep_m), (cv, _keep_v) = c_coded(m), c_coded(v)
-    lib.split8_adamw(*ptrs, ctypes.byref(cm), ctypes.byref(cv), ctypes.c_long(n), ctypes.byref(hyper), threads)
+    (cm, _keep_m), (cv, _keep_v) = c_coded(adam.moments[0]["exp_avg"]), c_coded(adam.moments[0]["exp_avg_sq"])
+    lib.split8_adamw(*(ctypes.c_void_p(t.data_ptr()) for t in (w, r, g)), ctypes.byref(cm), ctypes.byref(cv),
+                     ctypes.c_long(g.numel()), ctypes.byref(hyper), threads)
 
 
-def same_bits(lib, name: str, n: int, steps: int = 3) -> bool:
+def same_bits(lib, n: int, steps: int = 3) -> bool:
     """The C loop and HostAdam.update, from the same state and gradients, leave the same bits."""
-    ours, theirs = host_adam(name, n, None), host_adam(name, n, None)
+    ours, theirs = host_adam("split_8bit", n, None), host_adam("split_8bit", n, None)
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         grads = (torch.randn(n, generator=generator) * 1e-3).to(torch.bfloat16)
@@ -378,17 +413,17 @@ def state_of(adam) -> list[torch.Tensor]:
     return held
 
 
-def measure_probe(lib, name: str, n: int, reps: int, flush: torch.Tensor) -> dict:
-    """The C loop's step over a layout's tensors (built by HostAdam), timed like HostAdam.update."""
-    adam, threads = host_adam(name, n, None), torch.get_num_threads()
+def measure_probe(lib, n: int, reps: int, flush: torch.Tensor) -> dict:
+    """The C loop's step over the 8-bit layout's tensors (built by HostAdam), timed like HostAdam.update."""
+    adam, threads = host_adam("split_8bit", n, None), torch.get_num_threads()
     source = (torch.randn(n) * 1e-3).to(torch.bfloat16)
 
     def prepare():
         adam.grads[0].copy_(source)
         flush.fill_(1.0)
 
-    found = rate(timed(lambda: c_update(lib, adam, threads), prepare, reps), traffic(name, n)["total"])
-    return {**found, "same_bits_as_host_adam": same_bits(lib, name, QUICK_N)}
+    found = rate(timed(lambda: c_update(lib, adam, threads), prepare, reps), traffic("split_8bit", n)["total"])
+    return {**found, "same_bits_as_host_adam": same_bits(lib, QUICK_N)}
 
 
 # ------------------------------------------------------------ the run
@@ -403,7 +438,7 @@ class Sizes(NamedTuple):  # (a dataclass needs the module in sys.modules; run.py
 
 
 FULL, QUICK = Sizes(COPY_N, ADAM_N, 10, 5, 40), Sizes(QUICK_N, QUICK_N, 1, 1, 5)
-PROBED = ("split", "split_8bit")  # the layouts the C what-if runs
+NATIVE_LAYOUTS = ("whole", "split", "split_disk")  # the native loop takes fp32 moments only
 
 
 def run(quick: bool) -> dict:
@@ -413,36 +448,39 @@ def run(quick: bool) -> dict:
     by_threads = {}
     with tempfile.TemporaryDirectory(prefix="host-adam-probe-") as folder:
         lib = build_probe(Path(folder))
+    native = native_available()
     try:
         for threads in THREADS:
             torch.set_num_threads(threads)
-            by_threads[str(threads)] = measure_at(sizes, flush, lib)
+            by_threads[str(threads)] = measure_at(sizes, flush, lib, native)
     finally:
         torch.set_num_threads(threads_before)
     result = {"copy_numbers": sizes.copy_n, "adam_numbers": sizes.adam_n, "goal_of_copy_one_thread": GOAL,
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "c_flags": list(C_FLAGS) if lib else None,
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native": native,
+              "c_flags": list(C_FLAGS) if lib else None,
               "load_average_before": load_before, "load_average_after": os.getloadavg(), "threads": by_threads}
     summarize(result)
     return result
 
 
-def measure_at(sizes: Sizes, flush: torch.Tensor, lib) -> dict:
+def measure_at(sizes: Sizes, flush: torch.Tensor, lib, native: bool) -> dict:
     """Everything at the current torch thread count; fractions are of the copy at that count."""
     refs = stream(sizes.copy_n, sizes.copy_reps)
     copy_gbps, n = refs["copy"]["gbps"], sizes.adam_n
     fused = torch_fused(n, sizes.adam_reps, flush)
     with tempfile.TemporaryDirectory(prefix="host-adam-bench-", dir=bench_root()) as root:
         fused_files = torch_fused(n, sizes.adam_reps, flush, Path(root))
-    layouts = {name: measure_layout(name, n, sizes.adam_reps, flush) for name in LAYOUTS}
-    probes = {name: measure_probe(lib, name, n, sizes.adam_reps, flush) for name in PROBED} if lib else {}
-    for found in (fused, fused_files, *layouts.values(), *probes.values()):
+    tiled = {name: measure_layout(name, n, sizes.adam_reps, flush, False) for name in LAYOUTS}
+    natives = {name: measure_layout(name, n, sizes.adam_reps, flush, True) for name in NATIVE_LAYOUTS} if native else {}
+    probes = {"split_8bit": measure_probe(lib, n, sizes.adam_reps, flush)} if lib else {}
+    for found in (fused, fused_files, *tiled.values(), *natives.values(), *probes.values()):
         found["of_copy"] = found["gbps"] / copy_gbps
         found["ns_a_number"] = found["best_s"] / n * 1e9
         found["bytes_a_number"] = found["bytes"] / n
     tile = pieces(sizes.tile_repeat)
     return {"stream": refs, "torch_fused_adamw": fused, "torch_fused_adamw_moments_in_files": fused_files,
-            "host_adam": layouts, "c_one_pass": probes,
-            "tile_pieces_ns": tile, "reading": reading(layouts, probes, tile, copy_gbps)}
+            "host_adam_native": natives, "host_adam_tiled": tiled, "c_what_if": probes,
+            "tile_pieces_ns": tile, "reading": reading(tiled, natives, probes, tile, copy_gbps)}
 
 
 def summarize(result: dict) -> None:
@@ -452,6 +490,9 @@ def summarize(result: dict) -> None:
               f"add in place {refs['add_in_place']['gbps']:.1f}; torch fused AdamW "
               f"{found['torch_fused_adamw']['gbps']:.1f} ({found['torch_fused_adamw']['of_copy']:.0%} of copy), "
               f"moments in files {found['torch_fused_adamw_moments_in_files']['gbps']:.1f}")
-        for name, layout in [*found["host_adam"].items(), *(("C " + k, v) for k, v in found["c_one_pass"].items())]:
-            print(f"  {name:11s} {layout['bytes_a_number']:5.2f} B/number {layout['best_s'] * 1e3:7.1f} ms "
+        rows = [*(("tiled " + k, v) for k, v in found["host_adam_tiled"].items()),
+                *(("native " + k, v) for k, v in found["host_adam_native"].items()),
+                *(("C " + k, v) for k, v in found["c_what_if"].items())]
+        for name, layout in rows:
+            print(f"  {name:17s} {layout['bytes_a_number']:5.2f} B/number {layout['best_s'] * 1e3:7.1f} ms "
                   f"{layout['gbps']:5.1f} GB/s {layout['of_copy']:4.0%} of copy {layout['ns_a_number']:.2f} ns/number")
