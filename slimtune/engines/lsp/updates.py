@@ -5,6 +5,11 @@ docstring there has the actions and lags).
 A matrix may receive its G_c in parts (a checkpointed block recomputes its MLP in token chunks), so
 on the step's last micro-batch a block's matrices are complete when backward reaches a block below
 it, or ends; a matrix's arrival is its place in that completion order.
+
+Under clipping no update may start before the global norm, so every matrix, deep ones too, is
+treated as shallow: its update is submitted when backward ends, in forward order, and the step
+returns with them running; the next forward overtakes them, each matrix waiting only for its own
+update (`_await_update`) and upload before it computes. The weights are the sync schedule's bit for bit.
 """
 
 from __future__ import annotations
@@ -134,12 +139,17 @@ class UpdatePipeline:
             pending.job = self.worker.submit(self._host_update, index, pending)
         elif action == "upload" and pending.uploaded == "not yet":
             self._act("update", index)
-            pending.job.result()  # the device loop waits for this matrix's host AdamW
+            self._await_update(pending)
             pending.uploaded = self.link.copy_up(self.modules[index].z, self.adams[index].member(0, 0).master)
         elif action == "apply":
             self._act("upload", index)
             self.link.wait(pending.uploaded)  # the compute stream waits for the copy up
             del self.pending[index]
+
+    @staticmethod
+    def _await_update(pending: Pending) -> None:
+        """The device loop waits for this matrix's host AdamW before its new Z goes up."""
+        pending.job.result()
 
     def _host_update(self, index: int, pending: Pending) -> None:
         """On the host worker: AdamW of one matrix in its d x d space, unless the step may not update
