@@ -137,7 +137,8 @@ static inline __attribute__((always_inline)) void span(
     span(begin, end, *h, r->master, r->weight, r->residual, r->shadow, (uint16_t *)r->grad,          \
          (float *)r->grad, r->exp_avg, r->exp_avg_sq, split, bf16, shadows, scalar)
 
-static void span_of_kind(const Run *r, const Hyper *h, int64_t begin, int64_t end, const int scalar) {
+static inline __attribute__((always_inline)) void span_of_kind(const Run *r, const Hyper *h, int64_t begin,
+                                                               int64_t end, const int scalar) {
     if (begin >= end) return;
     const int kind = r->split * 4 + r->grad_bf16 * 2 + (r->shadow != NULL);
     switch (kind) {
