@@ -242,7 +242,9 @@ class HostAdam:
 
     def set_master(self, k: int, i: int, values: torch.Tensor) -> None:
         """Member i's master (and, under the split layout, its bf16 weight); a whole master's shadow
-        follows at refresh_shadows."""
+        follows at refresh_shadows. Fake tensors (the planner's) hold no values: nothing to split."""
+        if self.split and self.fake:
+            return
         if self.split:
             split_master.split(values.to(self.dtype).reshape(-1), self.cut(k, i, self.shadows[k]).view(-1),
                                self.cut(k, i, self.residuals[k]).view(-1))
@@ -253,9 +255,11 @@ class HostAdam:
         """Rows `ids` of member i (a table) at full precision: an embedding's lookup on the host."""
         if not self.split:
             return self.cut(k, i, self.masters[k])[ids]
+        weights = self.cut(k, i, self.shadows[k])[ids.reshape(-1)]
+        residuals = self.cut(k, i, self.residuals[k])[ids.reshape(-1)]
         out = torch.empty((ids.numel(), self.groups[k].shapes[i][-1]), dtype=self.dtype)
-        split_master.combine(self.cut(k, i, self.shadows[k])[ids.reshape(-1)],
-                             self.cut(k, i, self.residuals[k])[ids.reshape(-1)], out)
+        if not self.fake:  # the planner's step holds the same tensors, without values
+            split_master.combine(weights, residuals, out)
         return out.view(*ids.shape, -1)
 
     def _load_moment(self, k: int, moment: str, members: list[torch.Tensor]) -> None:
