@@ -132,7 +132,7 @@ class SlideEngine(Engine):
         if stack.tied:
             return [HostUnit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, train, moments,
                              sink)]
-        return [HostUnit("LM head", [stack.head], device, weight_dtype, train, moments, sink),
+        return [HostUnit("LM head", [stack.head], device, weight_dtype, train, moments, sink, whole_grads=True),
                 HostUnit("embedding", [stack.embed], device, self.working_set.embedding_dtype(weight_dtype), train,
                          moments, sink)]
 
@@ -283,7 +283,9 @@ class SlideEngine(Engine):
         add_rows = self.working_set.add_head_rows
 
         def sink(start: int, stop: int, grad: torch.Tensor) -> None:
-            host, event = self.link.to_host(grad)
+            # Down in the compute dtype, as a block's gradient comes (and as resident's head gradient
+            # is made under autocast): half the link bytes of fp32, held once on the host as it came.
+            host, event = self.link.to_host(grad.to(found.device_dtype))
 
             def add() -> None:
                 if event is not None:
