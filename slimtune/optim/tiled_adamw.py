@@ -5,10 +5,10 @@ bf16 weight plus a 16-bit residual (split_master.py), the gradient in the dtype 
 the moments as fp32 or as 8-bit blockwise codes (moments8.py). AdamW itself is torch's fused CPU
 kernel (`torch._fused_adamw_`, what torch.optim.AdamW(fused=True) runs), by one of two paths:
 - native: where the forms allow it (an fp32 master, split or whole with at most one bf16 shadow; a
-  gradient in fp32 or bf16 from one flat tensor; fp32 moments), one C loop over the whole run
+  gradient in fp32 or bf16 from one flat tensor; fp32 or 8-bit moments), one C loop over the whole run
   (native/adamw.c) reads each number's pieces, updates them and writes them back in one pass, with
   the fused kernel's bits (native/adamw.py checks them on the machine before first use);
-- tiled: everywhere else (8-bit moments, fp64 masters, no C compiler, SLIMTUNE_NATIVE=0), the fused
+- tiled: everywhere else (fp64 masters, gradients in pieces, no C compiler, SLIMTUNE_NATIVE=0), the fused
   kernel on one tile of TILE numbers at a time: the tile is rebuilt into fp32 scratch that stays in
   the cache, updated, and written back in its resting form, so each number crosses memory once
   each way, at the cost of a few torch calls a tile.
@@ -199,3 +199,8 @@ class Coded(Form):
 
     def write(self, start, stop, tile):
         self.moment.quantize(start, stop, tile)
+
+    def native(self, role):
+        if self.moment.signed != (role == "exp_avg"):  # m codes on the signed map, v on the unsigned one
+            return None
+        return {f"{role}_codes": self.moment.codes, f"{role}_absmax": self.moment.absmax}

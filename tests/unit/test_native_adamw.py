@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from slimtune.optim import split_master, tiled_adamw
+from slimtune.optim import moments8, split_master, tiled_adamw
 from slimtune.optim.host_adam import Group, HostAdam, Layout
 from slimtune.optim.native import adamw as native
 from slimtune.optim.native import build
@@ -28,9 +28,11 @@ MILLION = (1 << 20) + 13  # more than 10^6 numbers, with a scalar tail of 5
 
 
 @pytest.fixture(autouse=True)
-def needs_the_library():
+def needs_the_library(monkeypatch):
     """Skipped only without a compiler; with one, a library that fails its load-time check against
-    torch (and so is not used) fails here."""
+    torch (and so is not used) fails here. The kernel is tested whatever SLIMTUNE_NATIVE says (the
+    suite may run under SLIMTUNE_NATIVE=0 to test the rest on the torch path)."""
+    monkeypatch.delenv(native.ENV, raising=False)
     if build.compiler() is None:
         pytest.skip("no C compiler on this machine: the torch path runs, and is tested elsewhere")
     assert native.library() is not None
@@ -111,12 +113,24 @@ def test_every_run_length_mod_16_leaves_torch_fused_adamws_bits():
 # ---------------------------------------------------------------- every layout against the tile path
 
 
-def layout_forms(split: bool, grad_dtype: torch.dtype, shadow: bool, masters: torch.Tensor, seed: int):
+def moment_forms(m: torch.Tensor, v: torch.Tensor, coded: bool) -> tuple[list, list[torch.Tensor]]:
+    """(the two moments' forms, their tensors): fp32 as given, or coded into 8-bit moments."""
+    if not coded:
+        return [tiled_adamw.Whole(m), tiled_adamw.Whole(v)], [m, v]
+    held = [moments8.Moment8(m.numel(), signed) for signed in (True, False)]
+    for moment, values in zip(held, (m, v)):
+        moment.quantize(0, m.numel(), values)
+    return [tiled_adamw.Coded(moment) for moment in held], [t for h in held for t in (h.codes, h.absmax)]
+
+
+def layout_forms(split: bool, grad_dtype: torch.dtype, shadow: bool, masters: torch.Tensor, seed: int,
+                 coded: bool = False):
     """(master form, gradient form, moment forms, the tensors to compare) for one layout."""
     g = torch.Generator().manual_seed(seed)
     numel = masters.numel()
     grad = (torch.randn(numel, generator=g) * 1e-2).to(grad_dtype)
-    m, v = torch.randn(numel, generator=g) * 1e-3, torch.rand(numel, generator=g) * 1e-4
+    moments, held_moments = moment_forms(torch.randn(numel, generator=g) * 1e-3,
+                                         torch.rand(numel, generator=g) * 1e-4, coded)
     copy = torch.zeros(numel, dtype=torch.bfloat16) if shadow else None
     if split:
         weights, residuals = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.int16)
@@ -126,13 +140,25 @@ def layout_forms(split: bool, grad_dtype: torch.dtype, shadow: bool, masters: to
     else:
         master = tiled_adamw.Whole(masters.clone(), (copy,) if shadow else ())
         held = [master.flat]
-    forms = (master, tiled_adamw.Scaled([(0, grad)], 0.3), tiled_adamw.Whole(m), tiled_adamw.Whole(v))
-    return forms, [*held, grad, m, v, *([copy] if shadow else [])]
+    forms = (master, tiled_adamw.Scaled([(0, grad)], 0.3), *moments)
+    return forms, [*held, grad, *held_moments, *([copy] if shadow else [])]
+
+
+def watch_native(monkeypatch) -> list[bool]:
+    """What each native.step call tiled_adamw makes answers (True: the kernel ran)."""
+    answers, step = [], native.step
+
+    def watched(*args, **kwargs):
+        answers.append(step(*args, **kwargs))
+        return answers[-1]
+
+    monkeypatch.setattr(native, "step", watched)
+    return answers
 
 
 def both_paths(monkeypatch, masters: torch.Tensor, steps: int = 3, threads: int = 1, **layout) -> None:
     """The same steps by the native loop and by the tile path leave the same bits everywhere."""
-    runs = []
+    runs, answers = [], watch_native(monkeypatch)
     for native_on in ("1", "0"):
         monkeypatch.setenv(native.ENV, native_on)
         forms, held = layout_forms(masters=masters, seed=5, **layout)
@@ -141,6 +167,7 @@ def both_paths(monkeypatch, masters: torch.Tensor, steps: int = 3, threads: int 
             tiled_adamw.adamw(tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), torch.tensor(float(step)),
                               masters.numel(), torch.float32, *forms, threads=threads)
         runs.append(held)
+    assert answers == [True] * steps + [False] * steps  # the kernel, then the tile path
     for ours, theirs in zip(*runs):
         assert same_bits(ours, theirs)
 
@@ -148,9 +175,12 @@ def both_paths(monkeypatch, masters: torch.Tensor, steps: int = 3, threads: int 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16_grad", "fp32_grad"])
 @pytest.mark.parametrize("shadow", [True, False], ids=["shadow", "no_shadow"])
-def test_every_layout_equals_the_tile_path_bit_for_bit(monkeypatch, split, grad_dtype, shadow):
-    masters = torch.randn(3 * tiled_adamw.TILE + 11, generator=torch.Generator().manual_seed(2))
-    both_paths(monkeypatch, masters, split=split, grad_dtype=grad_dtype, shadow=shadow)
+@pytest.mark.parametrize("coded", [False, True], ids=["fp32_moments", "8bit_moments"])
+def test_every_layout_equals_the_tile_path_bit_for_bit(monkeypatch, split, grad_dtype, shadow, coded):
+    """Three tiles and a partial block; 8-bit moments over a million numbers."""
+    numel = MILLION if coded else 3 * tiled_adamw.TILE + 11
+    masters = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+    both_paths(monkeypatch, masters, split=split, grad_dtype=grad_dtype, shadow=shadow, coded=coded)
 
 
 def edge_masters() -> torch.Tensor:
@@ -173,20 +203,53 @@ def test_masters_at_the_edges_of_the_split_equal_the_tile_path(monkeypatch):
     both_paths(monkeypatch, edge_masters(), split=False, grad_dtype=torch.float32, shadow=True)
 
 
-def test_two_threads_leave_the_bits_of_one(monkeypatch):
+@pytest.mark.parametrize("coded", [False, True], ids=["fp32_moments", "8bit_moments"])
+def test_two_threads_leave_the_bits_of_one(monkeypatch, coded):
     for numel in (255, 257, 2 * 256 + 7, 100_003):
         masters = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-        both_paths(monkeypatch, masters, threads=2, split=True, grad_dtype=torch.bfloat16, shadow=False)
+        both_paths(monkeypatch, masters, threads=2, split=True, grad_dtype=torch.bfloat16, shadow=False, coded=coded)
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
-def test_host_adam_updates_the_same_with_and_without_the_kernel(monkeypatch, split):
+def test_8bit_blocks_of_zeros_huge_and_tiny_numbers_equal_the_tile_path(monkeypatch):
+    """Blocks whose moments come out all zero (zero gradients from zero moments), a block of
+    gradients near fp32's top (v overflows to inf throughout its block), a block of subnormal
+    gradients (absmax under 1e-38), and a NaN gradient (its moments' blocks come back NaN
+    throughout on both paths, as moments8 says; the master's NaN bf16 pattern is torch's vector
+    one here)."""
+    numel = 8 * 256 + 100
+    masters = torch.randn(numel, generator=torch.Generator().manual_seed(4))
+    runs, answers = [], watch_native(monkeypatch)
+    for native_on in ("1", "0"):
+        monkeypatch.setenv(native.ENV, native_on)
+        forms, held = layout_forms(split=True, grad_dtype=torch.float32, shadow=False, masters=masters, seed=6,
+                                   coded=True)
+        for moment in forms[2:]:
+            moment.moment.codes[:512].fill_(moments8.zero_code(moment.moment.signed))
+            moment.moment.absmax[:2].zero_()
+        for step in range(1, 4):
+            grad = torch.randn(numel, generator=torch.Generator().manual_seed(step))
+            grad[:512] = 0.0
+            grad[512:768] *= 3e37
+            grad[768:1024] *= 1e-42
+            grad[1030] = float("nan")
+            forms[1].pieces[0][1].copy_(grad)
+            tiled_adamw.adamw(tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0), torch.tensor(float(step)), numel,
+                              torch.float32, *forms)
+        runs.append(held)
+    assert answers == [True] * 3 + [False] * 3
+    for ours, theirs in zip(*runs):
+        assert same_bits(ours, theirs)
+
+
+@pytest.mark.parametrize("split, moments", [(True, "fp32"), (False, "fp32"), (True, "8bit")],
+                         ids=["split", "whole", "split_8bit"])
+def test_host_adam_updates_the_same_with_and_without_the_kernel(monkeypatch, split, moments):
     groups = [Group((torch.Size([300, 257]), torch.Size([1001])), 0.1), Group((torch.Size([4099]),), 0.0)]
-    adams = []
+    adams, answers = [], watch_native(monkeypatch)
     for native_on in ("1", "0"):
         monkeypatch.setenv(native.ENV, native_on)
         adam = HostAdam("n", groups, torch.float32, CPU, {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8},
-                        shadow_dtype=torch.bfloat16, layout=Layout(split=split, grad_dtype=torch.bfloat16))
+                        shadow_dtype=torch.bfloat16, layout=Layout(split=split, grad_dtype=torch.bfloat16, moments=moments))
         adam.load_group_masters([[torch.randn(s, generator=torch.Generator().manual_seed(3)) for s in g.shapes]
                                  for g in groups])
         for step in range(4):
@@ -194,9 +257,12 @@ def test_host_adam_updates_the_same_with_and_without_the_kernel(monkeypatch, spl
                 adam.grads[k].copy_(torch.randn(group.numel, generator=torch.Generator().manual_seed(step)))
             adam.update(1e-2, (1.0, 0.5)[step % 2])
         adams.append(adam.state_dict())
+    assert answers == [True] * 8 + [False] * 8
     ours, theirs = adams
     for key in ("masters", "exp_avg", "exp_avg_sq"):
         assert all(same_bits(a, b) for a, b in zip(ours[key], theirs[key])), key
+    for a, b in zip(ours["coded"], theirs["coded"]):  # 8-bit moments as they rest
+        assert a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
 
 
 def test_tensors_the_kernel_cannot_read_are_left_to_the_tile_path():

@@ -2,9 +2,9 @@
 
    A host optimizer's numbers rest narrow (tiled_adamw.py says which forms): the fp32 master whole
    or as a bf16 weight plus a 16-bit residual (split_master.py), the gradient in fp32 or bf16, the
-   moments in fp32. This loop reads each number's pieces once, rebuilds the fp32 master, runs
-   AdamW on it and writes every piece back where it rests, so each byte crosses memory once each
-   way and the step runs at the memory's speed.
+   moments in fp32 or as 8-bit blockwise codes (moments8.py). This loop reads each number's pieces
+   once, rebuilds the fp32 master (and, a block of 256 at a time, the moments), runs AdamW on it and
+   writes every piece back where it rests, so each byte crosses memory once each way.
 
    The arithmetic is torch._fused_adamw_'s for fp32 parameters in ADAMW mode, operation for
    operation, so both paths leave the same bits (tests/unit/test_native_adamw.py holds them to it,
@@ -20,6 +20,10 @@
    -ffp-contract=off, so only the fmaf calls written here fuse. The gradient is first multiplied
    by the clipping coefficient in fp32 (g * (float)clip), as tiled_adamw's tile path does.
 
+   8-bit moments are decoded and coded again exactly as moments8.py does it (decode: map[code] *
+   absmax; code: absmax = max |x| of the block, x * (1 / max(absmax, 1e-38)) looked up in its
+   tables), so they too leave the tile path's bits.
+
    Non-finite values: every finite input gives torch's bits. A NaN master gives a NaN, with the bf16
    pattern 0xFFFF (torch's vector conversion); torch's scalar conversion writes 0x7FC0, so the
    patterns of NaN weights may differ from the tile path's. */
@@ -29,7 +33,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define SLICE_ALIGN 256 /* threads split the run at multiples of this (cache lines, 8-bit blocks) */
+#define BLOCK 256       /* numbers an 8-bit moment's absmax covers (moments8.BLOCK) */
+#define SLICE_ALIGN BLOCK /* threads split the run at multiples of this: whole blocks, whole cache lines */
 #define MAX_THREADS 64
 
 /* AdamW's constants for one step, each a double rounded once to float as torch rounds it
@@ -45,6 +50,15 @@ typedef struct {
     float clip;            /* the clipping coefficient, or 1 when not clipping */
 } Hyper;
 
+/* An 8-bit moment (moments8.Moment8) and its lookup tables (moments8's, by signedness). */
+typedef struct {
+    uint8_t *codes;        /* a code a number */
+    float *absmax;         /* a scale a block of BLOCK numbers */
+    const float *map;      /* the 256 values codes stand for (times the absmax) */
+    const uint8_t *base;   /* by bucket (a number's top 16 bits): the code of the bucket's lower part */
+    const float *mid;      /* by bucket: the midpoint above which a number takes base + 1 (+inf if none) */
+} Coded;
+
 typedef struct {
     int64_t numel;
     int64_t vector_end;   /* numbers before it take torch's vector formula for v, the rest its scalar one */
@@ -56,8 +70,11 @@ typedef struct {
     int16_t *residual;    /* split: residual */
     uint16_t *shadow;     /* a bf16 copy of the new weights (whole: its shadow; split: a copy), or NULL */
     void *grad;
-    float *exp_avg;
+    float *exp_avg;       /* fp32 moments, or NULL when coded */
     float *exp_avg_sq;
+    int32_t coded;        /* 1: 8-bit moments, in the two below */
+    Coded exp_avg_coded;
+    Coded exp_avg_sq_coded;
 } Run;
 
 static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -105,18 +122,18 @@ static inline __attribute__((always_inline)) float adamw(float p, float g, float
     return p - h.step_size * m1 / (sqrtf(v1) / h.bias2_sqrt + h.eps);
 }
 
-/* [begin, end) of a run. split, grad_bf16, shadows and scalar are compile-time constants at each
-   call, so every loop is straight-line code that gcc vectorizes; the pointers are restrict
-   parameters (the run's tensors never overlap), so it needs no run-time overlap checks. The gradient
-   is emptied as it is read. */
+/* `count` numbers from pointers already at the first one. split, grad_bf16, shadows and scalar are
+   compile-time constants at each call, so every loop is straight-line code that gcc vectorizes; the
+   pointers are restrict parameters (the run's tensors never overlap), so it needs no run-time
+   overlap checks. The gradient is emptied as it is read. */
 static inline __attribute__((always_inline)) void span(
-        int64_t begin, int64_t end, const Hyper h, float *restrict master, uint16_t *restrict weight,
+        int64_t count, const Hyper h, float *restrict master, uint16_t *restrict weight,
         int16_t *restrict residual, uint16_t *restrict shadow, uint16_t *restrict g16, float *restrict g32,
         float *restrict m, float *restrict v, const int split, const int grad_bf16, const int shadows,
         const int scalar) {
     const int small = fabsf(h.lerp_weight) < 0.5f;  /* lerp's two branches, as torch picks them */
     const float coeff = small ? h.lerp_weight : h.lerp_weight - 1.0f;
-    for (int64_t i = begin; i < end; i++) {
+    for (int64_t i = 0; i < count; i++) {
         float p = split ? combine(weight[i], residual[i]) : master[i];
         float g = grad_bf16 ? widen(g16[i]) : g32[i];
         p = adamw(p, g, &m[i], &v[i], h, coeff, small, scalar);
@@ -133,14 +150,17 @@ static inline __attribute__((always_inline)) void span(
     }
 }
 
-#define SPAN(split, bf16, shadows)                                                                  \
-    span(begin, end, *h, r->master, r->weight, r->residual, r->shadow, (uint16_t *)r->grad,          \
-         (float *)r->grad, r->exp_avg, r->exp_avg_sq, split, bf16, shadows, scalar)
+#define AT(pointer) ((pointer) ? (pointer) + at : NULL)
+#define SPAN(split, bf16, shadows)                                                                    \
+    span(count, *h, AT(r->master), AT(r->weight), AT(r->residual), AT(r->shadow), AT((uint16_t *)r->grad), \
+         AT((float *)r->grad), m, v, split, bf16, shadows, scalar)
 
-static inline __attribute__((always_inline)) void span_of_kind(const Run *r, const Hyper *h, int64_t begin,
-                                                               int64_t end, const int scalar) {
-    if (begin >= end) return;
-    const int kind = r->split * 4 + r->grad_bf16 * 2 + (r->shadow != NULL);
+/* Numbers [at, at + count) of the run on torch's vector formula, with their moments in m and v
+   (fp32, at their first): one vectorized loop per layout. */
+static inline __attribute__((always_inline)) void vector_span(const Run *r, const Hyper *h, int64_t at,
+                                                              int64_t count, float *m, float *v) {
+    if (count <= 0) return;
+    const int kind = r->split * 4 + r->grad_bf16 * 2 + (r->shadow != NULL), scalar = 0;
     switch (kind) {
         case 0: SPAN(0, 0, 0); break;
         case 1: SPAN(0, 0, 1); break;
@@ -153,11 +173,70 @@ static inline __attribute__((always_inline)) void span_of_kind(const Run *r, con
     }
 }
 
-/* [begin, end), its numbers before r->vector_end on the vector formula, the rest on the scalar one. */
-static void slice(const Run *r, const Hyper *h, int64_t begin, int64_t end) {
+/* The same on torch's scalar formula: the run's last SCALAR_TAIL - 1 numbers at most, so one plain
+   loop for every layout (which keeps the library small and quick to build). */
+static __attribute__((noinline)) void scalar_span(const Run *r, const Hyper *h, int64_t at, int64_t count,
+                                                  float *m, float *v) {
+    span(count, *h, AT(r->master), AT(r->weight), AT(r->residual), AT(r->shadow), AT((uint16_t *)r->grad),
+         AT((float *)r->grad), m, v, r->split, r->grad_bf16, r->shadow != NULL, 1);
+}
+
+/* [begin, end) with moments m and v for those numbers: before r->vector_end on the vector
+   formula, from it on the scalar one. */
+static inline __attribute__((always_inline)) void both_paths(const Run *r, const Hyper *h, int64_t begin,
+                                                             int64_t end, float *m, float *v) {
     int64_t mid = r->vector_end < begin ? begin : r->vector_end > end ? end : r->vector_end;
-    span_of_kind(r, h, begin, mid, 0);
-    span_of_kind(r, h, mid, end, 1);
+    vector_span(r, h, begin, mid - begin, m, v);
+    if (end > mid) scalar_span(r, h, mid, end - mid, m + (mid - begin), v + (mid - begin));
+}
+
+/* moments8.py's dequantization: code map[c] times the block's absmax. */
+static void decode(const Coded *c, int64_t begin, int64_t count, float *out) {
+    const float absmax = c->absmax[begin / BLOCK];
+    for (int64_t j = 0; j < count; j++) out[j] = c->map[c->codes[begin + j]] * absmax;
+}
+
+/* moments8.py's quantization of one block: absmax = the largest |x| (a NaN if any is NaN, as torch's
+   amax gives: on |x|'s bit patterns NaN orders above every number), then each x times
+   1 / max(absmax, 1e-38) takes the code of its 16-bit bucket, plus one above the bucket's midpoint. */
+static void encode(const Coded *c, int64_t begin, int64_t count, const float *x) {
+    uint32_t largest = 0;
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t bits = to_bits(x[j]) & 0x7FFFFFFFu;
+        largest = bits > largest ? bits : largest;
+    }
+    const float absmax = from_bits(largest);
+    const float inverse = 1.0f / (absmax < 1e-38f ? 1e-38f : absmax);
+    c->absmax[begin / BLOCK] = absmax;
+    for (int64_t j = 0; j < count; j++) {
+        const float scaled = x[j] * inverse;
+        const uint32_t key = to_bits(scaled) >> 16;
+        c->codes[begin + j] = (uint8_t)(c->base[key] + (scaled > c->mid[key]));
+    }
+}
+
+/* [begin, end) of a run with fp32 moments. */
+static void slice_fp32(const Run *r, const Hyper *h, int64_t begin, int64_t end) {
+    both_paths(r, h, begin, end, r->exp_avg + begin, r->exp_avg_sq + begin);
+}
+
+/* [begin, end) of a run with 8-bit moments (begin a multiple of BLOCK): a block at a time, its
+   moments decoded into the cache, updated, and coded again. */
+static void slice_coded(const Run *r, const Hyper *h, int64_t begin, int64_t end) {
+    float m[BLOCK], v[BLOCK];
+    for (int64_t at = begin; at < end; at += BLOCK) {
+        const int64_t count = end - at < BLOCK ? end - at : BLOCK;
+        decode(&r->exp_avg_coded, at, count, m);
+        decode(&r->exp_avg_sq_coded, at, count, v);
+        both_paths(r, h, at, at + count, m, v);
+        encode(&r->exp_avg_coded, at, count, m);
+        encode(&r->exp_avg_sq_coded, at, count, v);
+    }
+}
+
+static void slice(const Run *r, const Hyper *h, int64_t begin, int64_t end) {
+    if (r->coded) slice_coded(r, h, begin, end);
+    else slice_fp32(r, h, begin, end);
 }
 
 typedef struct {

@@ -23,16 +23,20 @@ import os
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from slimtune.optim import moments8
 from slimtune.optim.native import build
 
 # torch's fused CPU AdamW computes a call's last numel % 8 numbers on its scalar path (under both its
 # AVX2 and AVX512 builds, measured): v's multiply-add is fused the other way round there.
 SCALAR_TAIL = 8
+BLOCK = moments8.BLOCK  # adamw.c's BLOCK
 ENV = "SLIMTUNE_NATIVE"
 ROLES = ("master", "weight", "residual", "shadow", "grad", "exp_avg", "exp_avg_sq")
-DTYPES = {"master": (torch.float32,), "weight": (torch.bfloat16,), "residual": (torch.int16,),
-          "shadow": (torch.bfloat16,), "grad": (torch.float32, torch.bfloat16), "exp_avg": (torch.float32,),
-          "exp_avg_sq": (torch.float32,)}
+MOMENTS = ("exp_avg", "exp_avg_sq")  # coded (8-bit): "<moment>_codes" and "<moment>_absmax"
+DTYPES = {"master": torch.float32, "weight": torch.bfloat16, "residual": torch.int16, "shadow": torch.bfloat16,
+          "grad": (torch.float32, torch.bfloat16), "exp_avg": torch.float32, "exp_avg_sq": torch.float32,
+          **{f"{m}_codes": torch.uint8 for m in MOMENTS}, **{f"{m}_absmax": torch.float32 for m in MOMENTS}}
+SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # moments8's maps: m signed, v not
 
 
 class Hyper(ctypes.Structure):
@@ -42,12 +46,36 @@ class Hyper(ctypes.Structure):
                 ("decay", "lerp_weight", "beta2", "one_minus_beta2", "bias2_sqrt", "eps", "step_size", "clip")]
 
 
+class Coded(ctypes.Structure):
+    """adamw.c's Coded: an 8-bit moment's codes and scales, and its map's lookup tables."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "absmax", "map", "base", "mid")]
+
+
 class Run(ctypes.Structure):
     """adamw.c's Run: the run's length, its layout and its tensors' addresses."""
 
     _fields_ = [("numel", ctypes.c_int64), ("vector_end", ctypes.c_int64), ("split", ctypes.c_int32),
                 ("grad_bf16", ctypes.c_int32), ("threads", ctypes.c_int32),
-                *((role, ctypes.c_void_p) for role in ROLES)]
+                *((role, ctypes.c_void_p) for role in ROLES), ("coded", ctypes.c_int32),
+                *((f"{m}_coded", Coded) for m in MOMENTS)]
+
+
+def run_of(numel: int, tensors: dict[str, torch.Tensor], threads: int) -> Run:
+    """The Run for tensors that _readable accepted."""
+    coded = "exp_avg_codes" in tensors
+    pointers = {role: t.data_ptr() for role, t in tensors.items() if t is not None}
+    codings = [Coded(pointers[f"{m}_codes"], pointers[f"{m}_absmax"], *_tables(SIGNED[m])) if coded else Coded()
+               for m in MOMENTS]
+    return Run(numel, numel - numel % SCALAR_TAIL, "weight" in pointers, tensors["grad"].dtype == torch.bfloat16,
+               threads, *(pointers.get(role) for role in ROLES), coded, *codings)
+
+
+@functools.cache
+def _tables(signed: bool) -> tuple[int, int, int]:
+    """Addresses of moments8's map, base codes by bucket and midpoints by bucket for one signedness:
+    its quantizer's own tables (made once and kept for the process by moments8's cache)."""
+    return tuple(t.data_ptr() for t in moments8._tables(signed)[:3])  # noqa: SLF001
 
 
 def constants(hyper, step: float, clip: float) -> Hyper:
@@ -69,34 +97,43 @@ def step(hyper, step_count: float, numel: int, tensors: dict[str, torch.Tensor |
          threads: int = 1) -> bool:
     """One AdamW step over `numel` numbers, in place, on `threads` threads. `tensors` by role: a whole
     fp32 "master" or a split "weight" and "residual"; an optional bf16 "shadow" that gets the new bf16
-    weights; the "grad" (fp32 or bf16; emptied as it is read) and fp32 "exp_avg", "exp_avg_sq". True
-    when done; False (nothing done) where SLIMTUNE_NATIVE=0, the library is unavailable or the
+    weights; the "grad" (fp32 or bf16; emptied as it is read); fp32 "exp_avg" and "exp_avg_sq", or
+    both 8-bit as moments8 keeps them ("exp_avg_codes", "exp_avg_absmax", and the same for
+    "exp_avg_sq": m on the signed map, v on the unsigned one). True when done; False (nothing done) where SLIMTUNE_NATIVE=0, the library is unavailable or the
     tensors are not ones it reads."""
     if not enabled() or not _readable(numel, tensors):
         return False
     lib = library()
     if lib is None:
         return False
-    run = Run(numel, numel - numel % SCALAR_TAIL, tensors.get("weight") is not None,
-              tensors["grad"].dtype == torch.bfloat16, threads,
-              *(None if tensors.get(role) is None else tensors[role].data_ptr() for role in ROLES))
-    lib.slimtune_adamw(ctypes.byref(run), ctypes.byref(constants(hyper, step_count, clip)))
+    lib.slimtune_adamw(ctypes.byref(run_of(numel, tensors, threads)), ctypes.byref(constants(hyper, step_count, clip)))
     return True
+
+
+MASTER_ROLES = ({"master"}, {"weight", "residual"})  # a layout holds exactly one of each
+MOMENT_ROLES = (set(MOMENTS), {f"{m}_{part}" for m in MOMENTS for part in ("codes", "absmax")})
 
 
 def _readable(numel: int, tensors: dict[str, torch.Tensor | None]) -> bool:
     """The tensors are ones the kernel reads: a complete layout, each a real contiguous CPU tensor of
-    `numel` numbers in a dtype it knows, no two sharing memory."""
+    its role's dtype and length (`numel`, or a scale a block for an absmax), no two sharing memory."""
     present = {role: t for role, t in tensors.items() if t is not None}
-    masters = "master" in present, "weight" in present and "residual" in present
-    if masters[0] == masters[1] or not {"grad", "exp_avg", "exp_avg_sq"} <= present.keys():
+    roles = present.keys() - {"grad", "shadow"}
+    if "grad" not in present or not any(m | v == roles for m in MASTER_ROLES for v in MOMENT_ROLES):
         return False
+    blocks = -(-numel // BLOCK)
     for role, t in present.items():
-        if (role not in DTYPES or t.dtype not in DTYPES[role] or isinstance(t, FakeTensor)
-                or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != numel):
+        if (role not in DTYPES or t.dtype not in _dtypes(role) or isinstance(t, FakeTensor)
+                or t.device.type != "cpu" or not t.is_contiguous()
+                or t.numel() != (blocks if role.endswith("_absmax") else numel)):
             return False
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in present.values())
     return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def _dtypes(role: str) -> tuple[torch.dtype, ...]:
+    known = DTYPES[role]
+    return known if isinstance(known, tuple) else (known,)
 
 
 @functools.cache
