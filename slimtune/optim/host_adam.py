@@ -30,7 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimtune.device import memory, runtime
-from slimtune.optim import moments8, split_master, tiled_adamw
+from slimtune.optim import moments8, row_grads, split_master, tiled_adamw
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_KINDS = ("fp32", "8bit")  # train.moments
@@ -65,15 +65,16 @@ class Layout:
     split: bool = True
     grad_dtype: torch.dtype | None = None
     moments: str = "fp32"
+    row_grads: bool = False  # a table's gradient keeps only the rows a step touches (row_grads.py)
 
     @classmethod
-    def for_run(cls, train, whole_grads_dtype: torch.dtype | None) -> Layout:
+    def for_run(cls, train, whole_grads_dtype: torch.dtype | None, row_grads: bool = False) -> Layout:
         """The layout train.master and train.moments ask for. `whole_grads_dtype`: the dtype a unit's
         gradients come down in whole (None: they arrive otherwise); with one micro-batch a step the
         accumulator keeps that dtype (the gradient is the step's, held once as it came). With
         accumulation it stays fp32: micro-batches are summed on the host, exactly as before."""
         narrow = whole_grads_dtype if train.grad_accum == 1 else None
-        return cls(split=train.master == "split", grad_dtype=narrow, moments=train.moments)
+        return cls(split=train.master == "split", grad_dtype=narrow, moments=train.moments, row_grads=row_grads)
 
 
 @dataclass
@@ -135,11 +136,16 @@ class HostAdam:
         if working is not None:
             self.grads = working.views(groups, False)[0]
         else:
-            grad_dtype = layout.grad_dtype or dtype
-            self.grads = [runtime.host_empty((g.numel,), grad_dtype, device, pinned=False).zero_() for g in groups]
+            self.grads = [self._accumulator(g, layout.grad_dtype or dtype) for g in groups]
         self.steps = [memory.mark_host_resident(torch.zeros((), dtype=torch.float32)) for _ in groups]
         self.moments = [{moment: self._moment(g.numel, f"{k}-{moment}", moment == "exp_avg")
                          for moment in MOMENTS} for k, g in enumerate(groups)]
+
+    def _accumulator(self, group: Group, dtype: torch.dtype):
+        """A group's gradient accumulator: dense, or (layout.row_grads, a lone table) its touched rows."""
+        if self.layout.row_grads and len(group.shapes) == 1 and len(group.shapes[0]) == 2:
+            return row_grads.RowGrads(*group.shapes[0], dtype, self.device)
+        return runtime.host_empty((group.numel,), dtype, self.device, pinned=False).zero_()
 
     def _rest_masters(self, working: Working | None) -> None:
         """Masters, shadows and residuals as the layout keeps them."""
@@ -195,9 +201,10 @@ class HostAdam:
         return {"step": self.steps[k], **self.moments[k]}
 
     def member(self, k: int, i: int) -> MemberViews:
+        """Member i's views (a RowGrads accumulator, a lone member's, is lent as it is)."""
         flat = [self.masters[k], self.grads[k], self.shadows[k],
                 *(m if isinstance(m, torch.Tensor) else None for m in self.moments[k].values())]
-        return MemberViews(*(self.cut(k, i, t) for t in flat))
+        return MemberViews(*(self.cut(k, i, t) if not isinstance(t, row_grads.RowGrads) else t for t in flat))
 
     def cut(self, k: int, i: int, flat: torch.Tensor | None) -> torch.Tensor | None:
         """Member i of group k's place in `flat`, a tensor laid out as the group's masters."""
@@ -289,10 +296,15 @@ class HostAdam:
                     continue
                 hyper = tiled_adamw.Hyper(lr, betas[0], betas[1], self.settings["eps"], group.weight_decay)
                 tiled_adamw.adamw(hyper, self.steps[k], group.numel, self.dtype, self._master_form(k, shadows),
-                                  tiled_adamw.Scaled([(0, self.grads[k])], clip),
+                                  self._grad_form(k, clip),
                                   *(self._moment_form(self.moments[k][m]) for m in MOMENTS))
             for grad in self.grads:
                 grad.zero_()
+
+    def _grad_form(self, k: int, clip: float) -> tiled_adamw.Form:
+        grad = self.grads[k]
+        return row_grads.Rows(grad, clip) if isinstance(grad, row_grads.RowGrads) else \
+            tiled_adamw.Scaled([(0, grad)], clip)
 
     def _master_form(self, k: int, into: list[torch.Tensor] | None) -> tiled_adamw.Form:
         if self.split:
@@ -370,7 +382,8 @@ class HostAdam:
     def grad_norms(self) -> list[torch.Tensor]:
         """Each group's gradient norm, summed in fp32 at least (a bf16 gradient's norm equals its
         fp32 copy's bit for bit)."""
-        return [torch.linalg.vector_norm(grad, dtype=torch.promote_types(grad.dtype, torch.float32))
+        return [grad.norm() if isinstance(grad, row_grads.RowGrads) else
+                torch.linalg.vector_norm(grad, dtype=torch.promote_types(grad.dtype, torch.float32))
                 for grad in self.grads]
 
     def host_bytes(self) -> int:
@@ -379,7 +392,7 @@ class HostAdam:
         shared = self.working is not None  # its accumulators (and whole masters' shadows) are the owner's
         held = [*(() if self.masters_on_disk else (*self.masters, *self.residuals)),
                 *(() if shared and not self.split else self.shadows), *(() if shared else self.grads)]
-        ram = sum(runtime.nbytes(t) for t in held if t is not None)
+        ram = sum(t.nbytes() if isinstance(t, row_grads.RowGrads) else runtime.nbytes(t) for t in held if t is not None)
         return ram + (0 if self.moments_dir is not None else self._moment_bytes())
 
     def _moment_bytes(self) -> int:

@@ -35,11 +35,13 @@ class HostUnit:
     bf16), their gradients go to the sink, and whoever owns the sink updates them."""
 
     def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
-                 train: TrainConfig, moments_dir: Path | None, gradient_sink=None, whole_grads: bool = False):
+                 train: TrainConfig, moments_dir: Path | None, gradient_sink=None, whole_grads: bool = False,
+                 row_grads: bool = False):
         """`whole_grads`: each micro-batch's gradients come down whole, in the compute dtype (a block's
         slot; not an LM head's fp32 tiles or an embedding's summed rows), so with one micro-batch a step
-        the accumulators keep them in that dtype."""
-        self.name, self.device, self.whole_grads = name, device, whole_grads
+        the accumulators keep them in that dtype. `row_grads`: a table's gradient keeps only the rows
+        a step touches (an embedding's, on one rank: optim/row_grads.py)."""
+        self.name, self.device, self.whole_grads, self.row_grads = name, device, whole_grads, row_grads
         tensors = []
         for owner, attr, tensor, is_param in runtime.own_tensors(modules):
             if is_param and tensor.requires_grad:
@@ -77,7 +79,7 @@ class HostUnit:
         by_param = {id(t.param): t for t in trainable}
         master_dtype = torch.promote_types(trainable[0].param.dtype, torch.float32)  # fp32 masters; fp64 stays
         device_dtype = trainable[0].device_dtype
-        layout = Layout.for_run(train, device_dtype if self.whole_grads else None)
+        layout = Layout.for_run(train, device_dtype if self.whole_grads else None, self.row_grads)
         adam = HostAdam(self.name, [Group(tuple(p.shape for p in params), decay) for params, decay in groups],
                         master_dtype, self.device, rules.adamw_settings(train),
                         shadow_dtype=device_dtype, moments_dir=moments_dir, layout=layout)

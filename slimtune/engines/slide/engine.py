@@ -134,7 +134,7 @@ class SlideEngine(Engine):
                              sink)]
         return [HostUnit("LM head", [stack.head], device, weight_dtype, train, moments, sink, whole_grads=True),
                 HostUnit("embedding", [stack.embed], device, self.working_set.embedding_dtype(weight_dtype), train,
-                         moments, sink)]
+                         moments, sink, row_grads=not self.dist.active)]  # only the rows of the tokens seen
 
     def _edge_tensor(self, param: torch.Tensor) -> runtime.SlotTensor | None:
         return next((found for unit in self.edges if (found := unit.tensor_of(param)) is not None), None)
