@@ -55,7 +55,8 @@ typedef struct {
     uint8_t *codes;        /* a code a number */
     float *absmax;         /* a scale a block of BLOCK numbers */
     const float *map;      /* the 256 values codes stand for (times the absmax) */
-    const uint8_t *base;   /* by bucket (a number's top 16 bits): the code of the bucket's lower part */
+    const int32_t *base;   /* by bucket (a number's top 16 bits): the code of the bucket's lower part
+                              (moments8's uint8 table widened, so the lookups vectorize as gathers) */
     const float *mid;      /* by bucket: the midpoint above which a number takes base + 1 (+inf if none) */
 } Coded;
 
@@ -191,14 +192,26 @@ static inline __attribute__((always_inline)) void both_paths(const Run *r, const
 }
 
 /* moments8.py's dequantization: code map[c] times the block's absmax. */
-static void decode(const Coded *c, int64_t begin, int64_t count, float *out) {
+static void decode(const Coded *c, int64_t begin, int64_t count, float *restrict out) {
     const float absmax = c->absmax[begin / BLOCK];
-    for (int64_t j = 0; j < count; j++) out[j] = c->map[c->codes[begin + j]] * absmax;
+    const uint8_t *restrict codes = c->codes + begin;
+    for (int64_t j = 0; j < count; j++) out[j] = c->map[codes[j]] * absmax;  /* hardware gathers: slower */
+}
+
+/* Each x times `inverse` takes the code of its 16-bit bucket, plus one above the bucket's midpoint.
+   The tables are int32 and the pointers restrict parameters, so gcc vectorizes it with gathers. */
+static void code_block(uint8_t *restrict codes, const float *restrict x, int64_t count, float inverse,
+                       const int32_t *restrict base, const float *restrict mid) {
+    for (int64_t j = 0; j < count; j++) {
+        const float scaled = x[j] * inverse;
+        const int32_t key = (int32_t)(to_bits(scaled) >> 16);
+        codes[j] = (uint8_t)(base[key] + (scaled > mid[key] ? 1 : 0));
+    }
 }
 
 /* moments8.py's quantization of one block: absmax = the largest |x| (a NaN if any is NaN, as torch's
-   amax gives: on |x|'s bit patterns NaN orders above every number), then each x times
-   1 / max(absmax, 1e-38) takes the code of its 16-bit bucket, plus one above the bucket's midpoint. */
+   amax gives: on |x|'s bit patterns NaN orders above every number), then the codes of x times
+   1 / max(absmax, 1e-38). */
 static void encode(const Coded *c, int64_t begin, int64_t count, const float *x) {
     uint32_t largest = 0;
     for (int64_t j = 0; j < count; j++) {
@@ -206,13 +219,8 @@ static void encode(const Coded *c, int64_t begin, int64_t count, const float *x)
         largest = bits > largest ? bits : largest;
     }
     const float absmax = from_bits(largest);
-    const float inverse = 1.0f / (absmax < 1e-38f ? 1e-38f : absmax);
     c->absmax[begin / BLOCK] = absmax;
-    for (int64_t j = 0; j < count; j++) {
-        const float scaled = x[j] * inverse;
-        const uint32_t key = to_bits(scaled) >> 16;
-        c->codes[begin + j] = (uint8_t)(c->base[key] + (scaled > c->mid[key]));
-    }
+    code_block(c->codes + begin, x, count, 1.0f / (absmax < 1e-38f ? 1e-38f : absmax), c->base, c->mid);
 }
 
 /* [begin, end) of a run with fp32 moments. */

@@ -22,6 +22,7 @@ import os
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from slimtune.optim import moments8
 from slimtune.optim.native import build
@@ -71,11 +72,18 @@ def run_of(numel: int, tensors: dict[str, torch.Tensor], threads: int) -> Run:
                threads, *(pointers.get(role) for role in ROLES), coded, *codings)
 
 
-@functools.cache
 def _tables(signed: bool) -> tuple[int, int, int]:
-    """Addresses of moments8's map, base codes by bucket and midpoints by bucket for one signedness:
-    its quantizer's own tables (made once and kept for the process by moments8's cache)."""
-    return tuple(t.data_ptr() for t in moments8._tables(signed)[:3])  # noqa: SLF001
+    """Addresses of the map, base codes by bucket and midpoints by bucket for one signedness."""
+    return tuple(t.data_ptr() for t in _held_tables(signed))
+
+
+@functools.cache
+def _held_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moments8's quantizer's own tables, the base codes widened to int32 (adamw.c gathers them);
+    made once, outside any dispatch mode (a memory meter running around a step counts nothing)."""
+    code, base, midpoint = moments8._tables(signed)[:3]  # noqa: SLF001
+    with _disable_current_modes():
+        return code, base.to(torch.int32), midpoint
 
 
 def constants(hyper, step: float, clip: float) -> Hyper:
