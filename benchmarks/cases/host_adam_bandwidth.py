@@ -14,8 +14,6 @@ optimizer layout comes to it, on 1 and 2 threads (torch.set_num_threads):
   included: on the tiled torch path (SLIMTUNE_NATIVE=0) and on the native C loop where it applies.
 - The pieces of the tiled update, each on one cache-resident tile (tiled_adamw.TILE numbers), so the
   time a layout spends computing can be set beside the time its bytes need.
-- A what-if for the layout the native loop does not take (8-bit moments): the same update as one
-  pass in plain C, checked bit for bit against HostAdam.update.
 
     python benchmarks/run.py host_adam_bandwidth        # ~2 minutes on 2 cores
 """
@@ -23,13 +21,8 @@ optimizer layout comes to it, on 1 and 2 threads (torch.set_num_threads):
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
-import math
 import os
-import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -156,7 +149,7 @@ def measure_layout(name: str, n: int, reps: int, flush: torch.Tensor, native: bo
 
 
 def native_step(adam, threads: int) -> None:
-    """adam's next step (one group, fp32 moments) by the native loop on `threads` threads."""
+    """adam's next step (one group) by the native loop on `threads` threads."""
     from slimtune.optim import tiled_adamw
     from slimtune.optim.native import adamw
 
@@ -164,7 +157,10 @@ def native_step(adam, threads: int) -> None:
     hyper = tiled_adamw.Hyper(SETTINGS["lr"], *SETTINGS["betas"], SETTINGS["eps"], adam.groups[0].weight_decay)
     masters = ({"weight": adam.shadows[0], "residual": adam.residuals[0]} if adam.split
                else {"master": adam.masters[0], "shadow": adam.shadows[0]})
-    tensors = {**masters, "grad": adam.grads[0], **adam.moments[0]}
+    tensors = {**masters, "grad": adam.grads[0]}
+    for name, held in adam.moments[0].items():  # fp32, or moments8.Moment8's codes and absmax
+        tensors.update({name: held} if isinstance(held, torch.Tensor) else
+                       {f"{name}_codes": held.codes, f"{name}_absmax": held.absmax})
     assert adamw.step(hyper, float(adam.steps[0]), adam.groups[0].numel, tensors, threads=threads)
 
 
@@ -254,176 +250,16 @@ PIECES_OF = {  # the tile pieces each layout runs on the tiled path (tiled_adamw
 }
 
 
-def reading(tiled: dict, native: dict, probes: dict, tile: dict, copy_gbps: float) -> dict:
+def reading(tiled: dict, native: dict, tile: dict, copy_gbps: float) -> dict:
     """Per layout, in ns a number: the update on each path, the time its bytes need at the copy
-    bandwidth, the tiled path's pieces computed in cache, and the C what-if where it ran."""
+    bandwidth, and the tiled path's pieces computed in cache."""
     out = {}
     for name, found in tiled.items():
         out[name] = {"tiled_ns": found["ns_a_number"],
                      "native_ns": native[name]["ns_a_number"] if name in native else None,
                      "bytes_at_copy_speed_ns": found["bytes_a_number"] / copy_gbps,
-                     "tiled_pieces_in_cache_ns": sum(tile[p] for p in PIECES_OF[name]),
-                     "c_what_if_ns": probes[name]["ns_a_number"] if name in probes else None}
+                     "tiled_pieces_in_cache_ns": sum(tile[p] for p in PIECES_OF[name])}
     return out
-
-
-# ------------------------------------------------------------ a what-if: one pass in plain C
-
-# Not slimtune's code: the split master with 8-bit moments (which the native loop does not take) as one
-# pass over blocks of 256 in plain C that gcc vectorizes (no intrinsics), to show what such a kernel
-# would reach here. Its arithmetic is torch's fused CPU AdamW's, operation for operation (m's lerp and
-# v's update as the fused multiply-adds torch's vector path does, nothing else contracted), its codes
-# moments8's; `same_bits` holds it to HostAdam.update's tiled path bit for bit.
-C_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-typedef struct { float decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt, eps; } Hyper;
-static inline float f_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline uint32_t u_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float bf16_to_f(uint16_t b) { return f_of((uint32_t)b << 16); }
-static inline float combine(uint16_t w, int16_t r) { return f_of(((uint32_t)w << 16) + (uint32_t)(int32_t)r); }
-static inline void split(float p, uint16_t *w, int16_t *r) {  /* round to nearest even; finite values */
-    uint32_t u = u_of(p), top = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    int32_t res = (int32_t)u - (int32_t)(top << 16);
-    *w = (uint16_t)top; *r = (int16_t)(res > 32767 ? 32767 : res);
-}
-static inline float adamw(float p, float g, float *m, float *v, const Hyper *h) {
-    p = p * h->decay;
-    *m = fmaf(h->one_minus_beta1, g - *m, *m);
-    *v = fmaf(h->one_minus_beta2 * g, g, *v * h->beta2);
-    return p - h->step_size * *m / (sqrtf(*v) / h->bias2_sqrt + h->eps);
-}
-/* 8-bit moments (moments8.py): blocks of 256, decoded, updated, coded again with a fresh absmax. */
-typedef struct { uint8_t *codes; float *absmax; const float *map; const uint8_t *base; const float *mid; } Coded;
-static inline void encode(const float *x, uint8_t *codes, float amax, const Coded *c) {
-    const float s = 1.0f / (amax > 1e-38f ? amax : 1e-38f);
-    for (int j = 0; j < 256; j++) {
-        float y = x[j] * s; uint32_t key = (u_of(y) >> 16) & 0xFFFF;
-        codes[j] = (uint8_t)(c->base[key] + (y > c->mid[key]));
-    }
-}
-void split8_adamw(uint16_t *w, int16_t *r, uint16_t *g, const Coded *m8, const Coded *v8, long n,
-                  const Hyper *h, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long b = 0; b < n / 256; b++) {
-        float m[256], v[256], am = 0.f, av = 0.f;
-        const long o = b * 256;
-        for (int j = 0; j < 256; j++) {
-            m[j] = m8->map[m8->codes[o + j]] * m8->absmax[b];
-            v[j] = v8->map[v8->codes[o + j]] * v8->absmax[b];
-        }
-        for (int j = 0; j < 256; j++) {
-            split(adamw(combine(w[o + j], r[o + j]), bf16_to_f(g[o + j]), &m[j], &v[j], h), &w[o + j], &r[o + j]);
-            g[o + j] = 0;
-        }
-        for (int j = 0; j < 256; j++) { float x = fabsf(m[j]); am = x > am ? x : am; av = v[j] > av ? v[j] : av; }
-        m8->absmax[b] = am; v8->absmax[b] = av;
-        encode(m, m8->codes + o, am, m8);
-        encode(v, v8->codes + o, av, v8);
-    }
-}
-"""
-C_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-
-
-class CHyper(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_float) for name in
-                ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "bias2_sqrt", "eps")]
-
-
-class CCoded(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "absmax", "map", "base", "mid")]
-
-
-def build_probe(folder: Path):
-    """The C loops as a shared library, or None where gcc is missing or fails."""
-    compiler = shutil.which("gcc")
-    if compiler is None:
-        return None
-    (folder / "probe.c").write_text(C_SOURCE)
-    made = subprocess.run([compiler, *C_FLAGS, str(folder / "probe.c"), "-o", str(folder / "probe.so")],
-                          capture_output=True, text=True)
-    return ctypes.CDLL(str(folder / "probe.so")) if made.returncode == 0 else None
-
-
-def c_hyper(step: int, weight_decay: float = 0.01) -> CHyper:
-    """AdamW's constants for `step`, computed in double and rounded to fp32 as torch's kernel does."""
-    lr, (beta1, beta2), eps = SETTINGS["lr"], SETTINGS["betas"], SETTINGS["eps"]
-    return CHyper(1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
-                  math.sqrt(1 - beta2 ** step), eps)
-
-
-def c_coded(moment) -> tuple[CCoded, tuple]:
-    """A moments8.Moment8 as the C loop reads it (and the tensors that must outlive the call)."""
-    held = (moment.codes, moment.absmax, *code_tables(moment.signed))
-    return CCoded(*(t.data_ptr() for t in held)), held
-
-
-@functools.cache
-def code_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(map, base, mid) for the C encoder, built here from the map alone: numbers whose top 16 bits
-    are k take code base[k], plus one above mid[k] (the one midpoint of adjacent map values inside
-    that bucket, or +inf). The nearest code, a midpoint itself taking the lower one; same_bits holds
-    this against moments8's own quantizer."""
-    from slimtune.optim import moments8
-
-    code = moments8.dynamic_map(signed)
-    mids = (code[:-1] + code[1:]) / 2
-    first = torch.arange(1 << 16, dtype=torch.int64) << 16
-    ends = [((bits + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32).view(torch.float32)
-            for bits in (first, first | 0xFFFF)]
-    low, high = torch.minimum(*ends), torch.maximum(*ends)
-    base = torch.searchsorted(mids, low, side="left")
-    inside = torch.searchsorted(mids, high, side="right") - base
-    nan = low.isnan() | high.isnan()
-    base[nan], inside[nan] = code.numel() - 1, 0
-    assert int(inside.max()) <= 1, "a bucket holds two midpoints"
-    mid = torch.where(inside == 1, mids[base.clamp(max=mids.numel() - 1)], torch.tensor(math.inf))
-    return code, base.to(torch.uint8), mid.contiguous()
-
-
-def c_update(lib, adam, threads: int) -> None:
-    """adam's next AdamW step (one group, split master, 8-bit moments) by the C loop on adam's tensors."""
-    adam.steps[0].add_(1)
-    hyper = c_hyper(int(adam.steps[0]))
-    w, r, g = adam.shadows[0], adam.residuals[0], adam.grads[0]
-    (cm, _keep_m), (cv, _keep_v) = c_coded(adam.moments[0]["exp_avg"]), c_coded(adam.moments[0]["exp_avg_sq"])
-    lib.split8_adamw(*(ctypes.c_void_p(t.data_ptr()) for t in (w, r, g)), ctypes.byref(cm), ctypes.byref(cv),
-                     ctypes.c_long(g.numel()), ctypes.byref(hyper), threads)
-
-
-def same_bits(lib, n: int, steps: int = 3) -> bool:
-    """The C loop and HostAdam.update, from the same state and gradients, leave the same bits."""
-    ours, theirs = host_adam("split_8bit", n, None), host_adam("split_8bit", n, None)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        grads = (torch.randn(n, generator=generator) * 1e-3).to(torch.bfloat16)
-        ours.grads[0].copy_(grads)
-        theirs.grads[0].copy_(grads)
-        ours.update(SETTINGS["lr"])
-        c_update(lib, theirs, torch.get_num_threads())
-    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(state_of(ours), state_of(theirs)))
-
-
-def state_of(adam) -> list[torch.Tensor]:
-    held = [adam.shadows[0], adam.residuals[0], adam.grads[0]]
-    for moment in adam.moments[0].values():
-        held += [moment] if isinstance(moment, torch.Tensor) else [moment.codes, moment.absmax]
-    return held
-
-
-def measure_probe(lib, n: int, reps: int, flush: torch.Tensor) -> dict:
-    """The C loop's step over the 8-bit layout's tensors (built by HostAdam), timed like HostAdam.update."""
-    adam, threads = host_adam("split_8bit", n, None), torch.get_num_threads()
-    source = (torch.randn(n) * 1e-3).to(torch.bfloat16)
-
-    def prepare():
-        adam.grads[0].copy_(source)
-        flush.fill_(1.0)
-
-    found = rate(timed(lambda: c_update(lib, adam, threads), prepare, reps), traffic("split_8bit", n)["total"])
-    return {**found, "same_bits_as_host_adam": same_bits(lib, QUICK_N)}
 
 
 # ------------------------------------------------------------ the run
@@ -438,7 +274,6 @@ class Sizes(NamedTuple):  # (a dataclass needs the module in sys.modules; run.py
 
 
 FULL, QUICK = Sizes(COPY_N, ADAM_N, 10, 5, 40), Sizes(QUICK_N, QUICK_N, 1, 1, 5)
-NATIVE_LAYOUTS = ("whole", "split", "split_disk")  # the native loop takes fp32 moments only
 
 
 def run(quick: bool) -> dict:
@@ -446,24 +281,21 @@ def run(quick: bool) -> dict:
     load_before, threads_before = os.getloadavg(), torch.get_num_threads()
     flush = torch.empty(FLUSH_BYTES // 4)
     by_threads = {}
-    with tempfile.TemporaryDirectory(prefix="host-adam-probe-") as folder:
-        lib = build_probe(Path(folder))
     native = native_available()
     try:
         for threads in THREADS:
             torch.set_num_threads(threads)
-            by_threads[str(threads)] = measure_at(sizes, flush, lib, native)
+            by_threads[str(threads)] = measure_at(sizes, flush, native)
     finally:
         torch.set_num_threads(threads_before)
     result = {"copy_numbers": sizes.copy_n, "adam_numbers": sizes.adam_n, "goal_of_copy_one_thread": GOAL,
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native": native,
-              "c_flags": list(C_FLAGS) if lib else None,
               "load_average_before": load_before, "load_average_after": os.getloadavg(), "threads": by_threads}
     summarize(result)
     return result
 
 
-def measure_at(sizes: Sizes, flush: torch.Tensor, lib, native: bool) -> dict:
+def measure_at(sizes: Sizes, flush: torch.Tensor, native: bool) -> dict:
     """Everything at the current torch thread count; fractions are of the copy at that count."""
     refs = stream(sizes.copy_n, sizes.copy_reps)
     copy_gbps, n = refs["copy"]["gbps"], sizes.adam_n
@@ -471,16 +303,15 @@ def measure_at(sizes: Sizes, flush: torch.Tensor, lib, native: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="host-adam-bench-", dir=bench_root()) as root:
         fused_files = torch_fused(n, sizes.adam_reps, flush, Path(root))
     tiled = {name: measure_layout(name, n, sizes.adam_reps, flush, False) for name in LAYOUTS}
-    natives = {name: measure_layout(name, n, sizes.adam_reps, flush, True) for name in NATIVE_LAYOUTS} if native else {}
-    probes = {"split_8bit": measure_probe(lib, n, sizes.adam_reps, flush)} if lib else {}
-    for found in (fused, fused_files, *tiled.values(), *natives.values(), *probes.values()):
+    natives = {name: measure_layout(name, n, sizes.adam_reps, flush, True) for name in LAYOUTS} if native else {}
+    for found in (fused, fused_files, *tiled.values(), *natives.values()):
         found["of_copy"] = found["gbps"] / copy_gbps
         found["ns_a_number"] = found["best_s"] / n * 1e9
         found["bytes_a_number"] = found["bytes"] / n
     tile = pieces(sizes.tile_repeat)
     return {"stream": refs, "torch_fused_adamw": fused, "torch_fused_adamw_moments_in_files": fused_files,
-            "host_adam_native": natives, "host_adam_tiled": tiled, "c_what_if": probes,
-            "tile_pieces_ns": tile, "reading": reading(tiled, natives, probes, tile, copy_gbps)}
+            "host_adam_native": natives, "host_adam_tiled": tiled, "tile_pieces_ns": tile,
+            "reading": reading(tiled, natives, tile, copy_gbps)}
 
 
 def summarize(result: dict) -> None:
@@ -491,8 +322,7 @@ def summarize(result: dict) -> None:
               f"{found['torch_fused_adamw']['gbps']:.1f} ({found['torch_fused_adamw']['of_copy']:.0%} of copy), "
               f"moments in files {found['torch_fused_adamw_moments_in_files']['gbps']:.1f}")
         rows = [*(("tiled " + k, v) for k, v in found["host_adam_tiled"].items()),
-                *(("native " + k, v) for k, v in found["host_adam_native"].items()),
-                *(("C " + k, v) for k, v in found["c_what_if"].items())]
+                *(("native " + k, v) for k, v in found["host_adam_native"].items())]
         for name, layout in rows:
             print(f"  {name:17s} {layout['bytes_a_number']:5.2f} B/number {layout['best_s'] * 1e3:7.1f} ms "
                   f"{layout['gbps']:5.1f} GB/s {layout['of_copy']:4.0%} of copy {layout['ns_a_number']:.2f} ns/number")
