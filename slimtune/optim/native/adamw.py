@@ -19,6 +19,7 @@ import ctypes
 import functools
 import math
 import os
+import types
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -156,7 +157,9 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.slimtune_adamw.argtypes = [ctypes.POINTER(Run), ctypes.POINTER(Hyper)]
     lib.slimtune_adamw.restype = ctypes.c_int
-    if not _agrees_with_torch(lib):
+    with _disable_current_modes():  # first use may come inside a step the memory meter watches
+        agrees = _agrees_with_torch(lib)
+    if not agrees:
         build.say_once(f"the native host AdamW does not give torch {torch.__version__}'s bits on this machine "
                        f"(capability {torch.backends.cpu.get_cpu_capability()}): the tiled torch path runs.")
         return None
@@ -170,27 +173,19 @@ def _cpu_runs_it() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-class _Settings:
-    """Hyper-parameters for the load-time check (tiled_adamw.Hyper's fields)."""
-
-    def __init__(self, lr, beta1, beta2, eps, weight_decay):
-        self.lr, self.beta1, self.beta2, self.eps, self.weight_decay = lr, beta1, beta2, eps, weight_decay
-
-
 def _agrees_with_torch(lib: ctypes.CDLL) -> bool:
     """The library and torch._fused_adamw_ leave the same bits on runs of every length mod 16 (the
     scalar tail), four of each, with and without weight decay and clipping, on both of lerp's branches
     (a few milliseconds, once a process)."""
     generator = torch.Generator().manual_seed(0)
     for length in range(1024, 1088):
-        settings = _Settings(1e-3 * (1 + length % 3), (0.9, 0.3)[length % 2], 0.999, 1e-8, 0.01 * (length % 3))
-        numel, step_count, clip = length, float(1 + length % 5), (1.0, 0.37)[length % 2]
-        p, g, m = (torch.randn(numel, generator=generator) * scale for scale in (1.0, 1e-2, 1e-3))
-        v = torch.rand(numel, generator=generator) * 1e-4
+        settings = types.SimpleNamespace(lr=1e-3 * (1 + length % 3), beta1=(0.9, 0.3)[length // 16 % 2], beta2=0.999,
+                                         eps=1e-8, weight_decay=0.01 * (length % 3))
+        step_count, clip = float(1 + length % 5), (1.0, 0.37)[length // 32 % 2]
+        p, g, m = (torch.randn(length, generator=generator) * scale for scale in (1.0, 1e-2, 1e-3))
+        v = torch.rand(length, generator=generator) * 1e-4
         ours = {"master": p.clone(), "grad": g.clone(), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
-        run = Run(numel, numel - numel % SCALAR_TAIL, 0, 0, 1, *(ours[r].data_ptr() if r in ours else None
-                                                                 for r in ROLES))
-        lib.slimtune_adamw(ctypes.byref(run), ctypes.byref(constants(settings, step_count, clip)))
+        lib.slimtune_adamw(ctypes.byref(run_of(length, ours, 1)), ctypes.byref(constants(settings, step_count, clip)))
         torch._fused_adamw_([p], [g.mul_(clip)], [m], [v], [], [torch.tensor(step_count)], amsgrad=False,
                             lr=settings.lr, beta1=settings.beta1, beta2=settings.beta2,
                             weight_decay=settings.weight_decay, eps=settings.eps, maximize=False)
