@@ -150,6 +150,9 @@ class HostAdam:
     def _rest_masters(self, working: Working | None) -> None:
         """Masters, shadows and residuals as the layout keeps them."""
         groups, dtype = self.groups, self.dtype
+        # A Working set's shadows serve whole masters that take turns (chunks); else each keeps its own.
+        self.shared_shadows = working is not None and working.shadow is not None and not self.split \
+            and self.shadow_dtype is not None
         if self.split:  # the bf16 weight goes up (pinned); the residual stays (a file with the masters)
             self.masters = [None] * len(groups)
             self.shadows = [self._resting((g.numel,), torch.bfloat16, f"{k}-weight", self.masters_on_disk, pinned=True)
@@ -161,8 +164,8 @@ class HostAdam:
         # Pinned only where the master itself crosses the link (no narrower shadow goes up in its place).
         self.masters = [self._resting((g.numel,), dtype, f"{k}-master", self.masters_on_disk,
                                       pinned=self.shadow_dtype is None) for k, g in enumerate(groups)]
-        if working is not None:
-            self.shadows = working.views(groups, self.shadow_dtype is not None)[1]
+        if self.shared_shadows:
+            self.shadows = working.views(groups, True)[1]
         else:
             self.shadows = [runtime.host_empty((g.numel,), self.shadow_dtype, self.device) if self.shadow_dtype
                             else None for g in groups]
@@ -389,9 +392,9 @@ class HostAdam:
     def host_bytes(self) -> int:
         """Host RAM held: masters (or weights and residuals), accumulators, shadows, and the moments
         unless they are files."""
-        shared = self.working is not None  # its accumulators (and whole masters' shadows) are the owner's
+        shared = self.working is not None  # its accumulators (and shared shadows) are the owner's
         held = [*(() if self.masters_on_disk else (*self.masters, *self.residuals)),
-                *(() if shared and not self.split else self.shadows), *(() if shared else self.grads)]
+                *(() if self.shared_shadows else self.shadows), *(() if shared else self.grads)]
         ram = sum(t.nbytes() if isinstance(t, row_grads.RowGrads) else runtime.nbytes(t) for t in held if t is not None)
         return ram + (0 if self.moments_dir is not None else self._moment_bytes())
 

@@ -20,7 +20,8 @@ from slimtune.device import memory, runtime
 from slimtune.config import TrainConfig
 from slimtune.dist.ranks import SINGLE
 from slimtune.optim import rules
-from slimtune.optim.host_adam import CODED, MOMENTS, Group, HostAdam, Layout, coded_state, load_coded_state
+from slimtune.optim.host_adam import (CODED, MOMENTS, Group, HostAdam, Layout, Working, coded_state,
+                                      load_coded_state)
 
 
 class HostUnit:
@@ -36,11 +37,13 @@ class HostUnit:
 
     def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
                  train: TrainConfig, moments_dir: Path | None, gradient_sink=None, whole_grads: bool = False,
-                 row_grads: bool = False):
+                 row_grads: bool = False, working: Working | None = None):
         """`whole_grads`: each micro-batch's gradients come down whole, in the compute dtype (a block's
         slot; not an LM head's fp32 tiles or an embedding's summed rows), so with one micro-batch a step
         the accumulators keep them in that dtype. `row_grads`: a table's gradient keeps only the rows
-        a step touches (an embedding's, on one rank: optim/row_grads.py)."""
+        a step touches (an embedding's, on one rank: optim/row_grads.py). `working`: an accumulator
+        shared with other units whose updates never interleave with this one's gradients."""
+        self.working = working
         self.name, self.device, self.whole_grads, self.row_grads = name, device, whole_grads, row_grads
         tensors = []
         for owner, attr, tensor, is_param in runtime.own_tensors(modules):
@@ -82,7 +85,7 @@ class HostUnit:
         layout = Layout.for_run(train, device_dtype if self.whole_grads else None, self.row_grads)
         adam = HostAdam(self.name, [Group(tuple(p.shape for p in params), decay) for params, decay in groups],
                         master_dtype, self.device, rules.adamw_settings(train),
-                        shadow_dtype=device_dtype, moments_dir=moments_dir, layout=layout)
+                        shadow_dtype=device_dtype, moments_dir=moments_dir, working=self.working, layout=layout)
         adam.load_group_masters([[p.data for p in params] for params, _ in groups])
         with torch.no_grad():
             for k, (params, _) in enumerate(groups):

@@ -98,8 +98,12 @@ class SlideEngine(Engine):
         self.working_set: WorkingSet = working_set_of(cfg)(cfg, self.names, stack.model, device, dist)
         moments = self._moments_dir(cfg)
         blocks, count = stack.blocks, len(stack.blocks)
-        self.units = [HostUnit(f"block {i}", [blocks[i]] + ([stack.norm] if i == count - 1 else []), device,
-                               weight_dtype, cfg.train, moments, self.working_set.sink, whole_grads=True)
+        block_modules = [[blocks[i]] + ([stack.norm] if i == count - 1 else []) for i in range(count)]
+        self.shared_grads = self.working_set.block_accumulator(
+            max(sum(p.numel() for m in ms for p in m.parameters() if p.requires_grad) for ms in block_modules),
+            weight_dtype or torch.promote_types(next(stack.model.parameters()).dtype, torch.float32), device)
+        self.units = [HostUnit(f"block {i}", block_modules[i], device, weight_dtype, cfg.train, moments,
+                               self.working_set.sink, whole_grads=True, working=self.shared_grads)
                       for i in range(count)]
         self.edges = self._edge_units(cfg.train, weight_dtype, moments)
         for unit in self._all_units():
@@ -414,7 +418,8 @@ class SlideEngine(Engine):
         tensors, the staging buffers (block inputs are counted by the store) and what the working set
         holds besides."""
         held = sum(u.host_bytes() for u in self._all_units()) + sum(s.numel() for s in self.staging)
-        return held + self.working_set.host_bytes()
+        shared = self.shared_grads.host_bytes() if self.shared_grads is not None else 0
+        return held + shared + self.working_set.host_bytes()
 
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
         self.worker.barrier()  # the last step's updates, if it left them running

@@ -88,6 +88,13 @@ class WorkingSet(abc.ABC):
     def moments_bytes(self, trained: list[nn.Parameter]) -> int:
         """Bytes of AdamW moments the host units keep (slide.moments=disk: the moment files' need)."""
 
+    def block_accumulator(self, numel: int, dtype: torch.dtype, device: torch.device) -> host_adam.Working | None:
+        """One gradient accumulator every block's HostAdam may share (sized for the largest block),
+        when each block's update follows its own gradients at once on the FIFO worker; None: each
+        keeps its own."""
+        del numel, dtype, device
+        return None
+
     @abc.abstractmethod
     def attach(self, units: list[HostUnit], worker: runtime.HostWorker, read_order: list[HostUnit]) -> None:
         """The engine's host units (blocks, then edges), the worker their host jobs run on, and the
@@ -185,6 +192,14 @@ class AllTensors(WorkingSet):
 
     def begin_step(self, step: int) -> float:
         return rules.lr_at(self.train_cfg, step)
+
+    def block_accumulator(self, numel: int, dtype: torch.dtype, device: torch.device) -> host_adam.Working | None:
+        """Without clipping and with one micro-batch a step, a block's gradients are added and its
+        AdamW runs at once (consecutive jobs on the FIFO worker, before the next block's arrive): one
+        accumulator serves every block, so the blocks hold no gradients between steps."""
+        if self.clipping or self.train_cfg.grad_accum != 1:
+            return None
+        return host_adam.Working(numel, dtype, device, None)
 
     def backward_update(self, lr: float, guard: StepGuard) -> tuple | None:
         """Without clipping, each unit's AdamW as soon as its gradients are complete (the guard stops
