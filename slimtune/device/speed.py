@@ -101,10 +101,12 @@ def overlapped_step_time(flops: float, trainable_params: int, gpu, precision: st
                          disk_bytes: float, updates_exposed: bool, memory_bytes: float = 0.0,
                          mfu: float = ASSUMED_MFU) -> StepTime:
     """Copies overlap compute (the slower of the two sets the pace), and AdamW runs on the host: its
-    whole time is added when every update waits for the last backward (clipping), else only the last
-    unit's share, taken here as nothing. `memory_bytes`: device memory traffic of the compute
+    whole time is added when every update waits for the step's device work (`updates_exposed`), else
+    it runs beside that work (during backward, or under the next step's forward) and sets the pace
+    only when it is the slowest of the three. `memory_bytes`: device memory traffic of the compute
     (4-bit dequantization)."""
     compute = compute_seconds(flops, gpu, precision, memory_bytes, mfu)
     link = link_seconds(link_bytes, disk_bytes, gpu)
-    optimizer = trainable_params * ADAMW_BYTES_PER_PARAM / (HOST_ADAMW_GBPS * 1e9) if updates_exposed else 0.0
-    return StepTime(max(compute, link) + optimizer, compute, optimizer, link, flops)
+    optimizer = trainable_params * ADAMW_BYTES_PER_PARAM / (HOST_ADAMW_GBPS * 1e9)
+    total = max(compute, link) + optimizer if updates_exposed else max(compute, link, optimizer)
+    return StepTime(total, compute, optimizer, link, flops)

@@ -58,10 +58,13 @@ def scratch(cfg: RunConfig) -> dict[str, str]:
 
 
 def plans(method: str) -> list[dict]:
-    """Full fine-tuning with block inputs in host RAM or on disk, and with a chunk working set (8
-    chunks, their state in files: the smallest host RAM); LoRA over a 4-bit base."""
+    """Full fine-tuning with block inputs in host RAM or on disk, with the AdamW moments in files
+    (the same updates in 6 bytes a parameter of host RAM), and with a chunk working set (8 chunks,
+    their state in files: the smallest host RAM); LoRA over a 4-bit base."""
     if method == "lora":
         return [{"precision": "bf16", "quant.scheme": "nf4"}]
     chunked = {"precision": "bf16", "activations.checkpoint": "host", "slide.working_set": "chunk",
                "chunk.n_chunks": 8, "chunk.state": "disk"}
-    return [*({"precision": "bf16", "activations.checkpoint": store} for store in ("host", "disk")), chunked]
+    moments_on_disk = {"precision": "bf16", "activations.checkpoint": "host", "slide.moments": "disk"}
+    return [*({"precision": "bf16", "activations.checkpoint": store} for store in ("host", "disk")), moments_on_disk,
+            chunked]
