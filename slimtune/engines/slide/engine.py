@@ -160,10 +160,12 @@ class SlideEngine(Engine):
         if unit is not None and unit.update_job is not None:
             unit.update_job.result()
 
-    def _moments_dir(self, cfg: RunConfig) -> runtime.ScratchFolder | None:
+    def _moments_dir(self, cfg: RunConfig) -> runtime.ScratchFolder | Path | None:
         """slide.moments=disk: a private folder for the moment files, removed with the engine (sized
         by the working set: a chunk working set keeps no per-unit moments)."""
         folder = scratch(cfg).get("slide.moments_dir")
+        if folder and any(is_fake(p) for p in self.stack.model.parameters()):
+            return Path(folder)  # the planner's step: the files are counted, never made
         need = self.working_set.moments_bytes([p for p in self.stack.model.parameters() if p.requires_grad])
         return moments_folder(self, Path(folder), MOMENTS_ON_DISK, need) if folder else None
 
