@@ -395,10 +395,60 @@ def roundpipe_checks(quick: bool, output_dir: str) -> dict:
     return out
 
 
+def host_optimizer(quick: bool, output_dir: str) -> dict:
+    """Issue 30 on a card: slide's step with clipping on, the host updates overlapped with the next
+    forward (then=) against exposed (a barrier after each step), and the host AdamW's time per block
+    with the split master (fp32 moments, native loop or torch tiles) and with 8-bit moments."""
+    from slimtune.optim import host_adam
+    from slimtune.optim.native import adamw as native
+
+    config = shapes(quick, 4 if quick else 8)
+    seq = 256 if quick else 2048
+    model, batch = random_model(config), one_batch(config.vocab_size, seq)
+    out: dict = {"native_kernel": native.enabled() and native.library() is not None}
+    cfg = run_config({"engine": "slide", "method": "full", "precision": "bf16", "activations.checkpoint": "host",
+                      "train.max_grad_norm": 1.0}, output_dir)
+    for mode in ("exposed", "overlapped"):
+        engine = build_engine(model, cfg, device())
+        times = []
+        for step in range(4):
+            began = time.perf_counter()
+            then = ([batch], None) if mode == "overlapped" and step < 3 else None
+            engine.step([batch], then=then)
+            if mode == "exposed":
+                engine.worker.barrier()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - began)
+        engine.worker.barrier()
+        # A step handed the next batches starts that step's forward inside this call: compare the
+        # steps after the warm-up together, not one call against another.
+        out[mode] = {"step_s": times, "steps_1_to_3_s": sum(times[1:])}
+    out["overlapped_over_exposed"] = out["overlapped"]["steps_1_to_3_s"] / out["exposed"]["steps_1_to_3_s"]
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    for moments in ("fp32", "8bit"):
+        adam = host_adam.HostAdam("block", [host_adam.Group((torch.Size([block]),), 0.0)], torch.float32, device(),
+                                  {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8}, shadow_dtype=torch.bfloat16,
+                                  layout=host_adam.Layout(grad_dtype=torch.bfloat16, moments=moments))
+        adam.grads[0].normal_(0, 1e-3)
+        adam.update(1e-5)
+        began = time.perf_counter()
+        for _ in range(3):
+            adam.grads[0].normal_(0, 1e-3)
+            adam.update(1e-5)
+        out[f"host_adamw_block_s_{moments}"] = (time.perf_counter() - began) / 3
+    out["block_params"] = block
+    print(f"host_optimizer: overlapped/exposed {out['overlapped_over_exposed']:.2f}, host AdamW a block"
+          f" {out['host_adamw_block_s_fp32'] * 1e3:.1f} ms (fp32 moments), {out['host_adamw_block_s_8bit'] * 1e3:.1f} ms"
+          " (8-bit)", flush=True)
+    return out
+
+
 SECTIONS = (("estimate_vs_device", lambda quick, out: estimate_vs_device(quick, out)),
             ("context", lambda quick, out: context_bytes()), ("parity", lambda quick, out: parity(out)),
             ("speed", speed), ("lsp_compressed_gradient", lambda quick, out: lsp_compressed_gradient(quick)),
-            ("lsp_speed", lsp_speed), ("chunk", chunk_checks), ("roundpipe", roundpipe_checks))
+            ("lsp_speed", lsp_speed), ("chunk", chunk_checks), ("roundpipe", roundpipe_checks),
+            ("host_optimizer", host_optimizer))
 
 
 def run(quick: bool) -> dict:
