@@ -12,6 +12,7 @@
   after; no compiler, or a failing one, means one line on stderr and the torch path, never an error.
 """
 
+import ctypes
 import subprocess
 import sys
 
@@ -273,6 +274,28 @@ def test_tensors_the_kernel_cannot_read_are_left_to_the_tile_path():
     assert not native.step(hyper, 1.0, 64, {k: v for k, v in s.items() if k != "exp_avg"})
     assert not native.step(hyper, 1.0, 32, s)  # not the run's length
     assert torch.equal(s["master"], state(64, 0)["master"])  # nothing was done
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["m_map", "v_map"])
+def test_8bit_codes_at_every_midpoint_and_its_neighbours_are_moments8s(signed):
+    """The kernel's one-table lookup (a midpoint's low 16 bits compared within its bucket) against
+    moments8's quantizer, on blocks whose absmax is 1: every midpoint of the map, the 4 fp32 numbers
+    either side of it, both signs, every map value, and numbers across all of fp32's binades."""
+    code = moments8.dynamic_map(signed)
+    mids = (code[:-1] + code[1:]) / 2
+    bits = mids.view(torch.int32)[:, None] + torch.arange(-4, 5, dtype=torch.int32)[None, :]
+    binades = torch.ldexp(torch.ones(300), torch.arange(-150, 150)).float()
+    values = torch.cat([bits.flatten().view(torch.float32), code, binades.clamp(max=1.0), torch.rand(2000)])
+    values = torch.cat([values, -values]) if signed else values.abs()
+    blocks = values.reshape(-1)[: values.numel() // 255 * 255].view(-1, 255)
+    blocks = torch.cat([blocks, torch.ones(blocks.shape[0], 1)], dim=1).flatten().contiguous()  # absmax 1
+    ours, theirs = moments8.Moment8(blocks.numel(), signed), moments8.Moment8(blocks.numel(), signed)
+    theirs.quantize(0, blocks.numel(), blocks)
+    coded = native.Coded(ours.codes.data_ptr(), ours.absmax.data_ptr(), *native._tables(signed))
+    native.library().slimtune_encode(ctypes.byref(coded), ctypes.c_int64(blocks.numel()),
+                                     ctypes.c_void_p(blocks.data_ptr()))
+    assert torch.equal(ours.absmax, theirs.absmax)
+    assert torch.equal(ours.codes, theirs.codes)
 
 
 # ---------------------------------------------------------------- building and falling back

@@ -55,9 +55,8 @@ typedef struct {
     uint8_t *codes;        /* a code a number */
     float *absmax;         /* a scale a block of BLOCK numbers */
     const float *map;      /* the 256 values codes stand for (times the absmax) */
-    const int32_t *base;   /* by bucket (a number's top 16 bits): the code of the bucket's lower part
-                              (moments8's uint8 table widened, so the lookups vectorize as gathers) */
-    const float *mid;      /* by bucket: the midpoint above which a number takes base + 1 (+inf if none) */
+    const uint32_t *lookup; /* by bucket (a number's top 16 bits): moments8's base code (bits 0-7), the
+                               low 16 bits of the bucket's midpoint (8-23), whether it has one (24) */
 } Coded;
 
 typedef struct {
@@ -198,14 +197,17 @@ static void decode(const Coded *c, int64_t begin, int64_t count, float *restrict
     for (int64_t j = 0; j < count; j++) out[j] = c->map[codes[j]] * absmax;  /* hardware gathers: slower */
 }
 
-/* Each x times `inverse` takes the code of its 16-bit bucket, plus one above the bucket's midpoint.
-   The tables are int32 and the pointers restrict parameters, so gcc vectorizes it with gathers. */
+/* Each x times `inverse` takes the code of its 16-bit bucket, plus one above the bucket's midpoint
+   (moments8's rule). A midpoint lies inside its bucket, so it shares the number's sign and top bits,
+   and "above" is a compare of the low 16 bits: greater for a positive number, smaller for a negative
+   one; so one table of int32 entries serves, which gcc vectorizes with one gather a number. */
 static void code_block(uint8_t *restrict codes, const float *restrict x, int64_t count, float inverse,
-                       const int32_t *restrict base, const float *restrict mid) {
+                       const uint32_t *restrict lookup) {
     for (int64_t j = 0; j < count; j++) {
-        const float scaled = x[j] * inverse;
-        const int32_t key = (int32_t)(to_bits(scaled) >> 16);
-        codes[j] = (uint8_t)(base[key] + (scaled > mid[key] ? 1 : 0));
+        const uint32_t bits = to_bits(x[j] * inverse);
+        const uint32_t entry = lookup[bits >> 16], low = bits & 0xFFFFu, mid = (entry >> 8) & 0xFFFFu;
+        const uint32_t beyond = (bits >> 31) ? low < mid : low > mid;
+        codes[j] = (uint8_t)((entry & 0xFFu) + (beyond & (entry >> 24)));
     }
 }
 
@@ -220,7 +222,14 @@ static void encode(const Coded *c, int64_t begin, int64_t count, const float *x)
     }
     const float absmax = from_bits(largest);
     c->absmax[begin / BLOCK] = absmax;
-    code_block(c->codes + begin, x, count, 1.0f / (absmax < 1e-38f ? 1e-38f : absmax), c->base, c->mid);
+    code_block(c->codes + begin, x, count, 1.0f / (absmax < 1e-38f ? 1e-38f : absmax), c->lookup);
+}
+
+/* numel fp32 numbers x coded into c, a block at a time, as the step codes its moments: what the tests
+   hold against moments8's quantizer on the numbers that matter most (midpoints and their neighbours). */
+int slimtune_encode(const Coded *c, int64_t numel, const float *x) {
+    for (int64_t at = 0; at < numel; at += BLOCK) encode(c, at, numel - at < BLOCK ? numel - at : BLOCK, x + at);
+    return 0;
 }
 
 /* [begin, end) of a run with fp32 moments. */

@@ -51,7 +51,7 @@ class Hyper(ctypes.Structure):
 class Coded(ctypes.Structure):
     """adamw.c's Coded: an 8-bit moment's codes and scales, and its map's lookup tables."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "absmax", "map", "base", "mid")]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "absmax", "map", "lookup")]
 
 
 class Run(ctypes.Structure):
@@ -73,18 +73,24 @@ def run_of(numel: int, tensors: dict[str, torch.Tensor], threads: int) -> Run:
                threads, *(pointers.get(role) for role in ROLES), coded, *codings)
 
 
-def _tables(signed: bool) -> tuple[int, int, int]:
-    """Addresses of the map, base codes by bucket and midpoints by bucket for one signedness."""
+def _tables(signed: bool) -> tuple[int, int]:
+    """Addresses of the map and the packed lookup table for one signedness."""
     return tuple(t.data_ptr() for t in _held_tables(signed))
 
 
 @functools.cache
-def _held_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moments8's quantizer's own tables, the base codes widened to int32 (adamw.c gathers them);
-    made once, outside any dispatch mode (a memory meter running around a step counts nothing)."""
+def _held_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(map, lookup): moments8's map, and its quantizer's two tables by bucket packed into one int32 a
+    bucket as adamw.c's code_block reads them: the base code, the low 16 bits of the bucket's midpoint
+    (a midpoint lies inside its bucket: checked) and whether there is one. Made once, outside any
+    dispatch mode (a memory meter running around a step counts nothing)."""
     code, base, midpoint = moments8._tables(signed)[:3]  # noqa: SLF001
     with _disable_current_modes():
-        return code, base.to(torch.int32), midpoint
+        has = torch.isfinite(midpoint)
+        bits = midpoint.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        assert torch.equal((bits >> 16)[has], torch.arange(moments8.KEYS)[has]), "a midpoint outside its bucket"
+        packed = base.to(torch.int64) | torch.where(has, (bits & 0xFFFF) << 8 | 1 << 24, 0)
+        return code, packed.to(torch.int32)
 
 
 def constants(hyper, step: float, clip: float) -> Hyper:
