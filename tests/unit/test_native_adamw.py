@@ -5,9 +5,11 @@
   betas, eps, weight decays, step counts and clipping coefficients, values over many decades, zero
   gradients, tiny and zero second moments, and every run length mod 16 (torch's scalar tail).
 - Against tiled_adamw's torch tile path (SLIMTUNE_NATIVE=0) for every layout the kernel reads: split
-  or whole master, bf16 or fp32 gradient, with or without a bf16 shadow; masters at the edges of
-  the split (binade boundaries, ties, the top of the range, subnormals, -0); on 1 and 2 threads; and
-  through HostAdam.update, whose layouts take it.
+  or whole master, bf16 or fp32 gradient, with or without a bf16 shadow, fp32 or 8-bit moments;
+  masters at the edges of the split (binade boundaries, ties, the top of the range, subnormals, -0);
+  8-bit blocks of zeros, overflowing, subnormal and NaN numbers; on 1 and 2 threads; and through
+  HostAdam.update, whose layouts take it. The kernel's 8-bit coding against moments8's quantizer at
+  every midpoint of both maps and its neighbours.
 - Building: a library is compiled once into the cache folder under its hash and loaded from there
   after; no compiler, or a failing one, means one line on stderr and the torch path, never an error.
 """
