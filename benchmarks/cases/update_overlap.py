@@ -24,7 +24,8 @@ update's time taken off the critical path (goal >= 0.8):
 The first is what the main thread no longer waits for; the second also counts what running the
 update beside the compute costs the compute (the cores and memory bandwidth they share), and carries
 the step-time noise of a shared machine. The runs alternate (barrier, overlapped, three times) so
-drift falls on both.
+drift falls on both. Before and after them, how free the second core is: a thread of matmuls and a
+thread of fused AdamW, each alone and side by side (their slowdowns side by side: 1.0 on free cores).
 
     python benchmarks/run.py update_overlap      # ~2 minutes on 2 cores
 """
@@ -213,18 +214,54 @@ def compare(model, data, steps: int) -> dict:
             "runs": {"barrier_after_each_step": runs[False], "overlapped": runs[True]}}
 
 
+def second_core(quick: bool) -> dict:
+    """How free the machine's second core is now: one thread of matmuls (the compute's kind of work)
+    and one of torch's fused AdamW over 20M numbers (the update's), each alone and then side by side,
+    on one intra-op thread each. Free cores: side by side each takes as long as alone."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(512, 512), torch.randn(512, 2048)
+    numel = 2_000_000 if quick else 20_000_000
+    p, g, m, v = torch.randn(numel), torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+    count = torch.tensor(1.0)
+
+    def matmuls() -> float:
+        began = time.perf_counter()
+        for _ in range(8 if quick else 60):
+            a @ b
+        return time.perf_counter() - began
+
+    def adamw() -> float:
+        began = time.perf_counter()
+        for _ in range(3 if quick else 15):
+            torch._fused_adamw_([p], [g], [m], [v], [], [count], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.0,
+                                eps=1e-8, amsgrad=False, maximize=False)
+        return time.perf_counter() - began
+
+    alone = {"matmul_s": matmuls(), "adamw_s": adamw()}
+    beside: dict = {}
+    worker = threading.Thread(target=lambda: beside.setdefault("adamw_s", adamw()))
+    worker.start()
+    beside["matmul_s"] = matmuls()
+    worker.join()
+    return {"alone": alone, "side_by_side": beside,
+            "matmul_slowdown": beside["matmul_s"] / alone["matmul_s"],
+            "adamw_slowdown": beside["adamw_s"] / alone["adamw_s"]}
+
+
 def run(quick: bool) -> dict:
     steps = 4 if quick else 12
     model, data = model_and_batches(quick, WARMUP + steps)
     threads_before = torch.get_num_threads()
     rows = []
     try:
+        cores_before = second_core(quick)
         for threads in (1, 2):
             torch.set_num_threads(threads)
             rows.append({"torch_threads": threads, **compare(model, data, steps)})
+        cores_after = second_core(quick)
     finally:
         torch.set_num_threads(threads_before)
     return {"model": {"hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers,
                       "vocab": model.config.vocab_size, "params": sum(p.numel() for p in model.parameters())},
             "batch": list(data[0][0].input_ids.shape), "warmup_steps": WARMUP, "steps": steps, "rounds": ROUNDS,
-            "goal_hidden_fraction": 0.8, "rows": rows}
+            "goal_hidden_fraction": 0.8, "second_core": {"before": cores_before, "after": cores_after}, "rows": rows}
