@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,6 @@ HERE = Path(__file__).parent
 # -ffp-contract=off: only the fmaf calls the source writes fuse, so its rounding is the source's.
 # -fno-math-errno: sqrtf is the bare instruction, which vectorizes.
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
-X86_FLAGS = ("-mavx2", "-mfma")  # the loader checks the CPU has both before loading (native/adamw.py)
 COMPILE_TIMEOUT_S = 120
 
 _said: set[str] = set()
@@ -38,10 +36,6 @@ def say_once(message: str) -> None:
     if message not in _said:
         _said.add(message)
         print(f"slimtune: {message}", file=sys.stderr)
-
-
-def flags() -> tuple[str, ...]:
-    return FLAGS + (X86_FLAGS if platform.machine().lower() in ("x86_64", "amd64") else ())
 
 
 def compiler() -> str | None:
@@ -56,24 +50,25 @@ def cache_folder() -> Path:
     return Path(root) / "slimtune" / "kernels"
 
 
-def library_path(source: Path, cc: str) -> Path:
+def library_path(source: Path, cc: str, isa: tuple[str, ...] = ()) -> Path:
     """Where `source`'s library lives: its stem and a hash of the source, the flags and the compiler."""
-    key = hashlib.sha256(source.read_bytes() + "\0".join((*flags(), cc)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + "\0".join((*FLAGS, *isa, cc)).encode()).hexdigest()[:16]
     return cache_folder() / f"{source.stem}-{key}.so"
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The library built from `name` (a .c file in this folder), built first if the cache lacks it;
-    None (said once) where it cannot be built or loaded."""
+def load(name: str, isa: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library built from `name` (a .c file in this folder) with the instruction-set flags `isa`
+    (the caller checks the CPU has them), built first if the cache lacks it; None (said once) where it
+    cannot be built or loaded."""
     cc = compiler()
     if cc is None:
         say_once("no C compiler (cc, gcc, clang or $CC) found: the host AdamW runs on torch's tiled path "
                  "(same results, slower).")
         return None
     source = HERE / name
-    target = library_path(source, cc)
+    target = library_path(source, cc, isa)
     if not target.exists():
-        failure = _build(cc, source, target)
+        failure = _build(cc, (*FLAGS, *isa), source, target)
         if failure:
             say_once(f"compiling {source.name} failed ({failure}): the host AdamW runs on torch's tiled path "
                      "(same results, slower).")
@@ -85,7 +80,7 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
-def _build(cc: str, source: Path, target: Path) -> str | None:
+def _build(cc: str, flags: tuple[str, ...], source: Path, target: Path) -> str | None:
     """Compile source into target atomically; the reason it failed, or None."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +89,7 @@ def _build(cc: str, source: Path, target: Path) -> str | None:
     except OSError as error:
         return f"cannot write {target.parent}: {error.strerror}"
     try:
-        made = subprocess.run([cc, *flags(), str(source), "-o", temporary, "-lm"], capture_output=True,
+        made = subprocess.run([cc, *flags, str(source), "-o", temporary, "-lm"], capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S)
         if made.returncode != 0:
             last = (made.stderr.strip().splitlines() or ["no message"])[-1]
