@@ -66,6 +66,7 @@ class Layout:
     grad_dtype: torch.dtype | None = None
     moments: str = "fp32"
     row_grads: bool = False  # a table's gradient keeps only the rows a step touches (row_grads.py)
+    accumulate: bool = True  # False: no accumulators; each update is handed its gradients (update's grads=)
 
     @classmethod
     def for_run(cls, train, whole_grads_dtype: torch.dtype | None, row_grads: bool = False) -> Layout:
@@ -133,7 +134,9 @@ class HostAdam:
         self.fake = is_fake(runtime.host_empty((0,), dtype, device, pinned=False))
         self.working = working
         self._rest_masters(working)
-        if working is not None:
+        if not layout.accumulate:
+            self.grads = [None] * len(groups)
+        elif working is not None:
             self.grads = working.views(groups, False)[0]
         else:
             self.grads = [self._accumulator(g, layout.grad_dtype or dtype) for g in groups]
@@ -287,10 +290,12 @@ class HostAdam:
 
     # ------------------------------------------------------------ host work
 
-    def update(self, lr: float, clip: float = 1.0, shadows: list[torch.Tensor] | None = None) -> None:
+    def update(self, lr: float, clip: float = 1.0, shadows: list[torch.Tensor] | None = None,
+               grads: list[list[tuple[int, torch.Tensor]]] | None = None) -> None:
         """AdamW on the masters with the accumulated gradients times `clip`; then empty them. The
         new weights go up from the shadows (or from `shadows`, per group: a pipeline's versions of
-        the weights, engines/roundpipe/step_weights.py)."""
+        the weights, engines/roundpipe/step_weights.py). `grads`: per group, the gradients as
+        (offset in the group, flat tensor) pieces where they arrived, instead of accumulators."""
         betas = self.settings["betas"]
         with torch.no_grad():
             for k, group in enumerate(self.groups):
@@ -298,11 +303,35 @@ class HostAdam:
                 if self.fake:  # the planner's step: nothing to compute, no bytes beyond the resting ones
                     continue
                 hyper = tiled_adamw.Hyper(lr, betas[0], betas[1], self.settings["eps"], group.weight_decay)
+                grad = tiled_adamw.Scaled(grads[k], clip) if grads is not None else self._grad_form(k, clip)
                 tiled_adamw.adamw(hyper, self.steps[k], group.numel, self.dtype, self._master_form(k, shadows),
-                                  self._grad_form(k, clip),
-                                  *(self._moment_form(self.moments[k][m]) for m in MOMENTS))
+                                  grad, *(self._moment_form(self.moments[k][m]) for m in MOMENTS))
             for grad in self.grads:
-                grad.zero_()
+                if grad is not None:
+                    grad.zero_()
+
+    def update_span(self, k: int, start: int, stop: int, grad: torch.Tensor, lr: float, clip: float,
+                    first: bool) -> None:
+        """AdamW over numbers [start, stop) of group k with their gradient `grad` (flat, where it
+        arrived): a table updated a tile of rows at a time as each tile's gradient is complete.
+        `first`: the step's first span of the group (its step count advances). Spans start at
+        multiples of 8 (the vector width: the same bits as one update of the whole group) and, under
+        8-bit moments, of 256 (a block)."""
+        if first:
+            self.steps[k].add_(1)
+        if self.fake:
+            return
+        assert start % (moments8.BLOCK if self.layout.moments == "8bit" else 8) == 0, start
+        betas, group = self.settings["betas"], self.groups[k]
+        hyper = tiled_adamw.Hyper(lr, betas[0], betas[1], self.settings["eps"], group.weight_decay)
+        span = slice(start, stop)
+        master = tiled_adamw.Split(self.shadows[k][span], self.residuals[k][span]) if self.split else \
+            tiled_adamw.Whole(self.masters[k][span], () if self.shadows[k] is None else (self.shadows[k][span],))
+        moments = [tiled_adamw.Whole(held[span]) if isinstance(held, torch.Tensor) else
+                   _Shifted(tiled_adamw.Coded(held), start) for held in self.moments[k].values()]
+        with torch.no_grad():
+            tiled_adamw.adamw(hyper, self.steps[k], stop - start, self.dtype, master,
+                              tiled_adamw.Scaled([(0, grad.reshape(-1))], clip), *moments)
 
     def _grad_form(self, k: int, clip: float) -> tiled_adamw.Form:
         grad = self.grads[k]
@@ -408,6 +437,19 @@ class HostAdam:
             return 0
         masters = sum(runtime.nbytes(t) for t in (*self.masters, *self.residuals) if t is not None)
         return self._moment_bytes() + (masters if self.masters_on_disk else 0)
+
+
+class _Shifted(tiled_adamw.Form):
+    """A form lent from `offset` on: a span's tiles in a form that rests over the whole group."""
+
+    def __init__(self, form: tiled_adamw.Form, offset: int):
+        self.form, self.offset = form, offset
+
+    def tile(self, start, stop, scratch):
+        return self.form.tile(self.offset + start, self.offset + stop, scratch)
+
+    def write(self, start, stop, tile):
+        self.form.write(self.offset + start, self.offset + stop, tile)
 
 
 CODED = "moments8"  # EngineState.extra's key for 8-bit moments as they rest

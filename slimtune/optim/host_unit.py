@@ -11,6 +11,7 @@ host-resident, so the device meter counts only what a GPU would hold.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -37,13 +38,15 @@ class HostUnit:
 
     def __init__(self, name: str, modules: list[nn.Module], device: torch.device, weight_dtype: torch.dtype | None,
                  train: TrainConfig, moments_dir: Path | None, gradient_sink=None, whole_grads: bool = False,
-                 row_grads: bool = False, working: Working | None = None):
+                 row_grads: bool = False, working: Working | None = None, direct: bool = False):
         """`whole_grads`: each micro-batch's gradients come down whole, in the compute dtype (a block's
         slot; not an LM head's fp32 tiles or an embedding's summed rows), so with one micro-batch a step
         the accumulators keep them in that dtype. `row_grads`: a table's gradient keeps only the rows
         a step touches (an embedding's, on one rank: optim/row_grads.py). `working`: an accumulator
-        shared with other units whose updates never interleave with this one's gradients."""
-        self.working = working
+        shared with other units whose updates never interleave with this one's gradients. `direct`:
+        no accumulators at all: its AdamW reads each gradient where it arrives (update_from,
+        update_rows: one micro-batch a step, no clipping, one rank)."""
+        self.working, self.direct = working, direct
         self.name, self.device, self.whole_grads, self.row_grads = name, device, whole_grads, row_grads
         tensors = []
         for owner, attr, tensor, is_param in runtime.own_tensors(modules):
@@ -82,7 +85,8 @@ class HostUnit:
         by_param = {id(t.param): t for t in trainable}
         master_dtype = torch.promote_types(trainable[0].param.dtype, torch.float32)  # fp32 masters; fp64 stays
         device_dtype = trainable[0].device_dtype
-        layout = Layout.for_run(train, device_dtype if self.whole_grads else None, self.row_grads)
+        layout = dataclasses.replace(Layout.for_run(train, device_dtype if self.whole_grads else None, self.row_grads),
+                                     accumulate=not self.direct)
         adam = HostAdam(self.name, [Group(tuple(p.shape for p in params), decay) for params, decay in groups],
                         master_dtype, self.device, rules.adamw_settings(train),
                         shadow_dtype=device_dtype, moments_dir=moments_dir, working=self.working, layout=layout)
@@ -171,6 +175,41 @@ class HostUnit:
     def discard(self) -> None:
         """The step's gradients dropped without an update (its loss or gradient norm was not finite)."""
         self.adam.discard()
+
+    def update_from(self, staging: torch.Tensor, event: object, lr: float, clip: float, guard: StepGuard) -> None:
+        """(direct) This unit's AdamW straight from its gradients in the staging buffer, their norms
+        noted first; the guard as in update."""
+        if event is not None:
+            event.synchronize()
+        where = {id(t.param): t.grad_in(staging).reshape(-1) for t in self.binding.tensors if t.trainable}
+        pieces: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.adam.groups]
+        for param, k, i in self.members:
+            pieces[k].append((self.adam.groups[k].spans()[i][0], where[id(param)]))
+        self.norms = [_norm([g for _, g in group]) for group in pieces]
+        if guard.tripped or not all(rules.is_finite(n) for n in self.norms):
+            guard.tripped = True
+            return
+        self.adam.update(lr, clip, grads=pieces)
+
+    def update_rows(self, param: nn.Parameter, start: int, stop: int, rows: torch.Tensor, lr: float, clip: float,
+                    guard: StepGuard) -> None:
+        """(direct) AdamW over rows [start, stop) of a table this unit holds, from their gradient as it
+        arrived (an LM head's vocabulary tile): the tiles come in order, the first advances the step."""
+        (k, i), = [(k, i) for p, k, i in self.members if p is param]
+        if start == 0:
+            self.norms = []
+        self.norms.append(_norm([rows]))
+        if guard.tripped or not rules.is_finite(self.norms[-1]):
+            guard.tripped = True
+            return
+        offset, width = self.adam.groups[k].spans()[i][0], rows.shape[-1]
+        self.adam.update_span(k, offset + start * width, offset + stop * width, rows, lr, clip, first=start == 0)
+
+
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of several tensors together, summed in fp32 at least."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(
+        t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]))
 
 
 def units_state(units: list[HostUnit], names: dict[int, str]) -> tuple[dict, dict, dict]:

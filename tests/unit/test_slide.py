@@ -92,6 +92,19 @@ def test_full_fine_tuning_equals_resident(clip, tied):
         assert max(slide[1]) > clip  # clipping took effect
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_one_micro_batch_without_clipping_updates_from_where_the_gradients_arrive(tied):
+    """No accumulators: each block's AdamW reads its gradients from the staging buffer, the LM
+    head's from each vocabulary tile (a tied table sums embedding rows, so it keeps its own), and the
+    run equals resident as the accumulating one does."""
+    model = model_of(tie_word_embeddings=tied)
+    resident, slide = run_both(model, train_cfg(max_grad_norm=0.0, grad_accum=1, slide=SlideConfig(head_tile_mb=0.01)))
+    assert_same(resident, slide)
+    engine = slide[3]
+    assert all(u.direct and all(g is None for g in u.adam.grads) for u in engine.units)
+    assert [u.direct for u in engine.edges] == ([False] if tied else [True, False])  # the head; not the embedding
+
+
 def test_one_micro_batch_three_slots_and_small_head_tiles():
     model = model_of(layers=4)
     resident, slide = run_both(model, train_cfg(grad_accum=1, slide=SlideConfig(slots=3, head_tile_mb=0.01)))

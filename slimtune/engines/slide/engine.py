@@ -103,8 +103,8 @@ class SlideEngine(Engine):
             max(sum(p.numel() for m in ms for p in m.parameters() if p.requires_grad) for ms in block_modules),
             weight_dtype or torch.promote_types(next(stack.model.parameters()).dtype, torch.float32), device)
         self.units = [HostUnit(f"block {i}", block_modules[i], device, weight_dtype, cfg.train, moments,
-                               self.working_set.sink, whole_grads=True, working=self.shared_grads)
-                      for i in range(count)]
+                               self.working_set.sink, whole_grads=True, working=self.shared_grads,
+                               direct=self.working_set.direct) for i in range(count)]
         self.edges = self._edge_units(cfg.train, weight_dtype, moments)
         for unit in self._all_units():
             unit.dist = dist  # each unit's complete gradients are summed across ranks on the host worker
@@ -136,7 +136,8 @@ class SlideEngine(Engine):
         if stack.tied:
             return [HostUnit("embedding and LM head", [stack.embed, stack.head], device, weight_dtype, train, moments,
                              sink)]
-        return [HostUnit("LM head", [stack.head], device, weight_dtype, train, moments, sink, whole_grads=True),
+        return [HostUnit("LM head", [stack.head], device, weight_dtype, train, moments, sink, whole_grads=True,
+                         direct=self.working_set.direct),
                 HostUnit("embedding", [stack.embed], device, self.working_set.embedding_dtype(weight_dtype), train,
                          moments, sink, row_grads=not self.dist.active)]  # only the rows of the tokens seen
 
@@ -237,8 +238,12 @@ class SlideEngine(Engine):
         unit = self.units[index]
         turn = self._staging_buffer()
         event = unit.binding.download_grads(self.link, self.staging[turn])
-        self.staging_jobs[turn] = self.worker.submit(unit.accumulate, self.staging[turn], event, final)
-        if update is not None and unit.adam is not None:
+        if unit.direct and update is not None:  # its AdamW reads the gradients from the staging buffer
+            self.staging_jobs[turn] = unit.update_job = self.worker.submit(unit.update_from, self.staging[turn],
+                                                                             event, *update)
+        else:
+            self.staging_jobs[turn] = self.worker.submit(unit.accumulate, self.staging[turn], event, final)
+        if update is not None and unit.adam is not None and not unit.direct:
             unit.update_job = self.worker.submit(unit.update, *update)
         self._unload(index)
 
@@ -286,7 +291,7 @@ class SlideEngine(Engine):
         found = self._edge_tensor(weight)
         if found is None or not found.trainable:
             return None
-        add_rows = self.working_set.add_head_rows
+        add_rows, unit = self.working_set.add_head_rows, self._edge_unit(weight)
 
         def sink(start: int, stop: int, grad: torch.Tensor) -> None:
             # Down in the compute dtype, as a block's gradient comes (and as resident's head gradient
@@ -298,7 +303,9 @@ class SlideEngine(Engine):
                     event.synchronize()
                 add_rows(weight, start, stop, host)
 
-            self.worker.submit(add)
+            job = self.worker.submit(add)
+            if unit.direct:  # the tile's AdamW is in it: the next read of the head waits for the last
+                unit.update_job = job
 
         return sink
 
@@ -366,7 +373,7 @@ class SlideEngine(Engine):
         if wants_embed_grad and grad is not None:
             self._embed_backward(batch.input_ids, grad)
         for unit in self.edges if final else ():
-            if unit.adam is not None:  # after its head-tile and embedding-row jobs, in order
+            if unit.adam is not None and not unit.direct:  # after its head-tile and embedding-row jobs, in order
                 self.worker.submit(unit.note_norms)
                 if update is not None:
                     unit.update_job = self.worker.submit(unit.update, *update)

@@ -48,6 +48,8 @@ class WorkingSet(abc.ABC):
 
     # False: the estimate runs the step at full depth (what it holds depends on a partition of the model).
     by_depth = True
+    # True: the units keep no gradient accumulators; each update reads its gradients where they arrive.
+    direct = False
     # Where the host units send a block's gradients; None: into their own HostAdams' accumulators.
     sink: ActiveGradients | None = None
 
@@ -165,9 +167,14 @@ class AllTensors(WorkingSet):
     """Every trainable tensor's master, accumulator and moments in its host unit's HostAdam."""
 
     def __init__(self, cfg: RunConfig, names: dict[int, str], model: nn.Module, device: torch.device, dist: Dist):
-        del model, device, dist  # the units sum their own gradients across ranks
+        del model, device  # the units sum their own gradients across ranks
         self.train_cfg, self.names = cfg.train, names
         self.clipping = cfg.train.max_grad_norm > 0
+        # Without clipping, one micro-batch a step and one rank, a gradient is complete where it
+        # arrives: each unit's AdamW reads it from the staging buffer (a block) or the tile (the LM
+        # head) at once, and nothing holds gradients between.
+        self.direct = not self.clipping and cfg.train.grad_accum == 1 and not dist.active
+        self.now: tuple | None = None  # the final micro-batch's (lr, clip, guard)
 
     @classmethod
     def refuse(cls, cfg: RunConfig) -> None:
@@ -191,6 +198,7 @@ class AllTensors(WorkingSet):
     def attach(self, units: list[HostUnit], worker: runtime.HostWorker, read_order: list[HostUnit]) -> None:
         self.units, self.worker, self.read_order = units, worker, read_order
         self.accumulators = {key: grad for unit in units for key, grad in unit.accumulators.items()}
+        self.unit_of = {id(param): unit for unit in units for param, _, _ in unit.members}
 
     def begin_step(self, step: int) -> float:
         return rules.lr_at(self.train_cfg, step)
@@ -199,17 +207,22 @@ class AllTensors(WorkingSet):
         """Without clipping and with one micro-batch a step, a block's gradients are added and its
         AdamW runs at once (consecutive jobs on the FIFO worker, before the next block's arrive): one
         accumulator serves every block, so the blocks hold no gradients between steps."""
-        if self.clipping or self.train_cfg.grad_accum != 1:
+        if self.clipping or self.train_cfg.grad_accum != 1 or self.direct:
             return None
         return host_adam.Working(numel, dtype, device, None)
 
     def backward_update(self, lr: float, guard: StepGuard) -> tuple | None:
         """Without clipping, each unit's AdamW as soon as its gradients are complete (the guard stops
         the units after one whose gradients are not finite)."""
-        return None if self.clipping else (lr, 1.0, guard)
+        self.now = None if self.clipping else (lr, 1.0, guard)
+        return self.now
 
     def add_head_rows(self, weight: nn.Parameter, start: int, stop: int, rows: torch.Tensor) -> None:
-        self.accumulators[id(weight)][start:stop].add_(rows)
+        unit = self.unit_of[id(weight)]
+        if unit.direct:  # the tile's rows are complete: their AdamW now
+            unit.update_rows(weight, start, stop, rows, *self.now)
+        else:
+            self.accumulators[id(weight)][start:stop].add_(rows)
 
     def add_embedding_rows(self, weight: nn.Parameter, ids: torch.Tensor, rows: torch.Tensor,
                            padding_idx: int | None) -> None:
