@@ -67,6 +67,17 @@ def rate(found: dict, nbytes: float) -> dict:
 # ------------------------------------------------------------ the references
 
 
+def copy_meter(n: int, reps: int):
+    """measure(fn): fn's result with the copy bandwidth measured just before it (`copy_gbps_before`)."""
+    a, b = torch.rand(n), torch.empty(n)
+
+    def measure(fn) -> dict:
+        copy = rate(timed(lambda: b.copy_(a), lambda: None, reps), 2 * 4 * n)["gbps"]
+        return {**fn(), "copy_gbps_before": copy}
+
+    return measure
+
+
 def stream(n: int, reps: int) -> dict:
     """Copy, triad and in-place add over fp32 runs of n numbers."""
     a, b, c = torch.rand(n), torch.rand(n), torch.rand(n)
@@ -250,14 +261,14 @@ PIECES_OF = {  # the tile pieces each layout runs on the tiled path (tiled_adamw
 }
 
 
-def reading(tiled: dict, native: dict, tile: dict, copy_gbps: float) -> dict:
+def reading(tiled: dict, native: dict, tile: dict) -> dict:
     """Per layout, in ns a number: the update on each path, the time its bytes need at the copy
     bandwidth, and the tiled path's pieces computed in cache."""
     out = {}
     for name, found in tiled.items():
         out[name] = {"tiled_ns": found["ns_a_number"],
                      "native_ns": native[name]["ns_a_number"] if name in native else None,
-                     "bytes_at_copy_speed_ns": found["bytes_a_number"] / copy_gbps,
+                     "bytes_at_copy_speed_ns": found["bytes_a_number"] / found["copy_gbps_before"],
                      "tiled_pieces_in_cache_ns": sum(tile[p] for p in PIECES_OF[name])}
     return out
 
@@ -296,33 +307,37 @@ def run(quick: bool) -> dict:
 
 
 def measure_at(sizes: Sizes, flush: torch.Tensor, native: bool) -> dict:
-    """Everything at the current torch thread count; fractions are of the copy at that count."""
+    """Everything at the current torch thread count. Each update's fraction is of a copy measured
+    just before it: on shared cores the load changes within a run, and a ratio should compare like
+    with like."""
     refs = stream(sizes.copy_n, sizes.copy_reps)
-    copy_gbps, n = refs["copy"]["gbps"], sizes.adam_n
-    fused = torch_fused(n, sizes.adam_reps, flush)
+    n, beside = sizes.adam_n, copy_meter(sizes.copy_n, sizes.copy_reps)
+    fused = beside(lambda: torch_fused(n, sizes.adam_reps, flush))
     with tempfile.TemporaryDirectory(prefix="host-adam-bench-", dir=bench_root()) as root:
-        fused_files = torch_fused(n, sizes.adam_reps, flush, Path(root))
-    tiled = {name: measure_layout(name, n, sizes.adam_reps, flush, False) for name in LAYOUTS}
-    natives = {name: measure_layout(name, n, sizes.adam_reps, flush, True) for name in LAYOUTS} if native else {}
+        fused_files = beside(lambda: torch_fused(n, sizes.adam_reps, flush, Path(root)))
+    tiled = {name: beside(lambda: measure_layout(name, n, sizes.adam_reps, flush, False)) for name in LAYOUTS}
+    natives = {name: beside(lambda: measure_layout(name, n, sizes.adam_reps, flush, True))
+               for name in LAYOUTS} if native else {}
     for found in (fused, fused_files, *tiled.values(), *natives.values()):
-        found["of_copy"] = found["gbps"] / copy_gbps
+        found["of_copy"] = found["gbps"] / found["copy_gbps_before"]
         found["ns_a_number"] = found["best_s"] / n * 1e9
         found["bytes_a_number"] = found["bytes"] / n
     tile = pieces(sizes.tile_repeat)
     return {"stream": refs, "torch_fused_adamw": fused, "torch_fused_adamw_moments_in_files": fused_files,
             "host_adam_native": natives, "host_adam_tiled": tiled, "tile_pieces_ns": tile,
-            "reading": reading(tiled, natives, tile, copy_gbps)}
+            "reading": reading(tiled, natives, tile)}
 
 
 def summarize(result: dict) -> None:
     for threads, found in result["threads"].items():
         refs = found["stream"]
         print(f"{threads} thread(s): copy {refs['copy']['gbps']:.1f} GB/s, triad {refs['triad']['gbps']:.1f}, "
-              f"add in place {refs['add_in_place']['gbps']:.1f}; torch fused AdamW "
-              f"{found['torch_fused_adamw']['gbps']:.1f} ({found['torch_fused_adamw']['of_copy']:.0%} of copy), "
-              f"moments in files {found['torch_fused_adamw_moments_in_files']['gbps']:.1f}")
-        rows = [*(("tiled " + k, v) for k, v in found["host_adam_tiled"].items()),
+              f"add in place {refs['add_in_place']['gbps']:.1f}")
+        rows = [("torch fused", found["torch_fused_adamw"]),
+                ("torch fused files", found["torch_fused_adamw_moments_in_files"]),
+                *(("tiled " + k, v) for k, v in found["host_adam_tiled"].items()),
                 *(("native " + k, v) for k, v in found["host_adam_native"].items())]
-        for name, layout in rows:
-            print(f"  {name:17s} {layout['bytes_a_number']:5.2f} B/number {layout['best_s'] * 1e3:7.1f} ms "
-                  f"{layout['gbps']:5.1f} GB/s {layout['of_copy']:4.0%} of copy {layout['ns_a_number']:.2f} ns/number")
+        for name, row in rows:
+            print(f"  {name:17s} {row['bytes_a_number']:5.2f} B/number {row['best_s'] * 1e3:7.1f} ms "
+                  f"{row['gbps']:5.1f} GB/s {row['of_copy']:4.0%} of the copy before ({row['copy_gbps_before']:.1f}) "
+                  f"{row['ns_a_number']:.2f} ns/number")
