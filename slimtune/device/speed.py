@@ -99,14 +99,15 @@ def serial_step_time(flops: float, trainable_params: int, gpu, precision: str, l
 
 def overlapped_step_time(flops: float, trainable_params: int, gpu, precision: str, link_bytes: float,
                          disk_bytes: float, updates_exposed: bool, memory_bytes: float = 0.0,
-                         mfu: float = ASSUMED_MFU) -> StepTime:
+                         mfu: float = ASSUMED_MFU, hidden_under: float = 1.0) -> StepTime:
     """Copies overlap compute (the slower of the two sets the pace), and AdamW runs on the host: its
     whole time is added when every update waits for the step's device work (`updates_exposed`), else
-    it runs beside that work (during backward, or under the next step's forward) and sets the pace
-    only when it is the slowest of the three. `memory_bytes`: device memory traffic of the compute
-    (4-bit dequantization)."""
+    it runs beside the share `hidden_under` of that work (the backward and recompute, about 3/4 of a
+    step, without clipping; the next step's forward, about 1/4, under it) and only what outlasts that
+    share is added. `memory_bytes`: device memory traffic of the compute (4-bit dequantization)."""
     compute = compute_seconds(flops, gpu, precision, memory_bytes, mfu)
     link = link_seconds(link_bytes, disk_bytes, gpu)
     optimizer = trainable_params * ADAMW_BYTES_PER_PARAM / (HOST_ADAMW_GBPS * 1e9)
-    total = max(compute, link) + optimizer if updates_exposed else max(compute, link, optimizer)
-    return StepTime(total, compute, optimizer, link, flops)
+    paced = max(compute, link)
+    exposed = optimizer if updates_exposed else max(0.0, optimizer - hidden_under * paced)
+    return StepTime(paced + exposed, compute, optimizer, link, flops)
