@@ -12,7 +12,9 @@ kernel (`torch._fused_adamw_`, what torch.optim.AdamW(fused=True) runs), by one 
   kernel on one tile of TILE numbers at a time: the tile is rebuilt into fp32 scratch that stays in
   the cache, updated, and written back in its resting form, so each number crosses memory once
   each way, at the cost of a few torch calls a tile.
-Both paths consume the gradient: it is emptied (zeroed) by the step, while its numbers are in cache.
+With `empty_grad` both paths empty (zero) the gradient while its numbers are in cache: an accumulator
+the step consumes needs no pass of its own. Without it the native path only reads the gradient (the
+tile path scales an fp32 one in place, as it always did).
 
 Tiles start at multiples of TILE from the run's start. The fused kernel computes the last
 `numel % 8` numbers of a call on a scalar path whose rounding can differ from its vector path
@@ -61,12 +63,13 @@ SCRATCH = Scratch()
 
 
 def adamw(hyper: Hyper, step: torch.Tensor, numel: int, dtype: torch.dtype, master: "Form", grad: "Form",
-          exp_avg: "Form", exp_avg_sq: "Form", threads: int = 1) -> None:
-    """One AdamW step over [0, numel) in `dtype` (the masters'); `step` is already advanced; the
-    gradient is emptied. Natively where the forms allow it (on `threads` threads), else a tile at a
-    time: each Form then lends a tile, a view where it rests in `dtype` (no copy), or a copy read into
-    scratch and written back."""
-    if dtype == torch.float32 and _native(hyper, step, numel, master, grad, exp_avg, exp_avg_sq, threads):
+          exp_avg: "Form", exp_avg_sq: "Form", threads: int = 1, empty_grad: bool = False) -> None:
+    """One AdamW step over [0, numel) in `dtype` (the masters'); `step` is already advanced;
+    `empty_grad`: zero the gradient too. Natively where the forms allow it (on `threads` threads),
+    else a tile at a time: each Form then lends a tile, a view where it rests in `dtype` (no copy), or
+    a copy read into scratch and written back."""
+    parts = (master, grad, exp_avg, exp_avg_sq)
+    if dtype == torch.float32 and _native(hyper, step, numel, *parts, threads=threads, empty_grad=empty_grad):
         return
     scratch = SCRATCH.tiles(dtype)
     for start in range(0, numel, TILE):
@@ -78,18 +81,19 @@ def adamw(hyper: Hyper, step: torch.Tensor, numel: int, dtype: torch.dtype, mast
         master.write(start, stop, p)
         exp_avg.write(start, stop, m)
         exp_avg_sq.write(start, stop, v)
-        grad.clear(start, stop)
+        if empty_grad:
+            grad.clear(start, stop)
 
 
 def _native(hyper: Hyper, step: torch.Tensor, numel: int, master: "Form", grad: "Form", exp_avg: "Form",
-            exp_avg_sq: "Form", threads: int) -> bool:
+            exp_avg_sq: "Form", threads: int, empty_grad: bool) -> bool:
     """The step by the native loop, if every form lends it whole tensors; False (nothing done) if not."""
     parts = (master.native("master"), grad.native("grad"), exp_avg.native("exp_avg"),
              exp_avg_sq.native("exp_avg_sq"))
     if any(part is None for part in parts):
         return False
     tensors = {role: t for part in parts for role, t in part.items()}
-    return native.step(hyper, float(step), numel, tensors, clip=grad.clip, threads=threads)
+    return native.step(hyper, float(step), numel, tensors, clip=grad.clip, threads=threads, empty_grad=empty_grad)
 
 
 class Form:

@@ -36,6 +36,7 @@
 #define BLOCK 256       /* numbers an 8-bit moment's absmax covers (moments8.BLOCK) */
 #define SLICE_ALIGN BLOCK /* threads split the run at multiples of this: whole blocks, whole cache lines */
 #define MAX_THREADS 64
+#define CHUNK 4096        /* numbers a pass of the fp32 loop: its gradient is still in cache to empty */
 
 /* AdamW's constants for one step, each a double rounded once to float as torch rounds it
    (native/adamw.py computes them). */
@@ -64,6 +65,7 @@ typedef struct {
     int64_t vector_end;   /* numbers before it take torch's vector formula for v, the rest its scalar one */
     int32_t split;        /* 1: weight + residual; 0: whole fp32 master */
     int32_t grad_bf16;    /* 1: bf16 gradient; 0: fp32 */
+    int32_t empty_grad;   /* 1: zero the gradient once read (an accumulator the step consumes) */
     int32_t threads;
     float *master;        /* whole master, or NULL */
     uint16_t *weight;     /* split: bf16 weight */
@@ -125,7 +127,7 @@ static inline __attribute__((always_inline)) float adamw(float p, float g, float
 /* `count` numbers from pointers already at the first one. split, grad_bf16, shadows and scalar are
    compile-time constants at each call, so every loop is straight-line code that gcc vectorizes; the
    pointers are restrict parameters (the run's tensors never overlap), so it needs no run-time
-   overlap checks. The gradient is emptied as it is read. */
+   overlap checks. */
 static inline __attribute__((always_inline)) void span(
         int64_t count, const Hyper h, float *restrict master, uint16_t *restrict weight,
         int16_t *restrict residual, uint16_t *restrict shadow, uint16_t *restrict g16, float *restrict g32,
@@ -145,8 +147,6 @@ static inline __attribute__((always_inline)) void span(
             master[i] = p;
         }
         if (shadows) shadow[i] = top;
-        if (grad_bf16) g16[i] = 0;
-        else g32[i] = 0.0f;
     }
 }
 
@@ -232,9 +232,20 @@ int slimtune_encode(const Coded *c, int64_t numel, const float *x) {
     return 0;
 }
 
-/* [begin, end) of a run with fp32 moments. */
+/* Numbers [begin, end) of the gradient zeroed, when the run empties it (while they are in cache). */
+static void empty(const Run *r, int64_t begin, int64_t end) {
+    if (!r->empty_grad) return;
+    const size_t size = r->grad_bf16 ? 2 : 4;
+    memset((char *)r->grad + begin * size, 0, (size_t)(end - begin) * size);
+}
+
+/* [begin, end) of a run with fp32 moments, CHUNK numbers at a time. */
 static void slice_fp32(const Run *r, const Hyper *h, int64_t begin, int64_t end) {
-    both_paths(r, h, begin, end, r->exp_avg + begin, r->exp_avg_sq + begin);
+    for (int64_t at = begin; at < end; at += CHUNK) {
+        const int64_t stop = end - at < CHUNK ? end : at + CHUNK;
+        both_paths(r, h, at, stop, r->exp_avg + at, r->exp_avg_sq + at);
+        empty(r, at, stop);
+    }
 }
 
 /* [begin, end) of a run with 8-bit moments (begin a multiple of BLOCK): a block at a time, its
@@ -246,6 +257,7 @@ static void slice_coded(const Run *r, const Hyper *h, int64_t begin, int64_t end
         decode(&r->exp_avg_coded, at, count, m);
         decode(&r->exp_avg_sq_coded, at, count, v);
         both_paths(r, h, at, at + count, m, v);
+        empty(r, at, at + count);
         encode(&r->exp_avg_coded, at, count, m);
         encode(&r->exp_avg_sq_coded, at, count, v);
     }

@@ -59,19 +59,19 @@ class Run(ctypes.Structure):
     """adamw.c's Run: the run's length, its layout and its tensors' addresses."""
 
     _fields_ = [("numel", ctypes.c_int64), ("vector_end", ctypes.c_int64), ("split", ctypes.c_int32),
-                ("grad_bf16", ctypes.c_int32), ("threads", ctypes.c_int32),
+                ("grad_bf16", ctypes.c_int32), ("empty_grad", ctypes.c_int32), ("threads", ctypes.c_int32),
                 *((role, ctypes.c_void_p) for role in ROLES), ("coded", ctypes.c_int32),
                 *((f"{m}_coded", Coded) for m in MOMENTS)]
 
 
-def run_of(numel: int, tensors: dict[str, torch.Tensor], threads: int) -> Run:
+def run_of(numel: int, tensors: dict[str, torch.Tensor], threads: int, empty_grad: bool = False) -> Run:
     """The Run for tensors that _readable accepted."""
     coded = "exp_avg_codes" in tensors
     pointers = {role: t.data_ptr() for role, t in tensors.items() if t is not None}
     codings = [Coded(pointers[f"{m}_codes"], pointers[f"{m}_absmax"], *_tables(SIGNED[m])) if coded else Coded()
                for m in MOMENTS]
     return Run(numel, numel - numel % SCALAR_TAIL, "weight" in pointers, tensors["grad"].dtype == torch.bfloat16,
-               threads, *(pointers.get(role) for role in ROLES), coded, *codings)
+               empty_grad, threads, *(pointers.get(role) for role in ROLES), coded, *codings)
 
 
 def _tables(signed: bool) -> tuple[int, int]:
@@ -110,10 +110,11 @@ def enabled() -> bool:
 
 
 def step(hyper, step_count: float, numel: int, tensors: dict[str, torch.Tensor | None], clip: float = 1.0,
-         threads: int = 1) -> bool:
+         threads: int = 1, empty_grad: bool = False) -> bool:
     """One AdamW step over `numel` numbers, in place, on `threads` threads. `tensors` by role: a whole
     fp32 "master" or a split "weight" and "residual"; an optional bf16 "shadow" that gets the new bf16
-    weights; the "grad" (fp32 or bf16; emptied as it is read); fp32 "exp_avg" and "exp_avg_sq", or
+    weights; the "grad" (fp32 or bf16; read only, or zeroed once read with `empty_grad`: an
+    accumulator the step consumes, emptied while in cache); fp32 "exp_avg" and "exp_avg_sq", or
     both 8-bit as moments8 keeps them ("exp_avg_codes", "exp_avg_absmax", and the same for
     "exp_avg_sq": m on the signed map, v on the unsigned one). True when done; False (nothing done) where SLIMTUNE_NATIVE=0, the library is unavailable or the
     tensors are not ones it reads."""
@@ -122,7 +123,8 @@ def step(hyper, step_count: float, numel: int, tensors: dict[str, torch.Tensor |
     lib = library()
     if lib is None:
         return False
-    lib.slimtune_adamw(ctypes.byref(run_of(numel, tensors, threads)), ctypes.byref(constants(hyper, step_count, clip)))
+    run = run_of(numel, tensors, threads, empty_grad)
+    lib.slimtune_adamw(ctypes.byref(run), ctypes.byref(constants(hyper, step_count, clip)))
     return True
 
 
