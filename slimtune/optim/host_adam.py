@@ -116,14 +116,18 @@ class HostAdam:
     def __init__(self, name: str, groups: list[Group], dtype: torch.dtype, device: torch.device,
                  settings: dict, shadow_dtype: torch.dtype | None = None,
                  moments_dir: runtime.ScratchFolder | Path | None = None,
-                 masters_on_disk: bool = False, working: Working | None = None, layout: Layout = Layout()):
+                 masters_on_disk: bool = False, working: Working | None = None, layout: Layout = Layout(),
+                 weights: list[list[torch.Tensor]] | None = None):
         """`dtype`: the masters'; `device`: the device they feed (pinning on CUDA); `settings`:
         AdamW's lr, betas, eps (rules.adamw_settings); `shadow_dtype`: a narrower dtype to upload in,
         or None; `moments_dir`: a folder for memory-mapped moments (moments_folder's, or any
         existing one), or None for RAM; `masters_on_disk`: the masters (or residuals) are
         memory-mapped there too (they then read as zeros until set); `working`: gradient
         accumulators (and shadows, under a whole master) shared with other optimizers that never
-        update at the same time (engine chunk's chunks), instead of buffers of its own."""
+        update at the same time (engine chunk's chunks), instead of buffers of its own. `weights`:
+        under the split layout, per group and member, the bf16 tensors (views, strided or not) that
+        are the masters' top half already: another owner's weights, not copies (slide's host weights
+        under a chunk working set)."""
         self.name, self.groups, self.device, self.dtype, self.layout = name, groups, device, dtype, layout
         self.settings = settings
         self.shadow_dtype = shadow_dtype if shadow_dtype not in (None, dtype) else None
@@ -133,6 +137,7 @@ class HostAdam:
         self.masters_on_disk = masters_on_disk and moments_dir is not None
         self.fake = is_fake(runtime.host_empty((0,), dtype, device, pinned=False))
         self.working = working
+        self.weights = weights if self.split else None
         self._rest_masters(working)
         if not layout.accumulate:
             self.grads = [None] * len(groups)
@@ -158,8 +163,9 @@ class HostAdam:
             and self.shadow_dtype is not None
         if self.split:  # the bf16 weight goes up (pinned); the residual stays (a file with the masters)
             self.masters = [None] * len(groups)
-            self.shadows = [self._resting((g.numel,), torch.bfloat16, f"{k}-weight", self.masters_on_disk, pinned=True)
-                            for k, g in enumerate(groups)]
+            self.shadows = [None] * len(groups) if self.weights is not None else [
+                self._resting((g.numel,), torch.bfloat16, f"{k}-weight", self.masters_on_disk, pinned=True)
+                for k, g in enumerate(groups)]
             self.residuals = [self._resting((g.numel,), torch.int16, f"{k}-residual", self.masters_on_disk)
                               for k, g in enumerate(groups)]
             return
@@ -222,8 +228,12 @@ class HostAdam:
         if not self.split:
             return self.cut(k, i, self.masters[k])
         out = torch.empty(self.groups[k].shapes[i], dtype=self.dtype)
-        split_master.combine(self.cut(k, i, self.shadows[k]), self.cut(k, i, self.residuals[k]), out)
+        split_master.combine(self._weight(k, i), self.cut(k, i, self.residuals[k]), out)
         return out
+
+    def _weight(self, k: int, i: int) -> torch.Tensor:
+        """Member i's bf16 weight under the split layout: its place in the shadows, or another's tensor."""
+        return self.weights[k][i] if self.weights is not None else self.cut(k, i, self.shadows[k])
 
     def moment_of(self, k: int, i: int, moment: str) -> torch.Tensor:
         """Member i's moment in fp32: a view, or decoded from its 8-bit blocks."""
@@ -259,8 +269,8 @@ class HostAdam:
         if self.split and self.fake:
             return
         if self.split:
-            split_master.split(values.to(self.dtype).reshape(-1), self.cut(k, i, self.shadows[k]).view(-1),
-                               self.cut(k, i, self.residuals[k]).view(-1))
+            shape = self.groups[k].shapes[i]
+            split_master.split(values.to(self.dtype).reshape(shape), self._weight(k, i), self.cut(k, i, self.residuals[k]))
         else:
             self.cut(k, i, self.masters[k]).copy_(values)
 
@@ -339,6 +349,9 @@ class HostAdam:
             tiled_adamw.Scaled([(0, grad)], clip)
 
     def _master_form(self, k: int, into: list[torch.Tensor] | None) -> tiled_adamw.Form:
+        if self.weights is not None:
+            return _SplitOver([(start, w) for (start, _, _), w in zip(self.groups[k].spans(), self.weights[k])],
+                              self.residuals[k])
         if self.split:
             return tiled_adamw.Split(self.shadows[k], self.residuals[k], () if into is None else (into[k],))
         shadow = self.shadows[k] if into is None else into[k]
@@ -393,6 +406,8 @@ class HostAdam:
     def _flat_master(self, k: int) -> torch.Tensor:
         if not self.split:
             return self.masters[k]
+        if self.weights is not None:
+            return torch.cat([self.master_of(k, i).reshape(-1) for i in range(len(self.groups[k].shapes))])
         out = torch.empty(self.groups[k].numel, dtype=self.dtype)
         split_master.combine(self.shadows[k], self.residuals[k], out)
         return out
@@ -437,6 +452,49 @@ class HostAdam:
             return 0
         masters = sum(runtime.nbytes(t) for t in (*self.masters, *self.residuals) if t is not None)
         return self._moment_bytes() + (masters if self.masters_on_disk else 0)
+
+
+class _SplitOver(tiled_adamw.Form):
+    """A split master whose bf16 half is other tensors' pieces (strided views: a chunk's columns of
+    slide's host weights): gathered into a tile with the residuals, scattered back after the update."""
+
+    def __init__(self, members: list[tuple[int, torch.Tensor]], residuals: torch.Tensor):
+        self.members, self.residuals = members, residuals  # (offset in the group, bf16 view)
+
+    def tile(self, start, stop, scratch):
+        self.top = torch.empty(stop - start, dtype=torch.bfloat16)
+        for dst, src in _ranges(self.members, start, stop):
+            self.top[dst].view(src.shape).copy_(src)
+        split_master.combine(self.top, self.residuals[start:stop], scratch)
+        return scratch
+
+    def write(self, start, stop, tile):
+        split_master.split(tile, self.top, self.residuals[start:stop])
+        for dst, src in _ranges(self.members, start, stop):
+            src.copy_(self.top[dst].view(src.shape))
+
+
+def _ranges(members: list[tuple[int, torch.Tensor]], start: int, stop: int):
+    """(slice of the tile [start, stop), the members' numbers there as a view), row by row runs of
+    strided 2-D views (a partial first row, whole middle rows, a partial last row)."""
+    for offset, view in members:
+        a, b = max(start, offset) - offset, min(stop, offset + view.numel()) - offset
+        if a >= b:
+            continue
+        base = offset - start
+        if view.is_contiguous():
+            yield slice(base + a, base + b), view.reshape(-1)[a:b]
+            continue
+        width = view.shape[-1]
+        rows = view.reshape(-1, width) if view.dim() != 2 else view
+        first, last = a // width, (b - 1) // width
+        if first == last:
+            yield slice(base + a, base + b), rows[first, a % width : a % width + b - a]
+            continue
+        yield slice(base + a, base + (first + 1) * width), rows[first, a % width :]
+        if last > first + 1:
+            yield slice(base + (first + 1) * width, base + last * width), rows[first + 1 : last]
+        yield slice(base + last * width, base + b), rows[last, : b - last * width]
 
 
 class _Shifted(tiled_adamw.Form):

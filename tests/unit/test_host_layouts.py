@@ -126,6 +126,24 @@ def test_split_master_losses_equal_the_whole_master_over_twenty_steps(tied):
     assert apart > 0  # the tie rule struck, and still the losses are equal
 
 
+def test_a_chunk_working_set_splits_slides_own_host_weights_and_trains_as_the_whole_master():
+    """slide.working_set=chunk under bf16: each chunk's masters are split over slide's host weights
+    themselves (no bf16 copy in the chunk state, 2 bytes a number less), and the run equals the
+    whole-master one (train.master=fp32): losses, and what goes up, bit for bit over a sweep and a half."""
+    model = model_of(layers=2, dtype=torch.float32)
+    chunked = dict(slide=SlideConfig(working_set="chunk"), chunk=ChunkConfig(n_chunks=2))
+    split, whole = (slide_engine(model, "bf16", master=m, **chunked) for m in ("split", "fp32"))
+    assert all(a.split and a.weights is not None and a.shadows == [None] * len(a.groups) for a in host_adams(split))
+    assert not any(a.split for a in host_adams(whole))
+    for step in range(6):
+        a, b = split.step(step_batches(step)), whole.step(step_batches(step))
+        assert a.loss == b.loss, step
+        for name, weight in split.working_set.host.items():  # what goes up
+            assert torch.equal(weight, whole.working_set.host[name]), (step, name)
+    saved = sum(a.groups[k].numel * 2 for a in host_adams(whole) for k in range(len(a.groups)))
+    assert whole.host_bytes() - split.host_bytes() >= saved  # the chunk state's bf16 copies are gone
+
+
 # ------------------------------------------------------------------ 2. resume through the files
 
 

@@ -79,9 +79,14 @@ class ChunkState:
     `weight_of(name)`: the tensor holding that parameter's current weights (any device)."""
 
     def __init__(self, params: dict[str, nn.Parameter], axes: dict[str, int], cfg: RunConfig,
-                 device: torch.device, fake: bool, weight_of: Callable[[str], torch.Tensor]):
+                 device: torch.device, fake: bool, weight_of: Callable[[str], torch.Tensor],
+                 shares_weights: bool = False):
+        """`shares_weights`: weight_of's tensors are host bf16 weights the updates may write in place
+        (slide's under a chunk working set): under the split master they are its top half, so the
+        state keeps only the residuals and moments (no bf16 copy of its own)."""
         self.section, self.train_cfg, self.seed = cfg.section("chunk"), cfg.train, cfg.train.seed
         self.params, self.device, self.weight_of = params, device, weight_of
+        self.shares_weights = shares_weights
         streams = [self._stream(name, param, axes[name]) for name, param in params.items()]
         self.streams = {s.name: s for s in streams}
         self.chunks = partition(streams, self.section.n_chunks)
@@ -131,10 +136,12 @@ class ChunkState:
             plain = [p for p in pieces if not rules.decays(self.params[p.name])]
             grouped = [(g, wd) for g, wd in ((decayed, self.train_cfg.weight_decay), (plain, 0.0)) if g]
             groups = [Group(tuple(self.piece_shape(p) for p in g), wd) for g, wd in grouped]
+            shared = [[narrow(self.weight_of(p.name), p) for p in g] for g, _ in grouped] \
+                if split and self.shares_weights else None
             adams.append(HostAdam(f"chunk {k}", groups, self.dtype, self.device, rules.adamw_settings(self.train_cfg),
                                   shadow_dtype=shadow, moments_dir=self.state_dir,
                                   masters_on_disk=self.state_dir is not None, working=self.working,
-                                  layout=layout))
+                                  layout=layout, weights=shared))
             members.append([(p, g, i) for g, (group, _) in enumerate(grouped) for i, p in enumerate(group)])
         return adams, members
 
@@ -212,6 +219,8 @@ class ChunkState:
         self.first_visit(k)
         adam = self.adams[k]
         adam.update(lr, clip)
+        if adam.weights is not None:
+            return  # the update wrote the shared weights in place
         for piece, g, i in self.members[k]:
             views = adam.member(g, i)  # what goes up: the bf16 weight (shadow, or split half), or the master
             write(piece, views.shadow if views.shadow is not None else views.master)

@@ -330,7 +330,8 @@ class OneChunk(WorkingSet):
         params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         axis = axis_of(self.model)
         self.state = ChunkState(params, {n: axis(n, p) for n, p in params.items()}, self.cfg, self.device,
-                                any(is_fake(t) for t in self.host.values()), self.host.__getitem__)
+                                any(is_fake(t) for t in self.host.values()), self.host.__getitem__,
+                                shares_weights=True)
         self.sink.state = self.state
 
     def begin_step(self, step: int) -> float:
@@ -376,8 +377,8 @@ class OneChunk(WorkingSet):
     def _write(self, new_weights: dict[str, list], names: list[str]) -> None:
         """On the worker: the named tensors' new pieces into the host tensors they go up from."""
         with torch.no_grad():
-            for name in names:
-                for piece, values in new_weights[name]:
+            for name in names:  # nothing noted when the update wrote the shared weights in place
+                for piece, values in new_weights.get(name, ()):
                     narrow(self.host[name], piece).copy_(values)
 
     def end_step(self, applied: bool) -> None:
