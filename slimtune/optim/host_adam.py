@@ -314,11 +314,12 @@ class HostAdam:
                     continue
                 hyper = tiled_adamw.Hyper(lr, betas[0], betas[1], self.settings["eps"], group.weight_decay)
                 grad = tiled_adamw.Scaled(grads[k], clip) if grads is not None else self._grad_form(k, clip)
+                own = grads is None and isinstance(self.grads[k], torch.Tensor)  # emptied in the same pass
                 tiled_adamw.adamw(hyper, self.steps[k], group.numel, self.dtype, self._master_form(k, shadows),
-                                  grad, *(self._moment_form(self.moments[k][m]) for m in MOMENTS))
+                                  grad, *(self._moment_form(self.moments[k][m]) for m in MOMENTS), empty_grad=own)
             for grad in self.grads:
-                if grad is not None:
-                    grad.zero_()
+                if grad is not None and (self.fake or not isinstance(grad, torch.Tensor)):
+                    grad.zero_()  # a RowGrads (or the planner's step) is emptied here
 
     def update_span(self, k: int, start: int, stop: int, grad: torch.Tensor, lr: float, clip: float,
                     first: bool) -> None:
