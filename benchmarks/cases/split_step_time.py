@@ -30,11 +30,12 @@ of every round is given beside it. The 1-minute load average is recorded before 
 process.
 
 Losses (each step's, first round): native and torch tiles give the same bits for a layout. split and
-fp32 give the same losses for about ten steps, then differ in the 5th digit: the split's one lossy
-case (a master exactly half a bf16 ulp above an even weight moves one fp32 ulp, split_master.py's
-docstring) hits a few dozen of 9.4M numbers a step. The old tree's losses differ from the third step
-on by about 1e-5 (relative): commit acfe352 sends the LM head's tile gradients down in bf16 (they
-were fp32), a change of the numbers that is not the split's (acfe352's parent gives the old losses).
+fp32 give the same losses for about ten steps, then differ in the 4th-5th digit: the split's one
+lossy case (a master exactly half a bf16 ulp above an even weight moves one fp32 ulp,
+split_master.py's docstring) moves about 140 of the 9.4M masters in the first step. The old tree's
+losses differ from the third step on (1e-5 relative at first, 0.1-0.3% by step 14): commit acfe352
+sends the LM head's tile gradients down in bf16 (they were fp32), a change of the numbers that is
+not the split's (acfe352's parent gives the old losses).
 
 torch runs on THREADS intra-op thread(s): one thread is the figure least disturbed by the others.
 
@@ -166,8 +167,8 @@ def spawn(kind: str, seq: int, steps: int, warmup: int, old: Path, round_: int) 
                           env=env, capture_output=True, text=True, check=True)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     said = [line for line in done.stderr.splitlines() if "native" in line.lower() or "adamw" in line.lower()]
-    return {"process": kind, "stderr_about_native": said, "seq": seq, "round": round_, **found, "load_1min_before": load_before,
-            "load_1min_after": os.getloadavg()[0]}
+    return {"process": kind, "stderr_about_native": said, "seq": seq, "round": round_, **found,
+            "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0]}
 
 
 def med(values) -> float:
