@@ -339,7 +339,7 @@ class HostAdam:
         master = tiled_adamw.Split(self.shadows[k][span], self.residuals[k][span]) if self.split else \
             tiled_adamw.Whole(self.masters[k][span], () if self.shadows[k] is None else (self.shadows[k][span],))
         moments = [tiled_adamw.Whole(held[span]) if isinstance(held, torch.Tensor) else
-                   _Shifted(tiled_adamw.Coded(held), start) for held in self.moments[k].values()]
+                   tiled_adamw.Shifted(tiled_adamw.Coded(held), start) for held in self.moments[k].values()]
         with torch.no_grad():
             tiled_adamw.adamw(hyper, self.steps[k], stop - start, self.dtype, master,
                               tiled_adamw.Scaled([(0, grad.reshape(-1))], clip), *moments)
@@ -351,8 +351,8 @@ class HostAdam:
 
     def _master_form(self, k: int, into: list[torch.Tensor] | None) -> tiled_adamw.Form:
         if self.weights is not None:
-            return _SplitOver([(start, w) for (start, _, _), w in zip(self.groups[k].spans(), self.weights[k])],
-                              self.residuals[k])
+            members = [(start, w) for (start, _, _), w in zip(self.groups[k].spans(), self.weights[k])]
+            return tiled_adamw.SplitOver(members, self.residuals[k])
         if self.split:
             return tiled_adamw.Split(self.shadows[k], self.residuals[k], () if into is None else (into[k],))
         shadow = self.shadows[k] if into is None else into[k]
@@ -453,62 +453,6 @@ class HostAdam:
             return 0
         masters = sum(runtime.nbytes(t) for t in (*self.masters, *self.residuals) if t is not None)
         return self._moment_bytes() + (masters if self.masters_on_disk else 0)
-
-
-class _SplitOver(tiled_adamw.Form):
-    """A split master whose bf16 half is other tensors' pieces (strided views: a chunk's columns of
-    slide's host weights): gathered into a tile with the residuals, scattered back after the update."""
-
-    def __init__(self, members: list[tuple[int, torch.Tensor]], residuals: torch.Tensor):
-        self.members, self.residuals = members, residuals  # (offset in the group, bf16 view)
-
-    def tile(self, start, stop, scratch):
-        self.top = torch.empty(stop - start, dtype=torch.bfloat16)
-        for dst, src in _ranges(self.members, start, stop):
-            self.top[dst].view(src.shape).copy_(src)
-        split_master.combine(self.top, self.residuals[start:stop], scratch)
-        return scratch
-
-    def write(self, start, stop, tile):
-        split_master.split(tile, self.top, self.residuals[start:stop])
-        for dst, src in _ranges(self.members, start, stop):
-            src.copy_(self.top[dst].view(src.shape))
-
-
-def _ranges(members: list[tuple[int, torch.Tensor]], start: int, stop: int):
-    """(slice of the tile [start, stop), the members' numbers there as a view), row by row runs of
-    strided 2-D views (a partial first row, whole middle rows, a partial last row)."""
-    for offset, view in members:
-        a, b = max(start, offset) - offset, min(stop, offset + view.numel()) - offset
-        if a >= b:
-            continue
-        base = offset - start
-        if view.is_contiguous():
-            yield slice(base + a, base + b), view.reshape(-1)[a:b]
-            continue
-        width = view.shape[-1]
-        rows = view.reshape(-1, width) if view.dim() != 2 else view
-        first, last = a // width, (b - 1) // width
-        if first == last:
-            yield slice(base + a, base + b), rows[first, a % width : a % width + b - a]
-            continue
-        yield slice(base + a, base + (first + 1) * width), rows[first, a % width :]
-        if last > first + 1:
-            yield slice(base + (first + 1) * width, base + last * width), rows[first + 1 : last]
-        yield slice(base + last * width, base + b), rows[last, : b - last * width]
-
-
-class _Shifted(tiled_adamw.Form):
-    """A form lent from `offset` on: a span's tiles in a form that rests over the whole group."""
-
-    def __init__(self, form: tiled_adamw.Form, offset: int):
-        self.form, self.offset = form, offset
-
-    def tile(self, start, stop, scratch):
-        return self.form.tile(self.offset + start, self.offset + stop, scratch)
-
-    def write(self, start, stop, tile):
-        self.form.write(self.offset + start, self.offset + stop, tile)
 
 
 CODED = "moments8"  # EngineState.extra's key for 8-bit moments as they rest

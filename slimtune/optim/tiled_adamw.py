@@ -208,3 +208,59 @@ class Coded(Form):
         if self.moment.signed != (role == "exp_avg"):  # m codes on the signed map, v on the unsigned one
             return None
         return {f"{role}_codes": self.moment.codes, f"{role}_absmax": self.moment.absmax}
+
+
+class SplitOver(Form):
+    """A split master whose bf16 half is other tensors' pieces (strided views: a chunk's columns of
+    slide's host weights): gathered into a tile with the residuals, scattered back after the update."""
+
+    def __init__(self, members: list[tuple[int, torch.Tensor]], residuals: torch.Tensor):
+        self.members, self.residuals = members, residuals  # (offset in the group, bf16 view)
+
+    def tile(self, start, stop, scratch):
+        self.top = torch.empty(stop - start, dtype=torch.bfloat16)
+        for dst, src in _ranges(self.members, start, stop):
+            self.top[dst].view(src.shape).copy_(src)
+        split_master.combine(self.top, self.residuals[start:stop], scratch)
+        return scratch
+
+    def write(self, start, stop, tile):
+        split_master.split(tile, self.top, self.residuals[start:stop])
+        for dst, src in _ranges(self.members, start, stop):
+            src.copy_(self.top[dst].view(src.shape))
+
+
+def _ranges(members: list[tuple[int, torch.Tensor]], start: int, stop: int):
+    """(slice of the tile [start, stop), the members' numbers there as a view), row by row runs of
+    strided 2-D views (a partial first row, whole middle rows, a partial last row)."""
+    for offset, view in members:
+        a, b = max(start, offset) - offset, min(stop, offset + view.numel()) - offset
+        if a >= b:
+            continue
+        base = offset - start
+        if view.is_contiguous():
+            yield slice(base + a, base + b), view.reshape(-1)[a:b]
+            continue
+        width = view.shape[-1]
+        rows = view.reshape(-1, width) if view.dim() != 2 else view
+        first, last = a // width, (b - 1) // width
+        if first == last:
+            yield slice(base + a, base + b), rows[first, a % width : a % width + b - a]
+            continue
+        yield slice(base + a, base + (first + 1) * width), rows[first, a % width :]
+        if last > first + 1:
+            yield slice(base + (first + 1) * width, base + last * width), rows[first + 1 : last]
+        yield slice(base + last * width, base + b), rows[last, : b - last * width]
+
+
+class Shifted(Form):
+    """A form lent from `offset` on: a span's tiles in a form that rests over the whole group."""
+
+    def __init__(self, form: tiled_adamw.Form, offset: int):
+        self.form, self.offset = form, offset
+
+    def tile(self, start, stop, scratch):
+        return self.form.tile(self.offset + start, self.offset + stop, scratch)
+
+    def write(self, start, stop, tile):
+        self.form.write(self.offset + start, self.offset + stop, tile)
