@@ -111,6 +111,28 @@ def torch_fused(n: int, reps: int, flush: torch.Tensor, folder: Path | None = No
     return rate(timed(opt.step, prepare, reps), 28 * n)
 
 
+def spacing(n: int, reps: int, flush: torch.Tensor) -> dict:
+    """torch's fused kernel on p, g, m, v cut from one buffer at a given distance apart: equal-sized
+    tensors allocated one after another (as torch.optim's are) start 2^k + 4 KiB apart, and on this
+    CPU some distances halve the kernel's speed (an address-aliasing effect, not the memory's)."""
+    found = {}
+    for apart in (4 * n, 4 * n + 4096, 4 * n + 8192):
+        buffer = torch.zeros(3 * apart // 4 + n)
+        p, g, m, v = (buffer[k * apart // 4:][:n] for k in range(4))
+        p.normal_(0, 0.02)
+        g.normal_(0, 1e-3)
+        step = torch.zeros(())
+
+        def kernel():
+            step.add_(1)
+            torch._fused_adamw_([p], [g], [m], [v], [], [step], amsgrad=False, lr=SETTINGS["lr"], beta1=0.9,
+                                beta2=0.999, weight_decay=0.01, eps=SETTINGS["eps"], maximize=False)
+
+        found[f"bytes_apart_{apart}"] = rate(timed(kernel, lambda: flush.fill_(1.0), reps), 28 * n)
+        del buffer, p, g, m, v
+    return found
+
+
 # ------------------------------------------------------------ HostAdam
 
 
@@ -315,6 +337,7 @@ def measure_at(sizes: Sizes, flush: torch.Tensor, native: bool) -> dict:
     fused = beside(lambda: torch_fused(n, sizes.adam_reps, flush))
     with tempfile.TemporaryDirectory(prefix="host-adam-bench-", dir=bench_root()) as root:
         fused_files = beside(lambda: torch_fused(n, sizes.adam_reps, flush, Path(root)))
+    apart = spacing(n, sizes.adam_reps, flush)
     tiled = {name: beside(lambda: measure_layout(name, n, sizes.adam_reps, flush, False)) for name in LAYOUTS}
     natives = {name: beside(lambda: measure_layout(name, n, sizes.adam_reps, flush, True))
                for name in LAYOUTS} if native else {}
@@ -324,7 +347,8 @@ def measure_at(sizes: Sizes, flush: torch.Tensor, native: bool) -> dict:
         found["bytes_a_number"] = found["bytes"] / n
     tile = pieces(sizes.tile_repeat)
     return {"stream": refs, "torch_fused_adamw": fused, "torch_fused_adamw_moments_in_files": fused_files,
-            "host_adam_native": natives, "host_adam_tiled": tiled, "tile_pieces_ns": tile,
+            "torch_fused_kernel_by_spacing": apart, "host_adam_native": natives, "host_adam_tiled": tiled,
+            "tile_pieces_ns": tile,
             "reading": reading(tiled, natives, tile)}
 
 
@@ -332,7 +356,8 @@ def summarize(result: dict) -> None:
     for threads, found in result["threads"].items():
         refs = found["stream"]
         print(f"{threads} thread(s): copy {refs['copy']['gbps']:.1f} GB/s, triad {refs['triad']['gbps']:.1f}, "
-              f"add in place {refs['add_in_place']['gbps']:.1f}")
+              f"add in place {refs['add_in_place']['gbps']:.1f}; fused kernel by spacing "
+              + ", ".join(f"{k[12:]} B: {v['gbps']:.1f}" for k, v in found["torch_fused_kernel_by_spacing"].items()))
         rows = [("torch fused", found["torch_fused_adamw"]),
                 ("torch fused files", found["torch_fused_adamw_moments_in_files"]),
                 *(("tiled " + k, v) for k, v in found["host_adam_tiled"].items()),
