@@ -128,6 +128,16 @@ def test_slide_trains_resumes_exactly_and_exports(workdir):
     assert_trains_and_resumes_exactly(workdir, slide, steps=6, stop_at=3, trained=every_tensor)
 
 
+def test_slide_with_the_split_master_and_8bit_moments_in_files_trains_resumes_exactly_and_exports(workdir):
+    """The host optimizer's new layouts through the CLI (issue 30): precision bf16, so each master
+    rests split (bf16 weight + residual) and each block's gradient is held in bf16, with 8-bit
+    moments in memory-mapped files: stopped after 3 steps and resumed to 6, the same losses and the
+    same exported model as 6 steps straight (the codes travel in the checkpoint as they rest)."""
+    slide = ["engine=slide", "method=full", "precision=bf16", "train.moments=8bit", "slide.moments=disk",
+             "train.grad_accum=1", "train.schedule=constant", "--no-progress"]
+    assert_trains_and_resumes_exactly(workdir, slide, steps=6, stop_at=3, trained=every_tensor)
+
+
 def test_resuming_with_other_trained_weights_is_one_sentence_and_changes_nothing(lora_run, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(lora_run[0], workdir)
