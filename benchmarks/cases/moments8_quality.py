@@ -22,16 +22,16 @@ size of a difference that means nothing.
 Part 2, SmolLM2-135M-Instruct (pretrained, scripts/make_smollm2.py, cached under ~/.cache), a task it
 cannot do zero-shot and learns only partly in the steps this CPU affords: three-digit addition in
 calculator notation ("347 + 285 =" -> " 632"; zero-shot 0%: it goes on talking), generated here
-(seed 0): 2,000 train and 500 held-out prompts, disjoint. Batch 8 x 32 tokens, lr 5e-5 (probed: 1e-5
-learned a third as fast), 10 warm-up steps then cosine to zero over 120 steps (5-10 s a step on
-these 2 shared cores: about 15 minutes a run), seeds 0 and 1; eval loss on the 500 every 40 steps,
-exact match on them at the end.
+(seed 0): 2,000 train and 500 held-out prompts, disjoint. Batch 8 x 32 tokens, lr 5e-5 (30-step
+probes: 7% exact match at 1e-5, 14% at 5e-5), 10 warm-up steps then cosine to zero over 120 steps
+(2.3-12 s a step on these 2 shared cores, by their load: 6-15 minutes a run), seeds 0 and 1; eval
+loss on the 500 every 40 steps, exact match on them at the end.
 
 Every run keeps its training-loss curve and, for every scoring, which held-out prompts it got right:
 a pair's difference in exact match is set beside the number of prompts on which the two runs
 disagree (a 1-point goal on 100 prompts is one prompt).
 
-    python benchmarks/run.py moments8_quality      # ~100 minutes on 2 shared cores
+    python benchmarks/run.py moments8_quality      # ~70-100 minutes on 2 shared cores
 """
 
 from __future__ import annotations
