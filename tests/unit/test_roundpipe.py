@@ -545,24 +545,11 @@ def test_the_loop_starts_each_next_step_early_except_before_a_checkpoint_and_the
     """train.fit with async roundpipe: every step but a checkpoint's and the last hands the engine
     the next step's batches, and weights and logged losses equal a run that never does (fp32, to
     1e-6: a wrong weight version is off by about the learning rate, 1e-2)."""
-    import json
-
-    from test_train import small_run
-    from slimtune import train
+    from test_train import fit_with_and_without_early_starts
 
     settings = {"engine": "roundpipe", "method": "full", "roundpipe.workers": 2, "roundpipe.optimizer": "async",
                 "train.steps": 6, "train.save_every": 3, "train.eval_every": 0, "train.lr": 0.01}
-    found = {}
-    for early in (True, False):
-        folder = tmp_path / str(early)
-        folder.mkdir()
-        cfg = small_run(folder, tiny_model_dir, **settings)
-        run = train.build(cfg)
-        run.engine.starts_ahead, calls, step = early, [], run.engine.step
-        run.engine.step = lambda *args, **kwargs: (calls.append(kwargs.get("then") is not None), step(*args, **kwargs))[1]
-        train.fit(cfg, progress=False, run=run)
-        losses = [json.loads(line)["loss"] for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
-        found[early] = calls, run.engine.trainable_state(), losses
+    found = fit_with_and_without_early_starts(tmp_path, tiny_model_dir, settings)
     assert found[True][0] == [True, True, False, True, True, False] and not any(found[False][0])
     assert found[True][2] == pytest.approx(found[False][2], abs=1e-6, rel=0) and len(found[True][2]) == 6
     for name, value in found[False][1].items():  # fp32: rounding, see same_run

@@ -102,3 +102,24 @@ def test_an_engines_own_sample_is_held_out_of_training():
     assert sampled | kept == firsts
     again, _ = train.engine_sample(cfg, splits, SimpleNamespace(pad_token_id=0), 6)  # drawn the same each run
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(batches, again))
+
+
+def fit_with_and_without_early_starts(tmp_path, tiny_model_dir, settings: dict) -> dict:
+    """train.fit twice, the engine allowed to start ahead (True) and not (False): per run, whether
+    each step was handed the next batches (then=), the trained weights, and the logged losses."""
+    import json
+
+    from slimtune import train
+
+    found = {}
+    for early in (True, False):
+        folder = tmp_path / str(early)
+        folder.mkdir()
+        cfg = small_run(folder, tiny_model_dir, **settings)
+        run = train.build(cfg)
+        run.engine.starts_ahead, calls, step = early, [], run.engine.step
+        run.engine.step = lambda *args, **kwargs: (calls.append(kwargs.get("then") is not None), step(*args, **kwargs))[1]
+        train.fit(cfg, progress=False, run=run)
+        losses = [json.loads(line)["loss"] for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+        found[early] = calls, run.engine.trainable_state(), losses
+    return found

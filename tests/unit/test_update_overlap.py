@@ -211,24 +211,11 @@ def test_lsp_clipped_updates_overlap_the_next_forward_and_equal_sync(monkeypatch
 def test_the_loop_leaves_updates_running_only_into_a_step_that_nothing_reads_before(tmp_path, tiny_model_dir):
     """train.fit with slide, clipping on: every step but a checkpoint's and the last is handed the
     next batches, and weights and logged losses equal a run whose steps never are (bit for bit)."""
-    import json
-
-    from test_train import small_run
-    from slimtune import train
+    from test_train import fit_with_and_without_early_starts
 
     settings = {"engine": "slide", "method": "full", "train.steps": 6, "train.save_every": 3, "train.eval_every": 0,
                 "train.max_grad_norm": 1.0}
-    found = {}
-    for early in (True, False):
-        folder = tmp_path / str(early)
-        folder.mkdir()
-        cfg = small_run(folder, tiny_model_dir, **settings)
-        run = train.build(cfg)
-        run.engine.starts_ahead, calls, step = early, [], run.engine.step
-        run.engine.step = lambda *args, **kwargs: (calls.append(kwargs.get("then") is not None), step(*args, **kwargs))[1]
-        train.fit(cfg, progress=False, run=run)
-        losses = [json.loads(line)["loss"] for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
-        found[early] = calls, run.engine.trainable_state(), losses
+    found = fit_with_and_without_early_starts(tmp_path, tiny_model_dir, settings)
     assert found[True][0] == [True, True, False, True, True, False] and not any(found[False][0])
     assert found[True][2] == found[False][2] and len(found[True][2]) == 6
     for name, value in found[False][1].items():
