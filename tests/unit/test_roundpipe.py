@@ -457,7 +457,9 @@ def test_lora_on_a_4bit_base_equals_resident(lora_on_4bit, tail_shards):
 @pytest.mark.parametrize("optimizer,tail_shards", [("sync", 1), ("async", 1), ("async", 3)],
                          ids=["sync", "async", "async, tail in 3 token shards"])
 def test_resume_from_state_dict_continues_exactly(models, optimizer, tail_shards):
-    cfg = run_cfg(RoundPipeConfig(workers=3, optimizer=optimizer, replan=tail_shards == 1), measure_memory=False)
+    # replan off: a cut replanned from measured times depends on the machine's load, so the straight run
+    # and the resumed one could cut differently (what resume restores is the optimizer, not the timings).
+    cfg = run_cfg(RoundPipeConfig(workers=3, optimizer=optimizer, replan=False), measure_memory=False)
     cut = uniform_partition(5, 2, 1, tail_shards=tail_shards) if tail_shards > 1 else None
     straight = run(RoundPipeEngine, models["untied"], cfg, steps=4, partition=cut)
     first = RoundPipeEngine(Stack(copy.deepcopy(models["untied"])), cfg, CPU, "fp64")
