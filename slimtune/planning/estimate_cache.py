@@ -65,8 +65,16 @@ def _code_version() -> str:
     import transformers
 
     digest = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
-    package = Path(__file__).parent
-    for path in sorted(package.rglob("*.py")) + sorted(package.rglob("*.json")):
-        digest.update(path.relative_to(package).as_posix().encode())
+    for path in sources():
+        digest.update(path.relative_to(PACKAGE).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+PACKAGE = Path(__file__).parents[1]  # the whole slimtune package: an engine's change changes its estimates
+
+
+def sources() -> list[Path]:
+    """Every file of slimtune's whose bytes key the cache: its Python sources and JSON presets
+    (and the C kernels, which the host optimizer's estimate does not depend on but cost nothing)."""
+    return [path for pattern in ("*.py", "*.json", "*.c") for path in sorted(PACKAGE.rglob(pattern))]
