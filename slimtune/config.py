@@ -224,8 +224,12 @@ class DistConfig:
 
 @dataclass
 class RunConfig:
-    model: str = setting(REQUIRED, "A local Hugging Face model folder (config.json, *.safetensors, tokenizer files).")
+    model: str = setting(REQUIRED, "A local Hugging Face model folder (config.json, *.safetensors, tokenizer files),"
+                                   " or a Hub name (org/name), fetched into the Hub cache.")
     data: DataConfig = setting(REQUIRED, "The dataset; see data.* fields.")
+    model_revision: str | None = setting(
+        None, "model is a Hub name: the branch, tag or commit to fetch (default: main); the commit resolved is"
+              " recorded in run.json and checked on resume.")
     method: Literal["lora", "full"] = setting("lora", "lora: train adapters on a frozen base; full: train every weight.")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA settings; see lora.* fields."})
     freeze: list[str] = setting([], "full: parameter name patterns (fnmatch) to keep frozen, e.g. ['*embed_tokens*'].")
