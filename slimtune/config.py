@@ -101,16 +101,28 @@ class ActivationsConfig:
     )
     last_k: int = setting(2, "cache=last_k: how many of the last blocks keep their input on the device.")
     disk_dir: str | None = setting(None, "checkpoint=disk: where block files go (default: output_dir/activations).")
-    mlp_chunk: int = setting(
+    seq_tile: int = setting(
         0,
-        "Checkpointed blocks run their MLP in token chunks of this many tokens, forward and recompute (exact: the"
-        " MLP is per token); 0 = auto (chunks whose MLP activations are about a quarter of a block input, >= 256 tokens).",
+        "Checkpointed blocks run in tiles of this many tokens, forward, recompute and backward (exact: attention runs"
+        " each query tile against the whole sequence's keys and values); 0 = auto (tiles whose MLP activations are"
+        " about a quarter of a block input, >= 256 tokens, the whole row when shorter).",
     )
+    mlp_chunk: int = setting(
+        0, "The former name of seq_tile (the MLP's token chunks are now the block's tiles): read as seq_tile.")
 
     def validate(self) -> None:
         positive("activations.last_k", self.last_k)
-        if self.mlp_chunk < 0:
-            raise UserError(f"activations.mlp_chunk must be 0 (auto) or a token count, got {self.mlp_chunk}.")
+        for name in ("seq_tile", "mlp_chunk"):
+            if getattr(self, name) < 0:
+                raise UserError(f"activations.{name} must be 0 (auto) or a token count, got {getattr(self, name)}.")
+        if self.mlp_chunk and self.seq_tile and self.mlp_chunk != self.seq_tile:
+            raise UserError(f"activations.mlp_chunk ({self.mlp_chunk}) is the former name of activations.seq_tile "
+                            f"({self.seq_tile}); set seq_tile alone.")
+
+    @property
+    def tile(self) -> int:
+        """Tokens per tile as set (0: auto), under either name."""
+        return self.seq_tile or self.mlp_chunk
 
 
 @dataclass

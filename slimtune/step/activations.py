@@ -71,8 +71,8 @@ def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: Act
 
 def mlp_chunk_tokens(stack: Stack, seq: int, cfg: ActivationsConfig) -> int:
     """Tokens per MLP chunk of a checkpointed block for `seq`-token rows (seq: one chunk)."""
-    if cfg.mlp_chunk:
-        return min(cfg.mlp_chunk, seq)
+    if cfg.tile:
+        return min(cfg.tile, seq)
     chunks = -(-MLP_CHUNK_SHARE * stack.config.intermediate_size // stack.config.hidden_size)
     return min(seq, max(-(-seq // chunks), MIN_MLP_CHUNK))
 
