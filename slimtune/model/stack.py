@@ -10,11 +10,13 @@ bias, rope scaling and sliding-window layers are all handled by the family's own
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -332,7 +334,19 @@ class BlockInputs:
 
     position_ids: torch.Tensor  # (B, T)
     position_embeddings: tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, T, head_dim)
-    masks: dict[str, torch.Tensor | None]  # by layer type: full_attention / sliding_attention
+    segmented: bool = True  # rows may hold packed examples (position ids that restart)
+    build_masks: Callable[[], dict] | None = field(default=None, repr=False)
+    derived: dict = field(default_factory=dict, repr=False)  # what tiled blocks derive once per batch
+    _masks: dict | None = field(default=None, repr=False)
+
+    @property
+    def masks(self) -> dict[str, torch.Tensor | None]:
+        """Attention masks by layer type (full_attention / sliding_attention), built on first use:
+        blocks run in tiles (step.seq_tiles) derive each tile's mask from position_ids instead and
+        never ask, so a long packed row never holds a (T, T) mask."""
+        if self._masks is None:
+            self._masks = self.build_masks() if self.build_masks is not None else {}
+        return self._masks
 
 
 class Stack:
@@ -385,10 +399,16 @@ class Stack:
         return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
 
     def prepare(self, hidden: torch.Tensor, position_ids: torch.Tensor, segmented: bool = True) -> BlockInputs:
-        """Rotary tables and attention masks. Position ids that restart at 0 mark packed
-        examples; the family's own mask builders turn them into block-diagonal causal masks.
-        segmented=False (every row is 0..T-1, data.Batch.segmented) skips that search, which
-        reads tensor values: SDPA then gets no mask (is_causal), so no (T, T) tensor is built."""
+        """Rotary tables, and attention masks when a block first asks (BlockInputs.masks). Position
+        ids that restart at 0 mark packed examples; the family's own mask builders turn them into
+        block-diagonal causal masks. segmented=False (every row is 0..T-1, data.Batch.segmented)
+        skips that search, which reads tensor values: SDPA then gets no mask (is_causal), so no
+        (T, T) tensor is built."""
+        shape_only = hidden.new_empty(*hidden.shape[:2], 0)  # what the mask builders read of hidden, in no bytes
+        return BlockInputs(position_ids, self.rotary(hidden, position_ids), segmented,
+                           functools.partial(self._masks, shape_only, position_ids, segmented))
+
+    def _masks(self, hidden: torch.Tensor, position_ids: torch.Tensor, segmented: bool) -> dict:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         kwargs = dict(
@@ -398,7 +418,7 @@ class Stack:
         masks = {"full_attention": create_causal_mask(**kwargs)}
         if any(self.layer_type(i) == "sliding_attention" for i in range(len(self.blocks))):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-        return BlockInputs(position_ids, self.rotary(hidden, position_ids), masks)
+        return masks
 
     def run_block(self, index: int, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         """hidden (B, T, D) -> (B, T, D) through block `index`."""

@@ -10,11 +10,11 @@ tables, masks) are constants shared by all blocks and the recompute, never store
 
 Where the inputs wait is a store (block_stores.py: the device, host RAM or disk), one per step.
 
-MLP chunks (activations.mlp_chunk). A block's MLP is per token, so a checkpointed block runs it in
-token chunks: forward writes each chunk's output in place; the recompute builds and back-propagates
-one chunk's graph at a time, after the attention half's. One chunk's MLP activations (c x I, with
-I ~ 3-5 x d) exist at a time instead of T x I: at 16K tokens that is the peak of the recompute.
-Forward and recompute use the same chunks in the same order, so dropout masks repeat exactly.
+Sequence tiles (activations.seq_tile). A checkpointed block runs in tiles of tokens, forward,
+recompute and backward (step/seq_tiles.py): attention by query tiles against whole K and V, the rest
+per token. One tile's intermediates exist at a time instead of T x every intermediate: at long
+sequences that is what the recompute's peak is made of. Rows no longer than a tile run untiled.
+Tiling pays only here: plain autograd (checkpoint=none) keeps every tile's activations anyway.
 
 Caches. last_k: the last k blocks' inputs stay on the device (backward needs them first). small: per
 block, the outputs of ops that are deterministic, neither views nor in-place, and small (<= 1/8 of
@@ -38,12 +38,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from slimtune.device import memory
+from slimtune.step import seq_tiles
 from slimtune.step.block_stores import BlockStore
 from slimtune.config import ActivationsConfig
 from slimtune.model.stack import BlockInputs, Stack
 
-MLP_CHUNK_SHARE = 4  # auto mlp_chunk: one chunk's (c, I) MLP activation ~ 1/4 of a (T, D) block input
-MIN_MLP_CHUNK = 256  # auto chunks stay at least this long: shorter matmuls waste the device
+TILE_SHARE = 4  # auto seq_tile: one tile's (t, I) MLP activation ~ 1/4 of a (T, D) block input
+MIN_TILE = 256  # auto tiles stay at least this long: shorter matmuls waste the device
 SMALL_FRACTION = 8  # cache=small: an op output is small at <= 1/8 of the block input's elements
 
 
@@ -57,7 +58,7 @@ def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: Act
     if store is None and cfg.checkpoint != "recompute":
         raise ValueError(f"checkpoint={cfg.checkpoint} needs a store from open_store().")
     store = store or BlockStore(hidden.device)
-    tensors = [inputs.position_ids, *inputs.position_embeddings, *inputs.masks.values()]
+    tensors = [inputs.position_ids, *inputs.position_embeddings]  # masks are made from position_ids
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         # Gradients stop at the Function's inputs: such a tensor would silently get none.
         raise ValueError("checkpointed blocks take BlockInputs as constants; one of them requires grad.")
@@ -65,16 +66,20 @@ def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: Act
     logs = {} if cfg.cache == "small" else None
     # A 0-dim input that needs grad, so backward runs even when `hidden` needs none (LoRA, frozen embedding).
     anchor = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=True)
-    chunk = mlp_chunk_tokens(stack, hidden.shape[1], cfg)
-    return _Checkpointed.apply(_Run(stack, inputs, store, on_device, logs, chunk), hidden, anchor)
+    tile = tile_tokens(stack, hidden.shape[1], cfg)
+    if tile >= hidden.shape[1]:
+        inputs.masks  # made before the first block, as plain autograd makes them: not in block 0's segment or log
+    else:
+        logs = None  # see "Caches" above
+    return _Checkpointed.apply(_Run(stack, inputs, store, on_device, logs, tile), hidden, anchor)
 
 
-def mlp_chunk_tokens(stack: Stack, seq: int, cfg: ActivationsConfig) -> int:
-    """Tokens per MLP chunk of a checkpointed block for `seq`-token rows (seq: one chunk)."""
+def tile_tokens(stack: Stack, seq: int, cfg: ActivationsConfig) -> int:
+    """Tokens per tile of a checkpointed block for `seq`-token rows (seq: untiled)."""
     if cfg.tile:
         return min(cfg.tile, seq)
-    chunks = -(-MLP_CHUNK_SHARE * stack.config.intermediate_size // stack.config.hidden_size)
-    return min(seq, max(-(-seq // chunks), MIN_MLP_CHUNK))
+    tiles = -(-TILE_SHARE * stack.config.intermediate_size // stack.config.hidden_size)
+    return min(seq, max(-(-seq // tiles), MIN_TILE))
 
 
 def runner(cfg: ActivationsConfig, store: BlockStore | None = None):
@@ -89,9 +94,9 @@ class _Run:
     """One run_blocks call: the blocks' inputs (keys into a store) and RNG states, and its cache log."""
 
     def __init__(self, stack: Stack, inputs: BlockInputs, store: BlockStore, on_device: set, logs: dict | None,
-                 chunk: int):
+                 tile: int):
         self.stack, self.inputs, self.store, self.on_device, self.logs = stack, inputs, store, on_device, logs
-        self.chunk = chunk  # tokens per MLP chunk
+        self.tile = tile  # tokens per tile
         self.keys, self.rng, self.local = {}, [], BlockStore()  # local: cache=last_k inputs
         # A graph dropped without backward (or a failed forward) gives its entries back.
         self.release = weakref.finalize(self, _discard_all, self.keys)
@@ -147,23 +152,15 @@ def _forward_blocks(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
         memory.mark("forward", index)
         run.put(index, hidden)
         with _SmallCache(run, index, hidden) if run.logs is not None else contextlib.nullcontext():
-            hidden = block_forward(run.stack, index, hidden, run.inputs, run.chunk, logged=run.logs is not None)
+            hidden = block_forward(run.stack, index, hidden, run.inputs, run.tile)
     return hidden
 
 
-def block_forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, chunk: int,
-                  logged: bool = False) -> torch.Tensor:
-    """Block `index` without grad; its MLP in token chunks, in the order the recompute repeats
-    (so dropout draws the same masks), overwriting the attention half's output chunk by chunk.
-    `logged`: a small cache keeps outputs of every chunk, so every chunk must run."""
-    if chunk >= x.shape[1]:
+def block_forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, tile: int) -> torch.Tensor:
+    """Block `index` without grad, in tiles of `tile` tokens (step.seq_tiles) when x is longer."""
+    if tile >= x.shape[1]:
         return stack.run_block(index, x, inputs)
-    h = stack.attention_half(index, x, inputs)
-    starts = range(0, h.shape[1], chunk)
-    for start in starts if logged else memory.representative(starts, h):
-        part = h[:, start : start + chunk]
-        part.copy_(stack.mlp_half(index, part))
-    return h
+    return seq_tiles.forward(stack, index, x, inputs, tile)
 
 
 def _backward_blocks(run: _Run, grad: torch.Tensor, wants_input_grad: bool):
@@ -176,43 +173,25 @@ def _backward_blocks(run: _Run, grad: torch.Tensor, wants_input_grad: bool):
         x = x.detach().requires_grad_(index > 0 or wants_input_grad)
         restore_dropout_rng(run.rng[index], x.device)
         cache = _SmallCache(run, index) if run.logs is not None else contextlib.nullcontext()
-        block_backward(run.stack, index, x, grad, run.inputs, run.chunk, cache)
+        block_backward(run.stack, index, x, grad, run.inputs, run.tile, cache)
         grad = x.grad if x.requires_grad else None
         del x
     return grad
 
 
 def block_backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor | None, inputs: BlockInputs,
-                   chunk: int, cache=None) -> None:
+                   tile: int, cache=None) -> None:
     """Recompute block `index` from its input x (RNG state restored by the caller) and back-propagate
     its output's gradient: parameter grads accumulate, x.grad is set. Each graph is freed by its
-    backward before the next block (or MLP chunk) is recomputed. `cache`: a _SmallCache or None."""
-    cache = cache if cache is not None else contextlib.nullcontext()
-    if chunk >= x.shape[1]:
-        with torch.enable_grad(), cache:
-            y = stack.run_block(index, x, inputs)
-        _backward(y, grad)
+    backward before the next block (or tile) is recomputed. `cache`: a _SmallCache or None (untiled)."""
+    if grad is None:
         return
-    with torch.enable_grad(), cache:
-        h = stack.attention_half(index, x, inputs)
-    _backward(h, _mlp_backward(stack, index, h, grad, chunk, cache))
-
-
-def _mlp_backward(stack: Stack, index: int, h: torch.Tensor, grad: torch.Tensor | None, chunk: int,
-                  cache) -> torch.Tensor | None:
-    """The MLP half of block `index`, chunk by chunk: recompute a chunk, back-propagate it, drop its
-    graph, so one chunk's MLP activations exist at a time. Returns the gradient of its input h."""
-    grad_h = torch.empty_like(h) if grad is not None and h.requires_grad else None
-    starts = range(0, h.shape[1], chunk)
-    for start in starts if isinstance(cache, _SmallCache) else memory.representative(starts, h):
-        with torch.enable_grad(), cache:  # the slice too: forward's cache log has it
-            part = h.detach()[:, start : start + chunk].requires_grad_(grad_h is not None)
-            y = stack.mlp_half(index, part)
-        _backward(y, None if grad is None else grad[:, start : start + chunk])
-        if grad_h is not None:
-            grad_h[:, start : start + chunk] = part.grad
-        del y, part
-    return grad_h
+    if tile < x.shape[1]:
+        seq_tiles.backward(stack, index, x, grad, inputs, tile)
+        return
+    with torch.enable_grad(), cache if cache is not None else contextlib.nullcontext():
+        y = stack.run_block(index, x, inputs)
+    _backward(y, grad)
 
 
 def _backward(y: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -240,8 +219,8 @@ def restore_dropout_rng(state: tuple, device: torch.device) -> None:
 
 # ---------------------------------------------------------------- cache=small
 
-# Not logged and never substituted: autograd adds detach when it saves an output, and the chunked
-# forward's copy_ (an MLP chunk written into place) has no counterpart in the chunked recompute.
+# Not logged and never substituted: autograd adds detach when it saves an output, and a copy_
+# writes into place (a tiled forward), which a recompute need not repeat.
 _UNLOGGED = {torch.ops.aten.detach.default, torch.ops.aten.copy_.default}
 _VIEW_LIKE = {torch.ops.aten._unsafe_view.default}  # aliases its input though its schema says not
 

@@ -101,49 +101,16 @@ def test_lora_loss_and_grads_equal_plain_autograd_with_dropout(model_dir, tmp_pa
     assert not (tmp_path / "act").exists() or not list((tmp_path / "act").iterdir())
 
 
-def chunked_reference(stack: Stack, chunk: int, seed: int = 0, seq: int = 12):
-    """Plain autograd through every block as attention_half + mlp_half by token chunks, in the
-    order checkpointing runs them: the same dropout draws as a checkpointed run with that chunk."""
-    params = [p for p in stack.model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    ids, positions = batch(stack.config.vocab_size, seq=seq)
-    torch.manual_seed(seed)
-    hidden = stack.embed(ids)
-    inputs = stack.prepare(hidden, positions)
-    for index in range(len(stack.blocks)):
-        half = stack.attention_half(index, hidden, inputs)
-        hidden = torch.cat([stack.mlp_half(index, half[:, a : a + chunk]) for a in range(0, seq, chunk)], dim=1)
-    loss = next_token_loss(stack, stack.norm(hidden), ids)
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in params]
-
-
-@pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize("store_kind", STORES)
-def test_mlp_chunks_give_plain_autograd_grads(model_dir, tmp_path, store_kind, cache):
-    """Chunks of 5, 5 and 2 tokens: without dropout equal to the unchunked model; with dropout equal
-    to plain autograd through the same chunks (the masks are drawn per chunk, in the same order)."""
-    cfg = ActivationsConfig(checkpoint=store_kind, cache=cache, last_k=2, mlp_chunk=5)
-    for dropout in (0.0, 0.1):
-        stack = lora_stack(model_dir, dropout=dropout)
-        expected = step(stack, None, seed=7) if dropout == 0 else chunked_reference(stack, 5, seed=7)
-        with block_stores.open_store(cfg, CPU, tmp_path / "act") as store:
-            got = step(stack, cfg, store, seed=7)
-        assert max_diff(got, expected) <= 1e-12
-        assert max(g.abs().max().item() for g in got[1]) > 1e-3
-        if cache == "small":
-            assert store.cache_kept == store.cache_hits > BLOCKS * 13  # per chunk: the MLP's 3 LoRA + 1 norm's 3
-    # with dropout the chunking shows: the masks differ from the unchunked model's
-    assert max_diff(got, step(stack, None, seed=7)) > 1e-6
-
-
-def test_mlp_chunk_auto_rule(model_dir):
-    stack = lora_stack(model_dir)  # hidden 32, intermediate 64: 8 chunks of >= 256 tokens
+def test_seq_tile_auto_rule_and_the_former_name(model_dir):
+    """Tiled blocks themselves: test_seq_tiles.py."""
+    stack = lora_stack(model_dir)  # hidden 32, intermediate 64: 8 tiles of >= 256 tokens
     auto = ActivationsConfig(checkpoint="recompute")
-    assert activations.mlp_chunk_tokens(stack, 100, auto) == 100  # short rows: one chunk
-    assert activations.mlp_chunk_tokens(stack, 4096, auto) == 512
-    assert activations.mlp_chunk_tokens(stack, 100, ActivationsConfig(mlp_chunk=30)) == 30
+    assert activations.tile_tokens(stack, 100, auto) == 100  # short rows: untiled
+    assert activations.tile_tokens(stack, 4096, auto) == 512
+    assert activations.tile_tokens(stack, 100, ActivationsConfig(seq_tile=30)) == 30
+    assert activations.tile_tokens(stack, 100, ActivationsConfig(mlp_chunk=30)) == 30  # read as seq_tile
+    with pytest.raises(UserError, match="activations.mlp_chunk .* former name of activations.seq_tile"):
+        ActivationsConfig(seq_tile=20, mlp_chunk=30).validate()
 
 
 @pytest.mark.parametrize("store_kind", STORES)

@@ -1,0 +1,275 @@
+"""A checkpointed block run in tiles of tokens along the sequence: forward, recompute and backward.
+
+Everything in a block but attention acts on each token alone (norms, the q/k/v/o and MLP projections
+with their LoRA and 4-bit paths, rotary embedding, Qwen3's q/k norms, biases, residual adds), so it
+can run on a tile of tokens. Attention needs the keys and values of every earlier token: they are
+computed once for the whole sequence, tile by tile, and kept whole (B, Hkv, T, hd): with grouped-query
+attention a fraction of the hidden size. Each query tile then attends to its key prefix [k0, end of
+tile) in one SDPA call, causal with the tile's offset. So a block holds its input, its output, K and V
+and one tile's intermediates, not T x every intermediate.
+
+Forward (no grad): one pass in token order; tile i writes its keys and values, attends, and runs the
+MLP half; causality means it needs no later key.
+
+Backward: K and V are recomputed without grad; then the tiles run in reverse order. Tile i recomputes
+its norm, k, v and q with grad, attends with K[k0:end] and V[k0:end] as leaves, runs o_proj, the
+residual and the MLP half, and back-propagates its slice of the incoming gradient: dK, dV of its key
+prefix accumulate into whole buffers. Every later tile has been done by then, so the keys of tile i
+have their whole gradient: it is back-propagated through tile i's k and v (and with q's, through the
+norm) at once. One tile's graph exists at a time; gradients equal the untiled block's.
+
+Masks. Without packed rows a tile's mask is the causal band with the tile's offset: on CUDA that is
+`causal_lower_right` (flash attention, no mask in memory); elsewhere it is built in place per tile and
+declared host-resident for the meter, since a GPU run never holds it. Packed rows (position ids that
+restart) keep examples apart by segment ids derived once per batch from position_ids, and each tile
+looks back only to the start of its first token's example, so no (T, T) mask is ever built.
+
+Dropout (LoRA's, attention's). Forward and recompute visit tiles in different orders, so each tile
+draws from its own seed, derived from the RNG state the caller restores for the block, the block
+index and the tile: the recompute then draws the same masks, tile by tile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from slimtune.device import memory
+from slimtune.model.stack import BlockInputs, Stack
+
+
+def forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, tile: int) -> torch.Tensor:
+    """Block `index` on x (B, T, D) without grad, tile by tile; returns its output (B, T, D)."""
+    block = _Block(stack, index, x, inputs, tile)
+    out = None
+    for start in memory.representative(block.starts, x):
+        with block.tile_rng(start), torch.no_grad():
+            xi = x[:, start : start + tile]
+            n = block.layer.input_layernorm(xi)
+            block.write_kv(start, *block.kv(n, start))
+            y = block.rest(xi, block.q(n, start), block.keys(start), block.values(start), start)
+        out = y.new_empty(x.shape[:2] + y.shape[2:]) if out is None else out
+        out[:, start : start + tile] = y
+        del y, n
+    return out
+
+
+def backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor, inputs: BlockInputs,
+             tile: int) -> None:
+    """Recompute block `index` from x (B, T, D) tile by tile and back-propagate `grad` (B, T, D), the
+    gradient of its output: parameter gradients accumulate, x.grad is set when x requires grad. The
+    caller restores the block's RNG state first (dropout), as for its forward."""
+    block = _Block(stack, index, x, inputs, tile)
+    block.recompute_kv()
+    grad_k, grad_v = torch.zeros_like(block.k_all), torch.zeros_like(block.v_all)
+    grad_x = torch.empty_like(x) if x.requires_grad else None
+    for start in memory.representative(block.starts[::-1], x):
+        with block.tile_rng(start):
+            _tile_backward(block, start, grad[:, start : start + tile], grad_k, grad_v, grad_x)
+    if grad_x is not None:
+        x.grad = grad_x if x.grad is None else x.grad + grad_x
+
+
+def _tile_backward(block: "_Block", start: int, grad: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor,
+                   grad_x: torch.Tensor | None) -> None:
+    """One tile, recomputed with grad: first the query path with K, V as leaves (their prefix
+    gradients accumulate into grad_k, grad_v), then its own k, v with their now whole gradients."""
+    stop = start + grad.shape[1]
+    with torch.enable_grad():
+        xi = block.x[:, start:stop].detach().requires_grad_(grad_x is not None)
+        n = block.layer.input_layernorm(xi)
+        n_leaf = n.detach().requires_grad_(n.requires_grad)
+        k, v = block.kv(n_leaf, start)  # before q: the order forward drew dropout masks in
+        first = block.first_key(start)
+        keys = block.k_all[:, :, first:stop].detach().requires_grad_()
+        values = block.v_all[:, :, first:stop].detach().requires_grad_()
+        y = block.rest(xi, block.q(n_leaf, start), keys, values, start)
+    _backward([y], [grad])
+    grad_k[:, :, first:stop] += keys.grad
+    grad_v[:, :, first:stop] += values.grad
+    del y, keys, values
+    _backward([k, v], [grad_k[:, :, start:stop], grad_v[:, :, start:stop]])
+    if n_leaf.grad is not None:
+        _backward([n], [n_leaf.grad])
+    if grad_x is not None:
+        grad_x[:, start:stop] = xi.grad
+
+
+def _backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    pairs = [(y, g) for y, g in zip(outputs, grads) if y.requires_grad]
+    if pairs:
+        torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+
+
+class _Block:
+    """One block's tiled run: its layer, the batch's rotary tables and key ranges, whole K and V."""
+
+    def __init__(self, stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, tile: int):
+        self.layer, self.x, self.inputs, self.tile = stack.blocks[index], x, inputs, tile
+        self.attn = self.layer.self_attn
+        self.family = sys.modules[type(self.attn).__module__]  # rotate_half: the family's own rotary math
+        self.seq = x.shape[1]
+        self.starts = list(range(0, self.seq, tile))
+        sliding = stack.layer_type(index) == "sliding_attention"
+        self.window = stack.config.sliding_window if sliding else None
+        self.segments = segments(inputs)
+        self.firsts = first_keys(inputs, self.segments, tile, self.seq, self.window)
+        self.k_all = self.v_all = None  # (B, Hkv, T, hd), made by the first tile's keys
+        self.seed = _dropout_seed(self.layer, index, x.device)
+
+    # ------------------------------------------------------------ the parts of a tile
+
+    def kv(self, n: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(x) of a tile (B, t, D) -> k after k_norm and rotary, v: (B, Hkv, t, hd) each."""
+        attn, shape = self.attn, (*n.shape[:2], -1, self.attn.head_dim)
+        k = attn.k_proj(n).view(shape)
+        if hasattr(attn, "k_norm"):
+            k = attn.k_norm(k)
+        return self.rotate(k.transpose(1, 2), start), attn.v_proj(n).view(shape).transpose(1, 2)
+
+    def q(self, n: torch.Tensor, start: int) -> torch.Tensor:
+        attn, shape = self.attn, (*n.shape[:2], -1, self.attn.head_dim)
+        q = attn.q_proj(n).view(shape)
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q)
+        return self.rotate(q.transpose(1, 2), start)
+
+    def rotate(self, t: torch.Tensor, start: int) -> torch.Tensor:
+        """apply_rotary_pos_emb's math on one tensor (B, heads, t, hd) with the tile's cos and sin."""
+        cos, sin = (table[:, start : start + t.shape[2]].unsqueeze(1) for table in self.inputs.position_embeddings)
+        return (t * cos) + (self.family.rotate_half(t) * sin)
+
+    def rest(self, xi: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             start: int) -> torch.Tensor:
+        """Attention of q over (keys, values), o_proj, both residual adds and the MLP half: the tile's output."""
+        attn = self.attn
+        dropout = attn.attention_dropout if attn.training else 0.0
+        mask, causal = self.mask(start, q, keys)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, dropout_p=dropout,
+                                             scale=attn.scaling, enable_gqa=q.shape[1] != keys.shape[1])
+        h = xi + attn.o_proj(out.transpose(1, 2).reshape(*xi.shape[:2], -1))
+        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+
+    # ------------------------------------------------------------ whole K and V
+
+    def write_kv(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.k_all is None:
+            self.k_all = k.new_empty(*k.shape[:2], self.seq, k.shape[3])
+            self.v_all = v.new_empty(*v.shape[:2], self.seq, v.shape[3])
+        self.k_all[:, :, start : start + k.shape[2]] = k
+        self.v_all[:, :, start : start + v.shape[2]] = v
+
+    def recompute_kv(self) -> None:
+        """K and V of the whole sequence without grad, tile by tile (the backward's first pass)."""
+        for start in memory.representative(self.starts, self.x, alike_from=0):
+            with self.tile_rng(start), torch.no_grad():
+                n = self.layer.input_layernorm(self.x[:, start : start + self.tile])
+                self.write_kv(start, *self.kv(n, start))
+
+    def first_key(self, start: int) -> int:
+        return self.firsts[start // self.tile]
+
+    def keys(self, start: int) -> torch.Tensor:
+        return self.k_all[:, :, self.first_key(start) : start + self.tile]
+
+    def values(self, start: int) -> torch.Tensor:
+        return self.v_all[:, :, self.first_key(start) : start + self.tile]
+
+    # ------------------------------------------------------------ masks and dropout
+
+    def mask(self, start: int, q: torch.Tensor, keys: torch.Tensor) -> tuple[object, bool]:
+        """SDPA's (attn_mask, is_causal) for the tile's queries q at [start, ...) over keys [first, ...)."""
+        first, queries, count = self.first_key(start), q.shape[2], keys.shape[2]
+        offset = start - first  # of the first query among the keys
+        if self.segments is None and self.window is None:
+            if offset == 0:
+                return None, True
+            if keys.is_cuda:
+                return torch.nn.attention.bias.causal_lower_right(queries, count), False
+            # Elsewhere a float band, built in place; a GPU attends without it (above), so no meter counts it.
+            with memory.host_allocation():
+                band = causal_band(queries, count, offset, None, keys.device).to(q.dtype).log_()
+            return memory.mark_host_resident(band), False
+        band = causal_band(queries, count, offset, self.window, keys.device)
+        if self.segments is None:
+            return band, False
+        same = self.segments[:, start : start + queries, None] == self.segments[:, None, first : first + count]
+        return (same & band).unsqueeze(1), False  # (B, 1, queries, keys)
+
+    def tile_rng(self, start: int):
+        """The tile's own dropout seed (see the module's docstring); nothing without dropout."""
+        if self.seed is None:
+            return contextlib.nullcontext()
+        return _seeded(self.seed + start, self.x.device)
+
+
+def causal_band(queries: int, keys: int, offset: int, window: int | None, device) -> torch.Tensor:
+    """(queries, keys) bool: query i (at offset + i among the keys) sees key j when j <= offset + i,
+    and with a sliding window when j > offset + i - window (transformers' sliding_window_overlay)."""
+    band = torch.ones(queries, keys, dtype=torch.bool, device=device).tril_(offset)
+    return band if window is None else band.triu_(offset - window + 1)
+
+
+def segments(inputs: BlockInputs) -> torch.Tensor | None:
+    """(B, T) example index of every token of packed rows (transformers' find_packed_sequence_indices:
+    a position that does not follow the one before starts an example); None when no row is packed.
+    Derived once per batch (inputs.derived)."""
+    if "segments" not in inputs.derived:
+        found = None
+        if inputs.segmented:
+            positions = inputs.position_ids
+            steps = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+            found = (steps != 1).cumsum(-1)
+            if not is_fake(found) and int(found[:, -1].max()) == 0:
+                found = None  # every row one example: plain causal tiles
+        inputs.derived["segments"] = found
+    return inputs.derived["segments"]
+
+
+def first_keys(inputs: BlockInputs, found: torch.Tensor | None, tile: int, seq: int,
+               window: int | None) -> list[int]:
+    """Per tile, the first key any of its queries may see: the start of its first token's example
+    (packed rows; the earliest over the batch), and no earlier than the window reaches."""
+    cache_key = ("first_keys", tile, window)
+    if cache_key not in inputs.derived:
+        starts = range(0, seq, tile)
+        firsts = [0] * len(starts)
+        if found is not None and not is_fake(found):
+            first_of = torch.searchsorted(found.contiguous(), found[:, list(starts)].contiguous(), side="left")
+            firsts = first_of.min(dim=0).values.tolist()
+        if window is not None:
+            firsts = [max(first, start - window + 1) for first, start in zip(firsts, starts)]
+        inputs.derived[cache_key] = firsts
+    return inputs.derived[cache_key]
+
+
+# ---------------------------------------------------------------- dropout seeds
+
+
+def _dropout_seed(layer: nn.Module, index: int, device: torch.device) -> int | None:
+    """A seed for this block's tiles from the RNG state now (which the caller restores before the
+    recompute) and the block index; None when the layer draws no dropout mask (nothing to repeat)."""
+    draws = layer.training and (getattr(layer.self_attn, "attention_dropout", 0.0) > 0 or any(
+        isinstance(m, nn.Dropout) and m.p > 0 for m in layer.modules()))
+    if not draws:
+        return None
+    state = torch.get_rng_state()
+    if is_fake(state):  # the planner's estimate draws nothing
+        return 0
+    digest = hashlib.blake2b(state.numpy().tobytes() + index.to_bytes(8, "little"), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device):
+    with torch.random.fork_rng([device] if device.type == "cuda" else [], device_type=device.type):
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        yield

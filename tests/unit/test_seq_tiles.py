@@ -1,0 +1,223 @@
+"""Blocks tiled along the sequence (slimtune.step.seq_tiles) against the untiled block: float64, the
+loss and every gradient equal to 1e-12 through resident's checkpointing and through slide, for Llama,
+Qwen2 (biases, tied head), Qwen3 (q/k norms) and sliding-window layers (Mistral, Qwen2), LoRA and
+full, with tiles that do not divide the sequence and packed rows whose examples cross tiles. With
+dropout, against plain autograd through the same tiles. Then: no (T, T) mask is built, the estimate
+equals the meter on a tiled step, and a run at 4K tokens resumes exactly."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import engine_config, save_tiny_model, tiny_config
+from slimtune.config import ActivationsConfig, LoraConfig, TrainConfig
+from slimtune.data.dataset import IGNORE_INDEX, Batch
+from slimtune.engines.resident import ResidentEngine
+from slimtune.engines.slide.engine import SlideEngine
+from slimtune.model import lora
+from slimtune.model.stack import Stack
+from slimtune.step import activations, block_stores, seq_tiles
+
+CPU = torch.device("cpu")
+SEQ, TILE = 23, 5  # tiles of 5, 5, 5, 5 and 3 tokens: the last query tile ends the sequence
+FAMILIES = {
+    "llama": ("llama", {}),
+    "qwen2-bias-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3-qk-norms": ("qwen3", {}),
+    "mistral-sliding": ("mistral", {"sliding_window": 4}),
+    # layers 0 full, 1 and 2 sliding (window 6 < SEQ)
+    "qwen2-sliding-mix": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1,
+                                    "num_hidden_layers": 3}),
+}
+
+
+def stack_of(family: str, overrides: dict, method: str = "lora", dropout: float = 0.0) -> Stack:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float64,
+                                             attn_implementation="sdpa")
+    model.config.use_cache = False
+    if method == "lora":
+        lora.apply(model, LoraConfig(rank=4, alpha=8.0, dropout=dropout))
+        for adapter in lora.adapters(model).values():  # B = 0 at init would make every A gradient zero
+            nn.init.normal_(adapter.lora_B.weight, std=0.2)
+    model.train()
+    return Stack(model)
+
+
+def positions(packed: bool, rows: int = 2, seq: int = SEQ) -> torch.Tensor:
+    """Packed: row 0 holds examples of 9 and 14 tokens, row 1 of 4, 11 and 8: each crosses tiles."""
+    plain = torch.arange(seq).expand(rows, seq).clone()
+    if packed:
+        for row, starts in ((0, (9,)), (1, (4, 15))):
+            for start in starts:
+                plain[row, start:] = torch.arange(seq - start)
+    return plain
+
+
+def step(stack: Stack, cfg: ActivationsConfig | None, packed: bool, seed: int = 0, store=None):
+    """Loss and every trainable gradient; cfg None: plain autograd through the untiled model."""
+    params = [p for p in stack.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    ids = torch.randint(3, stack.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(seed)
+    runner = None if cfg is None else activations.runner(cfg, store)
+    hidden = stack.norm(stack.body_hidden(ids, positions(packed), runner, segmented=packed))
+    loss = F.cross_entropy(stack.head(hidden).flatten(0, 1), ids.roll(-1, 1).flatten())
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in params]
+
+
+def max_diff(a, b) -> float:
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert len(grads_a) == len(grads_b) > 0
+    return max([(loss_a - loss_b).abs().item()] + [(x - y).abs().max().item() for x, y in zip(grads_a, grads_b)])
+
+
+@pytest.fixture
+def tiled_calls(monkeypatch):
+    """Counts the tiled forwards and backwards that run: a test of tiles must run some."""
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        original = getattr(seq_tiles, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(seq_tiles, name, counted)
+    return calls
+
+
+# ---------------------------------------------------------------- exact against the untiled block
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_tiled_blocks_equal_the_untiled_model(name, method, packed, tiled_calls):
+    family, overrides = FAMILIES[name]
+    stack = stack_of(family, overrides, method)
+    expected = step(stack, None, packed)
+    got = step(stack, ActivationsConfig(checkpoint="recompute", seq_tile=TILE), packed)
+    assert max_diff(got, expected) <= 1e-12
+    assert min(g.abs().max().item() for g in got[1]) > 1e-6  # every gradient reached, none compared as zeros
+    blocks = len(stack.blocks)
+    assert tiled_calls == {"forward": blocks, "backward": blocks}
+
+
+@pytest.mark.quick
+def test_the_oracle_sees_what_tiles_must_respect():
+    """The untiled reference is sensitive to the window and to the packing, so equality above means
+    both are respected across tile boundaries."""
+    family, overrides = FAMILIES["mistral-sliding"]
+    tiled = ActivationsConfig(checkpoint="recompute", seq_tile=TILE)
+    windowed = step(stack_of(family, overrides), tiled, packed=False)
+    assert max_diff(windowed, step(stack_of(family, {}), None, packed=False)) > 1e-4
+    assert max_diff(step(stack_of("llama", {}), tiled, packed=True),
+                    step(stack_of("llama", {}), None, packed=False)) > 1e-4
+
+
+def test_a_packed_row_never_builds_a_whole_mask(tiled_calls):
+    stack = stack_of("llama", {})
+    ids = torch.randint(3, stack.config.vocab_size, (2, SEQ))
+    hidden = stack.embed(ids)
+    inputs = stack.prepare(hidden, positions(packed=True), segmented=True)
+    out = activations.run_blocks(stack, hidden, inputs, ActivationsConfig(checkpoint="recompute", seq_tile=TILE))
+    out.square().sum().backward()
+    assert inputs._masks is None  # the (B, 1, T, T) masks were never asked for
+    # each tile looks back to the start of its first token's example, the earliest over the rows:
+    # the tile at 10 to min(9, 4) (row 1's second example), the tiles at 15 and 20 to min(9, 15)
+    assert seq_tiles.first_keys(inputs, seq_tiles.segments(inputs), TILE, SEQ, None) == [0, 0, 4, 9, 9]
+    assert tiled_calls["backward"] == len(stack.blocks)
+
+
+@pytest.mark.parametrize("store_kind", ["recompute", "host", "disk"])
+def test_every_store_and_cache_gives_the_untiled_gradients(tmp_path, store_kind):
+    stack = stack_of("qwen2", {"tie_word_embeddings": True})
+    expected = step(stack, None, packed=True)
+    for cache in ("none", "small", "last_k"):
+        cfg = ActivationsConfig(checkpoint=store_kind, cache=cache, last_k=1, seq_tile=TILE)
+        with block_stores.open_store(cfg, CPU, tmp_path / "act") as store:
+            assert max_diff(step(stack, cfg, packed=True, store=store), expected) <= 1e-12
+        assert store.cache_hits == 0  # tiled blocks keep no small-op log (their recompute runs tiles in another order)
+
+
+# ---------------------------------------------------------------- dropout
+
+
+def tiled_reference(stack: Stack, packed: bool, seed: int):
+    """Plain autograd through every block as seq_tiles runs it (tile by tile, each tile with its
+    seed, keys and values concatenated as they come): the dropout masks a tiled run must repeat."""
+    params = [p for p in stack.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    ids = torch.randint(3, stack.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(seed)
+    hidden = stack.embed(ids)
+    inputs = stack.prepare(hidden, positions(packed), segmented=packed)
+    for index in range(len(stack.blocks)):
+        block = seq_tiles._Block(stack, index, hidden, inputs, TILE)
+        ks, vs, outs = [], [], []
+        for start in block.starts:
+            with block.tile_rng(start):
+                xi = hidden[:, start : start + TILE]
+                n = block.layer.input_layernorm(xi)
+                k, v = block.kv(n, start)
+                ks.append(k), vs.append(v)
+                first = block.first_key(start)
+                keys, values = torch.cat(ks, dim=2)[:, :, first:], torch.cat(vs, dim=2)[:, :, first:]
+                outs.append(block.rest(xi, block.q(n, start), keys, values, start))
+        hidden = torch.cat(outs, dim=1)
+    loss = F.cross_entropy(stack.head(stack.norm(hidden)).flatten(0, 1), ids.roll(-1, 1).flatten())
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("store_kind", ["recompute", "disk"])
+def test_dropout_masks_repeat_in_the_recompute(tmp_path, store_kind):
+    stack = stack_of("qwen3", {}, dropout=0.2)
+    cfg = ActivationsConfig(checkpoint=store_kind, seq_tile=TILE)
+    with block_stores.open_store(cfg, CPU, tmp_path / "act") as store:
+        got = step(stack, cfg, packed=True, seed=5, store=store)
+    assert max_diff(got, tiled_reference(stack, packed=True, seed=5)) <= 1e-12
+    assert max_diff(got, step(stack, None, packed=True, seed=5)) > 1e-6  # dropout is on, and drawn per tile
+    recompute = ActivationsConfig(checkpoint="recompute", seq_tile=TILE)
+    assert max_diff(got, step(stack, recompute, packed=True, seed=6)) > 1e-6  # and from the step's RNG
+
+
+# ---------------------------------------------------------------- slide
+
+
+def slide_batches(seed: int, packed: bool) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(2):
+        ids = torch.randint(3, 300, (2, SEQ), generator=g)
+        targets = ids.roll(-1, 1)
+        targets[:, -1] = IGNORE_INDEX
+        out.append(Batch(ids, targets, positions(packed)))
+    return out
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_slide_with_tiles_trains_like_untiled(method, tiled_calls):
+    base = stack_of("qwen2", {"tie_word_embeddings": True, "num_hidden_layers": 3}, method).model
+    train = TrainConfig(steps=3, batch_size=2, grad_accum=2, lr=1e-2, measure_memory=False)
+    runs = {}
+    for tile in (SEQ, TILE):
+        cfg = engine_config(train, activations=ActivationsConfig(checkpoint="host", seq_tile=tile))
+        engine = SlideEngine(Stack(copy.deepcopy(base)), cfg, CPU, "fp64")
+        losses = [engine.step(slide_batches(seed, packed=seed == 1)).loss for seed in range(2)]
+        runs[tile] = losses, engine.trainable_state()
+    (untiled, want), (tiled, got) = runs[SEQ], runs[TILE]
+    assert tiled == pytest.approx(untiled, abs=1e-12, rel=0)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-12, rtol=0, msg=name)
+    assert tiled_calls["forward"] == tiled_calls["backward"] == 3 * 2 * 2  # blocks x micro-batches x steps
