@@ -37,15 +37,26 @@ REQUIRED = dataclasses.MISSING
 
 @dataclass
 class DataConfig:
-    path: str = setting(REQUIRED, "Training data: a .jsonl/.json/.csv/.parquet file or a saved HF dataset folder.")
+    path: str = setting(REQUIRED, "Training data: a .jsonl/.json/.csv/.parquet file, a saved HF dataset folder, a"
+                                  " folder of data files (a Hub dataset repository's layout), or a Hub dataset name"
+                                  " (org/name), read through datasets.load_dataset into its cache.")
+    subset: str | None = setting(
+        None, "A Hub dataset (or dataset folder) with several subsets (configs): the one to read.")
+    split: str | None = setting(
+        None, "A Hub dataset, dataset folder or saved dataset with several splits: the one to train on (default:"
+              " train).")
+    eval_split: str | None = setting(
+        None, "Evaluate on this split: of eval_path when set, else of path (e.g. validation); replaces eval_fraction.")
     format: Literal["chat", "prompt_response", "text"] = setting(
         "prompt_response",
         "chat: a list of {role, content} messages; prompt_response: two text fields; text: plain text.",
     )
     max_length: int = setting(512, "Tokens per example; longer examples are truncated (and counted).")
     packing: bool = setting(True, "Pack short examples into rows of max_length; attention never crosses examples.")
-    eval_path: str | None = setting(None, "Separate evaluation data; when unset, eval_fraction of path is held out.")
-    eval_fraction: float = setting(0.05, "Share of the training data held out for evaluation when eval_path is unset.")
+    eval_path: str | None = setting(
+        None, "Separate evaluation data; when unset (and eval_split too), eval_fraction of path is held out.")
+    eval_fraction: float = setting(
+        0.05, "Share of the training data held out for evaluation when eval_path and eval_split are unset.")
     prompt_field: str = setting("prompt", "prompt_response: the field holding the prompt.")
     response_field: str = setting("response", "prompt_response: the field holding the response.")
     messages_field: str = setting("messages", "chat: the field holding the list of messages.")
@@ -58,6 +69,11 @@ class DataConfig:
         positive("data.max_length", self.max_length)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise UserError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}.")
+        for name in ("subset", "split", "eval_split"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise UserError(f"data.{name} is empty; name one, or leave it out.")
+        if self.eval_split is not None and self.eval_path is None and self.eval_split == (self.split or "train"):
+            raise UserError(f"data.eval_split '{self.eval_split}' is the split trained on; evaluate on another split.")
 
 
 @dataclass

@@ -38,6 +38,7 @@ from slimtune.errors import UserError
 from slimtune.dist.ranks import SINGLE, Dist
 from slimtune.run.metrics import MetricsLog, RankLog, check_trackers, format_table
 from slimtune.units import human_bytes
+from slimtune.model import hub
 from slimtune.model.stack import Stack, load_tokenizer, read_config
 from slimtune.run.resume_settings import changes as settings_changes, refuse
 from slimtune.run.folder import RunFolder
@@ -112,6 +113,7 @@ def _settle_open(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE) -> R
 def build(cfg: RunConfig, dist: Dist = SINGLE) -> Run:
     """Device, plan, precision, tokenizer and data, then the model and engine (assembly.py). Under
     torchrun rank 0 plans and every rank takes its plan (their RAM and disk may differ)."""
+    cfg = hub.resolved(cfg)  # fit resolved it already; a caller of build alone may give a Hub name
     device = assembly.resolve_device(cfg.device, dist)
 
     def planned() -> RunConfig:
@@ -253,6 +255,7 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     The run folder is inspected before anything loads and held (locked) until the end (run/folder.py).
     Under torchrun (distributed.launched) every rank calls it; the summary is rank 0's to print."""
     owned = run is None and distributed.launched()
+    cfg = hub.resolved(cfg)  # a Hub name becomes its snapshot folder (each machine fetches its own) before all else
     dist = run.dist if run is not None else distributed.from_env(cfg.dist.timeout_s)
     fitted = _fit(cfg, progress and dist.is_main, run, dist)
     if owned:  # after a failure the group may be broken: the process ends without tearing it down (cli)

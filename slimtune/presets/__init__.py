@@ -52,11 +52,12 @@ def _find_preset(name: str) -> str | None:
 
 
 def model_config(name_or_folder: str):
-    """A `transformers.PretrainedConfig` for a preset name (any case) or a local model folder.
+    """A `transformers.PretrainedConfig` for a preset name (any case), a local model folder or a Hub
+    name (org/name).
 
     From a folder only config.json is read, so a planner can size a model whose weights
-    are not there. A real folder wins over a preset of the same name: it is the truth about
-    that checkpoint."""
+    are not there; from the Hub only config.json is fetched (into the Hub cache). A real folder
+    wins over a preset of the same name: it is the truth about that checkpoint."""
     from transformers import AutoConfig
 
     if Path(name_or_folder).is_dir():
@@ -71,8 +72,13 @@ def model_config(name_or_folder: str):
             raise UserError(f"config.json in '{name_or_folder}' is not a usable model config ({err}).") from None
     key = _find_preset(name_or_folder)
     if key is None:
+        from slimtune.model import hub
+
+        if hub.is_hub_name(name_or_folder):  # a Hub model: its config.json alone is fetched, then read as a folder
+            return model_config(hub.config_folder(name_or_folder))
         raise UserError(
-            f"'{name_or_folder}' is neither a model folder nor a preset; presets: {', '.join(preset_names())}."
+            f"'{name_or_folder}' is neither a model folder, a preset nor a Hub name (org/name); presets:"
+            f" {', '.join(preset_names())}."
         )
     settings = {k: v for k, v in _load("models.json")[key].items() if k not in _META_KEYS}
     return AutoConfig.for_model(settings.pop("model_type"), **settings)

@@ -36,6 +36,7 @@ from slimtune.device import runtime
 from slimtune.step.block_stores import SCRATCH_KIND as BLOCKS
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
+from slimtune.model import hub
 from slimtune.model.stack import read_config
 from slimtune.optim.host_adam import SCRATCH_KIND as MOMENTS
 
@@ -115,6 +116,8 @@ class RunFolder:
         changed = [key for key in now if before.get(key) != now[key]]
         if "method" in changed:  # the adapter and freeze settings follow the method: naming it is enough
             changed = ["model", "method"] if "model" in changed else ["method"]
+        if "model_commit" in changed and "model" in changed:  # another commit's weights: the commit says it
+            changed.remove("model")
         if not changed:
             return
         what = "; ".join(_describe_change(key, before.get(key), now[key]) for key in changed)
@@ -205,10 +208,13 @@ class RunFolder:
 
 
 def identity(cfg: RunConfig) -> dict:
-    """What a run's checkpoints mean only together with: the base model's weights, and which tensors
-    train (method, the adapter's shape and targets, or the freeze patterns)."""
+    """What a run's checkpoints mean only together with: the base model's weights (and, for a Hub model,
+    the commit they were fetched at), and which tensors train (method, the adapter's shape and targets,
+    or the freeze patterns). A record from before model_commit was kept reads as None, as a local model."""
     lora = cfg.method == "lora"
-    return {"model": model_fingerprint(Path(cfg.model)), "method": cfg.method,
+    hub_origin = hub.origin(cfg.model)  # a Hub model: the commit its snapshot holds
+    return {"model": model_fingerprint(Path(cfg.model)), "model_commit": hub_origin[1] if hub_origin else None,
+            "method": cfg.method,
             "lora.rank": cfg.lora.rank if lora else None, "lora.alpha": cfg.lora.alpha if lora else None,
             "lora.targets": cfg.lora.targets if lora else None, "freeze": None if lora else cfg.freeze}
 
@@ -235,6 +241,11 @@ def model_fingerprint(folder: Path) -> str:
 def _describe_change(key: str, before, now) -> str:
     if key == "model":
         return "the base model's weights differ from those it began with"
+    if key == "model_commit":
+        if before is None:
+            return f"the base model is now the Hub's commit {now}, where the run began from a local folder"
+        return (f"the Hub model resolves to commit {now or '(a local folder)'} where the run began from commit"
+                f" {before} (resume it with model_revision={before})")
     return f"{key} was {before!r}, now {now!r}"
 
 

@@ -1,0 +1,164 @@
+"""Hub names in: a model given as `org/name` becomes a local folder, fetched into the Hugging Face cache.
+
+    is_hub_name(text)            `org/name` that is not a local path
+    folder(model, revision)      a local folder as is; a Hub name fetched (only what training reads:
+                                 config, safetensors weights and their index, tokenizer and generation
+                                 files) into the standard Hub cache, with huggingface_hub's own progress
+                                 bars and its resume of an interrupted download; returns the snapshot folder
+    resolved(cfg)                the run's settings with `model` that folder, so everything downstream
+                                 (train, plan=auto, export, chat) keeps reading a folder as before
+    origin(folder)               (org/name, commit) of a Hub cache snapshot folder, else None: the commit
+                                 a run began from is part of its identity (run/folder.py)
+    config_folder(name)          plan: only config.json fetched
+
+The snapshot folder's name is the commit resolved (the cache's layout: models--org--name/snapshots/<commit>/),
+so recording the folder records the commit. huggingface_hub owns the cache, the token (HF_TOKEN) and
+offline mode (HF_HUB_OFFLINE). Each failure a user can cause is one sentence: pickle-only weights
+(nothing is unpickled), a gated or private model without access, offline with nothing cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from slimtune.errors import UserError
+
+# `org/name`: what the Hub accepts as a repository id (letters, digits, - _ . ; no leading dot or dash).
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# What training, chat and export read; nothing pickled, no other format's copy of the weights.
+_CONFIG = ["config.json", "generation_config.json"]
+_TOKENIZER = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+              "chat_template.jinja", "chat_template.json"]
+_STANDARD_WEIGHTS = ["model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json"]
+_PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def is_hub_name(text: str) -> bool:
+    """`org/name` naming a Hub repository rather than a local path (a local path of that form wins)."""
+    text = str(text)
+    return bool(_NAME.match(text)) and ".." not in text and "--" not in text and not Path(text).exists()
+
+
+def resolved(cfg):
+    """`cfg` (a RunConfig) with `model` the local folder it names: a Hub name fetched at model_revision."""
+    if not is_hub_name(cfg.model):
+        if cfg.model_revision is not None and origin(cfg.model) is None:  # a snapshot folder: resolved before
+            raise UserError(f"model_revision '{cfg.model_revision}' is set but model '{cfg.model}' is a local folder,"
+                            " not a Hub name (org/name); leave model_revision out.")
+        return dataclasses.replace(cfg, model=folder(cfg.model))  # a cleaned cache's snapshot is fetched again
+    return dataclasses.replace(cfg, model=folder(cfg.model, cfg.model_revision))
+
+
+def folder(model: str, revision: str | None = None) -> str:
+    """The local folder of `model`: itself when it is one, else the Hub name's snapshot, fetched when not
+    cached. A snapshot folder that is gone (a cleaned cache) is fetched again at its commit."""
+    if not is_hub_name(model):
+        found = origin(model)
+        return folder(*found) if found is not None and not Path(model).is_dir() else model
+    from huggingface_hub import snapshot_download
+
+    listing = _repo_files(model, revision)
+    if listing is not None:
+        _refuse_pickle_only(model, listing)
+    try:
+        snapshot = snapshot_download(model, revision=revision, allow_patterns=_patterns(listing))
+    except Exception as err:  # noqa: BLE001 - every fetch failure is said as one sentence, or re-raised
+        raise _fetch_error(err, model, revision) from None
+    if listing is None:  # offline: the cached snapshot is all there is to look at
+        _refuse_pickle_only(model, [p.name for p in Path(snapshot).iterdir()])
+    return snapshot
+
+
+def origin(path: str | Path) -> tuple[str, str] | None:
+    """(org/name, commit) when `path` is a model snapshot folder of a Hub cache, else None."""
+    path = Path(path)
+    repo = path.parent.parent.name
+    if path.parent.name != "snapshots" or not repo.startswith("models--") or not _COMMIT.match(path.name):
+        return None
+    return repo.removeprefix("models--").replace("--", "/", 1), path.name
+
+
+def config_folder(name: str) -> str:
+    """The snapshot folder holding `name`'s config.json, fetching that file alone (what plan reads)."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return str(Path(hf_hub_download(name, "config.json")).parent)
+    except Exception as err:  # noqa: BLE001
+        raise _fetch_error(err, name, None) from None
+
+
+def _patterns(listing: list[str] | None) -> list[str]:
+    """The files to fetch: the standard weights' names when the repository uses them (a Mistral repository
+    also holds consolidated.safetensors, the same weights again), else any top-level safetensors file."""
+    standard = listing is None or any(
+        name in ("model.safetensors", "model.safetensors.index.json") for name in listing)
+    return _CONFIG + _TOKENIZER + (_STANDARD_WEIGHTS if standard else ["*.safetensors", "*.safetensors.index.json"])
+
+
+def _repo_files(name: str, revision: str | None) -> list[str] | None:
+    """The repository's top-level files, listed by the Hub before anything is fetched; None when the Hub
+    cannot be asked (offline, no connection): the cache answers instead."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    try:
+        return [f for f in HfApi().list_repo_files(name, revision=revision) if "/" not in f]
+    except OfflineModeIsEnabled:
+        return None
+    except Exception as err:  # noqa: BLE001
+        if _unreachable(err):
+            return None
+        raise _fetch_error(err, name, revision) from None
+
+
+def _unreachable(err: BaseException) -> bool:
+    """A connection that failed or timed out (the library's HTTP client raises its own classes)."""
+    names = {cls.__name__ for cls in type(err).__mro__}
+    return bool(names & {"ConnectError", "TimeoutException", "ConnectionError", "NetworkError"})
+
+
+def _refuse_pickle_only(name: str, files: list[str]) -> None:
+    if any(f.endswith(".safetensors") for f in files):
+        return
+    pickled = sorted(f for f in files if f.endswith(_PICKLED))
+    if pickled:
+        raise UserError(f"model '{name}' has its weights only as pickle files ({', '.join(pickled[:3])}), which"
+                        " slimtune never loads (unpickling runs code); use a repository with .safetensors weights.")
+    raise UserError(f"model '{name}' has no .safetensors weights on the Hub; slimtune loads safetensors only.")
+
+
+def _fetch_error(err: BaseException, name: str, revision: str | None) -> BaseException:
+    """The sentence for a failed fetch of `name`; an error no user causes is handed back as it is."""
+    from huggingface_hub import constants
+    from huggingface_hub import errors as hub
+
+    page = f"{constants.ENDPOINT}/{name}"
+    access = (f"accept its license at {page} while logged in, then set HF_TOKEN to an access token of that account"
+              f" ({constants.ENDPOINT}/settings/tokens)")
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if isinstance(err, hub.GatedRepoError) or (isinstance(err, hub.HfHubHTTPError) and status in (401, 403)
+                                               and not isinstance(err, hub.RepositoryNotFoundError)):
+        return UserError(f"model '{name}' is gated or private and the Hub refused access (HTTP {status}): {access}.")
+    if isinstance(err, hub.RepositoryNotFoundError):
+        return UserError(f"model '{name}' is neither a local folder nor a Hub model this account can see (a private"
+                         " one needs HF_TOKEN set to a token with access).")
+    if isinstance(err, hub.RevisionNotFoundError):
+        return UserError(f"model_revision '{revision}' is not a branch, tag or commit of {name} on the Hub.")
+    if isinstance(err, hub.IncompleteSnapshotError):
+        return UserError(f"the cached copy of model '{name}' is incomplete and the Hub cannot be reached to finish"
+                         " it; run again with a connection.")
+    if isinstance(err, hub.LocalEntryNotFoundError):
+        at = f" at revision '{revision}'" if revision else ""
+        if constants.is_offline_mode():
+            return UserError(f"model '{name}'{at} is not in the Hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE"
+                             " is set, so it cannot be fetched; fetch it once with a connection, or unset"
+                             " HF_HUB_OFFLINE.")
+        return UserError(f"model '{name}'{at} is not in the Hub cache ({constants.HF_HUB_CACHE}) and the Hub cannot be"
+                         " reached; check the connection (or HF_ENDPOINT) and run again.")
+    if isinstance(err, hub.EntryNotFoundError):
+        return UserError(f"model '{name}' has no config.json on the Hub; it is not a transformers model.")
+    return err
