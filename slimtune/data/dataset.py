@@ -1,7 +1,8 @@
 """Datasets -> token examples -> training batches.
 
-Records come from a .jsonl/.json/.csv/.parquet file or a `save_to_disk` folder, read
-through Hugging Face `datasets`; CSV cells are text exactly as written (an empty cell is "").
+Records come from a .jsonl/.json/.csv/.parquet file, a `save_to_disk` folder, a folder laid out as a
+Hub dataset repository or a Hub dataset by name (repository.py: data.subset, data.split, data.eval_split),
+read through Hugging Face `datasets`; CSV cells are text exactly as written (an empty cell is "").
 Each becomes an `Example` whose targets are already shifted (`targets[t]` is token t+1
 when that token is trained, else IGNORE_INDEX), so a packed row never asks one example to
 predict the first token of the next.
@@ -39,7 +40,9 @@ from typing import Any, Callable
 
 import torch
 
+from slimtune.data import repository
 from slimtune.data.chat_templates import assistant_spans, render, resolve_template
+from slimtune.data.repository import Where
 from slimtune.config import DataConfig
 from slimtune.errors import UserError
 from slimtune.device.memory import mark_host_resident
@@ -120,16 +123,23 @@ def load_splits(cfg: DataConfig, tokenizer: Any, seed: int) -> Splits:
     """Read, tokenize, truncate and split the data named by `cfg`."""
     encoder = _Encoder(cfg, tokenizer)
     counts = {"truncated": 0, "dropped": 0, "empty": 0}
-    train = _load_examples(cfg.path, encoder, cfg.max_length, counts)
+    train = _load_examples(Where(cfg.path, cfg.subset, cfg.split), encoder, cfg.max_length, counts)
     if not train:
         raise UserError(_nothing_to_train(cfg, counts))
-    if cfg.eval_path:
-        held_out = _load_examples(cfg.eval_path, encoder, cfg.max_length, counts)
+    if cfg.eval_path or cfg.eval_split:
+        held_out = _load_examples(_evaluation(cfg), encoder, cfg.max_length, counts)
     else:
         train, held_out = _hold_out(train, cfg.eval_fraction, seed)
     report = DataReport(len(train), len(held_out), counts["truncated"], counts["dropped"], cfg.max_length,
                         counts["empty"])
     return Splits(train, held_out, report)
+
+
+def _evaluation(cfg: DataConfig) -> Where:
+    """The evaluation data: eval_path (its eval_split when set), else the eval_split of path (its subset)."""
+    if cfg.eval_path:
+        return Where(cfg.eval_path, None, cfg.eval_split, "data.eval_path", "data.eval_split")
+    return Where(cfg.path, cfg.subset, cfg.eval_split, "data.path", "data.eval_split")
 
 
 def _nothing_to_train(cfg: DataConfig, counts: dict) -> str:
@@ -162,13 +172,20 @@ def _with_bos(ids: list[int], bos: int | None) -> list[int]:
     return [bos] + ids if bos is not None and ids[:1] != [bos] else ids
 
 
-def read_records(path: str) -> tuple[list[Any], Callable[[int], str]]:
-    """The records and a function naming record i for messages: file line where lines mean something."""
-    p = Path(path)
+def read_records(source: str | Where) -> tuple[list[Any], Callable[[int], str]]:
+    """The records of a path, a folder or a Hub dataset (one split of one subset), and a function naming
+    record i for messages: file line where lines mean something."""
+    where = source if isinstance(source, Where) else Where(str(source), None, None)
+    path, p = where.path, Path(where.path)
     if not p.exists():
+        if repository.is_hub_dataset(path):
+            return repository.load(where), _where(f"{path} [{where.split or 'train'}]", None)
         raise UserError(f"data path '{path}' does not exist.")
     if p.is_dir():
-        return _load_folder(p, path), _where(path, None)
+        if repository.is_saved(p):
+            return repository.load_saved(where), _where(path, None)
+        return repository.load(where), _where(f"{path} [{where.split or 'train'}]", None)
+    repository.refuse_splits_of_a_file(where)
     kind = _LOADERS.get(p.suffix.lower())
     if kind is None:
         raise UserError(f"data path '{path}' has an unknown extension; use {', '.join(_LOADERS)} or a folder.")
@@ -246,32 +263,16 @@ def _csv_lines(p: Path) -> list[int]:
     return starts
 
 
-@contextlib.contextmanager
-def _quiet_datasets():
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.utils.logging.set_verbosity_error()
-    # A failed load logs an error before raising; we raise our own sentence instead.
-    logger = datasets.utils.logging.get_logger("datasets")
-    level = logger.level
-    logger.setLevel(100)
-    try:
-        yield datasets
-    finally:
-        logger.setLevel(level)
-
-
 def _load_file(kind: str, p: Path, label: str) -> list[Any]:
     # A throwaway cache dir keeps datasets from writing arrow files into the user's home.
-    with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="slimtune-data-") as cache:
+    with repository.quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="slimtune-data-") as cache:
         try:
             options = _csv_as_text(p) if kind == "csv" else {}
             ds = datasets.load_dataset(kind, data_files=str(p), split="train", cache_dir=cache, keep_in_memory=True,
                                        **options)
             return ds.to_list()
         except Exception as err:  # noqa: BLE001 - any reader failure is a property of the user's file
-            raise UserError(f"data file '{label}' could not be read as {kind} ({_cause(err)}).") from None
+            raise UserError(f"data file '{label}' could not be read as {kind} ({repository.cause(err)}).") from None
 
 
 def _csv_as_text(p: Path) -> dict:
@@ -286,28 +287,10 @@ def _csv_as_text(p: Path) -> dict:
     return {"features": datasets.Features({str(n): datasets.Value("string") for n in names}), "na_filter": False}
 
 
-def _load_folder(p: Path, label: str) -> list[Any]:
-    with _quiet_datasets() as datasets:
-        try:
-            ds = datasets.load_from_disk(str(p), keep_in_memory=True)
-        except Exception as err:  # noqa: BLE001
-            raise UserError(f"data folder '{label}' is not a save_to_disk dataset ({_cause(err)}).") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds and len(ds) != 1:
-            raise UserError(f"data folder '{label}' holds splits {list(ds)} and none is named 'train'.")
-        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    return ds.to_list()
-
-
-def _cause(err: BaseException) -> str:
-    text = str(err.__cause__ or err).strip()  # datasets wraps the informative error
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def _load_examples(path: str, encoder: _Encoder, max_length: int, counts: dict) -> list[Example]:
-    rows, where = read_records(path)
+def _load_examples(source: Where, encoder: _Encoder, max_length: int, counts: dict) -> list[Example]:
+    rows, where = read_records(source)
     if not rows:
-        raise UserError(f"data path '{path}' holds no records.")
+        raise UserError(f"data path '{source.path}' holds no records.")
     examples = []
     for i, row in enumerate(rows):
         ids, trained = encoder.encode(row, functools.partial(where, i))

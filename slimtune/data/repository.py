@@ -1,0 +1,182 @@
+"""Datasets as people name them: a Hub dataset (`data.path: org/name`), a local folder laid out as a Hub
+dataset repository (data files, and a README.md whose YAML names its configs and splits), or a folder
+`save_to_disk` wrote. Records only: dataset.py maps their fields and checks them as it does a file's.
+
+    is_hub_dataset(path)   `org/name` that is no local path and no data file's name
+    is_saved(folder)       a folder `save_to_disk` wrote (its own marker files)
+    load(where)            the records of one split (of one subset) of a Hub name or a folder
+    load_saved(where)      the records of a save_to_disk folder (a split of a DatasetDict)
+
+A Hub dataset goes through datasets.load_dataset into the user's datasets cache (HF_DATASETS_CACHE), where
+a second run, or one offline (HF_HUB_OFFLINE=1), finds it; the library shows its download bars. A local
+folder is read as load_dataset reads a Hub repository (the same configs and splits from the README's
+YAML), into a throwaway cache. Every failure a user can cause is one sentence naming the setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slimtune.errors import UserError
+from slimtune.model import hub
+
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+_SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes beside the arrow files
+
+
+@dataclass(frozen=True)
+class Where:
+    """One split of one dataset, and the settings that named it (for the sentences)."""
+
+    path: str
+    subset: str | None
+    split: str | None
+    path_setting: str = "data.path"
+    split_setting: str = "data.split"
+
+
+def is_hub_dataset(path: str) -> bool:
+    """A Hub name: `data/train.jsonl` that is missing stays a missing file, not a dataset to fetch."""
+    return hub.is_hub_name(path) and not str(path).lower().endswith(DATA_SUFFIXES)
+
+
+def is_saved(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in _SAVED_MARKERS)
+
+
+@contextlib.contextmanager
+def quiet_datasets(progress: bool = False):
+    """datasets with its logging silenced (a failed load logs an error before raising; we raise our own
+    sentence instead), and its progress bars only when `progress` (a download worth watching)."""
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.enable_progress_bars() if progress else datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    logger = datasets.utils.logging.get_logger("datasets")
+    level = logger.level
+    logger.setLevel(100)
+    try:
+        yield datasets
+    finally:
+        logger.setLevel(level)
+        datasets.enable_progress_bars() if shown else datasets.disable_progress_bars()
+
+
+def cause(err: BaseException) -> str:
+    """The informative first line of a reader's error (datasets wraps the one that says what happened)."""
+    text = str(err.__cause__ or err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def load(where: Where) -> list[Any]:
+    """The records of `where`: a Hub dataset through the datasets cache, a folder through a throwaway one."""
+    split = where.split or "train"
+    if not Path(where.path).exists():  # a Hub name (read_records checked)
+        with quiet_datasets(progress=True) as datasets:
+            try:
+                return _load_by_name(datasets, where.path, where.subset, split)
+            except Exception as err:  # noqa: BLE001 - every reader failure is said as one sentence
+                raise _error(err, where, split) from None
+    with quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="slimtune-data-") as cache:
+        try:
+            ds = datasets.load_dataset(where.path, where.subset, split=split, cache_dir=cache, keep_in_memory=True)
+            return ds.to_list()
+        except Exception as err:  # noqa: BLE001
+            raise _error(err, where, split, folder=True) from None
+
+
+def refuse_splits_of_a_file(where: Where) -> None:
+    """A single file has no subsets or splits: naming one is a mistake, said rather than ignored."""
+    if where.subset or where.split:
+        named = where.split_setting if where.split else "data.subset"
+        raise UserError(f"{named} names a split or subset of a Hub dataset or a dataset folder, but {where.path_setting}"
+                        f" '{where.path}' is a single file.")
+
+
+def load_saved(where: Where) -> list[Any]:
+    """The records of a folder save_to_disk wrote: its one dataset, or a split of its DatasetDict (train,
+    or the only one, when data.split is unset)."""
+    label = where.path
+    with quiet_datasets() as datasets:
+        try:
+            ds = datasets.load_from_disk(label, keep_in_memory=True)
+        except Exception as err:  # noqa: BLE001
+            raise UserError(f"data folder '{label}' is not a save_to_disk dataset ({cause(err)}).") from None
+    if where.subset:
+        raise UserError(f"data.subset '{where.subset}' names a subset, but data folder '{label}' is one saved dataset.")
+    if not isinstance(ds, datasets.DatasetDict):
+        if where.split:
+            raise UserError(f"{where.split_setting} '{where.split}' names a split, but data folder '{label}' is one"
+                            " saved dataset without splits.")
+        return ds.to_list()
+    if where.split:
+        if where.split not in ds:
+            raise UserError(f"{where.split_setting} '{where.split}' is not a split of data folder '{label}'; it has:"
+                            f" {', '.join(ds)}.")
+        return ds[where.split].to_list()
+    if "train" not in ds and len(ds) != 1:
+        raise UserError(f"data folder '{label}' holds splits {list(ds)} and none is named 'train'; name one with"
+                        " data.split.")
+    return (ds["train"] if "train" in ds else next(iter(ds.values()))).to_list()
+
+
+def _load_by_name(datasets, name: str, subset: str | None, split: str) -> list[Any]:
+    """A Hub dataset's split. Offline, datasets finds a dataset with several subsets in its cache but cannot
+    tell which one the Hub calls the default; the subset named `default` is the one it would take online."""
+    try:
+        return datasets.load_dataset(name, subset, split=split).to_list()
+    except ValueError as err:
+        if subset is not None or "multiple" not in str(err) or "default" not in _listed(str(err)).split(", "):
+            raise
+    return datasets.load_dataset(name, "default", split=split).to_list()
+
+
+def _error(err: BaseException, where: Where, split: str, folder: bool = False) -> UserError:
+    """One sentence for a failed load_dataset, naming the setting at fault."""
+    import datasets
+
+    what, text = f"{where.path_setting} '{where.path}'", str(err)
+    choices = _listed(text)
+    if "Unknown split" in text:
+        return UserError(f"{where.split_setting} '{split}' is not a split of {what}{_subset(where)}; it has: {choices}.")
+    if "BuilderConfig" in text and "not found" in text:
+        return UserError(f"data.subset '{where.subset}' is not a subset of {what}; it has: {choices}.")
+    if "Config name is missing" in text or "multiple" in text and "configurations in the cache" in text:
+        return UserError(f"{what} has several subsets ({choices}); name one with data.subset.")
+    if folder:
+        return UserError(f"data folder '{where.path}' is neither a save_to_disk dataset nor a folder of data files"
+                         f" ({cause(err)}).")
+    page = f"https://huggingface.co/datasets/{where.path}"
+    if isinstance(err, datasets.exceptions.DatasetNotFoundError):
+        if "gated" in text:
+            return UserError(f"{what} is a gated dataset: accept its terms at {page} while logged in, then set HF_TOKEN"
+                             " to an access token of that account (huggingface.co/settings/tokens).")
+        return UserError(f"{what} is neither a local file or folder nor a Hub dataset this account can see (a private"
+                         " one needs HF_TOKEN set to a token with access).")
+    if isinstance(err, ConnectionError):
+        if datasets.config.HF_HUB_OFFLINE:
+            return UserError(f"{what} is not in the datasets cache ({datasets.config.HF_DATASETS_CACHE}) and"
+                             " HF_HUB_OFFLINE is set, so it cannot be fetched; fetch it once with a connection, or"
+                             " unset HF_HUB_OFFLINE.")
+        return UserError(f"{what} is not in the datasets cache and the Hub cannot be reached ({cause(err)}); check the"
+                         " connection and run again.")
+    return UserError(f"{what} could not be read as a Hub dataset ({cause(err)}).")
+
+
+def _subset(where: Where) -> str:
+    return f" (subset '{where.subset}')" if where.subset else ""
+
+
+def _listed(text: str) -> str:
+    """The names a datasets message lists as ['a', 'b'], as a, b."""
+    found = re.search(r"\[([^\]]*)\]", text)
+    if found:
+        return ", ".join(re.findall(r"'([^']*)'", found.group(1)))
+    found = re.search(r"in the cache: (.*)$", text.splitlines()[0] if text else "")  # "... in the cache: a, b"
+    return found.group(1).rstrip(".") if found else "(none listed)"

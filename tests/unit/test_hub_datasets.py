@@ -1,0 +1,139 @@
+"""Hub datasets in (slimtune/data/repository.py): a folder laid out as a Hub dataset repository (data/
+parquet shards, a README.md whose YAML names two configs and their splits) read through datasets'
+repository path, and the same dataset by name (`org/sums`) from datasets' offline cache, each giving
+exactly the examples the same records give from a local .jsonl; the eval split a second split; a wrong
+split or subset, a split of a single file and an uncached name offline each one sentence."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import write_jsonl
+from slimtune.config import DataConfig
+from slimtune.data.dataset import load_splits
+from slimtune.errors import UserError
+
+SUMS = [{"prompt": f"what is {a} plus {b}?", "response": f" {a + b}"} for a in range(6) for b in range(6)]
+TRAIN, TEST = SUMS[:30], SUMS[30:]
+QA = [{"question": f"name {n}?", "answer": f" {n}"} for n in range(8)]
+README = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*.parquet
+  - split: test
+    path: data/test-*.parquet
+- config_name: qa
+  data_files:
+  - split: train
+    path: qa/train-*.parquet
+---
+# sums
+Sums of two digits, and a few questions.
+"""
+
+
+def write_repository(folder: Path) -> Path:
+    """The dataset as a Hub repository holds it: train in two parquet shards, test in one, a second config."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for sub, split, rows, shards in (("data", "train", TRAIN, 2), ("data", "test", TEST, 1), ("qa", "train", QA, 1)):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+        for k in range(shards):
+            part = rows[k * len(rows) // shards:(k + 1) * len(rows) // shards]
+            pq.write_table(pa.Table.from_pylist(part), folder / sub / f"{split}-{k:05d}-of-{shards:05d}.parquet")
+    (folder / "README.md").write_text(README)
+    return folder
+
+
+@pytest.fixture()
+def offline(tmp_path, monkeypatch) -> Path:
+    """Empty Hub and datasets caches of this test, offline. datasets and huggingface_hub read these
+    variables once, when imported: the values they read are set beside the variables."""
+    import datasets
+    from huggingface_hub import constants
+
+    cache = tmp_path / "datasets-cache"
+    for name, value in (("HF_HOME", str(tmp_path / "hf-home")), ("HF_DATASETS_CACHE", str(cache)),
+                        ("HF_HUB_OFFLINE", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    return cache
+
+
+def cache_as_a_first_load_leaves_it(repository: Path, cache: Path, name: str) -> None:
+    """What loading `name` with a connection leaves in the datasets cache (each config prepared as arrow
+    files under org___name/<config>/<version>/<hash>/), made from the same repository read locally."""
+    import datasets
+
+    for config in ("default", "qa"):
+        datasets.load_dataset(str(repository), config, cache_dir=str(cache))
+    org, dataset = name.split("/")
+    (cache / repository.name).rename(cache / f"{org}___{dataset}")
+
+
+def examples(tokenizer, **data):
+    splits = load_splits(DataConfig(**{"max_length": 32, **data}), tokenizer, seed=0)
+    return splits.train, splits.eval
+
+
+def as_local_files(tmp_path: Path, tokenizer, **fields):
+    """The plain way: the same records from .jsonl files, evaluation from a second file."""
+    train = write_jsonl(tmp_path / "train.jsonl", fields.pop("train"))
+    held = write_jsonl(tmp_path / "eval.jsonl", fields.pop("eval"))
+    return examples(tokenizer, path=str(train), eval_path=str(held), **fields)
+
+
+@pytest.mark.quick
+def test_a_folder_laid_out_as_a_hub_repository_reads_its_splits_and_subsets(tmp_path, tokenizer):
+    repository = write_repository(tmp_path / "sums")
+    expected = as_local_files(tmp_path, tokenizer, train=TRAIN, eval=TEST)
+    assert examples(tokenizer, path=str(repository), eval_split="test") == expected
+    assert examples(tokenizer, path=str(repository), split="test", eval_split="train") == expected[::-1]
+    qa_train, _ = examples(tokenizer, path=str(repository), subset="qa", prompt_field="question",
+                           response_field="answer", eval_fraction=0.0)
+    plain, _ = as_local_files(tmp_path, tokenizer, train=QA, eval=QA[:1], prompt_field="question",
+                              response_field="answer")
+    assert qa_train == plain
+
+
+def test_a_hub_dataset_by_name_reads_from_the_datasets_cache_offline(tmp_path, tokenizer, offline):
+    cache_as_a_first_load_leaves_it(write_repository(tmp_path / "sums"), offline, "org/sums")
+    shutil.rmtree(tmp_path / "sums")  # nothing local: only the cache answers
+    expected = as_local_files(tmp_path, tokenizer, train=TRAIN, eval=TEST)
+    assert examples(tokenizer, path="org/sums", eval_split="test") == expected
+    qa_train, _ = examples(tokenizer, path="org/sums", subset="qa", prompt_field="question",
+                           response_field="answer", eval_fraction=0.0)
+    assert qa_train == as_local_files(tmp_path, tokenizer, train=QA, eval=QA[:1], prompt_field="question",
+                                      response_field="answer")[0]
+
+
+def refusal(tokenizer, **data) -> str:
+    with pytest.raises(UserError) as caught:
+        examples(tokenizer, **data)
+    return str(caught.value)
+
+
+def test_a_wrong_split_or_subset_names_the_setting_and_the_choices(tmp_path, tokenizer, offline):
+    repository = write_repository(tmp_path / "sums")
+    said = refusal(tokenizer, path=str(repository), eval_split="validation")
+    assert said == f"data.eval_split 'validation' is not a split of data.path '{repository}'; it has: train, test."
+    said = refusal(tokenizer, path=str(repository), subset="nope")
+    assert said == f"data.subset 'nope' is not a subset of data.path '{repository}'; it has: default, qa."
+    file = write_jsonl(tmp_path / "t.jsonl", TRAIN)
+    assert "data.split names a split or subset of a Hub dataset or a dataset folder, but data.path" in refusal(
+        tokenizer, path=str(file), split="train")
+
+
+def test_an_uncached_hub_dataset_offline_is_one_sentence(tokenizer, offline):
+    said = refusal(tokenizer, path="org/absent")
+    assert said.startswith("data.path 'org/absent' is not in the datasets cache") and "HF_HUB_OFFLINE" in said
+    assert "does not exist" in refusal(tokenizer, path="data/missing.jsonl")  # a file's name is never fetched
