@@ -1,7 +1,8 @@
 """What a folder holds (a run, an adapter, a model), and loading it to generate and evaluate.
 
-    resolve(folder)   a run's output_dir (config.yaml), a PEFT adapter folder (adapter_config.json)
-                      or a Hugging Face model folder (config.json), named in one sentence otherwise
+    resolve(folder)   a run's output_dir (config.yaml), a PEFT adapter folder (adapter_config.json),
+                      a Hugging Face model folder (config.json) or a Hub model's name (org/name, fetched
+                      into the Hub cache: model/hub.py), named in one sentence otherwise
     load(source)      the model and tokenizer on the device, frozen, in eval mode
 
 A LoRA run is its base model with the adapter applied by slimtune.model.lora, never a merged copy written
@@ -75,6 +76,10 @@ class Loaded:
 
 
 def resolve(folder: str | Path) -> Source:
+    from slimtune.model import hub
+
+    if hub.is_hub_name(str(folder)):  # a Hub model by name: its snapshot folder, fetched when not cached
+        folder = hub.folder(str(folder))
     folder = Path(folder)
     if not folder.exists():
         raise UserError(f"'{folder}' does not exist; give a run's output_dir or a model folder.")
@@ -94,6 +99,8 @@ def resolve(folder: str | Path) -> Source:
 
 
 def _run(folder: Path) -> Source:
+    from slimtune.model import hub
+
     cfg = _read_yaml(folder / "config.yaml")
     data = dict(cfg.get("data") or {})
     if data.get("chat_template"):
@@ -115,6 +122,8 @@ def _run(folder: Path) -> Source:
     if adapter.name == "adapter":
         recorded = _adapter_base(adapter)
         base = recorded if recorded is not None and recorded.is_dir() else base
+    if base is None and hub.origin(cfg["model"]) is not None:  # a Hub snapshot a cleaned cache lost: fetched again
+        base = Path(hub.folder(cfg["model"]))
     if base is None:
         raise UserError(missing)
     return Source(folder, "lora run", base, adapter, cfg.get("lora"), step, data, base)

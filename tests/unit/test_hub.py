@@ -210,3 +210,9 @@ def test_local_paths_are_never_taken_for_hub_names(tmp_path, monkeypatch):
     assert not hub.is_hub_name("org/name")  # a folder of that name is here: it wins
     for text in ("./org/x", "/abs/path", "a/b/c", "name", "org/../x", "org/--x"):
         assert not hub.is_hub_name(text), text
+
+
+def test_chat_takes_a_hub_name_and_reads_its_snapshot(cache, here, capsys):
+    snapshot = put_snapshot(cache, NAME, here / "model", COMMITS[0])
+    assert cli.main(["chat", NAME, "--prompt", "what is 1 plus 2?", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert f"model '{snapshot}'" in capsys.readouterr().err
