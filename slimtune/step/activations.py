@@ -43,7 +43,10 @@ from slimtune.step.block_stores import BlockStore
 from slimtune.config import ActivationsConfig
 from slimtune.model.stack import BlockInputs, Stack
 
-TILE_SHARE = 4  # auto seq_tile: one tile's (t, I) MLP activation ~ 1/4 of a (T, D) block input
+TILE_SHARE = 4  # auto seq_tile: a tile's largest intermediate ~ 1/4 of a (T, D) block input
+# Packed rows: that is the tile's (B, 1, t, T) mask, 1 + 2 bytes an element (bool, and SDPA's bf16
+# copy) against the input's 2: t ~ D / 6 (Llama-3.1-8B: 682 tokens).
+MASK_BYTES, INPUT_BYTES = 3, 2
 MIN_TILE = 256  # auto tiles stay at least this long: shorter matmuls waste the device
 SMALL_FRACTION = 8  # cache=small: an op output is small at <= 1/8 of the block input's elements
 
@@ -66,7 +69,7 @@ def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: Act
     logs = {} if cfg.cache == "small" else None
     # A 0-dim input that needs grad, so backward runs even when `hidden` needs none (LoRA, frozen embedding).
     anchor = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=True)
-    tile = tile_tokens(stack, hidden.shape[1], cfg)
+    tile = tile_tokens(stack, hidden.shape[1], cfg, inputs.segmented)
     if tile >= hidden.shape[1]:
         inputs.masks  # made before the first block, as plain autograd makes them: not in block 0's segment or log
     else:
@@ -74,11 +77,15 @@ def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: Act
     return _Checkpointed.apply(_Run(stack, inputs, store, on_device, logs, tile), hidden, anchor)
 
 
-def tile_tokens(stack: Stack, seq: int, cfg: ActivationsConfig) -> int:
-    """Tokens per tile of a checkpointed block for `seq`-token rows (seq: untiled)."""
+def tile_tokens(stack: Stack, seq: int, cfg: ActivationsConfig, segmented: bool = False) -> int:
+    """Tokens per tile of a checkpointed block for `seq`-token rows (seq: untiled); `segmented`:
+    rows hold packed examples (data.Batch.segmented), whose tiles carry a mask over every key."""
     if cfg.tile:
         return min(cfg.tile, seq)
-    tiles = -(-TILE_SHARE * stack.config.intermediate_size // stack.config.hidden_size)
+    config = stack.config
+    tiles = -(-TILE_SHARE * config.intermediate_size // config.hidden_size)
+    if segmented:
+        tiles = max(tiles, -(-TILE_SHARE * MASK_BYTES * seq // (INPUT_BYTES * config.hidden_size)))
     return min(seq, max(-(-seq // tiles), MIN_TILE))
 
 

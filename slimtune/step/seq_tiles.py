@@ -21,8 +21,8 @@ norm) at once. One tile's graph exists at a time; gradients equal the untiled bl
 Masks. Without packed rows a tile's mask is the causal band with the tile's offset: on CUDA that is
 `causal_lower_right` (flash attention, no mask in memory); elsewhere it is built in place per tile and
 declared host-resident for the meter, since a GPU run never holds it. Packed rows (position ids that
-restart) keep examples apart by segment ids derived once per batch from position_ids, and each tile
-looks back only to the start of its first token's example, so no (T, T) mask is ever built.
+restart) keep examples apart by segment ids derived once per batch from position_ids: each tile builds
+its own (B, 1, tile, keys) mask, so no (T, T) mask is ever built, and such rows get shorter tiles.
 
 Dropout (LoRA's, attention's). Forward and recompute visit tiles in different orders, so each tile
 draws from its own seed, derived from the RNG state the caller restores for the block, the block
@@ -82,23 +82,31 @@ def _tile_backward(block: "_Block", start: int, grad: torch.Tensor, grad_k: torc
     gradients accumulate into grad_k, grad_v), then its own k, v with their now whole gradients."""
     stop = start + grad.shape[1]
     with torch.enable_grad():
-        xi = block.x[:, start:stop].detach().requires_grad_(grad_x is not None)
-        n = block.layer.input_layernorm(xi)
-        n_leaf = n.detach().requires_grad_(n.requires_grad)
-        k, v = block.kv(n_leaf, start)  # before q: the order forward drew dropout masks in
+        xi, xi_in = _leaf(block.x[:, start:stop], grad_x is not None)
+        n = block.layer.input_layernorm(xi_in)
+        n_leaf, n_in = _leaf(n, n.requires_grad)
+        k, v = block.kv(n_in, start)  # before q: the order forward drew dropout masks in
         first = block.first_key(start)
-        keys = block.k_all[:, :, first:stop].detach().requires_grad_()
-        values = block.v_all[:, :, first:stop].detach().requires_grad_()
-        y = block.rest(xi, block.q(n_leaf, start), keys, values, start)
+        keys, keys_in = _leaf(block.k_all[:, :, first:stop], True)
+        values, values_in = _leaf(block.v_all[:, :, first:stop], True)
+        y = block.rest(xi_in, block.q(n_in, start), keys_in, values_in, start)
     _backward([y], [grad])
     grad_k[:, :, first:stop] += keys.grad
     grad_v[:, :, first:stop] += values.grad
-    del y, keys, values
+    del y, keys, values, keys_in, values_in
     _backward([k, v], [grad_k[:, :, start:stop], grad_v[:, :, start:stop]])
     if n_leaf.grad is not None:
         _backward([n], [n_leaf.grad])
     if grad_x is not None:
         grad_x[:, start:stop] = xi.grad
+
+
+def _leaf(t: torch.Tensor, requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A leaf cut from t, and the tensor to compute with: a view of it. Autocast keeps its cast of
+    a leaf that requires grad until its region ends (it takes it for a weight), so a leaf per tile
+    cast directly would keep every tile's cast alive; a view is no leaf."""
+    leaf = t.detach().requires_grad_(requires_grad)
+    return leaf, (leaf.view_as(leaf) if requires_grad else leaf)
 
 
 def _backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -119,7 +127,7 @@ class _Block:
         sliding = stack.layer_type(index) == "sliding_attention"
         self.window = stack.config.sliding_window if sliding else None
         self.segments = segments(inputs)
-        self.firsts = first_keys(inputs, self.segments, tile, self.seq, self.window)
+        self.firsts = first_keys(tile, self.seq, self.window)
         self.k_all = self.v_all = None  # (B, Hkv, T, hd), made by the first tile's keys
         self.seed = _dropout_seed(self.layer, index, x.device)
 
@@ -218,35 +226,24 @@ def causal_band(queries: int, keys: int, offset: int, window: int | None, device
 
 def segments(inputs: BlockInputs) -> torch.Tensor | None:
     """(B, T) example index of every token of packed rows (transformers' find_packed_sequence_indices:
-    a position that does not follow the one before starts an example); None when no row is packed.
-    Derived once per batch (inputs.derived)."""
+    a position that does not follow the one before starts an example); None when rows are not
+    packed (BlockInputs.segmented). Derived once per batch (inputs.derived), without reading values."""
     if "segments" not in inputs.derived:
         found = None
         if inputs.segmented:
             positions = inputs.position_ids
             steps = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
             found = (steps != 1).cumsum(-1)
-            if not is_fake(found) and int(found[:, -1].max()) == 0:
-                found = None  # every row one example: plain causal tiles
         inputs.derived["segments"] = found
     return inputs.derived["segments"]
 
 
-def first_keys(inputs: BlockInputs, found: torch.Tensor | None, tile: int, seq: int,
-               window: int | None) -> list[int]:
-    """Per tile, the first key any of its queries may see: the start of its first token's example
-    (packed rows; the earliest over the batch), and no earlier than the window reaches."""
-    cache_key = ("first_keys", tile, window)
-    if cache_key not in inputs.derived:
-        starts = range(0, seq, tile)
-        firsts = [0] * len(starts)
-        if found is not None and not is_fake(found):
-            first_of = torch.searchsorted(found.contiguous(), found[:, list(starts)].contiguous(), side="left")
-            firsts = first_of.min(dim=0).values.tolist()
-        if window is not None:
-            firsts = [max(first, start - window + 1) for first, start in zip(firsts, starts)]
-        inputs.derived[cache_key] = firsts
-    return inputs.derived[cache_key]
+def first_keys(tile: int, seq: int, window: int | None) -> list[int]:
+    """Per tile, the first key any of its queries may see: 0, or where a sliding window reaches. Not
+    where a packed row's example starts: that would read values, and a tile's bytes would then
+    depend on the data, which the planner's fake tensors cannot know (activations.tile_tokens
+    shortens tiles of packed rows instead)."""
+    return [0 if window is None else max(0, start - window + 1) for start in range(0, seq, tile)]
 
 
 # ---------------------------------------------------------------- dropout seeds

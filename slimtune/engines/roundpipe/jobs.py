@@ -209,7 +209,7 @@ def _forward_micro_batch(worker: Worker, job: Job, ctx: StepContext, m: int, pie
     x = _upload_input(worker, host)
     _advance(ahead)
     inputs = stack.prepare(x, batch.position_ids, piece.segmented)
-    chunk = activations.tile_tokens(stack, x.shape[1], ctx.activations_cfg)
+    chunk = activations.tile_tokens(stack, x.shape[1], ctx.activations_cfg, piece.segmented)
     with torch.no_grad():
         for layer in stage.layers:
             if layer in ctx.saved_at:
@@ -303,7 +303,7 @@ def _backward_by_layer(worker: Worker, job: Job, ctx: StepContext, m: int, batch
     for layer in reversed(stage.layers):
         x = _upload_input(worker, ctx.saved_input(layer, m), requires_grad=layer > 0 or wants_grad)
         inputs = stack.prepare(x.detach(), batch.position_ids, segmented)
-        chunk = activations.tile_tokens(stack, x.shape[1], ctx.activations_cfg)
+        chunk = activations.tile_tokens(stack, x.shape[1], ctx.activations_cfg, segmented)
         timing = BackwardTiming((layer,), worker.clock.mark())
         activations.block_backward(stack, layer, x, grad, inputs, chunk)
         timing.stop = worker.clock.mark()

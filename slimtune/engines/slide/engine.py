@@ -323,7 +323,7 @@ class SlideEngine(Engine):
         device_batch = batch.to(self.device)
         hidden = self._embed(batch.input_ids)
         inputs = self.stack.prepare(hidden, device_batch.position_ids, batch.segmented)
-        chunk = activations.tile_tokens(self.stack, hidden.shape[1], self.activations_cfg)
+        chunk = activations.tile_tokens(self.stack, hidden.shape[1], self.activations_cfg, batch.segmented)
         last = len(self.units) - 1
         keys, states = [], []
         for index in range(len(self.units)):
