@@ -51,6 +51,25 @@ typedef struct {
     float clip;            /* the clipping coefficient, or 1 when not clipping */
 } Hyper;
 
+/* The tables of the AVX-512 VBMI path for one map (native/adamw.py builds them from moments8's).
+   Decoding looks each of a code's four bytes up in registers, 64 codes an instruction. Coding counts
+   the midpoints below a number |x| on the map's positive side: the map is linear within each decade
+   (moments8.dynamic_map), so within a segment (one decade's run of midpoints, or the runs below and
+   above all of them) the count is floor(a * slope + intercept), and which segment a number is in
+   takes one compare, as no binade holds two segment boundaries (checked when building). Where that
+   arithmetic lands within UNSURE / 1024 of a step, the midpoints themselves decide. */
+typedef struct {
+    uint8_t planes[4][256];  /* byte k of map[c] (little-endian) at planes[k][c] */
+    float midpoints[256];    /* the positive side's midpoints in order (`count` of them) */
+    uint32_t threshold[32];  /* by binade (exponent mod 32): the bits of the segment boundary in it, or of 2 */
+    int32_t first[32];       /* by binade: the segment at its start */
+    float slope[16];         /* by segment: 1024 x (the count below a) ~ a * slope + intercept */
+    float intercept[16];
+    int32_t top[16];         /* by segment: the largest count in it */
+    int32_t count;           /* midpoints on the positive side: 128 (signed map), 255 (unsigned) */
+    int32_t zero;            /* the code of 0.0: 127 (signed), 0 (unsigned) */
+} Fast;
+
 /* An 8-bit moment (moments8.Moment8) and its lookup tables (moments8's, by signedness). */
 typedef struct {
     uint8_t *codes;        /* a code a number */
@@ -58,6 +77,7 @@ typedef struct {
     const float *map;      /* the 256 values codes stand for (times the absmax) */
     const uint32_t *lookup; /* by bucket (a number's top 16 bits): moments8's base code (bits 0-7), the
                                low 16 bits of the bucket's midpoint (8-23), whether it has one (24) */
+    const Fast *fast;      /* the VBMI path's tables, or NULL: the portable loops */
 } Coded;
 
 typedef struct {
@@ -225,10 +245,280 @@ static void encode(const Coded *c, int64_t begin, int64_t count, const float *x)
     code_block(c->codes + begin, x, count, 1.0f / (absmax < 1e-38f ? 1e-38f : absmax), c->lookup);
 }
 
+/* ---------------------------------------------------------------- 8-bit moments on AVX-512 VBMI */
+
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_FAST 1
+
+#define FIXED 10             /* counts are found in 1/1024ths */
+#define UNSURE 2             /* within 2/1024 of a step, the midpoints decide */
+#define FLOOR_BITS 0x33800000 /* 2^-24 (binade 103): below either map's smallest midpoint */
+
+/* A map's planes in registers: four 64-byte quarters of each byte plane. */
+typedef struct { __m512i quarter[4][4]; } Planes;
+
+/* A map's segment tables in registers. */
+typedef struct { __m512i threshold_lo, threshold_hi, first_lo, first_hi, top; __m512 slope, intercept; } Segments;
+
+static inline Planes planes_of(const Fast *f) {
+    Planes p;
+    for (int k = 0; k < 4; k++)
+        for (int q = 0; q < 4; q++) p.quarter[k][q] = _mm512_loadu_si512(f->planes[k] + 64 * q);
+    return p;
+}
+
+static inline Segments segments_of(const Fast *f) {
+    return (Segments){_mm512_loadu_si512(f->threshold), _mm512_loadu_si512(f->threshold + 16),
+                      _mm512_loadu_si512(f->first), _mm512_loadu_si512(f->first + 16), _mm512_loadu_si512(f->top),
+                      _mm512_loadu_ps(f->slope), _mm512_loadu_ps(f->intercept)};
+}
+
+/* The order 64 codes are put in before decoding, so that the two rounds of unpacking (which
+   interleave within 16-byte lanes) leave the four 16-number results in order: the byte at
+   16 L + 4 j + e of the permuted codes is code 16 j + 4 L + e. */
+static inline __m512i unpack_order(void) {
+    uint8_t order[64];
+    for (int lane = 0; lane < 4; lane++)
+        for (int j = 0; j < 4; j++)
+            for (int e = 0; e < 4; e++) order[16 * lane + 4 * j + e] = (uint8_t)(16 * j + 4 * lane + e);
+    return _mm512_loadu_si512(order);
+}
+
+/* map[c] * absmax for 64 codes into out: each byte of map[c] is a 256-entry byte lookup (two
+   128-entry permutes, picked by the code's top bit), and the four bytes are interleaved into fp32. */
+static inline void decode64(const Planes *p, __m512i order, const uint8_t *codes, __m512 absmax, float *out) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int k = 0; k < 4; k++)
+        b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(p->quarter[k][0], c, p->quarter[k][1]),
+                                      _mm512_permutex2var_epi8(p->quarter[k][2], c, p->quarter[k][3]));
+    const __m512i low01 = _mm512_unpacklo_epi8(b[0], b[1]), high01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), absmax));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), absmax));
+    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), absmax));
+    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), absmax));
+}
+
+/* A block's numbers decoded into out (BLOCK of them). */
+static void fast_decode(const Coded *c, int64_t begin, float *restrict out) {
+    const Planes p = planes_of(c->fast);
+    const __m512i order = unpack_order();
+    const __m512 absmax = _mm512_set1_ps(c->absmax[begin / BLOCK]);
+    for (int j = 0; j < BLOCK; j += 64) decode64(&p, order, c->codes + begin + j, absmax, out + j);
+}
+
+/* Per lane, the count of the positive side's midpoints below a (fp32 bits; a negative int32 counts
+   none), found by the segment's line; lanes where the line lands near a step are added to *unsure. */
+static inline __m512i line_counts(const Segments *s, __m512i a, __mmask16 *unsure) {
+    a = _mm512_max_epi32(a, _mm512_set1_epi32(FLOOR_BITS));
+    const __m512i binade = _mm512_srli_epi32(a, 23);  /* 103 .. 127: each its own entry mod 32 */
+    __m512i segment = _mm512_permutex2var_epi32(s->first_lo, binade, s->first_hi);
+    const __mmask16 above = _mm512_cmpgt_epi32_mask(a, _mm512_permutex2var_epi32(s->threshold_lo, binade,
+                                                                                  s->threshold_hi));
+    segment = _mm512_mask_add_epi32(segment, above, segment, _mm512_set1_epi32(1));
+    const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_permutexvar_ps(segment, s->slope),
+                                        _mm512_permutexvar_ps(segment, s->intercept));
+    const __m512i fixed = _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    *unsure |= _mm512_testn_epi32_mask(_mm512_add_epi32(fixed, _mm512_set1_epi32(UNSURE)),
+                                       _mm512_set1_epi32((1 << FIXED) - 2 * UNSURE));
+    return _mm512_min_epi32(_mm512_srai_epi32(fixed, FIXED), _mm512_permutexvar_epi32(segment, s->top));
+}
+
+/* The lanes in `unsure` counted exactly: from the line's count (a step off at most) to the one
+   whose neighbouring midpoints enclose a. */
+static __attribute__((noinline)) __m512i settle(const Fast *f, __m512i a, __m512i counts, __mmask16 unsure) {
+    int32_t bits[16], n[16];
+    _mm512_storeu_si512(bits, _mm512_max_epi32(a, _mm512_set1_epi32(FLOOR_BITS)));
+    _mm512_storeu_si512(n, counts);
+    for (int lane = 0; lane < 16; lane++) {
+        if (!((unsure >> lane) & 1)) continue;
+        const float x = from_bits((uint32_t)bits[lane]);
+        int32_t k = n[lane];
+        while (k > 0 && x <= f->midpoints[k - 1]) k--;
+        while (k < f->count && x > f->midpoints[k]) k++;
+        n[lane] = k;
+    }
+    return _mm512_loadu_si512(n);
+}
+
+/* 16 codes of x * inverse on the signed map (moments8's rule: the code is the number of the
+   map's midpoints below the number). Its negative side mirrors the positive one (the map is
+   symmetric but for the code of 1.0), so -t takes zero - (the positive side's midpoints at or below
+   t): those below the next float above t; below the map's end (-t < -1), code 0. */
+static inline __m128i code16_signed(const Fast *f, const Segments *s, __m512 x, __m512 inverse) {
+    const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, inverse));
+    const __mmask16 negative = _mm512_movepi32_mask(bits);
+    const __m512i a = _mm512_mask_sub_epi32(bits, negative, bits, _mm512_set1_epi32(0x7FFFFFFF));  /* |x| + 1 ulp */
+    __mmask16 unsure = 0;
+    __m512i n = line_counts(s, a, &unsure);
+    if (unsure) n = settle(f, a, n, unsure);
+    const __m512i zero = _mm512_set1_epi32(f->zero);
+    const __m512i code = _mm512_mask_sub_epi32(_mm512_add_epi32(zero, n), negative, zero, n);
+    return _mm512_cvtepi32_epi8(_mm512_max_epi32(code, _mm512_setzero_si512()));
+}
+
+/* The same on the unsigned map: every midpoint is positive, so a negative number (a negative
+   int32 here, which line_counts counts as below them all) takes code 0. */
+static inline __m128i code16_unsigned(const Fast *f, const Segments *s, __m512 x, __m512 inverse) {
+    const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, inverse));
+    __mmask16 unsure = 0;
+    __m512i n = line_counts(s, bits, &unsure);
+    if (unsure) n = settle(f, bits, n, unsure);
+    return _mm512_cvtepi32_epi8(n);
+}
+
+/* encode()'s absmax of a block from the running maximum of its |x| bit patterns, stored; returns
+   the factor the block's numbers are scaled by, or 0 where the absmax is not finite (an inf or a
+   NaN in the block: every number of it scales to NaN or 0, outside the lines' range, and
+   code_block codes it). */
+static inline float scale_of(const Coded *c, int64_t begin, __m512i largest) {
+    const float absmax = from_bits(_mm512_reduce_max_epu32(largest));
+    c->absmax[begin / BLOCK] = absmax;
+    return absmax <= 3.4028234663852886e38f ? 1.0f / (absmax < 1e-38f ? 1e-38f : absmax) : 0.0f;
+}
+
+/* A block's codes from its numbers x and their |x| maximum. */
+static inline void code_block_fast(const Coded *c, const Segments *s, int64_t begin, const float *restrict x,
+                                   __m512i largest) {
+    const float inverse = scale_of(c, begin, largest);
+    if (inverse == 0.0f) {
+        code_block(c->codes + begin, x, BLOCK, 1.0f / c->absmax[begin / BLOCK], c->lookup);  /* inf: 0; NaN: NaN */
+        return;
+    }
+    const __m512 scale = _mm512_set1_ps(inverse);
+    uint8_t *codes = c->codes + begin;
+    if (c->fast->zero)
+        for (int j = 0; j < BLOCK; j += 16) _mm_storeu_si128((__m128i *)(codes + j), code16_signed(c->fast, s, _mm512_loadu_ps(x + j), scale));
+    else
+        for (int j = 0; j < BLOCK; j += 16) _mm_storeu_si128((__m128i *)(codes + j), code16_unsigned(c->fast, s, _mm512_loadu_ps(x + j), scale));
+}
+
+static inline __m512i abs_max(__m512i largest, __m512 x) {
+    return _mm512_max_epu32(largest, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+
+/* A whole block coded as encode() does it. */
+static void fast_encode(const Coded *c, int64_t begin, const float *restrict x) {
+    __m512i largest = _mm512_setzero_si512();
+    for (int j = 0; j < BLOCK; j += 16) largest = abs_max(largest, _mm512_loadu_ps(x + j));
+    const Segments s = segments_of(c->fast);
+    code_block_fast(c, &s, begin, x, largest);
+}
+/* map[c] * absmax for 64 codes into four registers (decode64's lookups on the map's planes in memory). */
+static inline void decode64_into(const Fast *f, __m512i order, const uint8_t *codes, __m512 absmax, __m512 out[4]) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *plane = f->planes[k];
+        b[k] = _mm512_mask_blend_epi8(
+            high, _mm512_permutex2var_epi8(_mm512_loadu_si512(plane), c, _mm512_loadu_si512(plane + 64)),
+            _mm512_permutex2var_epi8(_mm512_loadu_si512(plane + 128), c, _mm512_loadu_si512(plane + 192)));
+    }
+    const __m512i low01 = _mm512_unpacklo_epi8(b[0], b[1]), high01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), absmax);
+    out[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), absmax);
+    out[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), absmax);
+    out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), absmax);
+}
+
+/* The step's constants, one a register. */
+typedef struct { __m512 decay, coeff, beta2, one_minus_beta2, bias2_sqrt, eps, step_size, clip; } Constants;
+
+/* 16 numbers of the split layout with a bf16 gradient: adamw() and span() on registers, the same
+   operations in the same order (the vector formula for v). Returns the new moments in *m and *v. */
+static inline __attribute__((always_inline)) void split16(const Constants *k, const int small, uint16_t *weight,
+                                                           int16_t *residual, uint16_t *shadow, uint16_t *grad,
+                                                           const int empty_grad, __m512 *m, __m512 *v) {
+    const __m512i top_bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)weight)), 16);
+    const __m512i low_bits = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)residual));
+    __m512 p = _mm512_castsi512_ps(_mm512_add_epi32(top_bits, low_bits));
+    __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)grad)), 16));
+    if (empty_grad) _mm256_storeu_si256((__m256i *)grad, _mm256_setzero_si256());
+    g = _mm512_mul_ps(g, k->clip);
+    p = _mm512_mul_ps(p, k->decay);
+    const __m512 m1 = _mm512_fmadd_ps(k->coeff, _mm512_sub_ps(g, *m), small ? *m : g);
+    const __m512 v1 = _mm512_fmadd_ps(_mm512_mul_ps(k->one_minus_beta2, g), g, _mm512_mul_ps(*v, k->beta2));
+    const __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v1), k->bias2_sqrt), k->eps);
+    p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k->step_size, m1), denominator));
+    *m = m1;
+    *v = v1;
+    /* narrow() and residual_of() */
+    const __m512i u = _mm512_castps_si512(p);
+    const __m512i even = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i top = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), even), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    top = _mm512_mask_mov_epi32(top, nan, _mm512_set1_epi32(0xFFFF));
+    const __m256i top16 = _mm512_cvtepi32_epi16(top);
+    _mm256_storeu_si256((__m256i *)weight, top16);
+    if (shadow) _mm256_storeu_si256((__m256i *)shadow, top16);
+    /* the residual clamped to int16 by the saturating narrowing */
+    _mm256_storeu_si256((__m256i *)residual, _mm512_cvtsepi32_epi16(_mm512_sub_epi32(u, _mm512_slli_epi32(top, 16))));
+}
+
+/* Whole blocks of the split layout with a bf16 gradient and 8-bit moments, from `at` while they end
+   by `end` and before the scalar tail, in one pass each: the block's moments decoded 64 at a time
+   into registers, updated with its numbers, kept in the cache while their absmax is found, then
+   coded. Returns where it stopped. */
+static inline __attribute__((always_inline)) int64_t split_blocks_small(const Run *r, const Hyper *h, int64_t at,
+                                                                         int64_t end, const int small) {
+    const Constants k = {_mm512_set1_ps(h->decay), _mm512_set1_ps(small ? h->lerp_weight : h->lerp_weight - 1.0f),
+                         _mm512_set1_ps(h->beta2), _mm512_set1_ps(h->one_minus_beta2), _mm512_set1_ps(h->bias2_sqrt),
+                         _mm512_set1_ps(h->eps), _mm512_set1_ps(h->step_size), _mm512_set1_ps(h->clip)};
+    const Coded *cm = &r->exp_avg_coded, *cv = &r->exp_avg_sq_coded;
+    const Segments sm = segments_of(cm->fast), sv = segments_of(cv->fast);
+    const __m512i order = unpack_order();
+    const int64_t stop = end < r->vector_end ? end : r->vector_end;
+    float m_new[BLOCK], v_new[BLOCK];
+    for (; at + BLOCK <= stop; at += BLOCK) {
+        const __m512 m_scale = _mm512_set1_ps(cm->absmax[at / BLOCK]), v_scale = _mm512_set1_ps(cv->absmax[at / BLOCK]);
+        __m512i m_largest = _mm512_setzero_si512(), v_largest = _mm512_setzero_si512();
+        for (int j = 0; j < BLOCK; j += 64) {
+            __m512 m[4], v[4];
+            decode64_into(cm->fast, order, cm->codes + at + j, m_scale, m);
+            decode64_into(cv->fast, order, cv->codes + at + j, v_scale, v);
+            for (int q = 0; q < 4; q++) {
+                const int64_t i = at + j + 16 * q;
+                split16(&k, small, r->weight + i, r->residual + i, r->shadow ? r->shadow + i : NULL,
+                        (uint16_t *)r->grad + i, r->empty_grad, &m[q], &v[q]);
+                _mm512_storeu_ps(m_new + j + 16 * q, m[q]);
+                _mm512_storeu_ps(v_new + j + 16 * q, v[q]);
+                m_largest = abs_max(m_largest, m[q]);
+                v_largest = abs_max(v_largest, v[q]);
+            }
+        }
+        code_block_fast(cm, &sm, at, m_new, m_largest);
+        code_block_fast(cv, &sv, at, v_new, v_largest);
+    }
+    return at;
+}
+
+static int64_t split_blocks(const Run *r, const Hyper *h, int64_t at, int64_t end) {
+    return fabsf(h->lerp_weight) < 0.5f ? split_blocks_small(r, h, at, end, 1) : split_blocks_small(r, h, at, end, 0);
+}
+#else
+#define HAVE_FAST 0
+static void fast_decode(const Coded *c, int64_t begin, float *restrict out) { (void)c, (void)begin, (void)out; }
+static void fast_encode(const Coded *c, int64_t begin, const float *restrict x) { (void)c, (void)begin, (void)x; }
+static int64_t split_blocks(const Run *r, const Hyper *h, int64_t at, int64_t end) { (void)r, (void)h, (void)end; return at; }
+#endif
+
+/* 1 when this library has the VBMI path (built with its flags: native/adamw.py asks first). */
+int slimtune_fast_8bit(void) { return HAVE_FAST; }
+
 /* numel fp32 numbers x coded into c, a block at a time, as the step codes its moments: what the tests
    hold against moments8's quantizer on the numbers that matter most (midpoints and their neighbours). */
 int slimtune_encode(const Coded *c, int64_t numel, const float *x) {
-    for (int64_t at = 0; at < numel; at += BLOCK) encode(c, at, numel - at < BLOCK ? numel - at : BLOCK, x + at);
+    for (int64_t at = 0; at < numel; at += BLOCK) {
+        const int64_t count = numel - at < BLOCK ? numel - at : BLOCK;
+        if (c->fast && count == BLOCK) fast_encode(c, at, x + at);
+        else encode(c, at, count, x + at);
+    }
     return 0;
 }
 
@@ -252,8 +542,19 @@ static void slice_fp32(const Run *r, const Hyper *h, int64_t begin, int64_t end)
    moments decoded into the cache, updated, and coded again. */
 static void slice_coded(const Run *r, const Hyper *h, int64_t begin, int64_t end) {
     float m[BLOCK], v[BLOCK];
+    const int fast = r->exp_avg_coded.fast && r->exp_avg_sq_coded.fast;
+    if (fast && r->split && r->grad_bf16) begin = split_blocks(r, h, begin, end);
     for (int64_t at = begin; at < end; at += BLOCK) {
         const int64_t count = end - at < BLOCK ? end - at : BLOCK;
+        if (fast && count == BLOCK) {
+            fast_decode(&r->exp_avg_coded, at, m);
+            fast_decode(&r->exp_avg_sq_coded, at, v);
+            both_paths(r, h, at, at + count, m, v);
+            empty(r, at, at + count);
+            fast_encode(&r->exp_avg_coded, at, m);
+            fast_encode(&r->exp_avg_sq_coded, at, v);
+            continue;
+        }
         decode(&r->exp_avg_coded, at, count, m);
         decode(&r->exp_avg_sq_coded, at, count, v);
         both_paths(r, h, at, at + count, m, v);

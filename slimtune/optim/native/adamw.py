@@ -20,6 +20,7 @@ import functools
 import math
 import os
 import platform
+import struct
 import types
 
 import torch
@@ -34,6 +35,7 @@ from slimtune.optim.native import build
 SCALAR_TAIL = 8
 BLOCK = moments8.BLOCK  # adamw.c's BLOCK
 ENV = "SLIMTUNE_NATIVE"
+VBMI_ENV = "SLIMTUNE_NATIVE_VBMI"  # 0: 8-bit moments on the portable loops even where the VBMI path runs
 ROLES = ("master", "weight", "residual", "shadow", "grad", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # coded (8-bit): "<moment>_codes" and "<moment>_absmax"
 DTYPES = {"master": torch.float32, "weight": torch.bfloat16, "residual": torch.int16, "shadow": torch.bfloat16,
@@ -49,10 +51,20 @@ class Hyper(ctypes.Structure):
                 ("decay", "lerp_weight", "beta2", "one_minus_beta2", "bias2_sqrt", "eps", "step_size", "clip")]
 
 
-class Coded(ctypes.Structure):
-    """adamw.c's Coded: an 8-bit moment's codes and scales, and its map's lookup tables."""
+class Fast(ctypes.Structure):
+    """adamw.c's Fast: one map's tables for the AVX-512 VBMI path (fast_tables builds them)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "absmax", "map", "lookup")]
+    _fields_ = [("planes", ctypes.c_uint8 * 256 * 4), ("midpoints", ctypes.c_float * 256),
+                ("threshold", ctypes.c_uint32 * 32), ("first", ctypes.c_int32 * 32), ("slope", ctypes.c_float * 16),
+                ("intercept", ctypes.c_float * 16), ("top", ctypes.c_int32 * 16), ("count", ctypes.c_int32),
+                ("zero", ctypes.c_int32)]
+
+
+class Coded(ctypes.Structure):
+    """adamw.c's Coded: an 8-bit moment's codes and scales, its map's lookup tables, and the VBMI
+    path's tables (NULL: the portable loops)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "absmax", "map", "lookup", "fast")]
 
 
 class Run(ctypes.Structure):
@@ -68,8 +80,8 @@ def run_of(numel: int, tensors: dict[str, torch.Tensor], threads: int, empty_gra
     """The Run for tensors that _readable accepted."""
     coded = "exp_avg_codes" in tensors
     pointers = {role: t.data_ptr() for role, t in tensors.items() if t is not None}
-    codings = [Coded(pointers[f"{m}_codes"], pointers[f"{m}_absmax"], *_tables(SIGNED[m])) if coded else Coded()
-               for m in MOMENTS]
+    codings = [Coded(pointers[f"{m}_codes"], pointers[f"{m}_absmax"], *_tables(SIGNED[m]), _fast_address(SIGNED[m]))
+               if coded else Coded() for m in MOMENTS]
     return Run(numel, numel - numel % SCALAR_TAIL, "weight" in pointers, tensors["grad"].dtype == torch.bfloat16,
                empty_grad, threads, *(pointers.get(role) for role in ROLES), coded, *codings)
 
@@ -92,6 +104,73 @@ def _held_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         assert torch.equal((bits >> 16)[has], torch.arange(moments8.KEYS)[has]), "a midpoint outside its bucket"
         packed = base.to(torch.int64) | torch.where(has, (bits & 0xFFFF) << 8 | 1 << 24, 0)
         return code, packed.to(torch.int32)
+
+
+def _fast_address(signed: bool) -> int | None:
+    """The address of the VBMI path's tables for one map, or None (the portable loops) where the
+    library lacks that path or SLIMTUNE_NATIVE_VBMI=0 asks for the portable one."""
+    lib = library()
+    if lib is None or not lib.slimtune_fast_8bit() or os.environ.get(VBMI_ENV, "1") == "0":
+        return None
+    return ctypes.addressof(fast_tables(signed))
+
+
+FIXED = 1 << 10  # adamw.c's counts in 1/1024ths
+UNSURE = 2  # adamw.c: a fixed count within this of a step is settled against the midpoints
+
+
+@functools.cache
+def fast_tables(signed: bool) -> Fast:
+    """The VBMI path's tables for one map, from moments8's map and midpoints (fp32, as its quantizer
+    computes them). The positive side's midpoints (all 255 for the unsigned map; the 128 from 0 up
+    for the signed one) split into segments: below the smallest, one a decade of the map (bitsandbytes'
+    dynamic map holds 2^(d + 1) values in decade d, 2^d a sign on the signed map, evenly spaced), and
+    above the largest. Within a decade the count of midpoints below a is C + (a / 10^(d-6) - 0.1) n / 0.9
+    (n values, C midpoints below the decade's first), in 1/1024ths as slope and intercept. Which
+    segment a number is in comes from its binade: the segment at the binade's start, plus one above
+    the one boundary a binade may hold (checked here)."""
+    code = moments8.dynamic_map(signed)
+    zero = moments8.zero_code(signed)
+    mids = ((code[:-1] + code[1:]) / 2)[zero:]
+    fast = Fast(count=mids.numel(), zero=zero)
+    for k, plane in enumerate(code.view(torch.uint8).view(-1, 4).t().tolist()):
+        fast.planes[k][:] = plane
+    fast.midpoints[:] = mids.tolist() + [math.inf] * (256 - mids.numel())
+    starts = [sum(2 ** (e + (0 if signed else 1)) for e in range(d)) for d in range(8)]  # first midpoint of each decade
+    assert starts[-1] == mids.numel() - 1, "the map is not seven decades of doubling runs"
+    bounds = mids[starts].tolist()  # segment s + 1 begins above bounds[s]
+    lines = [(0.0, 0.5 * FIXED, 0)]
+    for d in range(7):
+        n, below = starts[d + 1] - starts[d], starts[d] + 1
+        if n == 1:  # one value: its segment's count is constant
+            lines.append((0.0, (below + 0.5) * FIXED, below))
+        else:
+            lines.append((FIXED * 10.0 ** (6 - d) * n / 0.9, FIXED * (below - 0.1 * n / 0.9), below + n - 1))
+    lines.append((0.0, (mids.numel() + 0.5) * FIXED, mids.numel()))
+    for s, (slope, intercept, top) in enumerate(lines):
+        fast.slope[s], fast.intercept[s], fast.top[s] = slope, intercept, top
+    bound_bits = [b.view(torch.int32).item() for b in mids[starts]]
+    for binade in range(103, 128):
+        start = struct.unpack("<f", struct.pack("<I", binade << 23))[0]
+        inside = [bits for bits in bound_bits if bits >> 23 == binade]
+        assert len(inside) <= 1, "a binade holds two segment boundaries"
+        fast.first[binade % 32] = sum(1 for b in bounds if b < start)
+        fast.threshold[binade % 32] = inside[0] if inside else 0x40000000  # 2.0: no boundary
+    _check_lines(fast, mids, starts)
+    return fast
+
+
+def _check_lines(fast: Fast, mids: torch.Tensor, starts: list[int]) -> None:
+    """Each decade's line puts each of its midpoints within UNSURE / 1024 of its step (so the numbers
+    it does not settle are counted right): the line at a midpoint Q_k is about k + 1."""
+    for d in range(7):
+        first, last = starts[d] + 1, starts[d + 1]
+        if last <= first:
+            continue
+        q = mids[first:last].double()
+        line = (q * float(fast.slope[d + 1]) + float(fast.intercept[d + 1])).float().double()
+        steps = torch.arange(first, last, dtype=torch.float64) + 1
+        assert float((line - steps * FIXED).abs().max()) < UNSURE - 1, "a decade's line is off its midpoints"
 
 
 def constants(hyper, step: float, clip: float) -> Hyper:
@@ -162,12 +241,28 @@ ISA = {"AVX2": ("-mavx2", "-mfma", "-mf16c"),
                   "-mprefer-vector-width=512")}
 
 
+VBMI = ("-mavx512vbmi",)  # byte permutes: 8-bit moments decoded and coded without gathers (adamw.c's Fast)
+
+
 def isa() -> tuple[str, ...] | None:
     """The instruction-set flags to build with here: by torch's capability on x86 (None: torch runs
-    no AVX2 there, so neither does this), none elsewhere (the load-time check still decides)."""
+    no AVX2 there, so neither does this), with VBMI's where torch runs AVX-512 and the CPU has it;
+    none elsewhere (the load-time check still decides)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ()
-    return ISA.get(torch.backends.cpu.get_cpu_capability())
+    flags = ISA.get(torch.backends.cpu.get_cpu_capability())
+    return (*flags, *VBMI) if flags == ISA["AVX512"] and "avx512vbmi" in cpu_flags() else flags
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere: no VBMI path)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            line = next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
 
 
 @functools.cache
@@ -183,6 +278,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.slimtune_adamw.argtypes = [ctypes.POINTER(Run), ctypes.POINTER(Hyper)]
     lib.slimtune_adamw.restype = ctypes.c_int
+    lib.slimtune_fast_8bit.restype = ctypes.c_int
     with _disable_current_modes():  # first use may come inside a step the memory meter watches
         agrees = _agrees_with_torch(lib)
     if not agrees:
