@@ -218,3 +218,39 @@ def test_slide_with_tiles_trains_like_untiled(method, tiled_calls):
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-12, rtol=0, msg=name)
     assert tiled_calls["forward"] == tiled_calls["backward"] == 3 * 2 * 2  # blocks x micro-batches x steps
+
+
+# ---------------------------------------------------------------- the planner's estimate
+
+
+def unpacked_batch(rows: int, seq: int, vocab: int) -> Batch:
+    ids = torch.randint(3, vocab, (rows, seq), generator=torch.Generator().manual_seed(2))
+    targets = ids.roll(-1, 1)
+    targets[:, : seq // 4] = IGNORE_INDEX
+    targets[:, -1] = IGNORE_INDEX
+    return Batch(ids, targets, torch.arange(seq).expand(rows, seq).clone())
+
+
+@pytest.mark.parametrize("method, plan", [
+    ("lora", {"engine": "resident", "precision": "bf16", "activations.checkpoint": "recompute"}),
+    ("full", {"engine": "resident", "precision": "fp32", "activations.checkpoint": "host"}),
+    ("lora", {"engine": "slide", "precision": "bf16", "activations.checkpoint": "host"}),
+], ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_the_estimate_of_a_tiled_step_equals_the_meter(tmp_path, tokenizer, method, plan, packed):
+    """Seven tiles of 7 tokens and one of 6 (the fake step runs three of each block's loops)."""
+    from slimtune.engines import settings
+    from slimtune.planning import estimate
+    from test_estimate import measured_step
+
+    folder = save_tiny_model(tmp_path, tokenizer, "qwen3")
+    cfg = settings.load(None, [f"{k}={v}" for k, v in plan.items()] + ["activations.seq_tile=7"],
+                        base={"model": str(folder), "data": "x.jsonl", "method": method, "lora": {"rank": 4},
+                              "train": {"batch_size": 2}})
+    vocab = len(tokenizer)
+    batch = estimate.synthetic_batch(2, 55, vocab) if packed else unpacked_batch(2, 55, vocab)
+    assert batch.segmented == packed
+    predicted = estimate.estimate(tiny_config("qwen3", vocab), cfg, 2, 55, batch=batch)
+    measured, _ = measured_step(folder, cfg, plan["precision"], batch)
+    assert predicted.device_peak_bytes == measured.device_peak_bytes
+    assert predicted.breakdown == measured.device_peak_breakdown
