@@ -73,7 +73,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     sub.add_parser("probe", help="measure this machine's device and write a GPU profile", arguments=_add_probe)
     sub.add_parser("simulate", help="RoundPipe's schedule beside GPipe and 1F1B: bubble and step time, simulated",
                    arguments=_add_simulate)
-    sub.add_parser("export", help="write a merged HF model folder from a LoRA run", arguments=_add_export)
+    sub.add_parser("export", help="a run's model merged: an HF folder (--merge) or a GGUF file for llama.cpp and Ollama"
+                   " (--gguf)", arguments=_add_export)
     sub.add_parser("chat", help="talk to a trained model in the terminal, answers streamed as they come",
                    arguments=_add_chat)
     sub.add_parser("eval", help="loss, perplexity and exact match of greedy answers on a data file",
@@ -125,8 +126,12 @@ def _add_simulate(simulate: argparse.ArgumentParser) -> None:
 
 def _add_export(export: argparse.ArgumentParser) -> None:
     export.add_argument("run_dir", help="the run's output_dir")
-    export.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
-    export.add_argument("--out", help="destination folder (default: RUN_DIR/merged)")
+    export.add_argument("--merge", action="store_true", help="merge the adapter into the base weights: an HF folder")
+    export.add_argument("--out", help="with --merge: destination folder (default: RUN_DIR/merged)")
+    export.add_argument("--gguf", metavar="FILE", help="write the trained model (LoRA: merged) as one GGUF file, with its"
+                        " tokenizer and chat template, for llama.cpp, Ollama and LM Studio")
+    export.add_argument("--gguf-type", choices=("f16", "bf16", "q8_0"), default="f16",
+                        help="with --gguf: the weights' type (default f16; q8_0: 8-bit, about half the size)")
 
 
 RUN_DIR_HELP = ("a run's output_dir (LoRA: its adapter over the base, nothing merged), an adapter folder or a HF "
@@ -299,9 +304,21 @@ def _simulate(args: argparse.Namespace) -> None:
 def _export(args: argparse.Namespace) -> None:
     from slimtune import export
 
-    merged = export.merge_run(args.run_dir, args.out)
-    step = f"step {merged.step}" if merged.step is not None else "the result"
-    print(f"merged model ({step}, adapter from {merged.source}) written to {merged.folder}")
+    if not (args.merge or args.gguf):
+        raise UserError("say what to export: --merge (an HF folder), --gguf FILE (a GGUF file), or both.")
+    if args.out is not None and not args.merge:
+        raise UserError("--out names the merged folder; add --merge, or leave --out out with --gguf.")
+    if args.merge:
+        merged = export.merge_run(args.run_dir, args.out)
+        step = f"step {merged.step}" if merged.step is not None else "the result"
+        print(f"merged model ({step}, adapter from {merged.source}) written to {merged.folder}")
+    if args.gguf:
+        written, trained = export.write_gguf(args.run_dir, args.gguf, args.gguf_type, progress=sys.stderr.isatty())
+        step = f"step {trained.step}" if trained.step is not None else "the result"
+        print(f"GGUF {args.gguf_type} ({step}, from {trained.source}) written to {written.path}: {written.tensors}"
+              f" tensors, {written.bytes / 2**20:.1f} MiB")
+        for note in written.notes:
+            print(f"note: {note}")
 
 
 def _chat(args: argparse.Namespace) -> None:

@@ -97,18 +97,56 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     newest is the result (adapter/) unless a checkpoint holds a later step (a run stopped or killed
     after it resumed) or adapter/ is gone: then the checkpoint's adapter weights are merged, and the
     return says so. Where it writes is checked before anything loads (check_out)."""
-    from slimtune.model.stack import load_model, load_tokenizer
+    from slimtune.model.stack import load_tokenizer
 
-    run_dir = Path(run_dir)
-    config_path = run_dir / "config.yaml"
-    if not config_path.is_file():
-        raise UserError(f"'{run_dir}' is not a slimtune run folder (no config.yaml).")
-    cfg = yaml.safe_load(config_path.read_text())
+    run_dir, cfg = Path(run_dir), run_config(run_dir)
     if cfg["method"] == "full":
         raise UserError(f"'{run_dir}' was full fine-tuning; its model is already whole in {run_dir / 'model'}.")
     setting = "--out" if out is not None else "the export folder"
     out = Path(out) if out is not None else run_dir / "merged"
     check_out(run_dir, cfg, out, setting)
+    model, step, source = _merged(run_dir, cfg)
+    return Merged(save_model(model, load_tokenizer(cfg["model"]), out, kind="merged"), step, source)
+
+
+def run_config(run_dir: Path) -> dict:
+    """The config.yaml a run wrote, or one sentence saying `run_dir` is no run folder."""
+    config_path = Path(run_dir) / "config.yaml"
+    if not config_path.is_file():
+        raise UserError(f"'{run_dir}' is not a slimtune run folder (no config.yaml).")
+    return yaml.safe_load(config_path.read_text())
+
+
+@dataclass
+class Trained:
+    model: torch.nn.Module  # the whole trained model on the CPU, float32 (LoRA: merged)
+    tokenizer: object
+    step: int | None  # as Merged.step
+    source: Path  # the adapter or checkpoint merged (LoRA), or the model/ folder (full fine-tuning)
+
+
+def trained_model(run_dir: Path) -> Trained:
+    """The run's trained model, whole, in memory: LoRA's newest adapter merged into its base (as
+    merge_run merges it, nothing written), or a full run's model/."""
+    from slimtune.model.stack import load_model, load_tokenizer
+
+    run_dir, cfg = Path(run_dir), run_config(run_dir)
+    if cfg["method"] != "full":
+        model, step, source = _merged(run_dir, cfg)
+        return Trained(model, load_tokenizer(cfg["model"]), step, source)
+    folder = run_dir / "model"
+    if not folder.is_dir():
+        raise UserError(f"full fine-tuning run '{run_dir}' has no model/ yet: it has not finished a result.")
+    results.verify(folder, "model folder")
+    result = _recorded(run_dir)
+    model = load_model(folder, torch.float32, torch.device("cpu"))
+    return Trained(model, load_tokenizer(folder), result.get("step") if result else None, folder)
+
+
+def _merged(run_dir: Path, cfg: dict) -> tuple[torch.nn.Module, int | None, Path]:
+    """(base model with the newest adapter merged in, its step, where the adapter came from)."""
+    from slimtune.model.stack import load_model
+
     step, source = newest_adapter(run_dir)
     if source.name == "adapter":
         results.verify(source, "adapter folder")  # said before the base model loads
@@ -122,7 +160,34 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
             for name, tensor in load_file(str(source / "trainable.safetensors")).items():
                 params[name].copy_(tensor)
     lora.merge(model)
-    return Merged(save_model(model, load_tokenizer(cfg["model"]), out, kind="merged"), step, source)
+    return model, step, source
+
+
+def write_gguf(run_dir: Path, path: Path, file_type: str, progress: bool = True):
+    """The run's trained model (trained_model) as one GGUF file for llama.cpp and Ollama. Where it
+    writes is checked before anything loads: a GGUF file or nothing, and nowhere among what the run
+    and its inputs keep (the run's own files, the base model's folder, the data)."""
+    from slimtune.export_gguf import writer
+    from slimtune.model.stack import load_tokenizer
+
+    run_dir, cfg = Path(run_dir), run_config(run_dir)
+    path = Path(path)
+    writer.check_target(path)
+    results.check_kept(path, f"--gguf '{path}'", kept_by_run(run_dir, cfg, ()), "choose another file")
+    folder = run_dir / "model" if cfg["method"] == "full" else cfg["model"]
+    writer.check_model(_config(folder), load_tokenizer(folder))  # a layout it cannot map: said before loading
+    trained = trained_model(run_dir)
+    name = Path(str(cfg["model"])).name
+    return writer.write(trained.model, trained.tokenizer, path, file_type, name, progress), trained
+
+
+def _config(folder):
+    from transformers import AutoConfig
+
+    from slimtune.model.stack import read_config
+
+    read_config(folder)  # its sentences for a missing or foreign config.json
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True)
 
 
 def check_out(run_dir: Path, cfg: dict, out: Path, setting: str) -> None:
@@ -131,15 +196,24 @@ def check_out(run_dir: Path, cfg: dict, out: Path, setting: str) -> None:
     `setting`: how the sentences name it ("--out", or "the export folder" when it is the default)."""
     from slimtune.run import folder as run_folder
 
+    results.check_target(out, "merged", f"{setting} '{out}'", kept_by_run(run_dir, cfg, ("merged",)),
+                         "choose another --out")
+    run_folder.check_writable(out.resolve() if out.is_symlink() else out, setting, replaced=True)
+
+
+def kept_by_run(run_dir: Path, cfg: dict, replaceable: tuple[str, ...]) -> list[results.Kept]:
+    """What an export must not write over: the run's own files (but those named `replaceable`; the
+    run's folder itself may hold the export), the base model's folder and the data."""
+    from slimtune.run import folder as run_folder
+
     own = [results.Kept(run_dir, "the run's folder", inside_ok=True)]
     own += [results.Kept(run_dir / name, f"the run's {name}") for name in run_folder.RUN_FILES
-            if name != "merged" and (run_dir / name).exists()]
+            if name not in replaceable and (run_dir / name).exists()]
     data = cfg.get("data") or {}
     recorded = {"the base model's folder": cfg.get("model"), "the training data (data.path)": data.get("path"),
                 "the evaluation data (data.eval_path)": data.get("eval_path")}
     places = {what: results.trained_path(run_dir, cfg, str(value)) for what, value in recorded.items() if value}
-    results.check_target(out, "merged", f"{setting} '{out}'", own + results.existing(places), "choose another --out")
-    run_folder.check_writable(out.resolve() if out.is_symlink() else out, setting, replaced=True)
+    return own + results.existing(places)
 
 
 def newest_adapter(run_dir: Path) -> tuple[int | None, Path]:

@@ -29,7 +29,7 @@ LAYERS = (
     ("engines",),
     ("assembly",),
     ("planning", "run"),
-    ("export",),
+    ("export", "export_gguf"),
     ("serve", "train"),
     ("cli", "launch", "__main__", "demo"),
 )
