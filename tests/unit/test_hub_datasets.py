@@ -137,3 +137,16 @@ def test_an_uncached_hub_dataset_offline_is_one_sentence(tokenizer, offline):
     said = refusal(tokenizer, path="org/absent")
     assert said.startswith("data.path 'org/absent' is not in the datasets cache") and "HF_HUB_OFFLINE" in said
     assert "does not exist" in refusal(tokenizer, path="data/missing.jsonl")  # a file's name is never fetched
+
+
+def test_a_run_trains_on_a_hub_dataset_by_name_and_evaluates_on_its_second_split(tmp_path, tokenizer, offline,
+                                                                                monkeypatch, capsys):
+    from conftest import save_tiny_model
+    from slimtune import cli
+
+    cache_as_a_first_load_leaves_it(write_repository(tmp_path / "sums"), offline, "org/sums")
+    save_tiny_model(tmp_path / "model", tokenizer)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "--no-progress", "model=model", "data.path=org/sums", "data.eval_split=test",
+                     "data.max_length=32", "train.steps=2", "train.batch_size=4", "lora.rank=4", "output_dir=out"]) == 0
+    assert "30 train / 6 eval examples" in capsys.readouterr().out
