@@ -95,7 +95,8 @@ def _add_train(train: argparse.ArgumentParser) -> None:
 
 
 def _add_plan(plan: argparse.ArgumentParser) -> None:
-    plan.add_argument("--model", required=True, help="a preset name (e.g. Llama-3.1-8B) or a local HF folder")
+    plan.add_argument("--model", required=True, help="a preset name (e.g. Llama-3.1-8B), a local HF folder, or a"
+                      " Hub name (org/name: its config.json alone is fetched)")
     plan.add_argument("--gpu", required=True, help="a card name (rtx4090, h100, ...), a size (24GiB) or a probe JSON")
     plan.add_argument("--seq", type=int, default=2048, help="tokens per row (default 2048)")
     plan.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
@@ -134,8 +135,8 @@ def _add_export(export: argparse.ArgumentParser) -> None:
                         help="with --gguf: the weights' type (default f16; q8_0: 8-bit, about half the size)")
 
 
-RUN_DIR_HELP = ("a run's output_dir (LoRA: its adapter over the base, nothing merged), an adapter folder or a HF "
-                "model folder")
+RUN_DIR_HELP = ("a run's output_dir (LoRA: its adapter over the base, nothing merged), an adapter folder, a HF "
+                "model folder or a Hub model's name (org/name)")
 DEVICE_HELP = "auto (default: CUDA when present), cpu, cuda, cuda:N"
 
 
