@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -149,44 +150,115 @@ def test_nothing_cached_offline_is_one_sentence(cache, here, capsys):
     refused(capsys, train(), f"model '{NAME}' is not in the Hub cache", "HF_HUB_OFFLINE")
 
 
-class _Refusing(http.server.BaseHTTPRequestHandler):
-    """A Hub endpoint that refuses every request as the Hub refuses a gated model to someone without access."""
+@pytest.fixture()
+def online(here, monkeypatch):
+    """serve(handler) -> endpoint: a Hub endpoint on 127.0.0.1 answering with `handler`, as HF_ENDPOINT
+    names one, with an empty cache and no token (the values huggingface_hub read at import set too)."""
+    from huggingface_hub import constants
 
-    status, code = 401, "GatedRepo"
+    servers = []
 
-    def do_GET(self):  # noqa: N802 - the handler's name is http.server's
-        self.send_response(self.status)
-        if self.code:
-            self.send_header("X-Error-Code", self.code)
-        self.send_header("X-Error-Message", "Access to model tiny-org/tiny-llama is restricted.")
-        self.send_header("Content-Length", "0")
+    def serve(handler: type) -> str:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(here / "hub-cache"))
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        return endpoint
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+class _Endpoint(http.server.BaseHTTPRequestHandler):
+    def answer(self, status: int, body: bytes = b"", headers: dict | None = None) -> None:
+        self.send_response(status)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-
-    do_HEAD = do_GET
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def log_message(self, *args):
         pass
 
 
-@pytest.mark.parametrize("status,code", [(401, "GatedRepo"), (403, "GatedRepo"), (403, "")])
-def test_a_gated_model_without_access_says_how_to_get_it(here, monkeypatch, capsys, status, code):
-    from huggingface_hub import constants
+class _Refusing(_Endpoint):
+    """Every request refused, as the Hub refuses a gated model to someone without access."""
 
-    handler = type("Handler", (_Refusing,), {"status": status, "code": code})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        monkeypatch.setenv("HF_ENDPOINT", endpoint)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(here / "empty-cache"))
-        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-        refused(capsys, train(), f"model '{NAME}' is gated or private", f"HTTP {status}", "HF_TOKEN",
-                f"{endpoint}/{NAME}")
-    finally:
-        server.shutdown()
+    status, code = 401, "GatedRepo"
+
+    def do_GET(self):  # noqa: N802 - the handler's name is http.server's
+        self.answer(self.status, headers={"X-Error-Code": self.code} if self.code else {})
+
+    do_HEAD = do_GET
+
+
+class _Hub(_Endpoint):
+    """One model repository served at one commit as the Hub serves it: the repository's revision and file
+    tree (the API), and each file's bytes with its commit and etag (resolve). `asked` lists the files
+    whose bytes were asked for."""
+
+    files: dict[str, bytes] = {}
+    asked: list[str] = []
+
+    def do_GET(self):  # noqa: N802
+        path, api = self.path.split("?")[0], f"/api/models/{NAME}/"
+        resolve = re.match(rf"^/{NAME}/resolve/[^/]+/(.+)$", path)
+        if path.startswith(api + "revision/"):
+            self.answer(200, json.dumps({"id": NAME, "sha": COMMITS[1]}).encode())
+        elif path.startswith(api + "tree/"):
+            tree = [{"type": "file", "oid": hashlib.sha1(data).hexdigest(), "size": len(data), "path": name}
+                    for name, data in self.files.items()]
+            self.answer(200, json.dumps(tree).encode())
+        elif resolve and resolve.group(1) in self.files:
+            data = self.files[resolve.group(1)]
+            self.asked += [resolve.group(1)] if self.command == "GET" else []  # its bytes, not a HEAD
+            self.answer(200, data, {"X-Repo-Commit": COMMITS[1], "ETag": f'"{hashlib.sha256(data).hexdigest()}"'})
+        else:
+            self.answer(404, headers={"X-Error-Code": "EntryNotFound"})
+
+    do_HEAD = do_GET
+
+
+def hub_serving(files: dict[str, bytes]) -> type:
+    return type("Hub", (_Hub,), {"files": files, "asked": []})
+
+
+@pytest.mark.parametrize("status,code", [(401, "GatedRepo"), (403, "GatedRepo"), (403, "")])
+def test_a_gated_model_without_access_says_how_to_get_it(here, online, capsys, status, code):
+    endpoint = online(type("Refusing", (_Refusing,), {"status": status, "code": code}))
+    refused(capsys, train(), f"model '{NAME}' is gated or private", f"HTTP {status}", "HF_TOKEN", f"{endpoint}/{NAME}")
+
+
+def test_a_fetch_takes_only_what_training_reads_and_trains_from_it(here, online):
+    model = {path.name: path.read_bytes() for path in (here / "model").iterdir()}
+    extra = {"consolidated.safetensors": model["model.safetensors"], "pytorch_model.bin": b"pickled",
+             "README.md": b"# tiny", "onnx/model.onnx": b"onnx"}
+    hub_endpoint = hub_serving({**model, **extra})
+    online(hub_endpoint)
+    assert train() == 0
+    assert sorted(hub_endpoint.asked) == sorted(model)  # each file once; nothing else
+    snapshot = here / "hub-cache" / "models--tiny-org--tiny-llama" / "snapshots" / COMMITS[1]
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(model)
+    assert json.loads((here / "out" / "run.json").read_text())["identity"]["model_commit"] == COMMITS[1]
+
+
+def test_pickle_only_weights_online_are_refused_before_anything_is_fetched(here, online, capsys):
+    hub_endpoint = hub_serving({"config.json": (here / "model" / "config.json").read_bytes(),
+                                "pytorch_model.bin": b"not to be unpickled"})
+    online(hub_endpoint)
+    refused(capsys, train(), "pytorch_model.bin", "never loads")
+    assert hub_endpoint.asked == []
 
 
 def test_plan_from_the_cached_config_alone_equals_the_local_folders(cache, here, capsys):
