@@ -68,7 +68,7 @@ def folder(model: str, revision: str | None = None) -> str:
     except Exception as err:  # noqa: BLE001 - every fetch failure is said as one sentence, or re-raised
         raise _fetch_error(err, model, revision) from None
     if listing is None:  # offline: the cached snapshot is all there is to look at
-        _refuse_pickle_only(model, [p.name for p in Path(snapshot).iterdir()])
+        _refuse_cached_without_weights(model, snapshot)
     return snapshot
 
 
@@ -84,9 +84,12 @@ def origin(path: str | Path) -> tuple[str, str] | None:
 def config_folder(name: str) -> str:
     """The snapshot folder holding `name`'s config.json, fetching that file alone (what plan reads)."""
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RemoteEntryNotFoundError
 
     try:
         return str(Path(hf_hub_download(name, "config.json")).parent)
+    except RemoteEntryNotFoundError:
+        raise UserError(f"model '{name}' has no config.json on the Hub; it is not a transformers model.") from None
     except Exception as err:  # noqa: BLE001
         raise _fetch_error(err, name, None) from None
 
@@ -131,6 +134,16 @@ def _refuse_pickle_only(name: str, files: list[str]) -> None:
     raise UserError(f"model '{name}' has no .safetensors weights on the Hub; slimtune loads safetensors only.")
 
 
+def _refuse_cached_without_weights(name: str, snapshot: str) -> None:
+    """Offline, a cached snapshot may be part of one: `slimtune plan` fetches config.json alone."""
+    files = [p.name for p in Path(snapshot).iterdir()]
+    if any(f.endswith(".safetensors") for f in files) or any(f.endswith(_PICKLED) for f in files):
+        _refuse_pickle_only(name, files)
+        return
+    raise UserError(f"the cached copy of model '{name}' ({snapshot}) holds no weights (only part of it was fetched,"
+                    " e.g. by slimtune plan) and the Hub cannot be asked; fetch it once with a connection.")
+
+
 def _fetch_error(err: BaseException, name: str, revision: str | None) -> BaseException:
     """The sentence for a failed fetch of `name`; an error no user causes is handed back as it is."""
     from huggingface_hub import constants
@@ -153,12 +166,10 @@ def _fetch_error(err: BaseException, name: str, revision: str | None) -> BaseExc
                          " it; run again with a connection.")
     if isinstance(err, hub.LocalEntryNotFoundError):
         at = f" at revision '{revision}'" if revision else ""
+        missing = f"model '{name}' is not a local folder, and{at} it is not in the Hub cache ({constants.HF_HUB_CACHE})"
         if constants.is_offline_mode():
-            return UserError(f"model '{name}'{at} is not in the Hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE"
-                             " is set, so it cannot be fetched; fetch it once with a connection, or unset"
-                             " HF_HUB_OFFLINE.")
-        return UserError(f"model '{name}'{at} is not in the Hub cache ({constants.HF_HUB_CACHE}) and the Hub cannot be"
-                         " reached; check the connection (or HF_ENDPOINT) and run again.")
-    if isinstance(err, hub.EntryNotFoundError):
-        return UserError(f"model '{name}' has no config.json on the Hub; it is not a transformers model.")
+            return UserError(f"{missing} while HF_HUB_OFFLINE is set, so it cannot be fetched; fetch it once with a"
+                             " connection, or unset HF_HUB_OFFLINE.")
+        return UserError(f"{missing} and the Hub cannot be reached; check the connection (or HF_ENDPOINT) and run"
+                         " again.")
     return err

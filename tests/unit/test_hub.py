@@ -117,7 +117,7 @@ def test_a_revision_pins_the_snapshot_a_branch_tag_or_commit_names(cache, here, 
 
 def test_a_revision_the_cache_lacks_offline_is_one_sentence(cache, here, capsys):
     put_snapshot(cache, NAME, here / "model", COMMITS[0])
-    refused(capsys, train("model_revision=v2"), f"model '{NAME}' at revision 'v2' is not in the Hub cache",
+    refused(capsys, train("model_revision=v2"), f"model '{NAME}' is not a local folder, and at revision 'v2' it is not in the Hub cache",
             "HF_HUB_OFFLINE")
 
 
@@ -146,8 +146,14 @@ def test_pickle_only_weights_are_refused_unread(cache, here, capsys):
     refused(capsys, train(), f"model '{NAME}'", "pytorch_model.bin", "pickle")
 
 
+def test_a_cached_config_without_weights_offline_is_one_sentence(cache, here, capsys):
+    put_snapshot(cache, NAME, here / "model", COMMITS[0], only=("config.json",))  # what `slimtune plan` fetched
+    refused(capsys, train(), f"the cached copy of model '{NAME}'", "holds no weights", "slimtune plan")
+
+
 def test_nothing_cached_offline_is_one_sentence(cache, here, capsys):
-    refused(capsys, train(), f"model '{NAME}' is not in the Hub cache", "HF_HUB_OFFLINE")
+    refused(capsys, train(), f"model '{NAME}' is not a local folder, and it is not in the Hub cache",
+            "HF_HUB_OFFLINE")
 
 
 @pytest.fixture()
