@@ -96,10 +96,10 @@ def config_folder(name: str) -> str:
 
 def _patterns(listing: list[str] | None) -> list[str]:
     """The files to fetch: the standard weights' names when the repository uses them (a Mistral repository
-    also holds consolidated.safetensors, the same weights again), else any top-level safetensors file."""
-    standard = listing is None or any(
-        name in ("model.safetensors", "model.safetensors.index.json") for name in listing)
-    return _CONFIG + _TOKENIZER + (_STANDARD_WEIGHTS if standard else ["*.safetensors", "*.safetensors.index.json"])
+    also holds consolidated.safetensors, the same weights again), else its top-level safetensors files."""
+    if listing is None or any(name in ("model.safetensors", "model.safetensors.index.json") for name in listing):
+        return _CONFIG + _TOKENIZER + _STANDARD_WEIGHTS
+    return _CONFIG + _TOKENIZER + [f for f in listing if f.endswith((".safetensors", ".safetensors.index.json"))]
 
 
 def _repo_files(name: str, revision: str | None) -> list[str] | None:
