@@ -76,12 +76,16 @@ class Run(ctypes.Structure):
                 *((f"{m}_coded", Coded) for m in MOMENTS)]
 
 
-def run_of(numel: int, tensors: dict[str, torch.Tensor], threads: int, empty_grad: bool = False) -> Run:
-    """The Run for tensors that _readable accepted."""
+def run_of(numel: int, tensors: dict[str, torch.Tensor], threads: int, empty_grad: bool = False,
+           fast: bool | None = None) -> Run:
+    """The Run for tensors that _readable accepted; 8-bit moments on the VBMI path where `fast` (by
+    default where it runs here), else on the portable loops."""
     coded = "exp_avg_codes" in tensors
     pointers = {role: t.data_ptr() for role, t in tensors.items() if t is not None}
-    codings = [Coded(pointers[f"{m}_codes"], pointers[f"{m}_absmax"], *_tables(SIGNED[m]), _fast_address(SIGNED[m]))
-               if coded else Coded() for m in MOMENTS]
+    fast = _fast_wanted() if fast is None and coded else fast
+    codings = [Coded(pointers[f"{m}_codes"], pointers[f"{m}_absmax"], *_tables(SIGNED[m]),
+                     ctypes.addressof(fast_tables(SIGNED[m])) if fast else None) if coded else Coded()
+               for m in MOMENTS]
     return Run(numel, numel - numel % SCALAR_TAIL, "weight" in pointers, tensors["grad"].dtype == torch.bfloat16,
                empty_grad, threads, *(pointers.get(role) for role in ROLES), coded, *codings)
 
@@ -106,13 +110,64 @@ def _held_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return code, packed.to(torch.int32)
 
 
-def _fast_address(signed: bool) -> int | None:
-    """The address of the VBMI path's tables for one map, or None (the portable loops) where the
-    library lacks that path or SLIMTUNE_NATIVE_VBMI=0 asks for the portable one."""
+def _fast_wanted() -> bool:
+    """8-bit moments take the VBMI path: the library has it, it passed its check here, and
+    SLIMTUNE_NATIVE_VBMI=0 does not ask for the portable loops."""
+    return os.environ.get(VBMI_ENV, "1") != "0" and fast_path()
+
+
+@functools.cache
+def fast_path() -> bool:
+    """The library has the VBMI path and it leaves the portable loops' bits on this machine (which
+    the tests and the torch check hold to moments8 and torch): codes at every midpoint of both maps
+    and the fp32 numbers either side, and three steps of the split layout over blocks of every kind
+    (a few milliseconds, once a process)."""
     lib = library()
-    if lib is None or not lib.slimtune_fast_8bit() or os.environ.get(VBMI_ENV, "1") == "0":
-        return None
-    return ctypes.addressof(fast_tables(signed))
+    if lib is None or not lib.slimtune_fast_8bit():
+        return False
+    with _disable_current_modes():
+        agrees = _fast_codes_agree(lib) and _fast_steps_agree(lib)
+    if not agrees:
+        build.say_once("the native host AdamW's VBMI path does not give its portable loops' bits on this machine: "
+                       "8-bit moments take the portable loops.")
+    return agrees
+
+
+def _fast_codes_agree(lib: ctypes.CDLL) -> bool:
+    for signed in (True, False):
+        mids = (lambda code: (code[:-1] + code[1:]) / 2)(moments8.dynamic_map(signed))
+        near = (mids.view(torch.int32)[:, None] + torch.arange(-2, 3, dtype=torch.int32)).flatten().view(torch.float32)
+        values = torch.cat([near, -near]) if signed else near
+        values = torch.cat([values, values.new_ones(-values.numel() % BLOCK)])  # whole blocks, absmax 1
+        codes = [torch.empty(values.numel(), dtype=torch.uint8) for _ in range(2)]
+        absmax = [torch.empty(values.numel() // BLOCK) for _ in range(2)]
+        for k, fast in enumerate((ctypes.addressof(fast_tables(signed)), None)):
+            coded = Coded(codes[k].data_ptr(), absmax[k].data_ptr(), *_tables(signed), fast)
+            lib.slimtune_encode(ctypes.byref(coded), ctypes.c_int64(values.numel()), ctypes.c_void_p(values.data_ptr()))
+        if not (torch.equal(codes[0], codes[1]) and torch.equal(absmax[0], absmax[1])):
+            return False
+    return True
+
+
+def _fast_steps_agree(lib: ctypes.CDLL) -> bool:
+    numel, generator = 4 * BLOCK + 37, torch.Generator().manual_seed(0)
+    settings = types.SimpleNamespace(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+    master = torch.randn(numel, generator=generator)
+    weight = master.bfloat16()
+    start = {"weight": weight, "residual": (master.view(torch.int32) - (weight.view(torch.int16).to(torch.int32) << 16))
+             .clamp(-32768, 32767).to(torch.int16),
+             **{f"{m}_codes": torch.randint(0, 256, (numel,), generator=generator, dtype=torch.uint8) for m in MOMENTS},
+             **{f"{m}_absmax": torch.rand(numel // BLOCK + 1, generator=generator) for m in MOMENTS}}
+    start["exp_avg_absmax"][0] = 0.0  # a block of zeros
+    grads = [torch.randn(numel, generator=generator).bfloat16() for _ in range(3)]
+    ends = []
+    for fast in (True, False):
+        tensors = {name: t.clone() for name, t in start.items()}
+        for step_count, grad in enumerate(grads, 1):
+            run = run_of(numel, {**tensors, "grad": grad.clone()}, 1, fast=fast)
+            lib.slimtune_adamw(ctypes.byref(run), ctypes.byref(constants(settings, float(step_count), 0.5)))
+        ends.append(tensors)
+    return all(torch.equal(ends[0][name].view(torch.uint8), ends[1][name].view(torch.uint8)) for name in start)
 
 
 FIXED = 1 << 10  # adamw.c's counts in 1/1024ths
