@@ -129,8 +129,8 @@ def _add_export(export: argparse.ArgumentParser) -> None:
     export.add_argument("run_dir", help="the run's output_dir")
     export.add_argument("--merge", action="store_true", help="merge the adapter into the base weights: an HF folder")
     export.add_argument("--out", help="with --merge: destination folder (default: RUN_DIR/merged)")
-    export.add_argument("--gguf", metavar="FILE", help="write the trained model (LoRA: merged) as one GGUF file, with its"
-                        " tokenizer and chat template, for llama.cpp, Ollama and LM Studio")
+    export.add_argument("--gguf", metavar="FILE", help="write the trained model (LoRA: merged) as one GGUF file, with"
+                        " its tokenizer and chat template, for llama.cpp, Ollama and LM Studio")
     export.add_argument("--gguf-type", choices=("f16", "bf16", "q8_0"), default="f16",
                         help="with --gguf: the weights' type (default f16; q8_0: 8-bit, about half the size)")
 

@@ -15,11 +15,11 @@ from slimtune.errors import UserError
 # GPT-2's split, which ByteLevel(use_regex=True) applies on its own.
 GPT2 = "gpt2"
 # Split patterns of tokenizer.json files, by the name llama.cpp gives the same split.
+CONTRACTIONS_AND_LETTERS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+PUNCTUATION_AND_SPACES = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 SPLITS = {
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
-        "llama-bpe",  # Llama 3
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
-        "qwen2",  # Qwen2, Qwen2.5, Qwen3
+    CONTRACTIONS_AND_LETTERS + r"\p{N}{1,3}" + PUNCTUATION_AND_SPACES: "llama-bpe",  # Llama 3: digits in threes
+    CONTRACTIONS_AND_LETTERS + r"\p{N}" + PUNCTUATION_AND_SPACES: "qwen2",  # Qwen2, Qwen2.5, Qwen3: digits alone
 }
 
 # llama.cpp's token kinds (gguf.TokenType)

@@ -30,9 +30,10 @@ PAGES = sorted([ROOT / "README.md", *ROOT.glob("CONTRIBUTING.md"), *(ROOT / "doc
 # the examples use.
 FOREIGN = {"torch", "F", "nn", "peft", "transformers", "AutoModelForCausalLM", "bitsandbytes", "datasets",
            "mlflow", "wandb", "np", "os", "sys", "json", "math", "cfg", "self", "e", "i",
-           "resumed"}  # resumed.<key>: the tag MLflow gets for a setting a resume changed
+           "resumed",  # resumed.<key>: the tag MLflow gets for a setting a resume changed
+           "llama"}  # llama.cpp
 # Names ending in one of these are file names (a .py one is checked as a path).
-FILE_SUFFIXES = {"py", "md", "yaml", "yml", "json", "jsonl", "safetensors", "pt", "png", "txt", "sh", "jinja",
+FILE_SUFFIXES = {"py", "md", "yaml", "yml", "json", "jsonl", "safetensors", "gguf", "pt", "png", "txt", "sh", "jinja",
                  "csv", "parquet", "toml", "lock", "internal"}
 SKIP_DIRS = {".git", ".venv", "runs", "models", "__pycache__", "build", ".device_kit"}
 

@@ -84,8 +84,8 @@ def test_rotary_row_order_keeps_attention_scores():
     cpp_scores = adjacent_pairs(q2) @ adjacent_pairs(k2).repeat_interleave(heads // kv_heads, 0).transpose(-1, -2)
     torch.testing.assert_close(cpp_scores, hf_scores)
     plain = (x @ wq.T).view(steps, heads, d).transpose(0, 1)
-    assert not torch.allclose(adjacent_pairs(plain) @ adjacent_pairs(plain).transpose(-1, -2),
-                              q[0] @ q[0].transpose(-1, -2)), "without the reorder the scores differ: a test that can fail"
+    unordered = adjacent_pairs(plain) @ adjacent_pairs(plain).transpose(-1, -2)
+    assert not torch.allclose(unordered, q[0] @ q[0].transpose(-1, -2)), "without the reorder the scores differ"
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +188,55 @@ def test_every_tensor_of_a_llama_with_biases_and_its_own_head_lands_under_its_na
     field = lambda key: reader.fields[key].contents()  # noqa: E731
     assert (field("general.architecture"), field("llama.block_count"), field("llama.attention.head_count_kv"),
             field("llama.rope.dimension_count"), field("tokenizer.ggml.model")) == ("llama", 2, 2, 8, "gpt2")
+
+
+SPLIT_TEXT = "we paid 123 and 4567 for it.\n\nI'LL say:hello 89"
+
+
+def with_pre_tokenizer(steps: list):
+    """A byte-level BPE tokenizer trained (GPT-2's split) on numbers after spaces, so that it holds
+    tokens like "Ġ12" that other splits never form, then set to split text by `steps`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([SPLIT_TEXT, "paid 12 34 567 and 4567, 89 123 for it"] * 20, trainer)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-bpe"])
+def test_a_split_llama_cpp_knows_by_name_reads_back_splitting_alike(tokenizer, tmp_path, name):
+    from gguf import GGUFReader
+    from tokenizers import Regex, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    from slimtune.export_gguf import vocab
+
+    pattern = next(regex for regex, known in vocab.SPLITS.items() if known == name)
+    split = with_pre_tokenizer([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    gpt2 = with_pre_tokenizer([pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    assert split(SPLIT_TEXT)["input_ids"] != gpt2(SPLIT_TEXT)["input_ids"]  # the split shows in the ids
+    model = random_model("qwen2", split)
+    path = writer.write(model, split, tmp_path / "t.gguf", "f16", "t", progress=False).path
+    assert GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == name
+    read_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert read_tokenizer(SPLIT_TEXT)["input_ids"] == split(SPLIT_TEXT)["input_ids"]
+
+
+def test_a_split_llama_cpp_does_not_name_is_refused(tokenizer, tmp_path):
+    from tokenizers import Regex, pre_tokenizers
+
+    odd = with_pre_tokenizer([pre_tokenizers.Split(Regex(r"\w+|\W"), behavior="isolated"),
+                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    with pytest.raises(Exception, match=r"pre-tokenizer \(Split \+ ByteLevel\) is not one llama.cpp knows by name"):
+        writer.write(random_model("qwen2", odd), odd, tmp_path / "t.gguf", "f16", progress=False)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_sliding_window_caps_the_stated_context(tokenizer, tmp_path):
