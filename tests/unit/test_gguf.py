@@ -306,13 +306,36 @@ def test_a_lora_run_exports_merged_through_the_cli(tokenizer, tmp_path, capsys):
     assert relative_error(back, base_logits) > 0.05  # the adapter is in it: a test that can fail
 
 
-def test_a_layout_llama_cpp_cannot_map_is_refused_in_one_sentence(tokenizer, tmp_path, capsys):
-    base = save_tiny_model(tmp_path / "base", tokenizer, "qwen3", attention_bias=True)
+def full_run(tmp_path: Path, tokenizer, family: str = "llama", **overrides) -> Path:
+    """A full fine-tuning run folder as training leaves it: config.yaml and model/."""
+    base = save_tiny_model(tmp_path / "base", tokenizer, family, **overrides)
     run = tmp_path / "run"
     (run / "model").mkdir(parents=True)
     for f in base.iterdir():
         (run / "model" / f.name).write_bytes(f.read_bytes())
     (run / "config.yaml").write_text(json.dumps({"model": str(base), "method": "full"}))
+    return run
+
+
+def test_a_full_run_exports_its_model_and_export_says_what_to_do_without_a_target(tokenizer, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    run = full_run(tmp_path, tokenizer, seed=3)
+    assert cli.main(["export", str(run), "--gguf", str(tmp_path / "full.gguf"), "--gguf-type", "bf16"]) == 0
+    assert f"from {run / 'model'}" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(str(run / "model"), dtype=torch.float32).eval()
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
+    assert relative_error(logits(read_back(tmp_path / "full.gguf"), ids), logits(model, ids)) < RELATIVE["bf16"]
+    capsys.readouterr()  # the reader's progress bar
+    assert cli.main(["export", str(run)]) == 2
+    assert capsys.readouterr().err.strip() == ("slimtune: error: say what to export: --merge (an HF folder),"
+                                               " --gguf FILE (a GGUF file), or both.")
+    assert cli.main(["export", str(run), "--gguf", str(run / "model" / "x.gguf")]) == 2
+    assert "lies inside the run's model" in capsys.readouterr().err
+
+
+def test_a_layout_llama_cpp_cannot_map_is_refused_in_one_sentence(tokenizer, tmp_path, capsys):
+    run = full_run(tmp_path, tokenizer, "qwen3", attention_bias=True)
     assert cli.main(["export", str(run), "--gguf", str(tmp_path / "x.gguf")]) == 2
     said = capsys.readouterr().err.strip()
     assert said == ("slimtune: error: bias 'model.layers.0.self_attn.q_proj.bias' has no place in llama.cpp's qwen3"
