@@ -10,6 +10,11 @@
   8-bit blocks of zeros, overflowing, subnormal and NaN numbers; on 1 and 2 threads; and through
   HostAdam.update, whose layouts take it. The kernel's 8-bit coding against moments8's quantizer at
   every midpoint of both maps and its neighbours.
+- 8-bit moments on both of the kernel's paths (the AVX-512 VBMI one where this machine runs it, and
+  the portable loops, SLIMTUNE_NATIVE_VBMI=0): the VBMI coding against moments8's quantizer on every
+  code, every midpoint and its fp32 neighbours, every boundary of its segments, a sweep across all of
+  fp32's binades, and blocks of zeros, subnormals, absmax at and around 1e-38, huge, infinite and NaN
+  numbers; steps of every run length mod 16, 64 and 256 against the tile path.
 - Building: a library is compiled once into the cache folder under its hash and loaded from there
   after; no compiler, or a failing one, means one line on stderr and the torch path, never an error.
 """
@@ -39,6 +44,19 @@ def needs_the_library(monkeypatch):
     if build.compiler() is None:
         pytest.skip("no C compiler on this machine: the torch path runs, and is tested elsewhere")
     assert native.library() is not None
+
+
+PATHS = ("vbmi", "portable")  # the kernel's two paths for 8-bit moments
+
+
+@pytest.fixture
+def eight_bit_path(request, monkeypatch):
+    """SLIMTUNE_NATIVE_VBMI for the path named by the test's `path` parameter; the VBMI path is
+    skipped where this machine does not run it (no AVX-512 VBMI, or it failed its load check)."""
+    if request.param == "vbmi" and not native.fast_path():
+        pytest.skip("this machine does not run the VBMI path")
+    monkeypatch.setenv(native.VBMI_ENV, "1" if request.param == "vbmi" else "0")
+    return request.param
 
 
 def spread(numel: int, generator: torch.Generator, low: int, high: int) -> torch.Tensor:
@@ -208,6 +226,26 @@ def test_masters_at_the_edges_of_the_split_equal_the_tile_path(monkeypatch):
     both_paths(monkeypatch, edge_masters(), split=False, grad_dtype=torch.float32, shadow=True)
 
 
+@pytest.mark.parametrize("eight_bit_path", PATHS, indirect=True)
+def test_8bit_split_layout_on_each_path_equals_the_tile_path(monkeypatch, eight_bit_path):
+    """The layout the VBMI path fuses (split master, bf16 gradient), with and without a shadow, on
+    both paths: three tiles and a partial block."""
+    masters = torch.randn(3 * tiled_adamw.TILE + 11, generator=torch.Generator().manual_seed(2))
+    for shadow in (False, True):
+        both_paths(monkeypatch, masters, split=True, grad_dtype=torch.bfloat16, shadow=shadow, coded=True)
+
+
+@pytest.mark.parametrize("eight_bit_path", PATHS, indirect=True)
+def test_8bit_runs_of_every_length_mod_16_64_and_256_equal_the_tile_path(monkeypatch, eight_bit_path):
+    """Whole blocks on the fused loop, the last partial block and the scalar tail on the portable
+    one: lengths around 16, 64 and 256 and their multiples, one layout fused and one not."""
+    lengths = (1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 263, 511, 512, 520, 3 * 256 + 100, 4 * 256 + 255)
+    for numel in lengths:
+        masters = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+        both_paths(monkeypatch, masters, steps=2, split=True, grad_dtype=torch.bfloat16, shadow=False, coded=True)
+        both_paths(monkeypatch, masters, steps=2, split=False, grad_dtype=torch.float32, shadow=True, coded=True)
+
+
 @pytest.mark.parametrize("coded", [False, True], ids=["fp32_moments", "8bit_moments"])
 def test_two_threads_leave_the_bits_of_one(monkeypatch, coded):
     for numel in (255, 257, 2 * 256 + 7, 100_003):
@@ -215,7 +253,8 @@ def test_two_threads_leave_the_bits_of_one(monkeypatch, coded):
         both_paths(monkeypatch, masters, threads=2, split=True, grad_dtype=torch.bfloat16, shadow=False, coded=coded)
 
 
-def test_8bit_blocks_of_zeros_huge_and_tiny_numbers_equal_the_tile_path(monkeypatch):
+@pytest.mark.parametrize("eight_bit_path", PATHS, indirect=True)
+def test_8bit_blocks_of_zeros_huge_and_tiny_numbers_equal_the_tile_path(monkeypatch, eight_bit_path):
     """Blocks whose moments come out all zero (zero gradients from zero moments), a block of
     gradients near fp32's top (v overflows to inf throughout its block), a block of subnormal
     gradients (absmax under 1e-38), and a NaN gradient (its moments' blocks come back NaN
@@ -291,26 +330,88 @@ def test_tensors_the_kernel_cannot_read_are_left_to_the_tile_path():
     assert torch.equal(s["master"], state(64, 0)["master"])  # nothing was done
 
 
+def kernel_codes_equal_moments8s(values: torch.Tensor, signed: bool, path: str) -> None:
+    """values coded by the kernel's coding alone (slimtune_encode: absmax and codes a block at a
+    time) on one path, and by moments8's quantizer: the same absmax and codes."""
+    ours, theirs = moments8.Moment8(values.numel(), signed), moments8.Moment8(values.numel(), signed)
+    theirs.quantize(0, values.numel(), values)
+    fast = ctypes.addressof(native.fast_tables(signed)) if path == "vbmi" else None
+    coded = native.Coded(ours.codes.data_ptr(), ours.absmax.data_ptr(), *native._tables(signed), fast)
+    native.library().slimtune_encode(ctypes.byref(coded), ctypes.c_int64(values.numel()),
+                                     ctypes.c_void_p(values.data_ptr()))
+    assert same_bits(ours.absmax, theirs.absmax)
+    assert torch.equal(ours.codes, theirs.codes), int((ours.codes != theirs.codes).sum())
+
+
+def blocks_of_absmax_one(values: torch.Tensor) -> torch.Tensor:
+    """values in blocks of 255 and a 1.0 (so each block's numbers are coded as they are)."""
+    blocks = values.reshape(-1)[: values.numel() // 255 * 255].view(-1, 255)
+    return torch.cat([blocks, torch.ones(blocks.shape[0], 1)], dim=1).flatten().contiguous()
+
+
+@pytest.mark.parametrize("eight_bit_path", PATHS, indirect=True)
 @pytest.mark.parametrize("signed", [True, False], ids=["m_map", "v_map"])
-def test_8bit_codes_at_every_midpoint_and_its_neighbours_are_moments8s(signed):
-    """The kernel's one-table lookup (a midpoint's low 16 bits compared within its bucket) against
-    moments8's quantizer, on blocks whose absmax is 1: every midpoint of the map, the 4 fp32 numbers
-    either side of it, both signs, every map value, and numbers across all of fp32's binades."""
+def test_8bit_codes_at_every_midpoint_and_its_neighbours_are_moments8s(signed, eight_bit_path):
+    """The kernel's coding against moments8's quantizer, on blocks whose absmax is 1: every midpoint
+    of the map, the 4 fp32 numbers either side of it, both signs, every map value and its
+    neighbours, and numbers across all of fp32's binades."""
     code = moments8.dynamic_map(signed)
     mids = (code[:-1] + code[1:]) / 2
-    bits = mids.view(torch.int32)[:, None] + torch.arange(-4, 5, dtype=torch.int32)[None, :]
+    around = torch.arange(-4, 5, dtype=torch.int32)[None, :]
+    bits = torch.cat([(mids.view(torch.int32)[:, None] + around).flatten(),
+                      (code.view(torch.int32)[:, None] + around[:, 2:-2]).flatten()])
     binades = torch.ldexp(torch.ones(300), torch.arange(-150, 150)).float()
-    values = torch.cat([bits.flatten().view(torch.float32), code, binades.clamp(max=1.0), torch.rand(2000)])
+    values = torch.cat([bits.view(torch.float32), code, binades.clamp(max=1.0), torch.rand(2000)])
+    values = values[torch.isfinite(values)]  # (below +0's bits lie NaNs)
     values = torch.cat([values, -values]) if signed else values.abs()
-    blocks = values.reshape(-1)[: values.numel() // 255 * 255].view(-1, 255)
-    blocks = torch.cat([blocks, torch.ones(blocks.shape[0], 1)], dim=1).flatten().contiguous()  # absmax 1
-    ours, theirs = moments8.Moment8(blocks.numel(), signed), moments8.Moment8(blocks.numel(), signed)
-    theirs.quantize(0, blocks.numel(), blocks)
-    coded = native.Coded(ours.codes.data_ptr(), ours.absmax.data_ptr(), *native._tables(signed))
-    native.library().slimtune_encode(ctypes.byref(coded), ctypes.c_int64(blocks.numel()),
-                                     ctypes.c_void_p(blocks.data_ptr()))
-    assert torch.equal(ours.absmax, theirs.absmax)
-    assert torch.equal(ours.codes, theirs.codes)
+    kernel_codes_equal_moments8s(blocks_of_absmax_one(values), signed, eight_bit_path)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["m_map", "v_map"])
+def test_vbmi_codes_across_fp32_and_at_its_segment_boundaries_are_moments8s(signed):
+    """The VBMI coding counts midpoints by each decade's line, so its edges are where the line
+    changes and where it lands near a step: every bit pattern in a sweep from 0 to just past 1 (a
+    stride of 4099, all binades, both signs), the 64 fp32 numbers either side of every segment
+    boundary and of every power of two and of ten in range, +-0 and the smallest subnormal. (Every
+    fp32 number up to 1 + 2000 ulp, both signs, was checked once offline: benchmarks/docs/
+    host_adam_bandwidth.md.)"""
+    if not native.fast_path():
+        pytest.skip("this machine does not run the VBMI path")
+    fast = native.fast_tables(signed)
+    one = torch.tensor(1.0).view(torch.int32).item()
+    sweep = torch.arange(0, one + 2000, 4099, dtype=torch.int32)
+    edges = torch.tensor([b for b in fast.threshold if b not in (0, 0x40000000)]  # (0, 2.0: no boundary)
+                         + [torch.tensor(10.0 ** -k).float().view(torch.int32).item() for k in range(0, 9)]
+                         + [(127 + e) << 23 for e in range(-30, 1)], dtype=torch.int32)
+    near = (edges[:, None] + torch.arange(-64, 65, dtype=torch.int32)[None, :]).flatten()
+    values = torch.cat([sweep, near, torch.tensor([0, 1], dtype=torch.int32)]).view(torch.float32)
+    assert values.isfinite().all()
+    values = torch.cat([values, -values]) if signed else values
+    kernel_codes_equal_moments8s(blocks_of_absmax_one(values), signed, "vbmi")
+
+
+@pytest.mark.parametrize("eight_bit_path", PATHS, indirect=True)
+@pytest.mark.parametrize("signed", [True, False], ids=["m_map", "v_map"])
+def test_8bit_blocks_at_the_edges_of_the_absmax_are_coded_as_moments8_does(signed, eight_bit_path):
+    """Whole blocks on the VBMI path whose absmax is 0, subnormal, just under, at and just over 1e-38
+    (the floor of the scale), near fp32's top, infinite or NaN (those whole blocks go to the
+    portable coding), a lone -0; then the last partial block of lengths 255, 257 and 300."""
+    g = torch.Generator().manual_seed(3)
+    sign = (lambda x: x) if signed else torch.abs
+    tiny = torch.tensor([1, 0x7FFFFF, 0x006CE3ED, 0x006CE3EE, 0x006CE3EF], dtype=torch.int32)
+    blocks = [torch.zeros(256), torch.full((256,), -0.0), torch.rand(256, generator=g) * 1e-40]
+    for bits in tiny:  # absmax a subnormal, 1e-38 and its neighbours
+        block = torch.rand(256, generator=g) * bits.view(torch.float32)
+        block[17] = bits.view(torch.float32)
+        blocks.append(block)
+    blocks += [torch.randn(256, generator=g) * 1e38, torch.randn(256, generator=g)]
+    blocks[-1][5] = float("inf")
+    blocks.append(torch.randn(256, generator=g))
+    blocks[-1][200] = float("nan")
+    values = sign(torch.cat(blocks))
+    kernel_codes_equal_moments8s(values, signed, eight_bit_path)
+    for numel in (255, 257, 300):
+        kernel_codes_equal_moments8s(sign(torch.randn(numel, generator=g)), signed, eight_bit_path)
 
 
 # ---------------------------------------------------------------- building and falling back
@@ -327,6 +428,28 @@ def test_a_library_is_built_once_into_the_cache_under_its_hash(tmp_path, monkeyp
     assert built == [build.library_path(build.HERE / "adamw.c", build.compiler(), native.isa())]
     monkeypatch.setattr(build, "_build", lambda *a: pytest.fail("rebuilt a library the cache holds"))
     assert build.load("adamw.c", native.isa()) is not None
+
+
+def test_a_library_built_without_vbmi_has_only_the_portable_loops_and_their_bits(tmp_path, monkeypatch):
+    """Built for a CPU without AVX-512 VBMI (the flags isa() gives such a machine), the library says
+    it has no VBMI path, and its portable loops leave the bits of this machine's default library."""
+    flags = tuple(f for f in native.isa() or () if f not in native.VBMI)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    plain = build.load("adamw.c", flags)
+    assert plain is not None and plain.slimtune_fast_8bit() == 0
+    numel, hyper = 5 * 256 + 77, CASES["defaults"][0]
+    runs = []
+    for lib, fast in ((plain, False), (native.library(), native.fast_path())):
+        forms, held = layout_forms(split=True, grad_dtype=torch.bfloat16, shadow=False,
+                                   masters=torch.randn(numel, generator=torch.Generator().manual_seed(1)), seed=3,
+                                   coded=True)
+        tensors = {"weight": held[0], "residual": held[1], "grad": held[2], "exp_avg_codes": held[3],
+                   "exp_avg_absmax": held[4], "exp_avg_sq_codes": held[5], "exp_avg_sq_absmax": held[6]}
+        for step in (1.0, 2.0):
+            lib.slimtune_adamw(ctypes.byref(native.run_of(numel, tensors, 1, fast=fast)),
+                               ctypes.byref(native.constants(hyper, step, 1.0)))
+        runs.append(held)
+    assert all(same_bits(a, b) for a, b in zip(*runs))
 
 
 @pytest.mark.parametrize("cc, said", [("no-such-compiler", "no C compiler"), ("false", "compiling adamw.c failed")])
