@@ -1,14 +1,18 @@
 """The tokenizer as GGUF metadata: tokens, their kinds, merges, special ids and the chat template.
 
-llama.cpp rebuilds a byte-level BPE tokenizer (GPT-2's kind, which Llama 3, Qwen and SmolLM use) from
-its token list and merges, and splits text before merging with a pre-tokenizer it knows by name
-(tokenizer.ggml.pre). The name is read off the tokenizer's own pre-tokenizer: its split pattern must
-be one llama.cpp names, or the file would tokenize differently there, so any other is refused.
+Two kinds of tokenizer map onto llama.cpp's. Byte-level BPE (GPT-2's kind, which Llama 3, Qwen and
+SmolLM use) becomes llama.cpp's `gpt2` model: its token list and merges, and the split before merging
+by the name llama.cpp knows it by (tokenizer.ggml.pre), read off the tokenizer's own split pattern,
+which must be one llama.cpp names, or the file would tokenize differently there. SentencePiece-style
+BPE (spaces as ▁, unknown bytes as <0xNN> tokens: Llama 2, Mistral 7B) becomes llama.cpp's `llama`
+model, which merges by token score, highest first: each token scores minus the rank of the merge
+that makes it, so llama.cpp merges in the order the tokenizer's merges do. Any other is refused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from slimtune.errors import UserError
 
@@ -23,19 +27,34 @@ SPLITS = {
 }
 
 # llama.cpp's token kinds (gguf.TokenType)
-NORMAL, UNUSED, CONTROL, USER_DEFINED = 1, 5, 3, 4
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+def tokenizer_kind(spec: dict) -> tuple[str, str]:
+    """(llama.cpp's tokenizer model, its pre-tokenizer name) for a tokenizer.json; refused when
+    llama.cpp has no such tokenizer."""
+    if _space_prefix(spec) is not None:
+        return "llama", "default"
+    return "gpt2", pre_tokenizer_name(spec)
 
 
 def add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     """Write the tokenizer's metadata; one sentence when llama.cpp could not rebuild it."""
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    pre = pre_tokenizer_name(spec)
+    model, pre = tokenizer_kind(spec)
     tokens, kinds = token_list(tokenizer, vocab_size)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
+    if model == "llama":
+        kinds = [BYTE if kind == NORMAL and BYTE_TOKEN.fullmatch(token) else kind for token, kind in zip(tokens, kinds)]
+        if tokenizer.unk_token_id is not None:
+            kinds[tokenizer.unk_token_id] = UNKNOWN
+        writer.add_token_scores(scores(spec, tokens))
+        writer.add_add_space_prefix(_space_prefix(spec))
     writer.add_token_types(kinds)
-    writer.add_token_merges(merges(spec))
+    writer.add_token_merges(merges(spec))  # llama.cpp's `llama` model merges by score; other readers use these
     _add_special_tokens(writer, tokenizer)
     template = tokenizer.chat_template
     if isinstance(template, dict):  # several named templates: llama.cpp reads them as a list
@@ -50,8 +69,9 @@ def pre_tokenizer_name(spec: dict) -> str:
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [step.get("type") for step in steps]
     if model.get("type") != "BPE" or not kinds or kinds[-1] != "ByteLevel":
-        raise UserError(f"the tokenizer is not a byte-level BPE one (model {model.get('type')}, pre-tokenizer"
-                        f" {'+'.join(map(str, kinds)) or 'none'}), the only kind the GGUF export carries.")
+        raise UserError(f"the tokenizer is neither byte-level BPE nor SentencePiece-style BPE (model"
+                        f" {model.get('type')}, pre-tokenizer {'+'.join(map(str, kinds)) or 'none'}), the kinds"
+                        " llama.cpp rebuilds from a GGUF file.")
     name = _split_name(steps)
     if name is None:
         raise UserError(f"the tokenizer's pre-tokenizer ({_describe(steps)}) is not one llama.cpp knows by name, so"
@@ -96,10 +116,39 @@ def token_list(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
     return tokens, kinds
 
 
-def merges(spec: dict) -> list[str]:
-    """Merges as "left right" lines; a byte-level vocabulary spells a space as Ġ, so none holds one."""
+def merge_pairs(spec: dict) -> list[tuple[str, str]]:
     found = spec["model"].get("merges") or []
-    return [pair if isinstance(pair, str) else " ".join(pair) for pair in found]
+    return [tuple(pair.split(" ", 1)) if isinstance(pair, str) else tuple(pair) for pair in found]
+
+
+def merges(spec: dict) -> list[str]:
+    """Merges as "left right" lines; both kinds spell a space as a letter (Ġ, ▁), so none holds one."""
+    return [" ".join(pair) for pair in merge_pairs(spec)]
+
+
+def scores(spec: dict, tokens: list[str]) -> list[float]:
+    """Minus the rank of the first merge that makes each token; tokens no merge makes (characters,
+    bytes, special tokens) score below every merge, so llama.cpp never prefers them."""
+    rank: dict[str, int] = {}
+    for index, (left, right) in enumerate(merge_pairs(spec)):
+        rank.setdefault(left + right, index)
+    floor = -float(len(rank) + 1)
+    return [-float(rank[token]) if token in rank else floor for token in tokens]
+
+
+def _space_prefix(spec: dict) -> bool | None:
+    """For SentencePiece-style BPE (byte fallback, spaces as ▁ over the whole text): whether a ▁ is
+    put before the text. None: not that kind (Metaspace that splits at spaces included: llama.cpp
+    merges across them)."""
+    model, pre, norm = spec.get("model") or {}, spec.get("pre_tokenizer") or {}, spec.get("normalizer") or {}
+    if model.get("type") != "BPE" or not model.get("byte_fallback"):
+        return None
+    if pre.get("type") == "Metaspace" and pre.get("replacement") == "\u2581" and not pre.get("split", True):
+        return pre.get("prepend_scheme", "always") != "never"
+    steps = norm.get("normalizers", [norm]) if norm.get("type") == "Sequence" else [norm]
+    if not pre and {"Replace"} <= {step.get("type") for step in steps}:  # the older form: a normalizer
+        return any(step.get("type") == "Prepend" and step.get("prepend") == "\u2581" for step in steps)
+    return None
 
 
 def _add_special_tokens(writer, tokenizer) -> None:

@@ -63,7 +63,7 @@ def check_model(config, tokenizer) -> None:
     import json
 
     layouts.layout_of(config)
-    vocab.pre_tokenizer_name(json.loads(tokenizer.backend_tokenizer.to_str()))
+    vocab.tokenizer_kind(json.loads(tokenizer.backend_tokenizer.to_str()))
 
 
 def write(model, tokenizer, path: Path, file_type: str = "f16", name: str | None = None,

@@ -239,6 +239,51 @@ def test_a_split_llama_cpp_does_not_name_is_refused(tokenizer, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+SENTENCEPIECE_TEXT = "the cat sat on the mat, then the café said hi 42 times"
+
+
+def sentencepiece_tokenizer():
+    """A SentencePiece-style BPE tokenizer as transformers builds Llama 2's and Mistral 7B's (▁ for
+    spaces, <0xNN> tokens for bytes it has no piece for), its merges trained here on a few lines."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizer
+
+    trainer_side = Tokenizer(models.BPE())
+    trainer_side.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    trainer_side.train_from_iterator(["the cat sat on the mat", "then the cat said hi", "on the mat the cat"] * 10,
+                                     trainers.BpeTrainer(vocab_size=120, show_progress=False))
+    trained = json.loads(trainer_side.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for token in sorted(trained["vocab"], key=trained["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    return LlamaTokenizer(vocab=vocab, merges=[tuple(pair) for pair in trained["merges"]], add_bos_token=True)
+
+
+def test_a_sentencepiece_style_tokenizer_goes_as_llama_cpp_s_llama_model(tmp_path):
+    """Mistral 7B's and Llama 2's kind: scores that merge in the merges' order, byte tokens marked,
+    the space prefix; read back, the same ids (bytes for é, BOS added) and the same logits."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    tokenizer = sentencepiece_tokenizer()
+    ids = tokenizer(SENTENCEPIECE_TEXT, return_tensors="pt")["input_ids"]
+    assert "<0xC3>" in tokenizer.convert_ids_to_tokens(ids[0]) and ids[0, 0] == tokenizer.bos_token_id
+    model = random_model("mistral", tokenizer, sliding_window=None)
+    path = writer.write(model, tokenizer, tmp_path / "m.gguf", "f16", "tiny-m", progress=False).path
+    fields = GGUFReader(path).fields
+    field = lambda key: fields[key].contents()  # noqa: E731
+    assert (field("tokenizer.ggml.model"), field("tokenizer.ggml.add_space_prefix"),
+            field("tokenizer.ggml.add_bos_token")) == ("llama", True, True)
+    tokens, kinds = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
+    scores = field("tokenizer.ggml.scores")
+    assert kinds[0] == 2 and kinds[1] == kinds[2] == 3 and set(kinds[3:259]) == {6}  # unknown, control, bytes
+    made = ["".join(pair) for pair in json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]]
+    assert [scores[tokens.index(token)] for token in made[:5]] == [0.0, -1.0, -2.0, -3.0, -4.0]
+    read_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert read_tokenizer(SENTENCEPIECE_TEXT)["input_ids"] == ids[0].tolist()
+    assert relative_error(logits(read_back(path), ids), logits(model, ids)) < RELATIVE["f16"]
+
+
 def test_a_sliding_window_caps_the_stated_context(tokenizer, tmp_path):
     from gguf import GGUFReader
 
