@@ -63,6 +63,8 @@ def layout_of(config) -> Layout:
     family = getattr(config, "model_type", None)
     if family not in ARCHITECTURES:
         raise UserError(f"model_type '{family}' has no GGUF layout here; supported: {', '.join(ARCHITECTURES)}.")
+    if family == "qwen3" and getattr(config, "attention_bias", False):
+        raise UserError("Qwen3 with attention_bias has no GGUF layout: llama.cpp's qwen3 reads no attention biases.")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     notes = []
     context = config.max_position_embeddings
