@@ -24,6 +24,7 @@ from slimtune.export_gguf import layout as layouts, vocab
 # keeps them.
 FILE_TYPES = {"f16": ("MOSTLY_F16", "F16"), "bf16": ("MOSTLY_BF16", "BF16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
 MAGIC = b"GGUF"
+QUANTIZE_VALUES = 2**22  # values quantized at a time (16 MiB of float32)
 
 
 @dataclass
@@ -133,7 +134,9 @@ def encode(tensor: torch.Tensor, qtype) -> np.ndarray:
         return tensor.to(torch.float16).numpy()
     if qtype == kinds.BF16:
         return tensor.to(torch.bfloat16).view(torch.int16).numpy()
-    return gguf.quants.quantize(tensor.numpy(), qtype)
+    rows = tensor.reshape(-1, tensor.shape[-1]).numpy()
+    step = max(1, QUANTIZE_VALUES // rows.shape[1])  # the quantizer's temporaries are several times its input
+    return np.concatenate([gguf.quants.quantize(rows[i:i + step], qtype) for i in range(0, len(rows), step)])
 
 
 def _write_file(writer, path: Path, planned: list, types: list, progress: bool) -> int:

@@ -147,6 +147,15 @@ def test_q8_0_weights_within_their_block_bound_and_logits_of_the_rounded_model(d
     assert 1e-4 < relative_error(back, logits(model, ids)) < 2e-2  # rounded, as q8_0 is, and not far
 
 
+def test_q8_0_in_pieces_is_the_whole_tensor_quantized(monkeypatch):
+    from gguf import GGMLQuantizationType, quants
+
+    weight = torch.randn(10, 96)
+    whole = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+    monkeypatch.setattr(writer, "QUANTIZE_VALUES", 3 * 96)  # 3 rows a piece: 4 pieces, the last short
+    assert (writer.encode(weight, GGMLQuantizationType.Q8_0) == whole).all()
+
+
 @pytest.mark.parametrize("family, overrides", [
     ("qwen2", {"tie_word_embeddings": True}),  # q/k/v biases, the head tied to the embedding
     ("qwen3", {"head_dim": 128, "tie_word_embeddings": False}),  # q/k norms; transformers' reader takes
