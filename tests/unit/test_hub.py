@@ -267,14 +267,21 @@ def test_pickle_only_weights_online_are_refused_before_anything_is_fetched(here,
     assert hub_endpoint.asked == []
 
 
-def test_plan_from_the_cached_config_alone_equals_the_local_folders(cache, here, capsys):
-    put_snapshot(cache, NAME, here / "model", COMMITS[0], only=("config.json",))
-    plans = []
-    for model in (NAME, str(here / "model")):
-        assert cli.main(["plan", "--model", model, "--gpu", "8GiB", "--host-ram", "16GiB", "--disk", "10GiB",
-                         "--seq", "64", "--json"]) == 0
-        plans.append(json.loads(capsys.readouterr().out))
-    assert plans[0] == plans[1] and plans[0]
+def test_plan_from_the_cached_config_alone_equals_the_local_folders(cache, here):
+    """The config read through the Hub cache is the folder's, and a plan weighed on each (the real step on
+    fake tensors, each estimated afresh: the estimate cache keys on the config's path too) is the same."""
+    from slimtune import presets
+    from slimtune.planning import planner
+
+    put_snapshot(cache, NAME, here / "model", COMMITS[0], only=("config.json",))  # no weights: plan needs none
+    configs = [presets.model_config(model) for model in (NAME, str(here / "model"))]
+    settings = [{k: v for k, v in c.to_dict().items() if k != "_name_or_path"} for c in configs]
+    assert settings[0] == settings[1]
+    machine = planner.Machine.named("8GiB", "16GiB", "10GiB")
+    base = planner.planning_config("lora", 4)
+    plan = planner.applicable_plans(base, machine)[0]
+    weighed = [planner.weigh(c, base, plan, machine, 1, 64) for c in configs]
+    assert weighed[0] == weighed[1] and weighed[0].estimate.device_peak_bytes > 0
 
 
 def test_plan_of_an_uncached_hub_model_offline_is_one_sentence(cache, capsys):
