@@ -93,7 +93,6 @@ def refused(capsys, code: int, *needles: str) -> str:
     return err
 
 
-@pytest.mark.quick
 def test_a_run_from_a_hub_name_trains_as_the_local_folder_does_and_records_the_commit(cache, here):
     snapshot = put_snapshot(cache, NAME, here / "model", COMMITS[0])
     assert train() == 0
@@ -106,6 +105,7 @@ def test_a_run_from_a_hub_name_trains_as_the_local_folder_does_and_records_the_c
     assert hub.origin(record["settings"]["model"]) == (NAME, COMMITS[0])
 
 
+@pytest.mark.quick
 def test_a_revision_pins_the_snapshot_a_branch_tag_or_commit_names(cache, here, tokenizer):
     put_snapshot(cache, NAME, here / "model", COMMITS[0], refs=("v1",))
     save_tiny_model(here / "newer", tokenizer, seed=1)
