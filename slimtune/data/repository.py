@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from slimtune.errors import UserError
-from slimtune.model import hub
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+# `org/name` as the Hub takes a repository id (model/hub.py, a layer above data, reads model names alike).
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes beside the arrow files
 
 
@@ -42,7 +43,9 @@ class Where:
 
 def is_hub_dataset(path: str) -> bool:
     """A Hub name: `data/train.jsonl` that is missing stays a missing file, not a dataset to fetch."""
-    return hub.is_hub_name(path) and not str(path).lower().endswith(DATA_SUFFIXES)
+    text = str(path)
+    return (bool(_NAME.match(text)) and ".." not in text and "--" not in text and not Path(text).exists()
+            and not text.lower().endswith(DATA_SUFFIXES))
 
 
 def is_saved(folder: Path) -> bool:
