@@ -155,11 +155,12 @@ def _error(err: BaseException, where: Where, split: str, folder: bool = False) -
     if folder:
         return UserError(f"data folder '{where.path}' is neither a save_to_disk dataset nor a folder of data files"
                          f" ({cause(err)}).")
-    page = f"https://huggingface.co/datasets/{where.path}"
+    hub_site = datasets.config.HF_ENDPOINT
     if isinstance(err, datasets.exceptions.DatasetNotFoundError):
         if "gated" in text:
-            return UserError(f"{what} is a gated dataset: accept its terms at {page} while logged in, then set HF_TOKEN"
-                             " to an access token of that account (huggingface.co/settings/tokens).")
+            return UserError(f"{what} is a gated dataset: accept its terms at {hub_site}/datasets/{where.path} while"
+                             f" logged in, then set HF_TOKEN to an access token of that account"
+                             f" ({hub_site}/settings/tokens).")
         return UserError(f"{what} is neither a local file or folder nor a Hub dataset this account can see (a private"
                          " one needs HF_TOKEN set to a token with access).")
     if isinstance(err, ConnectionError):

@@ -150,3 +150,44 @@ def test_a_run_trains_on_a_hub_dataset_by_name_and_evaluates_on_its_second_split
     assert cli.main(["train", "--no-progress", "model=model", "data.path=org/sums", "data.eval_split=test",
                      "data.max_length=32", "train.steps=2", "train.batch_size=4", "lora.rank=4", "output_dir=out"]) == 0
     assert "30 train / 6 eval examples" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_gated_hub_dataset_without_access_says_how_to_get_it(tmp_path, tokenizer, monkeypatch, status):
+    """A Hub endpoint on 127.0.0.1 refusing as the Hub refuses a gated dataset to someone without access."""
+    import http.server
+    import threading
+
+    import datasets
+    from huggingface_hub import constants
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name is http.server's
+            self.send_response(status)
+            self.send_header("X-Error-Code", "GatedRepo")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for module, name, value in ((constants, "ENDPOINT", endpoint), (constants, "HF_HUB_OFFLINE", False),
+                                (constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache")),
+                                (constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"),
+                                (datasets.config, "HF_ENDPOINT", endpoint), (datasets.config, "HF_HUB_OFFLINE", False),
+                                (datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")):
+        monkeypatch.setattr(module, name, value)
+    try:
+        said = refusal(tokenizer, path="org/gated")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert said.startswith(f"data.path 'org/gated' is a gated dataset: accept its terms at {endpoint}/datasets/org/gated")
+    assert "HF_TOKEN" in said
