@@ -285,6 +285,31 @@ def test_8bit_blocks_of_zeros_huge_and_tiny_numbers_equal_the_tile_path(monkeypa
         assert same_bits(ours, theirs)
 
 
+@pytest.mark.parametrize("eight_bit_path", PATHS, indirect=True)
+def test_8bit_a_lone_infinite_moment_in_a_fused_block_equals_the_tile_path(monkeypatch, eight_bit_path):
+    """One step of the fused layout where one number's v overflows to inf in an otherwise finite
+    block: the block's absmax is inf, its other codes the zero code and that one's 255, each in its
+    place (the fused loop holds numbers out of order until it stores them). One step only: the next
+    would decode 0 * inf = NaN into the block's masters, whose NaN bits are not held to torch's."""
+    numel = 4 * 256
+    masters = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+    runs, answers = [], watch_native(monkeypatch)
+    for native_on in ("1", "0"):
+        monkeypatch.setenv(native.ENV, native_on)
+        forms, held = layout_forms(split=True, grad_dtype=torch.bfloat16, shadow=False, masters=masters, seed=7,
+                                   coded=True)
+        grad = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+        grad[300] = 1e30
+        forms[1].pieces[0][1].copy_(grad)
+        tiled_adamw.adamw(tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0), torch.tensor(1.0), numel, torch.float32,
+                          *forms, empty_grad=True)
+        runs.append(held)
+    assert answers == [True, False]
+    assert runs[1][6][1] == float("inf") and runs[1][5][300] == 255  # v's absmax and code there
+    for ours, theirs in zip(*runs):
+        assert same_bits(ours, theirs)
+
+
 @pytest.mark.parametrize("split, moments", [(True, "fp32"), (False, "fp32"), (True, "8bit")],
                          ids=["split", "whole", "split_8bit"])
 def test_host_adam_updates_the_same_with_and_without_the_kernel(monkeypatch, split, moments):

@@ -57,13 +57,13 @@ typedef struct {
    (moments8.dynamic_map), so within a segment (one decade's run of midpoints, or the runs below and
    above all of them) the count is floor(a * slope + intercept), and which segment a number is in
    takes one compare, as no binade holds two segment boundaries (checked when building). Where that
-   arithmetic lands within UNSURE / 1024 of a step, the midpoints themselves decide. */
+   arithmetic lands within UNSURE / 65536 of a step, the midpoints themselves decide. */
 typedef struct {
     uint8_t planes[4][256];  /* byte k of map[c] (little-endian) at planes[k][c] */
     float midpoints[256];    /* the positive side's midpoints in order (`count` of them) */
     uint32_t threshold[32];  /* by binade (exponent mod 32): the bits of the segment boundary in it, or of 2 */
     int32_t first[32];       /* by binade: the segment at its start */
-    float slope[16];         /* by segment: 1024 x (the count below a) ~ a * slope + intercept */
+    float slope[16];         /* by segment: 65536 x (the count below a) ~ a * slope + intercept */
     float intercept[16];
     int32_t top[16];         /* by segment: the largest count in it */
     int32_t count;           /* midpoints on the positive side: 128 (signed map), 255 (unsigned) */
@@ -251,8 +251,8 @@ static void encode(const Coded *c, int64_t begin, int64_t count, const float *x)
 #include <immintrin.h>
 #define HAVE_FAST 1
 
-#define FIXED 10             /* counts are found in 1/1024ths */
-#define UNSURE 2             /* within 2/1024 of a step, the midpoints decide */
+#define FIXED 16             /* counts are found in 1/65536ths */
+#define UNSURE 8             /* within 8/65536 of a step, the midpoints decide */
 #define FLOOR_BITS 0x33800000 /* 2^-24 (binade 103): below either map's smallest midpoint */
 
 /* A map's planes in registers: four 64-byte quarters of each byte plane. */
@@ -348,7 +348,7 @@ static __attribute__((noinline)) __m512i settle(const Fast *f, __m512i a, __m512
    map's midpoints below the number). Its negative side mirrors the positive one (the map is
    symmetric but for the code of 1.0), so -t takes zero - (the positive side's midpoints at or below
    t): those below the next float above t; below the map's end (-t < -1), code 0. */
-static inline __m128i code16_signed(const Fast *f, const Segments *s, __m512 x, __m512 inverse) {
+static inline __m512i code16_signed(const Fast *f, const Segments *s, __m512 x, __m512 inverse) {
     const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, inverse));
     const __mmask16 negative = _mm512_movepi32_mask(bits);
     const __m512i a = _mm512_mask_sub_epi32(bits, negative, bits, _mm512_set1_epi32(0x7FFFFFFF));  /* |x| + 1 ulp */
@@ -357,17 +357,21 @@ static inline __m128i code16_signed(const Fast *f, const Segments *s, __m512 x, 
     if (unsure) n = settle(f, a, n, unsure);
     const __m512i zero = _mm512_set1_epi32(f->zero);
     const __m512i code = _mm512_mask_sub_epi32(_mm512_add_epi32(zero, n), negative, zero, n);
-    return _mm512_cvtepi32_epi8(_mm512_max_epi32(code, _mm512_setzero_si512()));
+    return _mm512_max_epi32(code, _mm512_setzero_si512());
 }
 
 /* The same on the unsigned map: every midpoint is positive, so a negative number (a negative
    int32 here, which line_counts counts as below them all) takes code 0. */
-static inline __m128i code16_unsigned(const Fast *f, const Segments *s, __m512 x, __m512 inverse) {
+static inline __m512i code16_unsigned(const Fast *f, const Segments *s, __m512 x, __m512 inverse) {
     const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, inverse));
     __mmask16 unsure = 0;
     __m512i n = line_counts(s, bits, &unsure);
     if (unsure) n = settle(f, bits, n, unsure);
-    return _mm512_cvtepi32_epi8(n);
+    return n;
+}
+
+static inline __m512i code16(const Fast *f, const Segments *s, __m512 x, __m512 inverse) {
+    return f->zero ? code16_signed(f, s, x, inverse) : code16_unsigned(f, s, x, inverse);
 }
 
 /* encode()'s absmax of a block from the running maximum of its |x| bit patterns, stored; returns
@@ -389,11 +393,8 @@ static inline void code_block_fast(const Coded *c, const Segments *s, int64_t be
         return;
     }
     const __m512 scale = _mm512_set1_ps(inverse);
-    uint8_t *codes = c->codes + begin;
-    if (c->fast->zero)
-        for (int j = 0; j < BLOCK; j += 16) _mm_storeu_si128((__m128i *)(codes + j), code16_signed(c->fast, s, _mm512_loadu_ps(x + j), scale));
-    else
-        for (int j = 0; j < BLOCK; j += 16) _mm_storeu_si128((__m128i *)(codes + j), code16_unsigned(c->fast, s, _mm512_loadu_ps(x + j), scale));
+    for (int j = 0; j < BLOCK; j += 16)
+        _mm_storeu_si128((__m128i *)(c->codes + begin + j), _mm512_cvtepi32_epi8(code16(c->fast, s, _mm512_loadu_ps(x + j), scale)));
 }
 
 static inline __m512i abs_max(__m512i largest, __m512 x) {
@@ -429,36 +430,123 @@ static inline void decode64_into(const Fast *f, __m512i order, const uint8_t *co
 /* The step's constants, one a register. */
 typedef struct { __m512 decay, coeff, beta2, one_minus_beta2, bias2_sqrt, eps, step_size, clip; } Constants;
 
-/* 16 numbers of the split layout with a bf16 gradient: adamw() and span() on registers, the same
-   operations in the same order (the vector formula for v). Returns the new moments in *m and *v. */
-static inline __attribute__((always_inline)) void split16(const Constants *k, const int small, uint16_t *weight,
-                                                           int16_t *residual, uint16_t *shadow, uint16_t *grad,
-                                                           const int empty_grad, __m512 *m, __m512 *v) {
-    const __m512i top_bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)weight)), 16);
-    const __m512i low_bits = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)residual));
-    __m512 p = _mm512_castsi512_ps(_mm512_add_epi32(top_bits, low_bits));
-    __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)grad)), 16));
-    if (empty_grad) _mm256_storeu_si256((__m256i *)grad, _mm256_setzero_si256());
+/* The fused loop holds 32 numbers as two registers in the order the 16-bit unpacks leave them: the
+   first takes numbers 0-3, 8-11, 16-19, 24-27 (the low half of each 16-byte lane), the second the
+   rest; packing two such registers back to 16 bits restores the order. The moments are decoded
+   straight into that order (decode64_into with interleaved_order()), and their codes are put back
+   in order by one permute when packed (code_order()). */
+static inline int interleaved(int k, int lane, int e) {  /* number at lane `lane`, place e of register k of 64 */
+    return 32 * (k >> 1) + 8 * lane + 4 * (k & 1) + e;
+}
+
+/* decode64_into's code order for the interleaved registers (unpack_order's rule with interleaved()). */
+static inline __m512i interleaved_order(void) {
+    uint8_t order[64];
+    for (int lane = 0; lane < 4; lane++)
+        for (int k = 0; k < 4; k++)
+            for (int e = 0; e < 4; e++) order[16 * lane + 4 * k + e] = (uint8_t)interleaved(k, lane, e);
+    return _mm512_loadu_si512(order);
+}
+
+/* Byte j of 32 numbers' codes in order, from two interleaved registers of int32 codes (their low
+   bytes): the index vpermt2b takes, for each half of 64. */
+static inline __m512i code_order(void) {
+    uint8_t order[64];
+    for (int j = 0; j < 64; j++) {
+        const int r = j % 32, lane = r / 8, e = r % 8;
+        order[j] = (uint8_t)(64 * (e >= 4) + 4 * (4 * lane + e % 4));
+    }
+    return _mm512_loadu_si512(order);
+}
+
+/* The high 16 bits of 32 numbers' int32s, in order, from two interleaved registers (vpermt2w's index). */
+static inline __m512i high_word_order(void) {
+    uint16_t order[32];
+    for (int j = 0; j < 32; j++) {
+        const int lane = j / 8, e = j % 8;
+        order[j] = (uint16_t)(32 * (e >= 4) + 2 * (4 * lane + e % 4) + 1);
+    }
+    return _mm512_loadu_si512(order);
+}
+
+/* adamw() on 16 numbers in registers (the vector formula for v), the same operations in the same
+   order; p the master, g the gradient (unclipped); returns the new master and the new moments in
+   *m and *v. */
+static inline __attribute__((always_inline)) __m512 adamw16(const Constants *k, const int small, __m512 p, __m512 g,
+                                                            __m512 *m, __m512 *v) {
     g = _mm512_mul_ps(g, k->clip);
     p = _mm512_mul_ps(p, k->decay);
     const __m512 m1 = _mm512_fmadd_ps(k->coeff, _mm512_sub_ps(g, *m), small ? *m : g);
     const __m512 v1 = _mm512_fmadd_ps(_mm512_mul_ps(k->one_minus_beta2, g), g, _mm512_mul_ps(*v, k->beta2));
     const __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v1), k->bias2_sqrt), k->eps);
-    p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k->step_size, m1), denominator));
     *m = m1;
     *v = v1;
-    /* narrow() and residual_of() */
-    const __m512i u = _mm512_castps_si512(p);
+    return _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k->step_size, m1), denominator));
+}
+
+/* narrow()'s bf16 weight of 16 masters, as its bits shifted up 16 (0xFFFF for a NaN). */
+static inline __m512i top_half(__m512i u) {
     const __m512i even = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i top = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), even), 16);
+    const __m512i top = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), even),
+                                         _mm512_set1_epi32((int)0xFFFF0000u));
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
                                                   _mm512_set1_epi32(0x7F800000));
-    top = _mm512_mask_mov_epi32(top, nan, _mm512_set1_epi32(0xFFFF));
-    const __m256i top16 = _mm512_cvtepi32_epi16(top);
-    _mm256_storeu_si256((__m256i *)weight, top16);
-    if (shadow) _mm256_storeu_si256((__m256i *)shadow, top16);
-    /* the residual clamped to int16 by the saturating narrowing */
-    _mm256_storeu_si256((__m256i *)residual, _mm512_cvtsepi32_epi16(_mm512_sub_epi32(u, _mm512_slli_epi32(top, 16))));
+    return _mm512_mask_mov_epi32(top, nan, _mm512_set1_epi32((int)0xFFFF0000u));
+}
+
+/* 32 numbers of the split layout with a bf16 gradient: combine(), widen(), adamw(), narrow() and
+   residual_of() on registers. m and v: the moments, interleaved, updated in place. */
+static inline __attribute__((always_inline)) void split32(const Constants *k, const int small, __m512i high_words,
+                                                           uint16_t *weight, int16_t *residual, uint16_t *shadow,
+                                                           uint16_t *grad, const int empty_grad, __m512 m[2], __m512 v[2]) {
+    const __m512i w = _mm512_loadu_si512(weight), low = _mm512_loadu_si512(residual), g = _mm512_loadu_si512(grad);
+    const __m512i zero = _mm512_setzero_si512();
+    if (empty_grad) _mm512_storeu_si512(grad, zero);
+    /* (weight << 16) + the residual sign-extended: the weight less one where the residual is negative,
+       above the residual's 16 bits */
+    const __m512i above = _mm512_add_epi16(w, _mm512_srai_epi16(low, 15));
+    const __m512i masters[2] = {_mm512_unpacklo_epi16(low, above), _mm512_unpackhi_epi16(low, above)};
+    const __m512i grads[2] = {_mm512_unpacklo_epi16(zero, g), _mm512_unpackhi_epi16(zero, g)};
+    __m512i top[2], rest[2];
+    for (int h = 0; h < 2; h++) {
+        const __m512i u = _mm512_castps_si512(adamw16(k, small, _mm512_castsi512_ps(masters[h]),
+                                                      _mm512_castsi512_ps(grads[h]), &m[h], &v[h]));
+        top[h] = top_half(u);
+        rest[h] = _mm512_sub_epi32(u, top[h]);
+    }
+    const __m512i weights = _mm512_permutex2var_epi16(top[0], high_words, top[1]);
+    _mm512_storeu_si512(weight, weights);
+    if (shadow) _mm512_storeu_si512(shadow, weights);
+    _mm512_storeu_si512(residual, _mm512_packs_epi32(rest[0], rest[1]));  /* clamped to int16 by saturation */
+}
+
+/* 64 codes (interleaved registers of int32 codes c) stored in order. */
+static inline void store_codes64(uint8_t *codes, __m512i order, const __m512i c[4]) {
+    const __m512i low = _mm512_permutex2var_epi8(c[0], order, c[1]), high = _mm512_permutex2var_epi8(c[2], order, c[3]);
+    _mm512_storeu_si512(codes, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, low, high));
+}
+
+/* A block's codes from its new numbers x (interleaved) and their |x| maximum. */
+static inline void code_interleaved(const Coded *c, const Segments *s, __m512i order, int64_t begin,
+                                    const float *restrict x, __m512i largest, const int is_signed) {
+    const float inverse = scale_of(c, begin, largest);
+    if (inverse == 0.0f) {  /* an inf or NaN: code_block on the numbers put back in order */
+        float in_order[BLOCK];
+        for (int j = 0; j < BLOCK; j += 64)
+            for (int q = 0; q < 4; q++)
+                for (int lane = 0; lane < 4; lane++)
+                    for (int e = 0; e < 4; e++) in_order[j + interleaved(q, lane, e)] = x[j + 16 * q + 4 * lane + e];
+        code_block(c->codes + begin, in_order, BLOCK, 1.0f / c->absmax[begin / BLOCK], c->lookup);
+        return;
+    }
+    const __m512 scale = _mm512_set1_ps(inverse);
+    for (int j = 0; j < BLOCK; j += 64) {
+        __m512i codes[4];
+        for (int q = 0; q < 4; q++)
+            codes[q] = is_signed ? code16_signed(c->fast, s, _mm512_loadu_ps(x + j + 16 * q), scale)
+                                 : code16_unsigned(c->fast, s, _mm512_loadu_ps(x + j + 16 * q), scale);
+        store_codes64(c->codes + begin + j, order, codes);
+    }
 }
 
 /* Whole blocks of the split layout with a bf16 gradient and 8-bit moments, from `at` while they end
@@ -472,28 +560,34 @@ static inline __attribute__((always_inline)) int64_t split_blocks_small(const Ru
                          _mm512_set1_ps(h->eps), _mm512_set1_ps(h->step_size), _mm512_set1_ps(h->clip)};
     const Coded *cm = &r->exp_avg_coded, *cv = &r->exp_avg_sq_coded;
     const Segments sm = segments_of(cm->fast), sv = segments_of(cv->fast);
-    const __m512i order = unpack_order();
+    const __m512i decode_order = interleaved_order(), codes_in_order = code_order(), high_words = high_word_order();
+    uint16_t *const weight = r->weight, *const shadow = r->shadow, *const grad = (uint16_t *)r->grad;
+    int16_t *const residual = r->residual;
+    const int empty_grad = r->empty_grad;
     const int64_t stop = end < r->vector_end ? end : r->vector_end;
-    float m_new[BLOCK], v_new[BLOCK];
+    float m_new[BLOCK], v_new[BLOCK];  /* interleaved */
+    if (cm->fast->zero == 0 || cv->fast->zero != 0) return at;  /* m on the signed map, v on the unsigned one */
     for (; at + BLOCK <= stop; at += BLOCK) {
         const __m512 m_scale = _mm512_set1_ps(cm->absmax[at / BLOCK]), v_scale = _mm512_set1_ps(cv->absmax[at / BLOCK]);
         __m512i m_largest = _mm512_setzero_si512(), v_largest = _mm512_setzero_si512();
         for (int j = 0; j < BLOCK; j += 64) {
             __m512 m[4], v[4];
-            decode64_into(cm->fast, order, cm->codes + at + j, m_scale, m);
-            decode64_into(cv->fast, order, cv->codes + at + j, v_scale, v);
-            for (int q = 0; q < 4; q++) {
+            decode64_into(cm->fast, decode_order, cm->codes + at + j, m_scale, m);
+            decode64_into(cv->fast, decode_order, cv->codes + at + j, v_scale, v);
+            for (int q = 0; q < 4; q += 2) {
                 const int64_t i = at + j + 16 * q;
-                split16(&k, small, r->weight + i, r->residual + i, r->shadow ? r->shadow + i : NULL,
-                        (uint16_t *)r->grad + i, r->empty_grad, &m[q], &v[q]);
+                split32(&k, small, high_words, weight + i, residual + i, shadow ? shadow + i : NULL, grad + i,
+                        empty_grad, m + q, v + q);
+            }
+            for (int q = 0; q < 4; q++) {
                 _mm512_storeu_ps(m_new + j + 16 * q, m[q]);
                 _mm512_storeu_ps(v_new + j + 16 * q, v[q]);
                 m_largest = abs_max(m_largest, m[q]);
                 v_largest = abs_max(v_largest, v[q]);
             }
         }
-        code_block_fast(cm, &sm, at, m_new, m_largest);
-        code_block_fast(cv, &sv, at, v_new, v_largest);
+        code_interleaved(cm, &sm, codes_in_order, at, m_new, m_largest, 1);
+        code_interleaved(cv, &sv, codes_in_order, at, v_new, v_largest, 0);
     }
     return at;
 }

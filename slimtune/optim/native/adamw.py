@@ -170,8 +170,8 @@ def _fast_steps_agree(lib: ctypes.CDLL) -> bool:
     return all(torch.equal(ends[0][name].view(torch.uint8), ends[1][name].view(torch.uint8)) for name in start)
 
 
-FIXED = 1 << 10  # adamw.c's counts in 1/1024ths
-UNSURE = 2  # adamw.c: a fixed count within this of a step is settled against the midpoints
+FIXED = 1 << 16  # adamw.c: counts in 1/65536ths
+UNSURE = 8  # adamw.c: a fixed count within this of a step is settled against the midpoints
 
 
 @functools.cache
@@ -181,7 +181,7 @@ def fast_tables(signed: bool) -> Fast:
     for the signed one) split into segments: below the smallest, one a decade of the map (bitsandbytes'
     dynamic map holds 2^(d + 1) values in decade d, 2^d a sign on the signed map, evenly spaced), and
     above the largest. Within a decade the count of midpoints below a is C + (a / 10^(d-6) - 0.1) n / 0.9
-    (n values, C midpoints below the decade's first), in 1/1024ths as slope and intercept. Which
+    (n values, C midpoints below the decade's first), in 1/65536ths as slope and intercept. Which
     segment a number is in comes from its binade: the segment at the binade's start, plus one above
     the one boundary a binade may hold (checked here)."""
     code = moments8.dynamic_map(signed)
@@ -216,7 +216,7 @@ def fast_tables(signed: bool) -> Fast:
 
 
 def _check_lines(fast: Fast, mids: torch.Tensor, starts: list[int]) -> None:
-    """Each decade's line puts each of its midpoints within UNSURE / 1024 of its step (so the numbers
+    """Each decade's line puts each of its midpoints within UNSURE / 65536 of its step (so the numbers
     it does not settle are counted right): the line at a midpoint Q_k is about k + 1."""
     for d in range(7):
         first, last = starts[d] + 1, starts[d + 1]
