@@ -8,7 +8,7 @@ and the logits equal, to float32 arithmetic, those of the same model with each w
 q8_0 and back.
 
 The real SmolLM2-135M takes transformers' reader about 30 s, so it is a benchmark case
-(benchmarks/cases/gguf_smollm2.py), not a test here.
+(benchmarks/cases/gguf_export.py, which also runs the files in llama.cpp), not a test here.
 """
 
 from __future__ import annotations
