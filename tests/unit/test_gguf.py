@@ -238,6 +238,21 @@ def test_a_split_llama_cpp_knows_by_name_reads_back_splitting_alike(tokenizer, t
     assert read_tokenizer(SPLIT_TEXT)["input_ids"] == split(SPLIT_TEXT)["input_ids"]
 
 
+def test_gpt2_and_smollm_splits_are_named_from_their_steps():
+    """GPT-2's split is ByteLevel's own regex; SmolLM's puts every digit apart first (llama.cpp's
+    `smollm`; transformers' reader does not know it, so this is the metadata alone)."""
+    from tokenizers import pre_tokenizers
+
+    from slimtune.export_gguf import vocab
+
+    def kind(steps):
+        return vocab.tokenizer_kind(json.loads(with_pre_tokenizer(steps).backend_tokenizer.to_str()))
+
+    assert kind([pre_tokenizers.ByteLevel(add_prefix_space=False)]) == ("gpt2", "gpt2")
+    assert kind([pre_tokenizers.Digits(individual_digits=True),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False)]) == ("gpt2", "smollm")
+
+
 def test_a_split_llama_cpp_does_not_name_is_refused(tokenizer, tmp_path):
     from tokenizers import Regex, pre_tokenizers
 
