@@ -59,7 +59,12 @@ _LSP_SHAPE = ("if this changes a matrix's {what}, its projectors are drawn afres
 RULES: dict[str, Rule] = {
     # The base model's identity is its weights' fingerprint (run_folder refuses others first): a moved folder is fine.
     "model": applied("the base model is read from the new folder, whose weights are the ones the run began with"),
+    # The commit a Hub name resolves to is part of the run's identity (run/folder.py: model_commit).
+    "model_revision": safe(),
     "data.path": _DATA,
+    "data.subset": _DATA,
+    "data.split": _DATA,
+    "data.eval_split": _DATA,
     "data.format": _DATA,
     "data.max_length": _STREAM,
     "data.packing": _STREAM,
@@ -84,6 +89,7 @@ RULES: dict[str, Rule] = {
     "activations.last_k": safe(),
     "activations.disk_dir": safe(),
     "activations.mlp_chunk": safe(),
+    "activations.seq_tile": safe(),  # tiles split a block's work along the sequence: the same gradients
     "loss.mode": safe(),
     "loss.chunk_size": safe(),
     "loss.subset_k": safe(),
