@@ -116,14 +116,18 @@ def _fast_wanted() -> bool:
     return os.environ.get(VBMI_ENV, "1") != "0" and fast_path()
 
 
-@functools.cache
 def fast_path() -> bool:
     """The library has the VBMI path and it leaves the portable loops' bits on this machine (which
     the tests and the torch check hold to moments8 and torch): codes at every midpoint of both maps
     and the fp32 numbers either side, and three steps of the split layout over blocks of every kind
-    (a few milliseconds, once a process)."""
+    (a few milliseconds, once a library)."""
     lib = library()
-    if lib is None or not lib.slimtune_fast_8bit():
+    return lib is not None and _fast_path_of(lib)
+
+
+@functools.cache
+def _fast_path_of(lib: ctypes.CDLL) -> bool:
+    if not lib.slimtune_fast_8bit():
         return False
     with _disable_current_modes():
         agrees = _fast_codes_agree(lib) and _fast_steps_agree(lib)
@@ -164,7 +168,8 @@ def _fast_steps_agree(lib: ctypes.CDLL) -> bool:
     for fast in (True, False):
         tensors = {name: t.clone() for name, t in start.items()}
         for step_count, grad in enumerate(grads, 1):
-            run = run_of(numel, {**tensors, "grad": grad.clone()}, 1, fast=fast)
+            held = {**tensors, "grad": grad.clone()}  # alive while the kernel reads it
+            run = run_of(numel, held, 1, fast=fast)
             lib.slimtune_adamw(ctypes.byref(run), ctypes.byref(constants(settings, float(step_count), 0.5)))
         ends.append(tensors)
     return all(torch.equal(ends[0][name].view(torch.uint8), ends[1][name].view(torch.uint8)) for name in start)
