@@ -17,7 +17,7 @@ import re
 from slimtune.errors import UserError
 
 # GPT-2's split, which ByteLevel(use_regex=True) applies on its own.
-GPT2 = "gpt2"
+GPT2 = "gpt-2"  # llama.cpp's name (llama-vocab.cpp); "gpt2" is its tokenizer model, not a split
 # Split patterns of tokenizer.json files, by the name llama.cpp gives the same split.
 CONTRACTIONS_AND_LETTERS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
 PUNCTUATION_AND_SPACES = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

@@ -248,7 +248,7 @@ def test_gpt2_and_smollm_splits_are_named_from_their_steps():
     def kind(steps):
         return vocab.tokenizer_kind(json.loads(with_pre_tokenizer(steps).backend_tokenizer.to_str()))
 
-    assert kind([pre_tokenizers.ByteLevel(add_prefix_space=False)]) == ("gpt2", "gpt2")
+    assert kind([pre_tokenizers.ByteLevel(add_prefix_space=False)]) == ("gpt2", "gpt-2")
     assert kind([pre_tokenizers.Digits(individual_digits=True),
                  pre_tokenizers.ByteLevel(add_prefix_space=False)]) == ("gpt2", "smollm")
 
