@@ -109,7 +109,9 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
                       help="machines alike, trained together with torchrun (default 1); figures stay per device")
     plan.add_argument("--host-ram", help="the host's RAM to plan for, e.g. 64GiB (default: this machine's)")
     plan.add_argument("--disk", help="free disk to plan for, e.g. 500GB (default: free here)")
-    plan.add_argument("--max-seq", action="store_true", help="also find each plan's longest sequence that fits")
+    plan.add_argument("--max-seq", nargs="?", type=int, const=0, default=None, metavar="LIMIT",
+                      help="also find each plan's longest sequence that fits, up to the model's positions or LIMIT"
+                           " tokens (beyond them: for a run that extends its RoPE)")
     plan.add_argument("--detail", action="store_true", help="add the device peak's breakdown to the table")
     plan.add_argument("--json", action="store_true", help="print the plans as a JSON list")
     plan.add_argument("--png", metavar="FILE", help="also draw the plans' memory against the card as a PNG picture")
@@ -273,10 +275,13 @@ def _plan(args: argparse.Namespace) -> None:
 
     if args.seq <= 0 or args.batch <= 0 or args.rank <= 0:
         raise UserError("--seq, --batch and --rank must be positive.")
+    if args.max_seq is not None and args.max_seq < 0:
+        raise UserError(f"--max-seq LIMIT must be a positive token count, got {args.max_seq}.")
     model_config = presets.model_config(args.model)
     machine = planner.Machine.named(args.gpu, args.host_ram, args.disk, cards=args.gpus, nodes=args.nodes)
     base = planner.planning_config(args.method, args.rank)
-    results = planner.plan(model_config, base, machine, args.batch, args.seq, max_seq=args.max_seq)
+    results = planner.plan(model_config, base, machine, args.batch, args.seq, max_seq=args.max_seq is not None,
+                           seq_limit=args.max_seq or 0)
     title = f"slimtune plan: {args.model}, {args.method}, batch {args.batch} x seq {args.seq}, on {machine.describe()}"
     print(planner.to_json(results) if args.json else planner.table(results, title, machine, detail=args.detail))
     if args.png:

@@ -18,7 +18,7 @@ import torch
 from slimtune.model import config_json
 from slimtune import engines, presets
 from slimtune.engines import settings
-from slimtune.planning import estimate, worker as planning_worker, rank_plan
+from slimtune.planning import estimate, longest_seq, worker as planning_worker, rank_plan
 from slimtune.device import speed
 from slimtune.planning.estimate_cache import cached_estimate, is_cached
 from slimtune.config import RunConfig, to_dict
@@ -81,14 +81,17 @@ class Machine:
         return (f"{nodes}{cards}{self.gpu.name} ({human_bytes(self.gpu.memory_bytes)}), {human_bytes(self.ram_bytes)}"
                 f" host RAM, {human_bytes(self.disk_bytes)} free disk")
 
-    def shortfalls(self, found: estimate.Estimate, ranks: int = 1) -> dict[str, tuple[int, int]]:
-        """What a plan lacks: {"device" | "host RAM" | "disk": (needed, available)}, empty when it fits.
-        `ranks`: processes of the job; those on one machine share its RAM and disk."""
+    def needs(self, found: estimate.Estimate, ranks: int = 1) -> dict[str, tuple[int, int]]:
+        """What a plan needs of each resource and what there is: {"device" | "host RAM" | "disk":
+        (needed, available)}. `ranks`: processes of the job; those on one machine share its RAM and disk."""
         here = max(ranks // self.nodes, 1)
-        needs = {"device": (found.device_peak_bytes + CUDA_OVERHEAD_BYTES, self.gpu.memory_bytes),
-                 "host RAM": (found.host_bytes * here, int(HOST_RAM_SHARE * self.ram_bytes)),
-                 "disk": (found.disk_bytes * here, self.disk_bytes)}
-        return {what: (need, have) for what, (need, have) in needs.items() if need > have}
+        return {"device": (found.device_peak_bytes + CUDA_OVERHEAD_BYTES, self.gpu.memory_bytes),
+                "host RAM": (found.host_bytes * here, int(HOST_RAM_SHARE * self.ram_bytes)),
+                "disk": (found.disk_bytes * here, self.disk_bytes)}
+
+    def shortfalls(self, found: estimate.Estimate, ranks: int = 1) -> dict[str, tuple[int, int]]:
+        """What a plan lacks: the needs that exceed what there is, empty when it fits."""
+        return {what: (need, have) for what, (need, have) in self.needs(found, ranks).items() if need > have}
 
 
 @dataclass
@@ -168,9 +171,10 @@ def _run_config(base: RunConfig, plan: dict) -> RunConfig:
 
 
 def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_size: int, seq_len: int,
-          max_seq: bool = False) -> PlanResult:
+          max_seq: bool = False, seq_limit: int = 0) -> PlanResult:
     """One plan: its device peak, host RAM and disk on fake tensors, its modelled time on the card,
-    what it lacks on `machine`, and (`max_seq`) the longest sequence that fits."""
+    what it lacks on `machine`, and (`max_seq`) the longest sequence that fits, up to `seq_limit`
+    tokens (0: the model's positions)."""
     cfg = _run_config(base, plan)
     ranks, derived = machine.ranks(cfg.engine), cfg.dist.strategy == "fsdp"
     found = per_device_estimate(model_config, cfg, machine, batch_size, seq_len)
@@ -181,7 +185,7 @@ def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_siz
     result = PlanResult(plan["engine"], options, found, time, rank_plan.job_tokens_per_s(time, tokens, ranks, sync),
                         machine.shortfalls(found, ranks), ranks=ranks, sync_s=sync, derived=derived)
     if max_seq:
-        result.max_seq = longest_fitting_seq(model_config, cfg, machine, batch_size, seq_len, result.fits)
+        result.max_seq = longest_fitting_seq(model_config, cfg, machine, batch_size, seq_len, limit=seq_limit)
     return result
 
 
@@ -195,24 +199,20 @@ def per_device_estimate(model_config, cfg: RunConfig, machine: Machine, batch_si
 
 
 def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_size: int, known: int,
-                        known_fits: bool) -> int:
-    """The longest sequence, up to the model's positions, whose step fits `machine`: doubling from a
-    length already estimated (`known`, and whether it fit), then bisection on the estimate to the
-    token, so the answer fits and one token more does not (0: not even one token fits)."""
-    limit = getattr(model_config, "max_position_embeddings", None) or 2**20
+                        by_length: bool = True, limit: int = 0) -> int:
+    """The longest sequence, up to `limit` tokens (0: the model's positions), whose step fits `machine`,
+    from the length already estimated (`known`): by the curves through a few lengths' estimates
+    (longest_seq.py), or (`by_length=False`) by doubling and bisection on the same estimate. Either
+    way the answer fits and one token more does not (0: not even one token fits)."""
+    limit = limit or getattr(model_config, "max_position_embeddings", None) or 2**20
+    ranks = machine.ranks(cfg.engine)
 
-    def fits(seq: int) -> bool:
-        found = per_device_estimate(model_config, cfg, machine, batch_size, seq)
-        return not machine.shortfalls(found, machine.ranks(cfg.engine))
+    def needs(seq: int) -> dict[str, tuple[int, int]]:
+        return machine.needs(per_device_estimate(model_config, cfg, machine, batch_size, seq), ranks)
 
-    low, high = (min(known, limit), None) if known_fits else (0, known)  # low fits (or is 0); high does not
-    while high is None and low < limit:
-        probe = min(limit, max(1, 2 * low))
-        low, high = (probe, None) if fits(probe) else (low, probe)
-    while high is not None and high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    if not by_length:
+        return longest_seq.longest_by_bisection(needs, known, limit)
+    return longest_seq.longest_by_length(needs, known, limit)
 
 
 # Below this many block-widths (layers x hidden) plans are estimated faster than a worker process starts.
@@ -260,12 +260,13 @@ def applicable_plans(base: RunConfig, machine: Machine | None = None) -> list[di
 
 
 def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int, seq_len: int,
-               max_seq: bool) -> list[PlanResult]:
+               max_seq: bool, seq_limit: int = 0) -> list[PlanResult]:
     """Plans are independent: beside this process, one spawned worker (a forked torch can hang in its
     thread pool) takes the next plan the moment it is free; results keep the plans' order."""
     import os
 
-    jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq) for p in applicable_plans(base, machine)]
+    jobs = [(model_config, base, p, machine, batch_size, seq_len, max_seq, seq_limit)
+            for p in applicable_plans(base, machine)]
     # Answers already in the cache cost nothing: only the others are worth a worker.
     results = {i: weigh(*job) for i, job in enumerate(jobs)
                if not max_seq and is_cached(model_config, _run_config(base, job[2]), batch_size, seq_len)}
@@ -320,10 +321,11 @@ def _share_with_a_worker(worker, jobs: list[tuple], order: list[int]) -> dict[in
 
 
 def plan(model_config, base: RunConfig, machine: Machine, batch_size: int, seq_len: int,
-         max_seq: bool = False) -> list[PlanResult]:
-    """Every candidate plan for base.method, fastest first; the fastest that fits is recommended."""
+         max_seq: bool = False, seq_limit: int = 0) -> list[PlanResult]:
+    """Every candidate plan for base.method, fastest first; the fastest that fits is recommended.
+    `max_seq`: also each plan's longest sequence, up to `seq_limit` (0: the model's positions)."""
     machine.refuse_unloadable(model_config)
-    results = _weigh_all(model_config, base, machine, batch_size, seq_len, max_seq)
+    results = _weigh_all(model_config, base, machine, batch_size, seq_len, max_seq, seq_limit)
     results.sort(key=lambda r: (-r.tokens_per_s, r.estimate.device_peak_bytes))
     fitting = [r for r in results if r.fits]
     if fitting:
@@ -406,8 +408,8 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
         "(assumed), plus optimizer and host-link traffic over its bandwidths.",
     ]
     if with_seq:
-        lines.append("max seq: the longest sequence whose step fits (one token more does not), by bisection on the "
-                     "same estimate.")
+        lines.append("max seq: the longest sequence whose step fits (one token more does not), solved from a few "
+                     "lengths' estimates and confirmed by the estimate at it and one token more.")
     if machine.nodes * machine.cards > 1:
         lines += _data_parallel_notes(results, machine)
     chosen = recommended(results)

@@ -1,0 +1,178 @@
+"""The longest sequence a plan fits, found from a few estimates instead of a bisection of many.
+
+A step's device peak, host RAM and disk grow with the sequence length T. Where every block runs in
+tiles of tokens, each of them is affine in T between tile boundaries (whole K and V, the block's
+input and output, the checkpoints: T times a width; one tile's intermediates: a constant), as each
+is affine in the depth (estimate._by_depth). So two lengths' estimates give a line per resource, and
+the line's crossing with the machine's limit is the answer. Where the step is not affine (an
+untiled block, a (T, T) mask, a chunk count that steps) the line is a guess: the answer is always
+confirmed by the estimate at it (fits) and at one token more (does not), and a guess that misses is
+followed by another through the two nearest lengths (a secant, or Newton's step where the two are one
+token apart), and by bisection after a few. `longest_by_bisection` is the plain way, kept as the
+tests' oracle; both return a length that fits with one token more not fitting, or the model's limit.
+
+`needs(seq)` is the one question asked: {resource: (needed, available)} for a step of `seq` tokens
+(planner.Machine.shortfalls without the filter), so this file knows no estimate and no machine.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Callable
+
+Needs = Callable[[int], dict]
+
+# Guesses from the probes' curves before the search falls back to bisection of what is left.
+GUESSES = 6
+
+
+class _Probes:
+    """Every length asked so far, with the bracket they give: `low` fits (0: none known to), `high`
+    does not (None: none known)."""
+
+    def __init__(self, needs: Needs):
+        self.needs, self.seen, self.order = needs, {}, []
+        self.low, self.high = 0, None
+
+    def fits(self, seq: int) -> bool:
+        if seq not in self.seen:
+            self.seen[seq] = self.needs(seq)
+            self.order.append(seq)
+        fit = all(need <= have for need, have in self.seen[seq].values())
+        if fit and seq > self.low:
+            self.low = seq
+        if not fit and (self.high is None or seq < self.high):
+            self.high = seq
+        return fit
+
+    def settled(self, limit: int) -> bool:
+        return self.low >= limit or (self.high is not None and self.high - self.low <= 1)
+
+
+def longest_by_length(needs: Needs, known: int, limit: int, tile: int = 1) -> int:
+    """The longest sequence up to `limit` whose step fits: two probes (`known`, and twice or half it,
+    multiples of `tile` where the blocks are tiled), then guesses from the probes' curves, each
+    confirmed by the estimate at it and at one token more. After GUESSES that miss (a step in the
+    estimate, or stairs), bisection of what the bracket leaves."""
+    probes = _Probes(needs)
+    first = min(limit, max(1, known))
+    second = min(limit, _multiple(2 * first, tile)) if probes.fits(first) else max(1, _multiple(first // 2, tile))
+    if not probes.settled(limit) and second != first:
+        probes.fits(second)
+    guesses = [first, second]  # the curves go through these, not through a confirmation one token off
+    for _ in range(GUESSES):
+        if probes.settled(limit):
+            break
+        guess = _guess(probes, guesses, limit)
+        if guess is None:
+            break
+        guesses.append(guess)
+        _confirm(probes, guess, limit)
+    return _bisect(probes, limit)
+
+
+def _multiple(seq: int, tile: int) -> int:
+    return max(tile, seq // tile * tile)
+
+
+def _width(probes: _Probes, limit: int) -> int:
+    return (limit + 1 if probes.high is None else probes.high) - probes.low
+
+
+def _confirm(probes: _Probes, guess: int, limit: int) -> None:
+    """The estimate at the guess, and the one next to it on the side the answer lies."""
+    if probes.fits(guess):
+        if guess < limit:
+            probes.fits(guess + 1)
+    elif guess - 1 > probes.low:
+        probes.fits(guess - 1)
+
+
+def _guess(probes: _Probes, guesses: list[int], limit: int) -> int | None:
+    """The next length to try, strictly inside the bracket: where a curve through the latest
+    guesses first reaches a limit. Curves in turn, the first with an answer inside: a parabola
+    through the latest three where every resource's is convex (a (T, T) term, or tiles that grow
+    with T); the line through the latest two (affine: blocks in tiles of a fixed size); the line
+    through the bracket's ends (regula falsi)."""
+    top = limit if probes.high is None else probes.high - 1
+    if top <= probes.low:
+        return None
+    latest = sorted(set(guesses[-3:]))
+    curves = [(latest, _parabola_crossing)] if len(latest) == 3 else []
+    curves.append((sorted(set(guesses[-2:])), _line_crossing))
+    if probes.low > 0 and probes.high is not None:
+        curves.append(([probes.low, probes.high], _line_crossing))
+    for lengths, crossing in curves:
+        if len(lengths) < 2:
+            continue
+        bound = _solve(probes, lengths, crossing)
+        if bound is _NOTHING_GROWS and probes.high is None:
+            return top  # flat so far: the longest allowed
+        if bound not in (None, _NOTHING_GROWS):
+            # int: the floor of a positive crossing; at or below the longest known to fit, the
+            # curve says that is the answer: the next length is the one to try
+            return min(top, max(int(bound), probes.low + 1))
+    return None
+
+
+_NOTHING_GROWS = object()  # no resource's curve rises: the probes say nothing of where it ends
+
+
+def _solve(probes: _Probes, lengths: list[int], crossing):
+    """The smallest over resources of where the curve through `lengths` reaches the resource's
+    limit; None where a curve gives no answer (it falls or turns away while over); _NOTHING_GROWS
+    when every resource fits and none rises."""
+    found = []
+    for what in probes.seen[lengths[-1]]:
+        overs = [probes.seen[seq][what][0] - probes.seen[seq][what][1] for seq in lengths]
+        point = crossing(lengths, overs)
+        if point is None:
+            return None
+        if point is not _NOTHING_GROWS:
+            found.append(point)
+    return min(found) if found else _NOTHING_GROWS
+
+
+def _line_crossing(lengths: list[int], overs: list[int]):
+    """Where the line through two (length, need - have) points reaches 0, exactly (fractions of
+    bytes): the largest length that fits on it. A falling or flat line: _NOTHING_GROWS if it fits,
+    None if it is over (it never comes back)."""
+    (a, b), (over_a, over_b) = lengths, overs
+    slope = Fraction(over_b - over_a, b - a)
+    if slope <= 0:
+        return _NOTHING_GROWS if over_b <= 0 else None
+    return a - over_a / slope
+
+
+def _parabola_crossing(lengths: list[int], overs: list[int]):
+    """Where the parabola through three (length, need - have) points reaches 0 on its rising side:
+    None unless it is convex and rises at the last point; the line's answer when it is straight."""
+    (a, b, c), (fa, fb, fc) = lengths, overs
+    first, second = Fraction(fb - fa, b - a), Fraction(fc - fb, c - b)
+    curve = (second - first) / (c - a)  # the T^2 coefficient
+    if curve == 0:
+        return _line_crossing([a, c], [fa, fc])
+    slope = second + curve * (c - b)  # the derivative at c
+    if curve < 0 or slope <= 0:
+        return None
+    # fc + slope x + curve x^2 = 0 on the rising side, x from c
+    disc = float(slope) ** 2 - 4 * float(curve) * fc
+    return Fraction(c + (-float(slope) + math.sqrt(disc)) / (2 * float(curve))) if disc >= 0 else None
+
+
+def _bisect(probes: _Probes, limit: int) -> int:
+    """Bisection of what the bracket leaves, doubling first while nothing has failed."""
+    while probes.high is None and probes.low < limit:
+        probes.fits(min(limit, max(1, 2 * probes.low)))
+    while probes.high is not None and probes.high - probes.low > 1:
+        probes.fits((probes.low + probes.high) // 2)
+    return probes.low
+
+
+def longest_by_bisection(needs: Needs, known: int, limit: int) -> int:
+    """The plain way: doubling from `known`, then bisection to the token (the tests' oracle)."""
+    probes = _Probes(needs)
+    first = min(limit, max(1, known))
+    probes.fits(first)
+    return _bisect(probes, limit)
