@@ -9,9 +9,11 @@ optimizer layout comes to it, on 1 and 2 threads (torch.set_num_threads):
   program reads and writes, not the cache lines the hardware fetches to write).
 - torch's fused CPU AdamW (torch.optim.AdamW(fused=True)) on one fp32 parameter of 2^25 numbers:
   28 bytes a number (read p, g, m, v; write p, m, v).
-- HostAdam.update for four layouts (whole fp32 master, split master, 8-bit moments, moments in
-  memory-mapped files), bytes counted from what the code touches, the accumulator's emptying
-  included: on the tiled torch path (SLIMTUNE_NATIVE=0) and on the native C loop where it applies.
+- HostAdam.update for five layouts (whole fp32 master, split master, 8-bit moments, moments in
+  memory-mapped files, fp32 or 8-bit), bytes counted from what the code touches, the accumulator's
+  emptying included: on the tiled torch path (SLIMTUNE_NATIVE=0) and on the native C loop where it
+  applies; 8-bit moments also on the native loop's portable path (SLIMTUNE_NATIVE_VBMI=0) where
+  its AVX-512 VBMI path runs.
 - The pieces of the tiled update, each on one cache-resident tile (tiled_adamw.TILE numbers), so the
   time a layout spends computing can be set beside the time its bytes need.
 
@@ -43,7 +45,9 @@ LAYOUTS = {
     "split": (True, torch.bfloat16, "fp32", False),
     "split_8bit": (True, torch.bfloat16, "8bit", False),
     "split_disk": (True, torch.bfloat16, "fp32", True),
+    "split_8bit_disk": (True, torch.bfloat16, "8bit", True),
 }
+VBMI_ENV = "SLIMTUNE_NATIVE_VBMI"  # 0: 8-bit moments on the native loop's portable path (no AVX-512 VBMI)
 
 
 def timed(step, prepare, reps: int) -> dict:
@@ -198,17 +202,24 @@ def native_step(adam, threads: int) -> None:
 
 
 @contextlib.contextmanager
-def native_path(on: bool):
-    """SLIMTUNE_NATIVE set for the block (0: tiled_adamw's torch path), as it was after."""
-    before = os.environ.get(NATIVE_ENV)
-    os.environ[NATIVE_ENV] = "1" if on else "0"
+def native_path(on: bool, name: str = NATIVE_ENV):
+    """SLIMTUNE_NATIVE (or another switch) set for the block (0: off), as it was after."""
+    before = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(NATIVE_ENV)
+            os.environ.pop(name)
         else:
-            os.environ[NATIVE_ENV] = before
+            os.environ[name] = before
+
+
+def vbmi_available() -> bool:
+    """The native loop runs 8-bit moments on its AVX-512 VBMI path here."""
+    from slimtune.optim.native import adamw
+    with native_path(True):
+        return adamw.library() is not None and adamw.fast_path()
 
 
 def native_available() -> bool:
@@ -280,6 +291,7 @@ PIECES_OF = {  # the tile pieces each layout runs on the tiled path (tiled_adamw
     "split": SPLIT_PIECES,
     "split_8bit": (*SPLIT_PIECES, "dequantize_m", "quantize_m", "dequantize_v", "quantize_v"),
     "split_disk": SPLIT_PIECES,
+    "split_8bit_disk": (*SPLIT_PIECES, "dequantize_m", "quantize_m", "dequantize_v", "quantize_v"),
 }
 
 
@@ -288,7 +300,7 @@ def reading(tiled: dict, native: dict, tile: dict) -> dict:
     bandwidth, and the tiled path's pieces computed in cache."""
     out = {}
     for name, found in tiled.items():
-        out[name] = {"tiled_ns": found["ns_a_number"],
+        out[name] = {"tiled_ns": found["ns_a_number"], "native_of_copy": native[name]["of_copy"] if name in native else None,
                      "native_ns": native[name]["ns_a_number"] if name in native else None,
                      "bytes_at_copy_speed_ns": found["bytes_a_number"] / found["copy_gbps_before"],
                      "tiled_pieces_in_cache_ns": sum(tile[p] for p in PIECES_OF[name])}
@@ -323,6 +335,7 @@ def run(quick: bool) -> dict:
         torch.set_num_threads(threads_before)
     result = {"copy_numbers": sizes.copy_n, "adam_numbers": sizes.adam_n, "goal_of_copy_one_thread": GOAL,
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native": native,
+              "native_8bit_vbmi": native and vbmi_available(),
               "load_average_before": load_before, "load_average_after": os.getloadavg(), "threads": by_threads}
     summarize(result)
     return result
@@ -341,6 +354,9 @@ def measure_at(sizes: Sizes, flush: torch.Tensor, native: bool) -> dict:
     tiled = {name: beside(lambda: measure_layout(name, n, sizes.adam_reps, flush, False)) for name in LAYOUTS}
     natives = {name: beside(lambda: measure_layout(name, n, sizes.adam_reps, flush, True))
                for name in LAYOUTS} if native else {}
+    if native and vbmi_available():  # the same 8-bit layout on the portable loops, for comparison
+        with native_path(False, VBMI_ENV):
+            natives["split_8bit_portable"] = beside(lambda: measure_layout("split_8bit", n, sizes.adam_reps, flush, True))
     for found in (fused, fused_files, *tiled.values(), *natives.values()):
         found["of_copy"] = found["gbps"] / found["copy_gbps_before"]
         found["ns_a_number"] = found["best_s"] / n * 1e9
