@@ -18,7 +18,7 @@ import torch
 from slimtune.model import config_json
 from slimtune import engines, presets
 from slimtune.engines import settings
-from slimtune.planning import estimate, longest_seq, worker as planning_worker, rank_plan
+from slimtune.planning import estimate, longest_seq, tile_choice, worker as planning_worker, rank_plan
 from slimtune.device import speed
 from slimtune.planning.estimate_cache import cached_estimate, is_cached
 from slimtune.config import RunConfig, to_dict
@@ -104,6 +104,7 @@ class PlanResult:
     short: dict[str, tuple[int, int]] = field(default_factory=dict)  # Machine.shortfalls
     recommended: bool = False
     max_seq: int | None = None  # --max-seq: the longest sequence that fits (0: none)
+    max_seq_tile: int | None = None  # the sequence tile it was found with (None: the plan's own blocks)
     ranks: int = 1  # processes under data parallelism (Machine.ranks); the figures are per device
     sync_s: float = 0.0  # modelled seconds a step spends summing gradients across ranks
     derived: bool = False  # the device figures are derived from the measurement by a formula (fsdp)
@@ -152,6 +153,7 @@ class PlanResult:
         }
         if self.max_seq is not None:
             out["max_seq"] = self.max_seq
+            out["max_seq_tile"] = self.max_seq_tile
         return out
 
 
@@ -174,10 +176,13 @@ def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_siz
           max_seq: bool = False, seq_limit: int = 0) -> PlanResult:
     """One plan: its device peak, host RAM and disk on fake tensors, its modelled time on the card,
     what it lacks on `machine`, and (`max_seq`) the longest sequence that fits, up to `seq_limit`
-    tokens (0: the model's positions)."""
+    tokens (0: the model's positions). A plan whose blocks run in tiles and that does not fit the card
+    with the auto rule's tile takes the largest of tile_choice.TILES that fits (its options say so)."""
     cfg = _run_config(base, plan)
     ranks, derived = machine.ranks(cfg.engine), cfg.dist.strategy == "fsdp"
     found = per_device_estimate(model_config, cfg, machine, batch_size, seq_len)
+    if "device" in machine.shortfalls(found, ranks) and not cfg.activations.tile:
+        plan, cfg, found = _tiled_to_fit(model_config, base, plan, machine, batch_size, seq_len, found)
     time = engines.get(cfg.engine).step_time(model_config, cfg, found.counts(), machine.gpu, batch_size, seq_len)
     tokens = batch_size * seq_len * cfg.train.grad_accum
     sync = rank_plan.sync_seconds(found.allreduce_bytes, ranks, machine.nodes, machine.gpu)
@@ -185,8 +190,40 @@ def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_siz
     result = PlanResult(plan["engine"], options, found, time, rank_plan.job_tokens_per_s(time, tokens, ranks, sync),
                         machine.shortfalls(found, ranks), ranks=ranks, sync_s=sync, derived=derived)
     if max_seq:
-        result.max_seq = longest_fitting_seq(model_config, cfg, machine, batch_size, seq_len, limit=seq_limit)
+        result.max_seq, result.max_seq_tile = _longest_with_tile(model_config, cfg, machine, batch_size, seq_len,
+                                                                 seq_limit)
     return result
+
+
+def _tiled_to_fit(model_config, base: RunConfig, plan: dict, machine: Machine, batch_size: int, seq_len: int,
+                  found: estimate.Estimate) -> tuple[dict, RunConfig, estimate.Estimate]:
+    """The plan with the largest of tile_choice.TILES that fits `machine`, its config and estimate; the
+    plan as it was where none does (or its blocks are not tiled: every tile weighs the same)."""
+    ranks, weighed = machine.ranks(plan["engine"]), {}
+
+    def fits(tile: int) -> bool:
+        cfg = _run_config(base, {**plan, "activations.seq_tile": tile})
+        weighed[tile] = (cfg, per_device_estimate(model_config, cfg, machine, batch_size, seq_len))
+        return not machine.shortfalls(weighed[tile][1], ranks)
+
+    tile = tile_choice.largest_fitting(seq_len, fits)
+    if tile is None:
+        return plan, _run_config(base, plan), found
+    return {**plan, "activations.seq_tile": tile}, *weighed[tile]
+
+
+def _longest_with_tile(model_config, cfg: RunConfig, machine: Machine, batch_size: int, known: int,
+                       limit: int) -> tuple[int, int | None]:
+    """The longest sequence of the plan, and the tile it was found with: the plan's own, or where it
+    leaves the tile to the auto rule and its blocks are tiled (at one length, tiles of MIN_TILE tokens
+    weigh less than one whole tile), tile_choice.MIN_TILE: the tile that fits the longest."""
+    if not cfg.activations.tile:
+        at = tile_choice.probe_length(known)
+        tiled, whole = (_run_config(cfg, {"activations.seq_tile": tile}) for tile in (tile_choice.MIN_TILE, at))
+        peaks = {per_device_estimate(model_config, c, machine, batch_size, at).device_peak_bytes for c in (tiled, whole)}
+        if len(peaks) == 2:
+            return longest_fitting_seq(model_config, tiled, machine, batch_size, known, limit=limit), tile_choice.MIN_TILE
+    return longest_fitting_seq(model_config, cfg, machine, batch_size, known, limit=limit), cfg.activations.tile or None
 
 
 def per_device_estimate(model_config, cfg: RunConfig, machine: Machine, batch_size: int,
@@ -394,7 +431,7 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
                *(human_bytes(e.breakdown.get(c, 0)) + ("**" if r.derived else "") for c in (_DETAIL if detail else ())),
                human_bytes(e.host_bytes), human_bytes(e.disk_bytes), human_bytes(e.host_link_bytes),
                f"{r.tokens_per_s:,.0f}"]
-        row += [f"{r.max_seq:,}" if r.max_seq else "-"] if with_seq else []
+        row += [_max_seq_cell(r)] if with_seq else []
         rows.append(row + [("yes" if r.fits else "no (" + ", ".join(r.short) + ")")
                            + (" <- recommended" if r.recommended else "")])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -409,12 +446,21 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
     ]
     if with_seq:
         lines.append("max seq: the longest sequence whose step fits (one token more does not), solved from a few "
-                     "lengths' estimates and confirmed by the estimate at it and one token more.")
+                     "lengths' estimates and confirmed by the estimate at it and one token more; (tile N): with "
+                     "activations.seq_tile=N, where the plan leaves its blocks' tile to the auto rule.")
     if machine.nodes * machine.cards > 1:
         lines += _data_parallel_notes(results, machine)
     chosen = recommended(results)
     lines.append(f"recommended: {chosen.engine} {chosen.label}" if chosen else f"no plan fits: {_smallest_need(results)}.")
     return "\n".join(lines)
+
+
+def _max_seq_cell(result: PlanResult) -> str:
+    """The longest sequence, and the tile it needs where the plan's options do not name it."""
+    if not result.max_seq:
+        return "-"
+    tile = result.max_seq_tile if "activations.seq_tile" not in result.options else None
+    return f"{result.max_seq:,}" + (f" (tile {tile})" if tile else "")
 
 
 def _data_parallel_notes(results: list[PlanResult], machine: Machine) -> list[str]:
