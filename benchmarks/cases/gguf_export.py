@@ -6,13 +6,15 @@ llama.cpp itself.
    logits' relative error (Frobenius norm of the difference over the model's) and the share of
    positions whose most likely next token is the same, for the file read back by transformers'
    GGUF loader (about 30 s a file, which is why this is not a unit test) and run by llama.cpp; the
-   token ids each tokenizes the text to against the model's; the chat template carried.
+   token ids each tokenizes the text to against the model's; the chat template carried. With
+   llama.cpp: its own q8_0 quantizer applied to our f16 file, as the yardstick for our q8_0, and the
+   greedy answer to the chat question through llama.cpp's chat completion with each file.
 2. The unit tests' tiny models (tests/unit/test_gguf.py: random weights, norms and biases too), f16,
    run by llama.cpp: the demo model (Llama, byte-level BPE), Qwen2 (biases, tied head), Qwen3 (q/k
    norms, head size 128 over a width of 32), Mistral with a SentencePiece-style tokenizer (scores,
    byte tokens), a Llama with Llama 3 rope scaling (rope_freqs) and a Mistral whose sliding window
-   caps the context (the text within it, where the two agree). transformers' reader checks none of llama.cpp's own rotary order, scores or
-   rope factors: llama.cpp does.
+   caps the context (the text within it, where the two agree). transformers' reader checks none of
+   llama.cpp's own rotary order, scores or rope factors: llama.cpp does.
 
 llama.cpp: `llama-cpp-python` compiles llama.cpp from source, so it is not one of slimtune's
 dependencies. The case uses it when the Python named by LLAMA_CPP_PYTHON (default: this one) imports
@@ -52,6 +54,23 @@ print(json.dumps(out))
 """
 
 
+QUESTION = "What is the capital of France?"
+QUANTIZE_SCRIPT = r"""
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+assert llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)) == 0
+"""
+CHAT_SCRIPT = r"""
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=512, verbose=False, n_threads=1)
+reply = llm.create_chat_completion(messages=[{"role": "user", "content": sys.argv[2]}], max_tokens=20, temperature=0.0)
+print(reply["choices"][0]["message"]["content"])
+"""
+
+
 def run(quick: bool) -> dict:
     found = {"load_average": os.getloadavg(), "llama_cpp_python": _llama_python(),
              "llama_cpp": _llama_cpp_available()}
@@ -70,7 +89,7 @@ def smollm2(folder: Path, types: tuple[str, ...]) -> dict:
 
     path = _smollm2()
     model, tokenizer = load_model(path, torch.float32, torch.device("cpu")).eval(), load_tokenizer(path)
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
                                          tokenize=False, add_generation_prompt=True)
     prompts = {"chat": chat, "plain": PLAIN}
     reference = {name: _logits(model, tokenizer(text, return_tensors="pt")["input_ids"]) for name, text in
@@ -78,6 +97,34 @@ def smollm2(folder: Path, types: tuple[str, ...]) -> dict:
     found = {"model": "SmolLM2-135M-Instruct (pretrained, Llama layout, tied head, 9 heads / 3 KV heads)"}
     for kind in types:
         found[kind] = _smollm2_type(model, tokenizer, prompts, reference, folder / f"smollm2-{kind}.gguf", kind)
+    if _llama_cpp_available() is True and "q8_0" in types:
+        found["q8_0_by_llama_cpp"] = llama_cpp_own_q8_0(folder, prompts, tokenizer, reference)
+        found["answers"] = answers(model, tokenizer, folder)
+    return found
+
+
+def llama_cpp_own_q8_0(folder: Path, prompts: dict, tokenizer, reference: dict) -> dict:
+    """llama.cpp's own q8_0 quantizer (llama_model_quantize) applied to our f16 file, run alike: the
+    yardstick for ours."""
+    path = folder / "smollm2-q8_0-by-llama-cpp.gguf"
+    subprocess.run([_llama_python(), "-c", QUANTIZE_SCRIPT, str(folder / "smollm2-f16.gguf"), str(path)], check=True,
+                   capture_output=True)
+    return {"file_bytes": path.stat().st_size, **llama_cpp(path, prompts, tokenizer, reference)}
+
+
+def answers(model, tokenizer, folder: Path) -> dict:
+    """The greedy answer to the chat question (20 tokens at most): the model's, and llama.cpp's chat
+    completion (the file's own chat template) with each file."""
+    messages = [{"role": "user", "content": QUESTION}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(ids["input_ids"], max_new_tokens=20, do_sample=False)
+    found = {"model (float32, transformers)": tokenizer.decode(out[0, ids["input_ids"].shape[1]:],
+                                                               skip_special_tokens=True)}
+    for name in ("f16", "bf16", "q8_0", "q8_0-by-llama-cpp"):
+        proc = subprocess.run([_llama_python(), "-c", CHAT_SCRIPT, str(folder / f"smollm2-{name}.gguf"), QUESTION],
+                              capture_output=True, text=True, check=True)
+        found[f"llama.cpp, {name}"] = proc.stdout.strip()
     return found
 
 
