@@ -180,21 +180,23 @@ def _backward_blocks(run: _Run, grad: torch.Tensor, wants_input_grad: bool):
         x = x.detach().requires_grad_(index > 0 or wants_input_grad)
         restore_dropout_rng(run.rng[index], x.device)
         cache = _SmallCache(run, index) if run.logs is not None else contextlib.nullcontext()
-        block_backward(run.stack, index, x, grad, run.inputs, run.tile, cache)
+        block_backward(run.stack, index, x, grad, run.inputs, run.tile, cache, grad_owned=index < last)
         grad = x.grad if x.requires_grad else None
         del x
     return grad
 
 
 def block_backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor | None, inputs: BlockInputs,
-                   tile: int, cache=None) -> None:
+                   tile: int, cache=None, grad_owned: bool = False) -> None:
     """Recompute block `index` from its input x (RNG state restored by the caller) and back-propagate
     its output's gradient: parameter grads accumulate, x.grad is set. Each graph is freed by its
-    backward before the next block (or tile) is recomputed. `cache`: a _SmallCache or None (untiled)."""
+    backward before the next block (or tile) is recomputed. `cache`: a _SmallCache or None (untiled).
+    `grad_owned`: the caller reads `grad` no more, so a tiled block may write x.grad into it (it is
+    the previous block's x.grad, or the engine's own leaf's); never autograd's own incoming gradient."""
     if grad is None:
         return
     if tile < x.shape[1]:
-        seq_tiles.backward(stack, index, x, grad, inputs, tile)
+        seq_tiles.backward(stack, index, x, grad, inputs, tile, grad_owned)
         return
     with torch.enable_grad(), cache if cache is not None else contextlib.nullcontext():
         y = stack.run_block(index, x, inputs)

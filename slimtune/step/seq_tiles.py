@@ -61,14 +61,19 @@ def forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, tile
 
 
 def backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor, inputs: BlockInputs,
-             tile: int) -> None:
+             tile: int, grad_owned: bool = False) -> None:
     """Recompute block `index` from x (B, T, D) tile by tile and back-propagate `grad` (B, T, D), the
     gradient of its output: parameter gradients accumulate, x.grad is set when x requires grad. The
-    caller restores the block's RNG state first (dropout), as for its forward."""
+    caller restores the block's RNG state first (dropout), as for its forward. `grad_owned`: nothing
+    else reads `grad` afterwards, so x's gradient is written into it, tile by tile as each tile's
+    slice has been used (one (B, T, D) tensor less on the device); x.grad is then `grad` itself."""
     block = _Block(stack, index, x, inputs, tile)
     block.recompute_kv()
     grad_k, grad_v = torch.zeros_like(block.k_all), torch.zeros_like(block.v_all)
-    grad_x = torch.empty_like(x) if x.requires_grad else None
+    grad_x = None
+    if x.requires_grad:
+        reuse = grad_owned and grad.dtype == x.dtype and grad.shape == x.shape and grad.is_contiguous()
+        grad_x = grad if reuse else torch.empty_like(x)
     for start in memory.representative(block.starts[::-1], x):
         with block.tile_rng(start):
             _tile_backward(block, start, grad[:, start : start + tile], grad_k, grad_v, grad_x)
@@ -201,8 +206,8 @@ class _Block:
             if keys.is_cuda:
                 return torch.nn.attention.bias.causal_lower_right(queries, count), False
             # Elsewhere a float band, built in place; a GPU attends without it (above), so no meter counts it.
-            with memory.host_allocation():
-                band = causal_band(queries, count, offset, None, keys.device).to(q.dtype).log_()
+            with memory.host_allocation():  # -inf above the band, 0 in it: one tensor, one pass
+                band = torch.full((queries, count), float("-inf"), dtype=q.dtype, device=keys.device).triu_(offset + 1)
             return memory.mark_host_resident(band), False
         band = causal_band(queries, count, offset, self.window, keys.device)
         if self.segments is None:

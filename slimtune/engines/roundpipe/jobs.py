@@ -305,7 +305,7 @@ def _backward_by_layer(worker: Worker, job: Job, ctx: StepContext, m: int, batch
         inputs = stack.prepare(x.detach(), batch.position_ids, segmented)
         chunk = activations.tile_tokens(stack, x.shape[1], ctx.activations_cfg, segmented)
         timing = BackwardTiming((layer,), worker.clock.mark())
-        activations.block_backward(stack, layer, x, grad, inputs, chunk)
+        activations.block_backward(stack, layer, x, grad, inputs, chunk, grad_owned=True)
         timing.stop = worker.clock.mark()
         ctx.times.backwards.append(timing)
         grad = x.grad if x.requires_grad else None

@@ -365,7 +365,7 @@ class SlideEngine(Engine):
                 if index > 0:
                     store.prefetch(keys[index - 1])  # the next input comes up while this block runs
                 activations.restore_dropout_rng(states[index], self.device)
-                activations.block_backward(self.stack, index, x_in, grad, inputs, chunk)
+                activations.block_backward(self.stack, index, x_in, grad, inputs, chunk, grad_owned=True)
                 grad = x_in.grad if x_in.requires_grad else None
                 del x_in
                 self._finish_block(index, update, final)
