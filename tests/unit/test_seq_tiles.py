@@ -290,3 +290,29 @@ def test_a_run_at_4k_tokens_resumes_exactly(tmp_path, tokenizer):
     resumed, got = run("resumed", 2)
     assert resumed == straight
     assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+# ---------------------------------------------------------------- roundpipe
+
+
+def test_roundpipe_forward_jobs_and_layer_backward_in_tiles_train_like_resident(tiled_calls):
+    """Rows of 12 tokens in tiles of 5, 5 and 2: roundpipe's forward jobs run block_forward and, with
+    grain=layer, its backward jobs block_backward."""
+    from test_roundpipe import TRAIN, run
+    from test_slide import model_of
+    from slimtune.engines.roundpipe.engine import RoundPipeConfig, RoundPipeEngine
+
+    model = model_of(3, tie_word_embeddings=True)
+
+    def cfg(engine: str):
+        section = RoundPipeConfig(workers=2, micro_batches=2, grain="layer", replan=False)
+        return engine_config(TrainConfig(**TRAIN, measure_memory=False), engine=engine, method="full",
+                             activations=ActivationsConfig(seq_tile=TILE), sections={"roundpipe": section})
+
+    expected = run(ResidentEngine, model, cfg("resident"), steps=2, rows=2)
+    assert tiled_calls["forward"] == 0  # resident without checkpointing: plain autograd, untiled
+    found = run(RoundPipeEngine, model, cfg("roundpipe"), steps=2, rows=2)
+    assert found[0] == pytest.approx(expected[0], abs=1e-10, rel=0)
+    for name, value in expected[2].items():
+        torch.testing.assert_close(found[2][name], value, atol=1e-10, rtol=0, msg=name)
+    assert tiled_calls["forward"] > 0 and tiled_calls["backward"] > 0
