@@ -359,13 +359,14 @@ def lora_run(tmp_path: Path, tokenizer) -> tuple[Path, Path]:
 
 
 def test_a_lora_run_exports_merged_through_the_cli(tokenizer, tmp_path, capsys):
-    """The file holds base + adapter merged, by peft's own merge."""
+    """The file holds base + adapter merged, by peft's own merge (--merge writes its folder too)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     run, base = lora_run(tmp_path, tokenizer)
-    assert cli.main(["export", str(run), "--gguf", str(tmp_path / "run.gguf")]) == 0
-    assert "written to" in capsys.readouterr().out
+    assert cli.main(["export", str(run), "--merge", "--gguf", str(tmp_path / "run.gguf")]) == 0
+    said = capsys.readouterr().out
+    assert f"written to {run / 'merged'}" in said and f"written to {tmp_path / 'run.gguf'}" in said
     plain = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
     ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
     base_logits = logits(plain, ids)
