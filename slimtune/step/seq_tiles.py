@@ -25,14 +25,13 @@ restart) keep examples apart by segment ids derived once per batch from position
 its own (B, 1, tile, keys) mask, so no (T, T) mask is ever built, and such rows get shorter tiles.
 
 Dropout (LoRA's, attention's). Forward and recompute visit tiles in different orders, so each tile
-draws from its own seed, derived from the RNG state the caller restores for the block, the block
-index and the tile: the recompute then draws the same masks, tile by tile.
+draws from its own seed: one drawn per block from the step's RNG, whose state the caller restores
+before the recompute, plus the tile's start. The recompute then draws the same masks, tile by tile.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import sys
 
 import torch
@@ -134,7 +133,7 @@ class _Block:
         self.segments = segments(inputs)
         self.firsts = first_keys(tile, self.seq, self.window)
         self.k_all = self.v_all = None  # (B, Hkv, T, hd), made by the first tile's keys
-        self.seed = _dropout_seed(self.layer, index, x.device)
+        self.seed = _dropout_seed(self.layer, x)
 
     # ------------------------------------------------------------ the parts of a tile
 
@@ -254,18 +253,17 @@ def first_keys(tile: int, seq: int, window: int | None) -> list[int]:
 # ---------------------------------------------------------------- dropout seeds
 
 
-def _dropout_seed(layer: nn.Module, index: int, device: torch.device) -> int | None:
-    """A seed for this block's tiles from the RNG state now (which the caller restores before the
-    recompute) and the block index; None when the layer draws no dropout mask (nothing to repeat)."""
+def _dropout_seed(layer: nn.Module, x: torch.Tensor) -> int | None:
+    """A seed for this block's tiles, drawn from the step's RNG (which the caller restores before the
+    recompute, so the recompute draws it again); None when the layer draws no dropout mask (nothing
+    to repeat). Drawn, not derived from the state: the next block and the next step draw others."""
     draws = layer.training and (getattr(layer.self_attn, "attention_dropout", 0.0) > 0 or any(
         isinstance(m, nn.Dropout) and m.p > 0 for m in layer.modules()))
     if not draws:
         return None
-    state = torch.get_rng_state()
-    if is_fake(state):  # the planner's estimate draws nothing
+    if is_fake(x):  # the planner's estimate draws nothing
         return 0
-    digest = hashlib.blake2b(state.numpy().tobytes() + index.to_bytes(8, "little"), digest_size=7).digest()
-    return int.from_bytes(digest, "little")
+    return int(torch.randint(0, 2**62, (), device="cpu"))
 
 
 @contextlib.contextmanager
