@@ -177,7 +177,8 @@ def watch_native(monkeypatch) -> list[bool]:
     return answers
 
 
-def both_paths(monkeypatch, masters: torch.Tensor, steps: int = 3, threads: int = 1, **layout) -> None:
+def both_paths(monkeypatch, masters: torch.Tensor, steps: int = 3, threads: int = 1,
+               hyper: tiled_adamw.Hyper = tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), **layout) -> None:
     """The same steps by the native loop and by the tile path leave the same bits everywhere, the
     gradient emptied by both."""
     runs, answers = [], watch_native(monkeypatch)
@@ -186,8 +187,8 @@ def both_paths(monkeypatch, masters: torch.Tensor, steps: int = 3, threads: int 
         forms, held = layout_forms(masters=masters, seed=5, **layout)
         for step in range(1, steps + 1):
             forms[1].pieces[0][1].copy_(torch.randn(masters.numel(), generator=torch.Generator().manual_seed(step)))
-            tiled_adamw.adamw(tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), torch.tensor(float(step)),
-                              masters.numel(), torch.float32, *forms, threads=threads, empty_grad=True)
+            tiled_adamw.adamw(hyper, torch.tensor(float(step)), masters.numel(), torch.float32, *forms,
+                              threads=threads, empty_grad=True)
             assert torch.count_nonzero(forms[1].pieces[0][1]) == 0
         runs.append(held)
     assert answers == [True] * steps + [False] * steps  # the kernel, then the tile path
@@ -221,9 +222,25 @@ def edge_masters() -> torch.Tensor:
     return torch.cat([finite, -finite])
 
 
+STILL = tiled_adamw.Hyper(0.0, 0.9, 0.999, 1e-8, 0.01)  # lr 0: each master is split again exactly as it was
+
+
 def test_masters_at_the_edges_of_the_split_equal_the_tile_path(monkeypatch):
-    both_paths(monkeypatch, edge_masters(), split=True, grad_dtype=torch.bfloat16, shadow=True)
-    both_paths(monkeypatch, edge_masters(), split=False, grad_dtype=torch.float32, shadow=True)
+    """Moved by a step, and left where they are (lr 0), so that the kernel's own rounding to bf16
+    and residual meet the edges themselves."""
+    for hyper in (tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), STILL):
+        both_paths(monkeypatch, edge_masters(), split=True, grad_dtype=torch.bfloat16, shadow=True, hyper=hyper)
+        both_paths(monkeypatch, edge_masters(), split=False, grad_dtype=torch.float32, shadow=True, hyper=hyper)
+
+
+@pytest.mark.parametrize("eight_bit_path", PATHS, indirect=True)
+def test_masters_at_the_edges_of_the_split_with_8bit_moments_equal_the_tile_path(monkeypatch, eight_bit_path):
+    """The same masters through the layout the VBMI path fuses (its own rounding to bf16 and
+    residual), with and without a shadow."""
+    for shadow in (True, False):
+        for hyper in (tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), STILL):
+            both_paths(monkeypatch, edge_masters(), split=True, grad_dtype=torch.bfloat16, shadow=shadow, coded=True,
+                       hyper=hyper)
 
 
 @pytest.mark.parametrize("eight_bit_path", PATHS, indirect=True)

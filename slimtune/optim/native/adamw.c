@@ -486,12 +486,12 @@ static inline __attribute__((always_inline)) __m512 adamw16(const Constants *k, 
 
 /* narrow()'s bf16 weight of 16 masters, as its bits shifted up 16 (0xFFFF for a NaN). */
 static inline __m512i top_half(__m512i u) {
-    const __m512i even = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i top = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), even),
-                                         _mm512_set1_epi32((int)0xFFFF0000u));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                  _mm512_set1_epi32(0x7F800000));
-    return _mm512_mask_mov_epi32(top, nan, _mm512_set1_epi32((int)0xFFFF0000u));
+    const __mmask16 odd = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000));  /* ties round to even */
+    __m512i rounded = _mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF));
+    rounded = _mm512_mask_add_epi32(rounded, odd, rounded, _mm512_set1_epi32(1));
+    const __mmask16 nan = _mm512_fpclass_ps_mask(_mm512_castsi512_ps(u), 0x81);  /* quiet or signalling */
+    return _mm512_mask_mov_epi32(_mm512_and_si512(rounded, _mm512_set1_epi32((int)0xFFFF0000u)), nan,
+                                 _mm512_set1_epi32((int)0xFFFF0000u));
 }
 
 /* 32 numbers of the split layout with a bf16 gradient: combine(), widen(), adamw(), narrow() and
