@@ -22,7 +22,10 @@
 
    8-bit moments are decoded and coded again exactly as moments8.py does it (decode: map[code] *
    absmax; code: absmax = max |x| of the block, x * (1 / max(absmax, 1e-38)) looked up in its
-   tables), so they too leave the tile path's bits.
+   tables), so they too leave the tile path's bits. Built with AVX-512 VBMI (native/adamw.py asks
+   for it where the CPU has it), they take a path without table gathers (Fast, below): byte
+   permutes decode, each decade's line of the map codes, and the split layout runs fused a block
+   at a time; the same bits, checked against the portable loops when loaded.
 
    Non-finite values: every finite input gives torch's bits. A NaN master gives a NaN, with the bf16
    pattern 0xFFFF (torch's vector conversion); torch's scalar conversion writes 0x7FC0, so the

@@ -11,6 +11,10 @@ Before first use the library is checked on this machine against torch._fused_ada
 of every length mod 16 and both of lerp's branches: torch's arithmetic depends on how it was built
 (which multiply-adds its compiler fused, where its scalar tail begins), and a torch that computes
 otherwise is met with one line on stderr and the tile path, never with different bits.
+
+8-bit moments take the library's AVX-512 VBMI path where the CPU has it (built with its flags, and
+checked against the library's portable loops before first use); SLIMTUNE_NATIVE_VBMI=0 keeps the
+portable loops (the same bits, about half the speed).
 """
 
 from __future__ import annotations
