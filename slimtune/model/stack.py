@@ -462,6 +462,7 @@ class Stack:
         inputs = self.prepare(hidden, position_ids, segmented)
         if run_blocks is not None:
             return run_blocks(self, hidden, inputs)
+        inputs.masks  # made before block 0's segment: every block uses them
         return self.run_blocks(hidden, inputs)
 
     def run_blocks(self, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
