@@ -58,17 +58,18 @@ typedef struct {
    Decoding looks each of a code's four bytes up in registers, 64 codes an instruction. Coding counts
    the midpoints below a number |x| on the map's positive side: the map is linear within each decade
    (moments8.dynamic_map), so within a segment (one decade's run of midpoints, or the runs below and
-   above all of them) the count is floor(a * slope + intercept), and which segment a number is in
-   takes one compare, as no binade holds two segment boundaries (checked when building). Where that
-   arithmetic lands within UNSURE / 65536 of a step, the midpoints themselves decide. */
+   above all of them) the count is floor(a * slope + intercept). The tables are by binade and hold
+   the line of the segment the binade starts in; no binade holds two segment boundaries (checked
+   when building), so a number above its binade's boundary takes the next binade's line, which is
+   the next segment's. Where that arithmetic lands within UNSURE / 65536 of a step, the midpoints
+   themselves decide. */
 typedef struct {
     uint8_t planes[4][256];  /* byte k of map[c] (little-endian) at planes[k][c] */
     float midpoints[256];    /* the positive side's midpoints in order (`count` of them) */
     uint32_t threshold[32];  /* by binade (exponent mod 32): the bits of the segment boundary in it, or of 2 */
-    int32_t first[32];       /* by binade: the segment at its start */
-    float slope[16];         /* by segment: 65536 x (the count below a) ~ a * slope + intercept */
-    float intercept[16];
-    int32_t top[16];         /* by segment: the largest count in it */
+    float slope[32];         /* by binade: 65536 x (the count below a) ~ a * slope + intercept */
+    float intercept[32];
+    int32_t top[32];         /* by binade: the largest count of its first segment */
     int32_t count;           /* midpoints on the positive side: 128 (signed map), 255 (unsigned) */
     int32_t zero;            /* the code of 0.0: 127 (signed), 0 (unsigned) */
 } Fast;
@@ -262,7 +263,7 @@ static void encode(const Coded *c, int64_t begin, int64_t count, const float *x)
 typedef struct { __m512i quarter[4][4]; } Planes;
 
 /* A map's segment tables in registers. */
-typedef struct { __m512i threshold_lo, threshold_hi, first_lo, first_hi, top; __m512 slope, intercept; } Segments;
+typedef struct { __m512i threshold_lo, threshold_hi, top_lo, top_hi; __m512 slope_lo, slope_hi, intercept_lo, intercept_hi; } Segments;
 
 static inline Planes planes_of(const Fast *f) {
     Planes p;
@@ -273,8 +274,9 @@ static inline Planes planes_of(const Fast *f) {
 
 static inline Segments segments_of(const Fast *f) {
     return (Segments){_mm512_loadu_si512(f->threshold), _mm512_loadu_si512(f->threshold + 16),
-                      _mm512_loadu_si512(f->first), _mm512_loadu_si512(f->first + 16), _mm512_loadu_si512(f->top),
-                      _mm512_loadu_ps(f->slope), _mm512_loadu_ps(f->intercept)};
+                      _mm512_loadu_si512(f->top), _mm512_loadu_si512(f->top + 16),
+                      _mm512_loadu_ps(f->slope), _mm512_loadu_ps(f->slope + 16),
+                      _mm512_loadu_ps(f->intercept), _mm512_loadu_ps(f->intercept + 16)};
 }
 
 /* The order 64 codes are put in before decoding, so that the two rounds of unpacking (which
@@ -317,17 +319,16 @@ static void fast_decode(const Coded *c, int64_t begin, float *restrict out) {
    none), found by the segment's line; lanes where the line lands near a step are added to *unsure. */
 static inline __m512i line_counts(const Segments *s, __m512i a, __mmask16 *unsure) {
     a = _mm512_max_epi32(a, _mm512_set1_epi32(FLOOR_BITS));
-    const __m512i binade = _mm512_srli_epi32(a, 23);  /* 103 .. 127: each its own entry mod 32 */
-    __m512i segment = _mm512_permutex2var_epi32(s->first_lo, binade, s->first_hi);
+    __m512i binade = _mm512_srli_epi32(a, 23);  /* 103 .. 127: each its own entry mod 32 */
     const __mmask16 above = _mm512_cmpgt_epi32_mask(a, _mm512_permutex2var_epi32(s->threshold_lo, binade,
                                                                                   s->threshold_hi));
-    segment = _mm512_mask_add_epi32(segment, above, segment, _mm512_set1_epi32(1));
-    const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_permutexvar_ps(segment, s->slope),
-                                        _mm512_permutexvar_ps(segment, s->intercept));
+    binade = _mm512_mask_add_epi32(binade, above, binade, _mm512_set1_epi32(1));  /* the next segment's line */
+    const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_permutex2var_ps(s->slope_lo, binade, s->slope_hi),
+                                        _mm512_permutex2var_ps(s->intercept_lo, binade, s->intercept_hi));
     const __m512i fixed = _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     *unsure |= _mm512_testn_epi32_mask(_mm512_add_epi32(fixed, _mm512_set1_epi32(UNSURE)),
                                        _mm512_set1_epi32((1 << FIXED) - 2 * UNSURE));
-    return _mm512_min_epi32(_mm512_srai_epi32(fixed, FIXED), _mm512_permutexvar_epi32(segment, s->top));
+    return _mm512_min_epi32(_mm512_srai_epi32(fixed, FIXED), _mm512_permutex2var_epi32(s->top_lo, binade, s->top_hi));
 }
 
 /* The lanes in `unsure` counted exactly: from the line's count (a step off at most) to the one

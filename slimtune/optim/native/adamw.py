@@ -59,9 +59,8 @@ class Fast(ctypes.Structure):
     """adamw.c's Fast: one map's tables for the AVX-512 VBMI path (fast_tables builds them)."""
 
     _fields_ = [("planes", ctypes.c_uint8 * 256 * 4), ("midpoints", ctypes.c_float * 256),
-                ("threshold", ctypes.c_uint32 * 32), ("first", ctypes.c_int32 * 32), ("slope", ctypes.c_float * 16),
-                ("intercept", ctypes.c_float * 16), ("top", ctypes.c_int32 * 16), ("count", ctypes.c_int32),
-                ("zero", ctypes.c_int32)]
+                ("threshold", ctypes.c_uint32 * 32), ("slope", ctypes.c_float * 32), ("intercept", ctypes.c_float * 32),
+                ("top", ctypes.c_int32 * 32), ("count", ctypes.c_int32), ("zero", ctypes.c_int32)]
 
 
 class Coded(ctypes.Structure):
@@ -211,20 +210,20 @@ def fast_tables(signed: bool) -> Fast:
         else:
             lines.append((FIXED * 10.0 ** (6 - d) * n / 0.9, FIXED * (below - 0.1 * n / 0.9), below + n - 1))
     lines.append((0.0, (mids.numel() + 0.5) * FIXED, mids.numel()))
-    for s, (slope, intercept, top) in enumerate(lines):
-        fast.slope[s], fast.intercept[s], fast.top[s] = slope, intercept, top
     bound_bits = [b.view(torch.int32).item() for b in mids[starts]]
-    for binade in range(103, 128):
+    for binade in range(103, 128):  # 2^-24 (below every midpoint) .. [1, 2): entries 7 .. 31
         start = struct.unpack("<f", struct.pack("<I", binade << 23))[0]
         inside = [bits for bits in bound_bits if bits >> 23 == binade]
         assert len(inside) <= 1, "a binade holds two segment boundaries"
-        fast.first[binade % 32] = sum(1 for b in bounds if b < start)
+        first = sum(1 for b in bounds if b < start)  # the segment the binade starts in
+        fast.slope[binade % 32], fast.intercept[binade % 32], fast.top[binade % 32] = lines[first]
         fast.threshold[binade % 32] = inside[0] if inside else 0x40000000  # 2.0: no boundary
-    _check_lines(fast, mids, starts)
+    assert not any(bits >> 23 == 127 for bits in bound_bits), "a boundary in [1, 2) would need binade 128's line"
+    _check_lines(lines, mids, starts)
     return fast
 
 
-def _check_lines(fast: Fast, mids: torch.Tensor, starts: list[int]) -> None:
+def _check_lines(lines: list[tuple[float, float, int]], mids: torch.Tensor, starts: list[int]) -> None:
     """Each decade's line puts each of its midpoints within UNSURE / 65536 of its step (so the numbers
     it does not settle are counted right): the line at a midpoint Q_k is about k + 1."""
     for d in range(7):
@@ -232,7 +231,7 @@ def _check_lines(fast: Fast, mids: torch.Tensor, starts: list[int]) -> None:
         if last <= first:
             continue
         q = mids[first:last].double()
-        line = (q * float(fast.slope[d + 1]) + float(fast.intercept[d + 1])).float().double()
+        line = (q * float(lines[d + 1][0]) + float(lines[d + 1][1])).float().double()
         steps = torch.arange(first, last, dtype=torch.float64) + 1
         assert float((line - steps * FIXED).abs().max()) < UNSURE - 1, "a decade's line is off its midpoints"
 
