@@ -304,7 +304,8 @@ def reading(tiled: dict, native: dict, tile: dict) -> dict:
     bandwidth, and the tiled path's pieces computed in cache."""
     out = {}
     for name, found in tiled.items():
-        out[name] = {"tiled_ns": found["ns_a_number"], "native_of_copy": native[name]["of_copy"] if name in native else None,
+        out[name] = {"tiled_ns": found["ns_a_number"],
+                     "native_of_copy": native[name]["of_copy"] if name in native else None,
                      "native_ns": native[name]["ns_a_number"] if name in native else None,
                      "bytes_at_copy_speed_ns": found["bytes_a_number"] / found["copy_gbps_before"],
                      "tiled_pieces_in_cache_ns": sum(tile[p] for p in PIECES_OF[name])}
@@ -364,7 +365,8 @@ def measure_at(sizes: Sizes, flush: torch.Tensor, native: bool) -> dict:
               for name in ("split", "split_8bit")} if native else {}  # the arithmetic alone, its bytes in the L3
     if native and vbmi_available():  # the same 8-bit layout on the portable loops, for comparison
         with native_path(False, VBMI_ENV):
-            natives["split_8bit_portable"] = beside(lambda: measure_layout("split_8bit", n, sizes.native_reps, flush, True))
+            natives["split_8bit_portable"] = beside(
+                lambda: measure_layout("split_8bit", n, sizes.native_reps, flush, True))
             cached["split_8bit_portable"] = measure_layout("split_8bit", CACHED_N, sizes.cached_reps, None, True)
     for found in cached.values():
         found["ns_a_number"] = found["best_s"] / CACHED_N * 1e9
@@ -373,7 +375,8 @@ def measure_at(sizes: Sizes, flush: torch.Tensor, native: bool) -> dict:
         found["ns_a_number"] = found["best_s"] / n * 1e9
         found["bytes_a_number"] = found["bytes"] / n
     tile = pieces(sizes.tile_repeat)
-    return {"stream": refs, "torch_fused_adamw": fused, "host_adam_native_in_l3": cached, "torch_fused_adamw_moments_in_files": fused_files,
+    return {"stream": refs, "torch_fused_adamw": fused, "host_adam_native_in_l3": cached,
+            "torch_fused_adamw_moments_in_files": fused_files,
             "torch_fused_kernel_by_spacing": apart, "host_adam_native": natives, "host_adam_tiled": tiled,
             "tile_pieces_ns": tile,
             "reading": reading(tiled, natives, tile)}

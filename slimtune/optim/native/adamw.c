@@ -263,7 +263,10 @@ static void encode(const Coded *c, int64_t begin, int64_t count, const float *x)
 typedef struct { __m512i quarter[4][4]; } Planes;
 
 /* A map's segment tables in registers. */
-typedef struct { __m512i threshold_lo, threshold_hi, top_lo, top_hi; __m512 slope_lo, slope_hi, intercept_lo, intercept_hi; } Segments;
+typedef struct {
+    __m512i threshold_lo, threshold_hi, top_lo, top_hi;
+    __m512 slope_lo, slope_hi, intercept_lo, intercept_hi;
+} Segments;
 
 static inline Planes planes_of(const Fast *f) {
     Planes p;
@@ -323,7 +326,8 @@ static inline __m512i line_counts(const Segments *s, __m512i a, __mmask16 *unsur
     const __mmask16 above = _mm512_cmpgt_epi32_mask(a, _mm512_permutex2var_epi32(s->threshold_lo, binade,
                                                                                   s->threshold_hi));
     binade = _mm512_mask_add_epi32(binade, above, binade, _mm512_set1_epi32(1));  /* the next segment's line */
-    const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_permutex2var_ps(s->slope_lo, binade, s->slope_hi),
+    const __m512 slope = _mm512_permutex2var_ps(s->slope_lo, binade, s->slope_hi);
+    const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(a), slope,
                                         _mm512_permutex2var_ps(s->intercept_lo, binade, s->intercept_hi));
     const __m512i fixed = _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     *unsure |= _mm512_testn_epi32_mask(_mm512_add_epi32(fixed, _mm512_set1_epi32(UNSURE)),
@@ -398,7 +402,8 @@ static inline void code_block_fast(const Coded *c, const Segments *s, int64_t be
     }
     const __m512 scale = _mm512_set1_ps(inverse);
     for (int j = 0; j < BLOCK; j += 16)
-        _mm_storeu_si128((__m128i *)(c->codes + begin + j), _mm512_cvtepi32_epi8(code16(c->fast, s, _mm512_loadu_ps(x + j), scale)));
+        _mm_storeu_si128((__m128i *)(c->codes + begin + j),
+                         _mm512_cvtepi32_epi8(code16(c->fast, s, _mm512_loadu_ps(x + j), scale)));
 }
 
 static inline __m512i abs_max(__m512i largest, __m512 x) {
@@ -502,7 +507,8 @@ static inline __m512i top_half(__m512i u) {
    residual_of() on registers. m and v: the moments, interleaved, updated in place. */
 static inline __attribute__((always_inline)) void split32(const Constants *k, const int small, __m512i high_words,
                                                            uint16_t *weight, int16_t *residual, uint16_t *shadow,
-                                                           uint16_t *grad, const int empty_grad, __m512 m[2], __m512 v[2]) {
+                                                           uint16_t *grad, const int empty_grad, __m512 m[2],
+                                                           __m512 v[2]) {
     const __m512i w = _mm512_loadu_si512(weight), low = _mm512_loadu_si512(residual), g = _mm512_loadu_si512(grad);
     const __m512i zero = _mm512_setzero_si512();
     if (empty_grad) _mm512_storeu_si512(grad, zero);
@@ -603,7 +609,10 @@ static int64_t split_blocks(const Run *r, const Hyper *h, int64_t at, int64_t en
 #define HAVE_FAST 0
 static void fast_decode(const Coded *c, int64_t begin, float *restrict out) { (void)c, (void)begin, (void)out; }
 static void fast_encode(const Coded *c, int64_t begin, const float *restrict x) { (void)c, (void)begin, (void)x; }
-static int64_t split_blocks(const Run *r, const Hyper *h, int64_t at, int64_t end) { (void)r, (void)h, (void)end; return at; }
+static int64_t split_blocks(const Run *r, const Hyper *h, int64_t at, int64_t end) {
+    (void)r, (void)h, (void)end;
+    return at;
+}
 #endif
 
 /* 1 when this library has the VBMI path (built with its flags: native/adamw.py asks first). */
