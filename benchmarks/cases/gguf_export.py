@@ -12,9 +12,10 @@ llama.cpp itself.
 2. The unit tests' tiny models (tests/unit/test_gguf.py: random weights, norms and biases too), f16,
    run by llama.cpp: the demo model (Llama, byte-level BPE), Qwen2 (biases, tied head), Qwen3 (q/k
    norms, head size 128 over a width of 32), Mistral with a SentencePiece-style tokenizer (scores,
-   byte tokens), a Llama with Llama 3 rope scaling (rope_freqs) and a Mistral whose sliding window
-   caps the context (the text within it, where the two agree). transformers' reader checks none of
-   llama.cpp's own rotary order, scores or rope factors: llama.cpp does.
+   byte tokens), a Mistral whose sliding window caps the context (the text within it, where the two
+   agree), and linear, yarn and Llama 3 rope scaling, each also against its twin without the
+   scaling. transformers' reader checks none of llama.cpp's own rotary order, scores or rope
+   scaling: llama.cpp does.
 
 llama.cpp: `llama-cpp-python` compiles llama.cpp from source, so it is not one of slimtune's
 dependencies. The case uses it when the Python named by LLAMA_CPP_PYTHON (default: this one) imports
@@ -164,38 +165,69 @@ def _smollm2_type(model, tokenizer, prompts: dict, reference: dict, path: Path, 
 # ---------------------------------------------------------------- tiny families in llama.cpp
 
 
+ROPES = {
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+}
+SHARPEN = 12.0  # query and key weights times this: random small weights attend almost evenly, blind to rope
+
+
 def tiny_families(folder: Path) -> dict:
-    """Each of the unit tests' tiny models as an f16 file, run by llama.cpp."""
+    """Each of the unit tests' tiny models as an f16 file, run by llama.cpp on 142 tokens. The random
+    ones attend sharply (SHARPEN), so a wrong rotary order or rope scaling shows; a model with rope
+    scaling is also held against its twin without it (same weights), the error a file without the
+    scaling would have."""
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "unit")]
     import test_gguf as cases  # the unit tests' own tiny models and tokenizers
 
-    from slimtune.export_gguf import writer
     from slimtune.model.stack import load_model, load_tokenizer
 
     byte_level = load_tokenizer(ROOT / "slimtune" / "demo" / "base")
     spm = cases.sentencepiece_tokenizer()
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    demo = load_model(ROOT / "slimtune" / "demo" / "base", torch.float32, torch.device("cpu")).eval()
     models = {
-        "demo (llama, byte-level BPE)": (load_model(ROOT / "slimtune" / "demo" / "base", torch.float32,
-                                                    torch.device("cpu")).eval(), byte_level),
-        "qwen2 (biases, tied head)": (cases.random_model("qwen2", byte_level, tie_word_embeddings=True), byte_level),
-        "qwen3 (q/k norms, head size 128)": (cases.random_model("qwen3", byte_level, head_dim=128,
-                                                                tie_word_embeddings=False), byte_level),
-        "mistral (SentencePiece-style BPE)": (cases.random_model("mistral", spm, sliding_window=None), spm),
-        "llama (llama3 rope, factors as rope_freqs)": (cases.random_model("llama", byte_level, rope_parameters=rope),
-                                                       byte_level),
-        "mistral (sliding window 64 caps the context; the text is within it)": (
-            cases.random_model("mistral", byte_level, sliding_window=64), byte_level),
+        "demo (llama, byte-level BPE; trained weights as bundled)": (None, byte_level, {}),
+        "qwen2 (biases, tied head)": ("qwen2", byte_level, {"tie_word_embeddings": True}),
+        "qwen3 (q/k norms, head size 128 over a width of 32)": ("qwen3", byte_level, {"head_dim": 128,
+                                                                                      "tie_word_embeddings": False}),
+        "mistral (SentencePiece-style BPE)": ("mistral", spm, {"sliding_window": None}),
+        "mistral (sliding window 256 caps the context of 512; the text is within it)": (
+            "mistral", byte_level, {"sliding_window": 256, "max_position_embeddings": 512}),
+        "llama (linear rope x4)": ("llama", byte_level, {"rope_parameters": ROPES["linear"]}),
+        "qwen2 (yarn rope x4 over 64)": ("qwen2", byte_level, {"rope_parameters": ROPES["yarn"]}),
+        "llama (yarn rope x4 over 64)": ("llama", byte_level, {"rope_parameters": ROPES["yarn"]}),
+        "llama (llama3 rope, factors as rope_freqs)": ("llama", byte_level, {"rope_parameters": ROPES["llama3"]}),
     }
     found = {}
-    for index, (name, (model, tokenizer)) in enumerate(models.items()):
-        path = folder / f"tiny-{index}.gguf"
-        written = writer.write(model, tokenizer, path, "f16", f"tiny-{index}", progress=False)
-        text = cases.SENTENCEPIECE_TEXT if tokenizer is spm else TINY_TEXT
-        reference = {"text": _logits(model, tokenizer(text, return_tensors="pt")["input_ids"])}
-        found[name] = {"notes": written.notes, **llama_cpp(path, {"text": text}, tokenizer, reference)["text"]}
+    for index, (name, (family, tokenizer, overrides)) in enumerate(models.items()):
+        model = demo if family is None else _sharp(cases.random_model(family, tokenizer, **overrides))
+        text = (cases.SENTENCEPIECE_TEXT if tokenizer is spm else TINY_TEXT) * 3
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        found[name] = _tiny(model, tokenizer, text, folder / f"tiny-{index}.gguf")
+        if "rope_parameters" in overrides:
+            plain = {k: v for k, v in overrides.items() if k != "rope_parameters"}
+            twin = _sharp(cases.random_model(family, tokenizer, **plain))  # the same seed: the same weights
+            found[name]["without_the_scaling"] = compare(torch.tensor(found[name].pop("logits")), _logits(twin, ids))
+        found[name].pop("logits", None)
     return found
+
+
+def _tiny(model, tokenizer, text: str, path: Path) -> dict:
+    from slimtune.export_gguf import writer
+
+    written = writer.write(model, tokenizer, path, "f16", path.stem, progress=False)
+    reference = {"text": _logits(model, tokenizer(text, return_tensors="pt")["input_ids"])}
+    return {"notes": written.notes, **llama_cpp(path, {"text": text}, tokenizer, reference, keep_logits=True)["text"]}
+
+
+def _sharp(model):
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(SHARPEN)
+            layer.self_attn.k_proj.weight.mul_(SHARPEN)
+    return model
 
 
 # ---------------------------------------------------------------- helpers
@@ -223,9 +255,9 @@ def _llama_cpp_available() -> bool | str:
     return True
 
 
-def llama_cpp(path: Path, prompts: dict, tokenizer, reference: dict) -> dict:
+def llama_cpp(path: Path, prompts: dict, tokenizer, reference: dict, keep_logits: bool = False) -> dict:
     """Each prompt tokenized and run by llama.cpp: its ids against the tokenizer's, and where they are
-    the same, its logits against `reference` position by position."""
+    the same, its logits against `reference` position by position (and kept, with keep_logits)."""
     proc = subprocess.run([_llama_python(), "-c", LLAMA_CPP_SCRIPT, str(path)], capture_output=True, text=True,
                           input=json.dumps(list(prompts.values())), check=True)
     found = {}
@@ -234,6 +266,8 @@ def llama_cpp(path: Path, prompts: dict, tokenizer, reference: dict) -> dict:
         found[name] = {"token_ids_equal": got["ids"] == want_ids}
         if got["ids"] == want_ids:
             found[name].update(compare(torch.tensor(got["logits"]), reference[name]))
+            if keep_logits:
+                found[name]["logits"] = got["logits"]
         else:
             found[name].update(ids=got["ids"], want_ids=want_ids)
     return found
