@@ -11,7 +11,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from slimtune.store import checkpoint, results
-from slimtune.model import lora
+from slimtune.model import hub, lora
 from slimtune.config import LoraConfig
 from slimtune.errors import UserError
 
@@ -19,12 +19,15 @@ from slimtune.errors import UserError
 def save_adapter(model: torch.nn.Module, cfg, base_model: str, folder: Path,
                  trainable: dict[str, torch.Tensor] | None = None, recorded: bool = False) -> Path:
     """adapter_config.json + adapter_model.safetensors, loadable by peft.PeftModel.from_pretrained.
+    `base_model`: the base's folder, or a Hub snapshot of it, which the config names as org/name at
+    its commit (hub.public_name), so the adapter loads wherever that model can be fetched.
     `trainable`: the adapter weights by parameter name (an engine's trainable_state()); default: the
     model's own. `recorded`: the run's record names `folder` as its result (results.writing)."""
     trainable = trainable if trainable is not None else dict(model.named_parameters())
     state = {k: v.detach().cpu().contiguous() for k, v in lora.peft_state_dict(trainable).items()}
     with results.writing(folder, "adapter", _bytes(state.values()), recorded) as tmp:
-        (tmp / "adapter_config.json").write_text(json.dumps(lora.peft_config(model, cfg, base_model), indent=2))
+        named = lora.peft_config(model, cfg, *hub.public_name(base_model))
+        (tmp / "adapter_config.json").write_text(json.dumps(named, indent=2))
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     return folder
 
@@ -65,7 +68,7 @@ def save_result(run, out: Path) -> Path:
         return out / name
     recorded = _recorded_result(out) == name
     if run.cfg.method == "lora":
-        return save_adapter(run.stack.model, run.cfg.lora, str(Path(run.cfg.model).resolve()), out / name,
+        return save_adapter(run.stack.model, run.cfg.lora, run.cfg.model, out / name,
                             trainable, recorded)
     return save_model(run.stack.model, run.tokenizer, out / name, trainable, recorded=recorded)
 
@@ -177,7 +180,7 @@ def write_gguf(run_dir: Path, path: Path, file_type: str, progress: bool = True)
     folder = run_dir / "model" if cfg["method"] == "full" else cfg["model"]
     writer.check_model(_config(folder), load_tokenizer(folder))  # a layout it cannot map: said before loading
     trained = trained_model(run_dir)
-    name = Path(str(cfg["model"])).name
+    name = hub.public_name(cfg["model"])[0].rsplit("/", 1)[-1]  # a Hub snapshot's model name, not its commit
     return writer.write(trained.model, trained.tokenizer, path, file_type, name, progress), trained
 
 

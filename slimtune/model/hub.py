@@ -81,6 +81,13 @@ def origin(path: str | Path) -> tuple[str, str] | None:
     return repo.removeprefix("models--").replace("--", "/", 1), path.name
 
 
+def public_name(model: str | Path) -> tuple[str, str | None]:
+    """How files other tools read (an adapter's config, a GGUF file) should name a base model: a Hub
+    snapshot as (org/name, its commit), which PEFT and llama.cpp users can fetch anywhere; a local
+    folder as (its absolute path, None)."""
+    return origin(model) or (str(Path(model).resolve()), None)
+
+
 def config_folder(name: str) -> str:
     """The snapshot folder holding `name`'s config.json, fetching that file alone (what plan reads)."""
     from huggingface_hub import hf_hub_download

@@ -143,11 +143,14 @@ def peft_target_modules(model: nn.Module) -> list[str] | str:
     return "^(" + "|".join(re.escape(n) for n in sorted(adapted)) + ")$"
 
 
-def peft_config(model: nn.Module, cfg: LoraConfig, base_model: str) -> dict:
+def peft_config(model: nn.Module, cfg: LoraConfig, base_model: str, revision: str | None = None) -> dict:
+    """PEFT's adapter_config.json. `revision`: the Hub commit of a base named org/name (PEFT fetches
+    the base at it)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
+        "revision": revision,
         "r": cfg.rank,
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,

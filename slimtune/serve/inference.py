@@ -138,12 +138,19 @@ def _adapter(folder: Path) -> Source:
 
 
 def _adapter_base(folder: Path) -> Path | None:
+    """The base model's folder an adapter_config.json names: a local folder, or a Hub name (org/name,
+    at its recorded revision) resolved to its snapshot, fetched if the cache lacks it."""
+    from slimtune.model import hub
+
     path = folder / "adapter_config.json"
     try:
-        named = json.loads(path.read_text()).get("base_model_name_or_path")
+        named = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise UserError(f"{path} is not readable JSON ({err}).") from None
-    return Path(named) if named else None
+    base = named.get("base_model_name_or_path")
+    if base and not Path(base).exists() and hub.is_hub_name(base):
+        return Path(hub.folder(base, named.get("revision")))
+    return Path(base) if base else None
 
 
 def _read_yaml(path: Path) -> dict:

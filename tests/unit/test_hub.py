@@ -105,6 +105,20 @@ def test_a_run_from_a_hub_name_trains_as_the_local_folder_does_and_records_the_c
     assert hub.origin(record["settings"]["model"]) == (NAME, COMMITS[0])
 
 
+def test_an_adapter_names_its_hub_base_by_name_and_commit_and_chat_finds_it(cache, here, capsys):
+    """Other tools (PEFT, another machine's cache) can fetch org/name at a commit, not this cache's path."""
+    snapshot = put_snapshot(cache, NAME, here / "model", COMMITS[0])
+    assert train() == 0 and train("model=model", "output_dir=local") == 0
+    named = json.loads((here / "out" / "adapter" / "adapter_config.json").read_text())
+    assert (named["base_model_name_or_path"], named["revision"]) == (NAME, COMMITS[0])
+    local = json.loads((here / "local" / "adapter" / "adapter_config.json").read_text())
+    assert (local["base_model_name_or_path"], local["revision"]) == (str((here / "model").resolve()), None)
+    capsys.readouterr()
+    assert cli.main(["chat", str(here / "out" / "adapter"), "--prompt", "what is 1 plus 2?",
+                     "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert str(snapshot) in capsys.readouterr().err
+
+
 @pytest.mark.quick
 def test_a_revision_pins_the_snapshot_a_branch_tag_or_commit_names(cache, here, tokenizer):
     put_snapshot(cache, NAME, here / "model", COMMITS[0], refs=("v1",))
