@@ -31,6 +31,10 @@ on the CPU the live-tensor meter. What it records:
    fp32 and in bf16, where one of the two weight versions is the HostAdam's shadow); the estimate
    beside the measured peak for one worker (bf16, the 1B shapes); median step time for 1, 2 and 4
    workers, and a profiler summary of the 2-worker step.
+8. long_context: blocks tiled along the sequence (_long_context.py): a Llama-3.2-1B-shaped model
+   (4 blocks, LoRA, block inputs on the host) at 32K and 64K tokens on the card capped to 24 GiB
+   (torch.cuda.set_per_process_memory_fraction): the estimate beside the allocator's peak, tokens/s
+   tiled (auto tile, 1,024-token tiles) against untiled, or the out-of-memory under the cap.
 Data parallelism (torchrun, NCCL) is not checked here: ranks sharing the one lent card would measure
 contention, not data parallelism. The result says so ("data_parallel"); the CPU case data_parallel
 (gloo) records what two processes do, and the tests check every engine's sums.
@@ -49,6 +53,7 @@ from slimtune.engines import settings
 from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.planning.estimate import estimate
 from slimtune.engines.roundpipe.stages import uniform_partition
+from _long_context import long_context  # benchmarks/cases/ is on the path (run.py)
 
 GIB = 2**30
 RESIDENT_PLANS = (
@@ -448,7 +453,17 @@ SECTIONS = (("estimate_vs_device", lambda quick, out: estimate_vs_device(quick, 
             ("context", lambda quick, out: context_bytes()), ("parity", lambda quick, out: parity(out)),
             ("speed", speed), ("lsp_compressed_gradient", lambda quick, out: lsp_compressed_gradient(quick)),
             ("lsp_speed", lsp_speed), ("chunk", chunk_checks), ("roundpipe", roundpipe_checks),
-            ("host_optimizer", host_optimizer))
+            ("host_optimizer", host_optimizer),
+            ("long_context", lambda quick, out: long_context(quick, out, _helpers())))
+
+
+def _helpers():
+    """What the long-context section (_long_context.py) uses of this file."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(shapes=shapes, random_model=random_model, one_batch=one_batch, run_config=run_config,
+                           build_engine=build_engine, measured_step2=measured_step2, estimate=estimate,
+                           device=device)
 
 
 def run(quick: bool) -> dict:
