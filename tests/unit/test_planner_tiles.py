@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from conftest import tiny_config
-from slimtune import config, presets
+from slimtune import cli, config, presets
 from slimtune.engines import settings
 from slimtune.planning import planner, tile_choice
 from slimtune.step import activations
@@ -59,6 +59,13 @@ def test_max_seq_names_its_tile_only_where_blocks_are_tiled(monkeypatch, tmp_pat
                             max_seq=True)
     assert (untiled.max_seq, untiled.max_seq_tile) == (1024, None)
     assert "(tile 256)" in planner._max_seq_cell(tiled) and "tile" not in planner._max_seq_cell(untiled)
+    beyond = planner.weigh(model_config, base_config(), TILED, roomy, 1, 256, max_seq=True, seq_limit=1500)
+    assert beyond.max_seq == 1500  # --max-seq LIMIT: past the model's positions, as a run extending RoPE
+
+
+def test_max_seq_limit_must_be_positive(capsys):
+    assert cli.main(["plan", "--model", "Llama-3.2-1B", "--gpu", "24GiB", "--max-seq", "-5"]) == 2
+    assert "--max-seq LIMIT must be a positive token count, got -5." in capsys.readouterr().err
 
 
 @pytest.mark.quick
