@@ -217,8 +217,9 @@ def _longest_with_tile(model_config, cfg: RunConfig, machine: Machine, batch_siz
     """The longest sequence of the plan, and the tile it was found with: the plan's own, or where it
     leaves the tile to the auto rule and its blocks are tiled (at one length, tiles of MIN_TILE tokens
     weigh less than one whole tile), tile_choice.MIN_TILE: the tile that fits the longest."""
-    if not cfg.activations.tile:
-        at = tile_choice.probe_length(known)
+    limit = limit or getattr(model_config, "max_position_embeddings", None) or 2**20
+    at = min(tile_choice.probe_length(known), limit)
+    if not cfg.activations.tile and at > tile_choice.MIN_TILE:  # else no row is long enough to tile
         tiled, whole = (_run_config(cfg, {"activations.seq_tile": tile}) for tile in (tile_choice.MIN_TILE, at))
         peaks = {per_device_estimate(model_config, c, machine, batch_size, at).device_peak_bytes for c in (tiled, whole)}
         if len(peaks) == 2:
