@@ -183,11 +183,6 @@ class LspEngine(Engine):
             setattr(parent, leaf, found[-1])
         return found
 
-    @property
-    def _mlp_modules(self) -> list[ProjectedLinear]:
-        """The projected linears of the blocks' MLPs (a checkpointed block recomputes them in chunks)."""
-        return [m for block in self.stack.blocks for m in block.mlp.modules() if isinstance(m, ProjectedLinear)]
-
     def _block_of(self, module: ProjectedLinear) -> int:
         return next(b for b, block in enumerate(self.stack.blocks) if any(m is module for m in block.modules()))
 
@@ -380,8 +375,9 @@ class LspEngine(Engine):
         saved = [(t, t.requires_grad) for t in [p for _, p in self.others] + [m.z for m in self.modules]]
         for tensor, _ in saved:
             tensor.requires_grad_(False)
-        chunked = self.activations_cfg.checkpoint != "none"
-        in_parts = {m.index for m in self._mlp_modules} if chunked else set()
+        # A checkpointed block runs in tiles of tokens (step/seq_tiles.py): every matrix of it gets its gradient in parts.
+        tiled = self.activations_cfg.checkpoint != "none"
+        in_parts = {m.index for m in self.modules} if tiled else set()
         collector = learning.Collector(self.updates.blocks, observers, in_parts)
         try:
             for index in observers:

@@ -26,7 +26,7 @@ from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
 class Collector:
     """Hands each matrix's full gradient of a batch to its observer once it is complete, one at a
-    time. A checkpointed block recomputes its MLP in token chunks, so an MLP matrix (`in_parts`) gets
+    time. A checkpointed block runs in tiles of tokens, so each of its matrices (`in_parts`) gets
     its gradient in parts: they are summed, and such a matrix is complete when backward reaches
     another block, or ends (`finish`), as in updates.py; the others are observed as they come."""
 

@@ -2,7 +2,7 @@
 on the worker, the new Z up and applied, in the order schedule.Schedule says (the module
 docstring there has the actions and lags).
 
-A matrix may receive its G_c in parts (a checkpointed block recomputes its MLP in token chunks), so
+A matrix may receive its G_c in parts (a checkpointed block runs in tiles of tokens), so
 on the step's last micro-batch a block's matrices are complete when backward reaches a block below
 it, or ends; a matrix's arrival is its place in that completion order.
 
