@@ -71,10 +71,18 @@ def causal_lm_loss(
     source = _Head(head)
     chunk = chunk_tokens(cfg, source.shape[0])
     if not (training and torch.is_grad_enabled()):
-        with torch.no_grad():  # evaluation: the exact loss and no graph
-            x, t = head_inputs(hidden, norm, targets, cfg, trained_positions)
-            loss = _exact_pass(x, source, t, chunk, (False, False, False))[0]
+        with torch.no_grad():  # evaluation: the exact loss and no graph, the norm a chunk at a time
+            rows, t = trained_rows(hidden, targets, cfg, trained_positions)
+            loss = _normed_pass(rows, norm, [], source, t, chunk, (False, False, False))[0]
         return LossOutput(loss, loss, torch.zeros_like(loss))
+    if cfg.mode == "exact" and source.slices is None:
+        # The final norm runs inside the loss's chunks: only one chunk's norm temporaries exist.
+        rows, t = trained_rows(hidden, targets, cfg, trained_positions)
+        loss = _NormedExactCE.apply(rows, source.weight, source.bias, t, chunk, source, norm, *norm.parameters())
+        out = LossOutput(loss, loss.detach(), torch.zeros_like(loss.detach()))
+        memory.mark_on_backward(out.loss_sum, "loss backward")
+        return out
+    # subset mode and a sliced head (engine chunk) norm every row at once, as before
     x, t = head_inputs(hidden, norm, targets, cfg, trained_positions)
     if cfg.mode == "subset":
         _refuse_trainable_head(head)
@@ -136,6 +144,15 @@ def head_inputs(
     trained_positions: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> normed rows x (N, D) and their targets (N,): the trained rows only when masking."""
+    flat, flat_targets = trained_rows(hidden, targets, cfg, trained_positions)
+    return norm(flat), flat_targets
+
+
+def trained_rows(
+    hidden: torch.Tensor, targets: torch.Tensor, cfg: LossConfig, trained_positions: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> rows of hidden before the final norm (N, D) and their targets (N,): the trained rows only
+    when masking."""
     flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, D)
     flat_targets = targets.reshape(-1)  # (B*T,)
     if cfg.masking:
@@ -143,7 +160,7 @@ def head_inputs(
             raise ValueError("loss.masking needs data.trained_positions(targets), found when the batch is built.")
         # Gathered before the norm: the norm, head and loss then cost N rows, not B*T.
         flat, flat_targets = flat.index_select(0, trained_positions), flat_targets.index_select(0, trained_positions)
-    return norm(flat), flat_targets
+    return flat, flat_targets
 
 
 def _refuse_trainable_head(head: nn.Module) -> None:
@@ -232,25 +249,36 @@ def _exact_pass(
     grad_w = x.new_zeros(head.shape, dtype=dtype) if need[1] else None
     grad_b = x.new_zeros(head.shape[:1], dtype=dtype) if need[2] else None
     for start in memory.representative(range(0, x.shape[0], chunk), x):
-        x_c = x[start : start + chunk].to(dtype)  # (c, D)
-        z = _logits(x_c, head, dtype)  # (c, V)
-        z_y, valid, safe = _target_terms(z, targets[start : start + chunk])
-        lse, sums = exp_shifted_(z)  # z now holds exp(z - max)
-        loss = loss + torch.where(valid, lse - z_y, 0).sum()
+        part, lse, g_x = _exact_chunk(x[start : start + chunk].to(dtype), head, targets[start : start + chunk],
+                                      need[0], grad_w, grad_b)
+        loss = loss + part
         if lse_out is not None:
             lse_out[start : start + chunk] = lse
-        if not any(need):
-            continue
-        g = z.div_(sums)  # softmax, in place over the logits: (c, V)
-        g.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))  # minus one-hot(y)
-        g.mul_(valid[:, None])  # ignored rows carry no gradient
         if grad_x is not None:
-            grad_x[start : start + chunk] = _times_weight(g, head)
-        if grad_w is not None:
-            grad_w.addmm_(g.T, x_c)
-        if grad_b is not None:
-            grad_b += g.sum(0)
+            grad_x[start : start + chunk] = g_x
     return loss, grad_x, grad_w, grad_b
+
+
+def _exact_chunk(
+    x_c: torch.Tensor, head: _Head, t: torch.Tensor, need_x: bool,
+    grad_w: torch.Tensor | None, grad_b: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One token chunk x_c (c, D) in the logits dtype -> its loss sum, each row's log-sum-exp (c,)
+    and, when need_x, d(loss)/dx_c (c, D); adds its share into grad_w (V, D) and grad_b (V,) when given."""
+    z = _logits(x_c, head, x_c.dtype)  # (c, V)
+    z_y, valid, safe = _target_terms(z, t)
+    lse, sums = exp_shifted_(z)  # z now holds exp(z - max)
+    loss = torch.where(valid, lse - z_y, 0).sum()
+    if not (need_x or grad_w is not None or grad_b is not None):
+        return loss, lse, None
+    g = z.div_(sums)  # softmax, in place over the logits: (c, V)
+    g.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))  # minus one-hot(y)
+    g.mul_(valid[:, None])  # ignored rows carry no gradient
+    if grad_w is not None:
+        grad_w.addmm_(g.T, x_c)
+    if grad_b is not None:
+        grad_b += g.sum(0)
+    return loss, lse, _times_weight(g, head) if need_x else None
 
 
 def _slice_rows(s) -> tuple[bool, tuple[int, int] | None]:
@@ -299,6 +327,68 @@ class _ExactCE(torch.autograd.Function):
             with torch.autocast(x.device.type, enabled=False):
                 _sliced_head_grads(x, targets, lse, ctx.head, ctx.chunk, ctx.slices, grad_out)
         return (*grads, None, None, None)
+
+
+class _NormedExactCE(torch.autograd.Function):
+    """_ExactCE with the final norm inside its token chunks: takes the rows before the norm (N, D),
+    norms one chunk at a time with grad, and pushes the chunk's gradient through the norm at once, in
+    forward. So the norm's temporaries (fp32 inside an RMSNorm) and the normed rows exist for one
+    chunk, never for all N rows; what waits for backward is d(rows) (N, D) in the rows' dtype, the
+    head's gradients when it trains and the norm's parameters' gradients when they train. A sliced
+    head keeps _ExactCE (its gradients are made in backward from the normed rows)."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, targets, chunk, head: _Head, norm: nn.Module, *norm_params):
+        # weight, bias, norm_params: passed so autograd routes their gradients
+        need = tuple(ctx.needs_input_grad[:3])
+        params = [p for p, wanted in zip(norm_params, ctx.needs_input_grad[7:]) if wanted]
+        loss, grad_rows, grad_w, grad_b, grad_params = _normed_pass(rows, norm, params, head, targets, chunk, need)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        ctx.wanted = tuple(ctx.needs_input_grad[7:])
+        ctx.save_for_backward(grad_rows, grad_w, grad_b, *grad_params)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_rows, grad_w, grad_b, *grad_params = ctx.saved_tensors
+        scaled = [None if g is None else g * grad_out.to(g.dtype) for g in (grad_rows, grad_w, grad_b, *grad_params)]
+        params = iter(scaled[3:])
+        return (*scaled[:3], None, None, None, None, *(next(params) if w else None for w in ctx.wanted))
+
+
+def _normed_pass(rows, norm: nn.Module, params: list, head: _Head, targets, chunk: int, need: tuple):
+    """Loss sum of norm(rows) against the head and, as `need` (rows, weight, bias) asks and for the
+    trainable norm `params`, gradients for an upstream gradient of 1: (), (N, D) | None, (V, D) | None,
+    (V,) | None, [each param's gradient]. The norm runs under the caller's autocast, the head without."""
+    dtype = _logits_dtype(rows, head)
+    loss = rows.new_zeros((), dtype=dtype)
+    grad_rows = torch.empty_like(rows) if need[0] else None
+    grad_w = rows.new_zeros(head.shape, dtype=dtype) if need[1] else None
+    grad_b = rows.new_zeros(head.shape[:1], dtype=dtype) if need[2] else None
+    # summed over chunks in at least fp32, cast to each parameter's dtype at the end
+    grad_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
+    backward_through_norm = need[0] or bool(params)
+    for start in memory.representative(range(0, rows.shape[0], chunk), rows):
+        r = rows[start : start + chunk].detach().requires_grad_(need[0])  # (c, D)
+        with torch.set_grad_enabled(backward_through_norm):
+            x_c = norm(r)  # (c, D): the normed rows, a graph back to r and params when either trains
+        with torch.autocast(rows.device.type, enabled=False):  # dtypes are chosen explicitly
+            part, _, g_x = _exact_chunk(x_c.detach().to(_logits_dtype(x_c, head)), head,
+                                        targets[start : start + chunk], backward_through_norm, grad_w, grad_b)
+        loss = loss + part
+        if backward_through_norm:
+            inputs = ([r] if need[0] else []) + params
+            # g_x rounded to the normed rows' dtype first, as an (N, D) gradient of them would be
+            grads = torch.autograd.grad(x_c, inputs, g_x.to(x_c.dtype))
+            if need[0]:
+                grad_rows[start : start + chunk] = grads[0]
+            for total, g in zip(grad_params, grads[1:] if need[0] else grads):
+                total += g
+        del x_c, r
+    return loss, grad_rows, grad_w, grad_b, [g.to(p.dtype) for g, p in zip(grad_params, params)]
 
 
 def _sliced_head_grads(x, targets, lse, head: _Head, chunk: int, slices, scale: torch.Tensor) -> None:
