@@ -97,6 +97,45 @@ def test_exact_equals_cross_entropy(chunk, masking, pattern, head_kind):
         assert float(out.loss_sum.detach()) == 0.0
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+@pytest.mark.parametrize("masking", [False, True])
+@pytest.mark.parametrize("norm_bias", [False, True])
+def test_exact_with_frozen_final_norm(chunk, masking, norm_bias):
+    """LoRA: the final norm is frozen (its parameters get no gradient), the hidden's gradient still
+    goes through it chunk by chunk. A LayerNorm with a bias stands for a norm with two parameters."""
+    hidden, _, head = _model(11, head_grad=False)
+    norm = nn.LayerNorm(D, bias=norm_bias, dtype=torch.float64) if norm_bias else nn.RMSNorm(D, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    norm.requires_grad_(False)
+    _check_against_reference(hidden, norm, head, _targets("segments"), [hidden], chunk_size=chunk, masking=masking)
+    assert all(p.grad is None for p in norm.parameters())
+
+
+@pytest.mark.parametrize("chunk", [3, 5])
+def test_trained_layernorm_gets_weight_and_bias_gradients(chunk):
+    """Full fine-tuning: a norm's parameters' gradients are summed over the chunks (5 and 3 do not
+    divide 21 rows), equal to one norm over every row."""
+    hidden, _, head = _model(12, head_grad=True)
+    norm = nn.LayerNorm(D, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    leaves = [hidden, norm.weight, norm.bias, head.weight]
+    _check_against_reference(hidden, norm, head, _targets("all"), leaves, chunk_size=chunk, masking=False)
+
+
+def test_final_norm_runs_per_loss_chunk():
+    """The norm sees one loss chunk of rows at a time (never all N), once per chunk."""
+    hidden, norm, head = _model(13, head_grad=True)
+    targets = _targets("segments")
+    seen = []
+    norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+    _ours(hidden, norm, head, targets, masking=True, chunk_size=3).loss_sum.backward()
+    n = int((targets != IGNORE_INDEX).sum())
+    assert seen == [min(3, n - s) for s in range(0, n, 3)]
+
+
 @pytest.mark.parametrize("masking", [False, True])
 def test_exact_tied_trainable_embedding_gets_both_gradients(masking):
     torch.manual_seed(2)
