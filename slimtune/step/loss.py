@@ -12,7 +12,9 @@ Three memory measures (specs/peak-memory-lora.md 2.5, 2.6):
   read tensor values mid-step, which fake tensors (the planner's estimate) cannot answer.
 - mode=exact: cross-entropy in token chunks that computes each chunk's gradients in the
   forward pass, so no (N, V) logits are ever kept; only the (N, D) hidden gradient (and
-  the (V, D) head gradient when the head trains) waits for backward.
+  the (V, D) head gradient when the head trains) waits for backward. The final norm runs
+  inside the same chunks (_NormedExactCE): its fp32 temporaries and the normed rows exist
+  for one chunk, never for the whole sequence (at 256K tokens that was the step's peak).
 - mode=subset (training only): softmax over a per-position candidate set S_t (top-k of
   the frozen head's logits, target forced in). L_S <= L_full, so it is never reported
   as the loss: `exact_sum` carries the full-softmax loss and `excluded_mass_sum` the
@@ -73,7 +75,7 @@ def causal_lm_loss(
     if not (training and torch.is_grad_enabled()):
         with torch.no_grad():  # evaluation: the exact loss and no graph, the norm a chunk at a time
             rows, t = trained_rows(hidden, targets, cfg, trained_positions)
-            loss = _normed_pass(rows, norm, [], source, t, chunk, (False, False, False))[0]
+            loss = _normed_pass(rows, norm, source, t, chunk, (False, False, False))[0]
         return LossOutput(loss, loss, torch.zeros_like(loss))
     if cfg.mode == "exact" and source.slices is None:
         # The final norm runs inside the loss's chunks: only one chunk's norm temporaries exist.
@@ -330,65 +332,94 @@ class _ExactCE(torch.autograd.Function):
 
 
 class _NormedExactCE(torch.autograd.Function):
-    """_ExactCE with the final norm inside its token chunks: takes the rows before the norm (N, D),
-    norms one chunk at a time with grad, and pushes the chunk's gradient through the norm at once, in
-    forward. So the norm's temporaries (fp32 inside an RMSNorm) and the normed rows exist for one
-    chunk, never for all N rows; what waits for backward is d(rows) (N, D) in the rows' dtype, the
-    head's gradients when it trains and the norm's parameters' gradients when they train. A sliced
-    head keeps _ExactCE (its gradients are made in backward from the normed rows)."""
+    """_ExactCE with the final norm inside its token chunks: takes the rows before the norm (N, D)
+    and norms them one chunk at a time, without grad in forward and again with grad in backward,
+    where the chunk's gradient goes through the norm. So the norm's temporaries (fp32 inside an
+    RMSNorm) and the normed rows exist for one chunk, never for all N rows; what waits for backward
+    is the rows and d(loss)/d(normed rows), (N, D) each, and the head's gradients when it trains.
+
+    The norm's backward stays after grad_output scales the gradient, as when the norm ran outside the
+    loss: an RMSNorm that computes in fp32 rounds its incoming gradient there, so scaling after it
+    would change the result in the 8th digit. A sliced head keeps _ExactCE (its gradients are made
+    in backward from the normed rows)."""
 
     @staticmethod
     def forward(ctx, rows, weight, bias, targets, chunk, head: _Head, norm: nn.Module, *norm_params):
         # weight, bias, norm_params: passed so autograd routes their gradients
         need = tuple(ctx.needs_input_grad[:3])
-        params = [p for p, wanted in zip(norm_params, ctx.needs_input_grad[7:]) if wanted]
-        loss, grad_rows, grad_w, grad_b, grad_params = _normed_pass(rows, norm, params, head, targets, chunk, need)
+        through_norm = need[0] or any(ctx.needs_input_grad[7:])
+        loss, grad_x, grad_w, grad_b = _normed_pass(rows, norm, head, targets, chunk, (through_norm, *need[1:]))
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
+        ctx.norm, ctx.chunk, ctx.autocast = norm, chunk, _autocast_state(rows.device.type)
         ctx.wanted = tuple(ctx.needs_input_grad[7:])
-        ctx.save_for_backward(grad_rows, grad_w, grad_b, *grad_params)
+        ctx.save_for_backward(grad_x, grad_w, grad_b, rows if through_norm else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_rows, grad_w, grad_b, *grad_params = ctx.saved_tensors
-        scaled = [None if g is None else g * grad_out.to(g.dtype) for g in (grad_rows, grad_w, grad_b, *grad_params)]
-        params = iter(scaled[3:])
-        return (*scaled[:3], None, None, None, None, *(next(params) if w else None for w in ctx.wanted))
+        grad_x, grad_w, grad_b, rows = ctx.saved_tensors
+        grads = [None if g is None else g * grad_out.to(g.dtype) for g in (grad_w, grad_b)]
+        grad_rows, grad_params = None, [None] * len(ctx.wanted)
+        if rows is not None:
+            params = [p for p, wanted in zip(ctx.norm.parameters(), ctx.wanted) if wanted]
+            grad_rows, trained = _norm_backward(rows, grad_x, grad_out, ctx.norm, params, ctx.chunk, ctx.autocast,
+                                                ctx.needs_input_grad[0])
+            found = iter(trained)
+            grad_params = [next(found) if wanted else None for wanted in ctx.wanted]
+        return (grad_rows, *grads, None, None, None, None, *grad_params)
 
 
-def _normed_pass(rows, norm: nn.Module, params: list, head: _Head, targets, chunk: int, need: tuple):
-    """Loss sum of norm(rows) against the head and, as `need` (rows, weight, bias) asks and for the
-    trainable norm `params`, gradients for an upstream gradient of 1: (), (N, D) | None, (V, D) | None,
-    (V,) | None, [each param's gradient]. The norm runs under the caller's autocast, the head without."""
+def _autocast_state(kind: str) -> tuple:
+    return kind, torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind)
+
+
+def _normed_pass(rows, norm: nn.Module, head: _Head, targets, chunk: int, need: tuple):
+    """Loss sum of norm(rows) against the head and, as `need` (normed rows, weight, bias) asks,
+    gradients for an upstream gradient of 1: (), (N, D) in the normed rows' dtype | None, (V, D) | None,
+    (V,) | None. The norm runs under the caller's autocast, the head without."""
     dtype = _logits_dtype(rows, head)
     loss = rows.new_zeros((), dtype=dtype)
-    grad_rows = torch.empty_like(rows) if need[0] else None
+    grad_x = None
     grad_w = rows.new_zeros(head.shape, dtype=dtype) if need[1] else None
     grad_b = rows.new_zeros(head.shape[:1], dtype=dtype) if need[2] else None
-    # summed over chunks in at least fp32, cast to each parameter's dtype at the end
-    grad_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
-    backward_through_norm = need[0] or bool(params)
     for start in memory.representative(range(0, rows.shape[0], chunk), rows):
-        r = rows[start : start + chunk].detach().requires_grad_(need[0])  # (c, D)
-        with torch.set_grad_enabled(backward_through_norm):
-            x_c = norm(r)  # (c, D): the normed rows, a graph back to r and params when either trains
+        with torch.no_grad():
+            x_c = norm(rows[start : start + chunk])  # (c, D): this chunk's normed rows
+        if need[0] and grad_x is None:
+            grad_x = rows.new_empty(rows.shape, dtype=x_c.dtype)  # as the normed rows' gradient was
         with torch.autocast(rows.device.type, enabled=False):  # dtypes are chosen explicitly
-            part, _, g_x = _exact_chunk(x_c.detach().to(_logits_dtype(x_c, head)), head,
-                                        targets[start : start + chunk], backward_through_norm, grad_w, grad_b)
+            part, _, g_x = _exact_chunk(x_c.to(_logits_dtype(x_c, head)), head, targets[start : start + chunk],
+                                        need[0], grad_w, grad_b)
         loss = loss + part
-        if backward_through_norm:
-            inputs = ([r] if need[0] else []) + params
-            # g_x rounded to the normed rows' dtype first, as an (N, D) gradient of them would be
-            grads = torch.autograd.grad(x_c, inputs, g_x.to(x_c.dtype))
-            if need[0]:
-                grad_rows[start : start + chunk] = grads[0]
-            for total, g in zip(grad_params, grads[1:] if need[0] else grads):
-                total += g
-        del x_c, r
-    return loss, grad_rows, grad_w, grad_b, [g.to(p.dtype) for g, p in zip(grad_params, params)]
+        if need[0]:
+            grad_x[start : start + chunk] = g_x
+    if need[0] and grad_x is None:  # no rows at all
+        grad_x = torch.empty_like(rows)
+    return loss, grad_x, grad_w, grad_b
+
+
+def _norm_backward(rows, grad_x, grad_out, norm: nn.Module, params: list, chunk: int, autocast: tuple,
+                   need_rows: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """d(loss)/d(rows) (N, D) | None and the trained norm `params`' gradients, from grad_x (N, D) times
+    grad_out: each chunk of rows normed again with grad and back-propagated alone."""
+    grad_rows = torch.empty_like(rows) if need_rows else None
+    totals = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
+    kind, cast, enabled = autocast
+    for start in memory.representative(range(0, rows.shape[0], chunk), rows):
+        r = rows[start : start + chunk].detach().requires_grad_(need_rows)  # (c, D)
+        with torch.enable_grad(), torch.autocast(kind, dtype=cast, enabled=enabled):
+            y = norm(r)
+        g = grad_x[start : start + chunk] * grad_out.to(grad_x.dtype)  # scaled before the norm, as before
+        grads = torch.autograd.grad(y, ([r] if need_rows else []) + params, g)
+        if need_rows:
+            grad_rows[start : start + chunk] = grads[0]
+        for total, part in zip(totals, grads[1:] if need_rows else grads):
+            total += part  # summed over chunks in at least fp32, cast to each parameter's dtype below
+        del y, r, g, grads
+    return grad_rows, [t.to(p.dtype) for t, p in zip(totals, params)]
 
 
 def _sliced_head_grads(x, targets, lse, head: _Head, chunk: int, slices, scale: torch.Tensor) -> None:

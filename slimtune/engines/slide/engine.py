@@ -78,7 +78,7 @@ from slimtune.optim import rules
 from slimtune.optim.host_unit import HostUnit, StepGuard
 from slimtune.step import activations, block_stores
 from slimtune.step.forward import evaluate_batches, step_divisor, to_float
-from slimtune.step.loss import chunk_tokens, head_inputs
+from slimtune.step.loss import chunk_tokens, trained_rows
 from slimtune.step.precision import autocast_for
 from slimtune.store.checkpoint import EngineState, check_resumable
 
@@ -345,11 +345,11 @@ class SlideEngine(Engine):
             device_batch, hidden, keys, states, inputs, chunk = self._forward(batch, store, keep_grads=True)
             memory.mark("loss")
             out = hidden.detach().requires_grad_()
-            x, targets = head_inputs(out, self.stack.norm, device_batch.targets, self.loss_cfg,
-                                        device_batch.trained_positions)
+            x, targets = trained_rows(out, device_batch.targets, self.loss_cfg, device_batch.trained_positions)
+            # the final norm runs inside streamed_ce's chunks; its gradient lands in the last unit's slot
             loss_sum, grad_x = streamed_ce(x.detach(), targets, self._tiles, chunk_tokens(self.loss_cfg, self._vocab()),
-                                           scale=1.0 / total, sink=self._head_sink())
-        torch.autograd.backward(x, grad_x)  # the final norm's gradient lands in the last unit's slot
+                                           scale=1.0 / total, sink=self._head_sink(), norm=self.stack.norm)
+        torch.autograd.backward(x, grad_x)  # scattered back to the rows that were gathered
         grad = out.grad
         del hidden, out, x, grad_x  # only the gradient travels down the blocks
         embedding = self._edge_tensor(self.stack.embed.weight)
@@ -438,9 +438,9 @@ class SlideEngine(Engine):
     def _eval_loss(self, batch: Batch) -> torch.Tensor:
         with autocast_for(self.device, self.precision), self._window():
             device_batch, hidden, *_ = self._forward(batch, None, keep_grads=False)
-            x, targets = head_inputs(hidden, self.stack.norm, device_batch.targets, self.loss_cfg,
-                                     device_batch.trained_positions)
-            return streamed_ce(x, targets, self._tiles, chunk_tokens(self.loss_cfg, self._vocab()))[0]
+            x, targets = trained_rows(hidden, device_batch.targets, self.loss_cfg, device_batch.trained_positions)
+            return streamed_ce(x, targets, self._tiles, chunk_tokens(self.loss_cfg, self._vocab()),
+                               norm=self.stack.norm)[0]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The working set's weights at full precision by parameter name (what the modules point at

@@ -8,6 +8,11 @@ gradient is handed to `sink(start, stop, grad_tile)` as soon as it is complete, 
 the device. The device holds x, its gradient, one weight tile and its gradient, and one (c, tile)
 block of logits. Token chunks run inside each tile so a tile is uploaded once per pass, not once
 per chunk. Logits are formed in at least fp32.
+
+Given the final norm, x is the rows before it: each token chunk is normed where it is used (again
+in each tile, no grad: a chunk's norm costs c x D against the c x tile x D of its logits), and at the
+end the gradient goes back through the norm a chunk at a time, so neither the normed (N, D) rows nor
+the norm's whole-sequence temporaries (fp32 inside an RMSNorm) ever exist.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 import torch
+from torch import nn
 
 from slimtune.device import memory
 from slimtune.data.dataset import IGNORE_INDEX
@@ -25,16 +31,54 @@ Sink = Callable[[int, int, torch.Tensor], None]
 
 @torch.no_grad()
 def streamed_ce(x: torch.Tensor, targets: torch.Tensor, tiles: Tiles, chunk: int, scale: float | None = None,
-                sink: Sink | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x (N, D) normed hidden rows, targets (N,) with IGNORE_INDEX -> (summed loss, d(scale * loss)/dx
-    (N, D) in x's dtype, or None when scale is None). `sink` (optional) receives d(scale * loss)/dW
-    for rows [start, stop) of the head, in the compute dtype."""
+                sink: Sink | None = None, norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x (N, D) hidden rows (normed, or before `norm` when it is given), targets (N,) with
+    IGNORE_INDEX -> (summed loss, d(scale * loss)/dx (N, D) in x's dtype, or None when scale is None).
+    `sink` (optional) receives d(scale * loss)/dW for rows [start, stop) of the head, in the compute
+    dtype. A trainable norm's parameters get d(scale * loss)/dp added into their .grad."""
+    normed = _Normed(x, norm)
     with torch.autocast(x.device.type, enabled=False):  # dtypes are chosen explicitly below
-        return _streamed_ce(x, targets, tiles, chunk, scale, sink)
+        return _streamed_ce(normed, targets, tiles, chunk, scale, sink)
 
 
-def _streamed_ce(x, targets, tiles, chunk, scale, sink):
-    dtype = torch.promote_types(x.dtype, torch.float32)
+class _Normed:
+    """The rows x as the head sees them: x itself, or a chunk of it through the final norm, run under
+    the autocast state of streamed_ce's caller (as the norm ran before it moved into the loss)."""
+
+    def __init__(self, x: torch.Tensor, norm: nn.Module | None):
+        self.x, self.norm, self.shape, self.device = x, norm, x.shape, x.device
+        kind = x.device.type
+        self.autocast = (kind, torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind))
+
+    def rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `rows` normed (no grad), in `dtype`."""
+        if self.norm is None:
+            return self.x[rows].to(dtype)
+        kind, cast, enabled = self.autocast
+        with torch.autocast(kind, dtype=cast, enabled=enabled):
+            return self.norm(self.x[rows]).to(dtype)
+
+    def gradient(self, grad: torch.Tensor, chunk: int) -> torch.Tensor:
+        """grad (N, D) with respect to the normed rows, in the compute dtype -> with respect to x, in
+        x's dtype, a chunk at a time through the norm (its parameters' .grad accumulate)."""
+        if self.norm is None:
+            return grad.to(self.x.dtype)
+        out = torch.empty_like(self.x)
+        kind, cast, enabled = self.autocast
+        for first in memory.representative(range(0, self.shape[0], chunk), self.x):
+            rows = slice(first, first + chunk)
+            r = self.x[rows].detach().requires_grad_()
+            with torch.enable_grad(), torch.autocast(kind, dtype=cast, enabled=enabled):
+                y = self.norm(r)
+            # rounded to the normed rows' dtype first, as a whole (N, D) gradient of them would be
+            torch.autograd.backward(y, grad[rows].to(y.dtype))
+            out[rows] = r.grad
+            del y, r
+        return out
+
+
+def _streamed_ce(x: _Normed, targets, tiles, chunk, scale, sink):
+    dtype = torch.promote_types(x.x.dtype, torch.float32)
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, 0)
     lse, target_logit = _log_sum_exp(x, safe, tiles, chunk, dtype)
@@ -46,9 +90,9 @@ def _streamed_ce(x, targets, tiles, chunk, scale, sink):
     for start, stop, w in tiles():
         w = w.to(dtype)  # (tile, D)
         grad_w = torch.zeros_like(w) if sink is not None else None
-        for first in memory.representative(range(0, x.shape[0], chunk), x):
+        for first in memory.representative(range(0, x.shape[0], chunk), x.x):
             rows = slice(first, first + chunk)
-            x_c = x[rows].to(dtype)
+            x_c = x.rows(rows, dtype)
             g = (x_c @ w.T).sub_(lse[rows, None]).exp_()  # softmax on this tile: (c, tile)
             _subtract_target(g, safe[rows], start, stop)
             g.mul_(weight_of_row[rows, None])
@@ -57,10 +101,10 @@ def _streamed_ce(x, targets, tiles, chunk, scale, sink):
                 grad_w.addmm_(g.T, x_c)
         if sink is not None:
             sink(start, stop, grad_w)
-    return loss, grad_x.to(x.dtype)
+    return loss, x.gradient(grad_x, chunk)
 
 
-def _log_sum_exp(x: torch.Tensor, safe: torch.Tensor, tiles: Tiles, chunk: int, dtype: torch.dtype):
+def _log_sum_exp(x: _Normed, safe: torch.Tensor, tiles: Tiles, chunk: int, dtype: torch.dtype):
     """-> (N,) log-sum-exp of each row's logits over the whole vocabulary, and its target's logit."""
     n = x.shape[0]
     running_max = torch.full((n,), float("-inf"), dtype=dtype, device=x.device)
@@ -68,9 +112,9 @@ def _log_sum_exp(x: torch.Tensor, safe: torch.Tensor, tiles: Tiles, chunk: int, 
     target_logit = torch.zeros(n, dtype=dtype, device=x.device)
     for start, stop, w in tiles():
         w = w.to(dtype)
-        for first in memory.representative(range(0, n, chunk), x):
+        for first in memory.representative(range(0, n, chunk), x.x):
             rows = slice(first, first + chunk)
-            z = x[rows].to(dtype) @ w.T  # (c, tile)
+            z = x.rows(rows, dtype) @ w.T  # (c, tile)
             new_max = torch.maximum(running_max[rows], z.amax(dim=1))
             running_sum[rows] = running_sum[rows] * (running_max[rows] - new_max).exp() + (z - new_max[:, None]).exp().sum(1)
             running_max[rows] = new_max
