@@ -50,8 +50,10 @@ def fixed_projector_engine(model, cfg, precision="fp64") -> LspEngine:
 
 
 def adam_on_z(model: nn.Module, engine: LspEngine, cfg, steps: int, train_other: bool):
-    """Plain PyTorch: every projected W is W0 + P_o Z P_i^T with Z an Adam parameter (AdamW, weight decay
-    0), the rest frozen or trained by the same Adam; dense autograd, F.cross_entropy, clip_grad_norm_."""
+    """Plain PyTorch: every projected W is s W0 + P_o Z P_i^T with Z a torch AdamW parameter (the run's
+    weight decay) and s the product of the steps' decoupled decay factors (1 - lr wd): AdamW's decay of
+    the whole effective weight. The rest frozen, or trained by AdamW with decay on matrices only (as
+    rules.decay_groups); dense autograd, F.cross_entropy, clip_grad_norm_."""
     names = {engine.names[id(m.weight)]: m for m in engine.modules}
     frozen = {n: p.detach() for n, p in model.named_parameters()}
     dense = {n: (m.p_o.dense(), m.p_i.dense()) for n, m in names.items()}
@@ -59,15 +61,17 @@ def adam_on_z(model: nn.Module, engine: LspEngine, cfg, steps: int, train_other:
     others = [p for n, p in model.named_parameters() if n not in names] if train_other else []
     for n, p in model.named_parameters():
         p.requires_grad_(n not in names and train_other)
-    opt = torch.optim.AdamW(list(zs.values()) + others, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                            eps=cfg.train.eps, weight_decay=0.0)
-    losses = []
+    wd = cfg.train.weight_decay
+    opt = torch.optim.AdamW([{"params": list(zs.values()), "weight_decay": wd}]
+                            + [{"params": [p], "weight_decay": wd if p.ndim >= 2 else 0.0} for p in others],
+                            lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps)
+    losses, scale = [], 1.0
     for step in range(steps):
         micro = batches(model.config.vocab_size, step, cfg.train.grad_accum)
         total = sum(b.num_targets for b in micro)
         loss_sum = 0.0
         for batch in micro:
-            weights = {n: frozen[n] + o @ zs[n] @ i.T for n, (o, i) in dense.items()}
+            weights = {n: scale * frozen[n] + o @ zs[n] @ i.T for n, (o, i) in dense.items()}
             logits = functional_call(model, weights, (batch.input_ids,), {"position_ids": batch.position_ids}).logits
             loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction="sum")
@@ -78,10 +82,11 @@ def adam_on_z(model: nn.Module, engine: LspEngine, cfg, steps: int, train_other:
         for group in opt.param_groups:
             group["lr"] = rules.lr_at(cfg.train, step)
         opt.step()
+        scale *= 1.0 - rules.lr_at(cfg.train, step) * wd
         opt.zero_grad()
         losses.append(loss_sum / total)
     with torch.no_grad():
-        effective = {n: frozen[n] + o @ zs[n] @ i.T for n, (o, i) in dense.items()}
+        effective = {n: scale * frozen[n] + o @ zs[n] @ i.T for n, (o, i) in dense.items()}
         effective.update((n, p.detach()) for n, p in model.named_parameters() if n not in names and train_other)
     return losses, effective
 
@@ -101,6 +106,108 @@ def test_twenty_steps_with_fixed_projectors_equal_adam_on_z(clip, train_other):
         torch.testing.assert_close(trained[name], value, atol=1e-10, rtol=0, msg=name)
     moved = max(float((expected[n] - p).abs().max()) for n, p in model.named_parameters() if n in expected)
     assert moved > 1e-3  # the steps did train
+
+
+@pytest.mark.parametrize("clip", [pytest.param(0.0, id="unclipped"), pytest.param(0.05, id="clipped")])
+def test_twenty_steps_with_weight_decay_equal_adamw_on_the_effective_weight(clip):
+    """Decoupled decay of s W0 + P_o Z P_i^T (s and Z both times 1 - lr wd a step), random sparse
+    projectors, the others trained with decay on their matrices: the oracle's recurrence to 1e-10;
+    and the decay shows (the weights differ from the same run without it by far more than that)."""
+    model = model_of()
+    trained = {}
+    for wd in (0.5, 0.0):
+        cfg = run_cfg(LspConfig(d=8, r=3, check_every=0, train_other=True), max_grad_norm=clip, weight_decay=wd,
+                      measure_memory=False)
+        engine = fixed_projector_engine(copy.deepcopy(model), cfg)
+        results = [engine.step(batches(model.config.vocab_size, step, cfg.train.grad_accum)) for step in range(20)]
+        trained[wd] = engine.trainable_state()
+        if wd:
+            losses, expected = adam_on_z(copy.deepcopy(model), engine, cfg, 20, train_other=True)
+            assert [r.loss for r in results] == pytest.approx(losses, abs=1e-10, rel=0)
+            for name, value in expected.items():
+                torch.testing.assert_close(trained[wd][name], value, atol=1e-10, rtol=0, msg=name)
+    projected = [engine.names[id(m.weight)] for m in engine.modules]
+    assert min(float((trained[0.5][n] - trained[0.0][n]).abs().max()) for n in projected) > 1e-4
+
+
+def signed_permutation(n: int, g: torch.Generator) -> projectors.SparseProjector:
+    """An n x n projector with one +-1 in each row and each column: orthogonal, so P_o Z P_i^T reaches
+    every weight and each entry of Z is one entry of W (up to sign)."""
+    signs = torch.randint(0, 2, (n, 1), generator=g).to(F64) * 2 - 1
+    return projectors.SparseProjector(torch.randperm(n, generator=g).unsqueeze(1), signs, n)
+
+
+@pytest.mark.parametrize("schedule", ["pipelined", "sync"])
+def test_weight_decay_where_the_subspace_is_the_whole_space_equals_torch_adamw(schedule):
+    """Square matrices, d = n, r = 1 and signed-permutation projectors: every gradient lies in the
+    subspace and Adam on Z is Adam on W entry by entry, so 20 lsp steps with weight decay must equal
+    torch.optim.AdamW with the same decay on the dense weights (resident full fine-tuning of the block
+    linears, the rest frozen), losses and weights to 1e-10."""
+    wd = 0.5
+    cfg = run_cfg(LspConfig(d=32, r=1, check_every=0, schedule=schedule), weight_decay=wd, max_grad_norm=0.05,
+                  measure_memory=False)
+    model = model_of(intermediate_size=32, num_key_value_heads=4)
+    engine = fixed_projector_engine(copy.deepcopy(model), cfg)
+    g = torch.Generator().manual_seed(3)
+    for module in engine.modules:
+        assert module.out_features == module.in_features == module.d == 32
+        module.p_o, module.p_i = signed_permutation(32, g), signed_permutation(32, g)
+    results = [engine.step(batches(model.config.vocab_size, step, cfg.train.grad_accum)) for step in range(20)]
+    names = {engine.names[id(m.weight)] for m in engine.modules}
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        param.requires_grad_(name in names)
+    trained = [params[n] for n in sorted(names)]
+    opt = torch.optim.AdamW(trained, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps, weight_decay=wd)
+    losses = []
+    for step in range(20):
+        micro = batches(model.config.vocab_size, step, cfg.train.grad_accum)
+        total = sum(b.num_targets for b in micro)
+        loss_sum = 0.0
+        for batch in micro:
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+            (loss / total).backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(trained, cfg.train.max_grad_norm)
+        for group in opt.param_groups:
+            group["lr"] = rules.lr_at(cfg.train, step)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss_sum / total)
+    assert [r.loss for r in results] == pytest.approx(losses, abs=1e-10, rel=0)
+    state = engine.trainable_state()
+    for name in names:
+        torch.testing.assert_close(state[name], params[name].detach(), atol=1e-10, rtol=0, msg=name)
+    assert all(m.scale < 0.99 for m in engine.modules)  # (1 - lr wd) over 20 steps: W's share decayed too
+
+
+def test_weight_decay_is_applied_once_a_step_whatever_the_schedule():
+    """Pipelined (given and derived knobs), synchronous and clipped runs with two micro-batches a step
+    and an evaluation between steps: every matrix's scale is the product of the steps' (1 - lr wd),
+    and the weights are the synchronous run's bit for bit."""
+    model, wd = model_of(layers=3), 0.3
+    eval_batches = batches(model.config.vocab_size, 99, micro=1)
+    results = {}
+    for name, lsp, clip in [("sync", LspConfig(d=8, r=3, check_every=0, schedule="sync"), 0.0),
+                            ("given", LspConfig(d=8, r=3, check_every=0, k=4, p=1, h=2, u=3), 0.0),
+                            ("derived", LspConfig(d=8, r=3, check_every=0), 0.0),
+                            ("clipped", LspConfig(d=8, r=3, check_every=0, k=4, p=1, h=2, u=3), 1e3)]:
+        cfg = run_cfg(lsp, weight_decay=wd, max_grad_norm=clip, measure_memory=False)
+        engine = fixed_projector_engine(copy.deepcopy(model), cfg)
+        expected = 1.0
+        for step in range(5):
+            engine.step(batches(model.config.vocab_size, step))
+            expected *= 1.0 - rules.lr_at(cfg.train, step) * wd
+            if step == 2:
+                engine.evaluate(eval_batches)
+        engine.flush()
+        assert [m.scale for m in engine.modules] == [expected] * len(engine.modules), name
+        results[name] = engine.trainable_state()
+    for name in ("given", "derived", "clipped"):
+        for key, value in results["sync"].items():
+            assert torch.equal(results[name][key], value), (name, key)
 
 
 def test_recomputed_blocks_with_mlp_chunks_train_like_the_oracle():
@@ -295,7 +402,7 @@ def test_the_planner_weighs_lsp_plans_where_lsp_applies():
         return {p["engine"] for p in planner.applicable_plans(base)}
 
     assert "lsp" in engines_of(planner.planning_config("full"))
-    assert "lsp" not in engines_of(planner.planning_config("full", weight_decay=0.01))  # lsp refuses it
+    assert "lsp" in engines_of(planner.planning_config("full", weight_decay=0.01))  # exact with decay too
     assert "lsp" not in engines_of(planner.planning_config("lora"))
 
 

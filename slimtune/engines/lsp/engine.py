@@ -22,6 +22,10 @@ fixed) on a second pass; its Z is first folded into W, and its AdamW moments mov
 subspace (spec formulas; never zeroed; step counts go on). That pass's device peak is measured with
 the step that runs it and reported with every later step (it recurs).
 
+Weight decay (train.weight_decay, decoupled as in AdamW) is exact: each matrix computes with
+s W + P_o Z P_i^T, the host AdamW decays Z, and the module's scale s takes the same factor
+(1 - lr wd) when that update is applied (projected_linear.py, updates.py); a fold puts s into W.
+
 Clipping (train.max_grad_norm > 0) is over the compressed gradients (and the other trained
 tensors'): it needs the global norm first, so every update is submitted when backward ends (still
 hidden behind the next forward, module by module). Checkpoints fold Z into W first, so a checkpoint
@@ -113,9 +117,6 @@ def validate(cfg: RunConfig) -> None:
     if cfg.train.moments == "8bit":
         raise UserError("engine=lsp keeps its d x d coordinates' moments in fp32 (they are small); set"
                         " train.moments=fp32.")
-    if cfg.train.weight_decay > 0:
-        raise UserError("engine=lsp trains each matrix in a d x d subspace, where decoupled weight decay of the weight"
-                        " has no exact form; set train.weight_decay=0.")
     if cfg.activations.cache == "small":
         raise UserError("engine=lsp does not take activations.cache=small; set activations.cache=none or last_k.")
     if cfg.train.on_nonfinite == "skip" and cfg.train.max_grad_norm == 0:
@@ -146,7 +147,7 @@ class LspEngine(Engine):
         schedule = lsp_schedule.initial(len(self.modules), *knobs, self.lsp.schedule == "sync")
         blocks = [self._block_of(m) for m in self.modules]
         self.updates = lsp_updates.UpdatePipeline(self.modules, self.adams, blocks, self.link, worker, schedule,
-                                                  lsp_schedule.Clock(device), dist)
+                                                  lsp_schedule.Clock(device), dist, cfg.train.weight_decay)
         self.step_count = 0
         self.learning = learning.ProjectorLearning(self.modules, self.adams, self.lsp, self.generator,
                                                        self.rounding, self.fake)
@@ -213,7 +214,8 @@ class LspEngine(Engine):
         return rest
 
     def _host_adam(self, module: ProjectedLinear, train: TrainConfig) -> HostAdam:
-        adam = HostAdam(f"lsp {module.index}", [Group((module.z.shape,), 0.0)], module.z.dtype, self.device,
+        # Z decays with the weight it is part of (its scale s follows: updates.py); matrices decay (rules.decays).
+        adam = HostAdam(f"lsp {module.index}", [Group((module.z.shape,), train.weight_decay)], module.z.dtype, self.device,
                         rules.adamw_settings(train))
         with torch.no_grad():
             adam.masters[0].zero_()
@@ -457,6 +459,7 @@ class LspEngine(Engine):
             with torch.no_grad():
                 module.z.zero_()
                 adam.masters[0].zero_()
+            module.scale = 1.0
         lsp = state.extra.get("lsp") if state.engine == self.name else None
         same_shapes = True
         if lsp is not None:

@@ -21,6 +21,14 @@ only when the projectors change (a refit) or a checkpoint is written, and Z star
 fp32 a matrix on the device and two (T x d) x (d x d) products a pass, instead of an fp32 master
 of the weights (4 bytes a weight) or a compensation buffer (2 bytes a weight).
 
+Weight decay (decoupled, AdamW's) multiplies the whole effective weight by (1 - lr wd) each step. Z
+takes its part in the host AdamW (Z's group decays); W's part is a per-matrix scale s, so the module
+computes with s W + P_o Z P_i^T: s is multiplied by the same factor when the step's Z is applied (the
+engine's update pipeline), and the forward pays one multiply-add on the output, s (X W^T) + correction
+(dX likewise); dZ does not change. s is a Python float (exact in fp64, known on the host without a
+sync) and is 1 without decay, where the forward is the plain one. A fold puts s into W and restarts
+it at 1 with Z at 0.
+
 A module in `probe` mode (the projector check and fit) also keeps X and hands the full gradient
 dY^T X of its effective weight to `probe(G)` in backward, one matrix at a time.
 """
@@ -50,6 +58,7 @@ class ProjectedLinear(nn.Linear):
         self.p_o, self.p_i = p_o, p_i
         z_dtype = torch.promote_types(self.weight.dtype, torch.float32)
         self.z = self.weight.new_zeros((p_o.d, p_i.d), dtype=z_dtype).requires_grad_()
+        self.scale = 1.0  # s: W's share of the effective weight s W + P_o Z P_i^T (weight decay)
         self.probe: Callable[[torch.Tensor], None] | None = None
         self.before_forward: Callable[[int], None] | None = None  # the engine applies a pending update
 
@@ -68,16 +77,16 @@ class ProjectedLinear(nn.Linear):
             return decompress(self.z.detach(), self.p_o, self.p_i)
 
     def effective_weight(self, rounding: torch.Generator | None = None) -> torch.Tensor:
-        """W + P_o Z P_i^T in W's dtype: rounded to nearest, or stochastically with `rounding`'s draws
+        """s W + P_o Z P_i^T in W's dtype: rounded to nearest, or stochastically with `rounding`'s draws
         when W is bf16 (see fold)."""
         with torch.no_grad():
-            exact = self.weight.to(self.z.dtype) + self.delta()
+            exact = self.weight.to(self.z.dtype).mul(self.scale).add_(self.delta())
             if rounding is not None and self.weight.dtype == torch.bfloat16:
                 return stochastic_bf16(exact, rounding)
             return exact.to(self.weight.dtype)
 
     def fold(self, rounding: torch.Generator | None = None) -> None:
-        """W takes the subspace update (one rounding) and Z restarts at zero; the module computes the
+        """W takes the subspace update and the decay's scale (one rounding); Z restarts at zero, s at 1; the module computes the
         same weight before and after, up to that rounding. A bf16 W is rounded stochastically
         (`rounding`: the draws; the planner's fake step passes None and draws nothing): round to
         nearest would drop, at every fold, each element's change smaller than half an ulp, always the
@@ -85,6 +94,7 @@ class ProjectedLinear(nn.Linear):
         with torch.no_grad():
             self.weight.copy_(self.effective_weight(rounding))
             self.z.zero_()
+            self.scale = 1.0
 
 
 def stochastic_bf16(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -100,7 +110,7 @@ def stochastic_bf16(x: torch.Tensor, generator: torch.Generator | None) -> torch
 
 
 class _ProjectedMatmul(torch.autograd.Function):
-    """y = x (W + P_o Z P_i^T)^T + b; backward gives dX, db and dZ = G_c (module docstring). The
+    """y = x (s W + P_o Z P_i^T)^T + b; backward gives dX, db and dZ = G_c (module docstring). The
     arithmetic runs in explicit dtypes (W's for the products with W and the corrections, Z's for U,
     V and the d x d products) whatever autocast says: the forward of a bf16 run equals autocast's
     linear in bf16 plus the correction."""
@@ -111,9 +121,11 @@ class _ProjectedMatmul(torch.autograd.Function):
             ctx.x_dtype = x.dtype
             x = x.to(weight.dtype)
             u = module.p_i.right(x.to(z.dtype))  # (..., d) in fp32: G_c is made from it
-            y = F.linear(x, weight, bias.to(weight.dtype) if bias is not None else None)
-            y = y + module.p_o.right_t((u @ z.t()).to(y.dtype))
-        ctx.module, ctx.probing = module, module.probe is not None
+            correction = module.p_o.right_t((u @ z.t()).to(weight.dtype))
+            y = _scaled_sum(F.linear(x, weight), module.scale, correction)
+            if bias is not None:
+                y.add_(bias.to(weight.dtype))
+        ctx.module, ctx.scale, ctx.probing = module, module.scale, module.probe is not None
         ctx.save_for_backward(u, weight, z, x if ctx.probing else None)
         return y
 
@@ -126,7 +138,7 @@ class _ProjectedMatmul(torch.autograd.Function):
             v = module.p_o.right(dy.to(z.dtype))  # (..., d) in fp32
             dx = db = dz = None
             if ctx.needs_input_grad[0]:
-                dx = (dy @ weight + module.p_i.right_t((v @ z).to(dy.dtype))).to(ctx.x_dtype)
+                dx = _scaled_sum(dy @ weight, ctx.scale, module.p_i.right_t((v @ z).to(dy.dtype))).to(ctx.x_dtype)
             if ctx.needs_input_grad[2]:
                 db = dy.flatten(0, -2).sum(0).to(module.bias.dtype)
             if ctx.probing:
@@ -134,3 +146,10 @@ class _ProjectedMatmul(torch.autograd.Function):
             elif ctx.needs_input_grad[3]:
                 dz = v.flatten(0, -2).t() @ u.flatten(0, -2)
         return dx, None, db, dz, None
+
+
+def _scaled_sum(product: torch.Tensor, scale: float, correction: torch.Tensor) -> torch.Tensor:
+    """scale * product + correction, into `correction` (made for this sum alone); scale 1: the plain sum."""
+    if scale == 1.0:
+        return correction.add_(product)
+    return correction.add_(product, alpha=scale)

@@ -10,6 +10,10 @@ Under clipping no update may start before the global norm, so every matrix, deep
 treated as shallow: its update is submitted when backward ends, in forward order, and the step
 returns with them running; the next forward overtakes them, each matrix waiting only for its own
 update (`_await_update`) and upload before it computes. The weights are the sync schedule's bit for bit.
+
+Weight decay: the host AdamW decays Z; W's share, the module's scale s (projected_linear.py), is
+multiplied by (1 - lr wd) when that Z is applied, once per update that ran (none for a step that may
+not update), so the effective weight decays whole, once a step, whatever the schedule.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Pending:
     coef: float = 1.0
     job: object = None  # the worker's future
     uploaded: object = "not yet"  # the H2D event once issued (None on the CPU)
+    ran: bool = False  # the host AdamW ran (a step that may not update leaves Z and s as they were)
 
 
 @dataclass
@@ -57,10 +62,13 @@ class Backward:
 
 class UpdatePipeline:
     def __init__(self, modules: list[ProjectedLinear], adams: list[HostAdam], blocks: list[int], link: runtime.Link,
-                 worker: runtime.HostWorker, schedule: Schedule, clock: Clock, dist: Dist = SINGLE):
+                 worker: runtime.HostWorker, schedule: Schedule, clock: Clock, dist: Dist = SINGLE,
+                 weight_decay: float = 0.0):
         """`blocks`: each matrix's block index; `schedule` may be replaced between steps; `dist`: the
-        ranks each complete G_c is summed across (d x d numbers: what lsp sends between ranks)."""
+        ranks each complete G_c is summed across (d x d numbers: what lsp sends between ranks);
+        `weight_decay`: the matrices' (their scales follow their Z's decay)."""
         self.modules, self.adams, self.blocks, self.dist = modules, adams, blocks, dist
+        self.weight_decay = weight_decay
         self.link, self.worker, self.schedule, self.clock = link, worker, schedule, clock
         self.pending: dict[int, Pending] = {}
         self.backward: Backward | None = None
@@ -144,6 +152,8 @@ class UpdatePipeline:
         elif action == "apply":
             self._act("upload", index)
             self.link.wait(pending.uploaded)  # the compute stream waits for the copy up
+            if pending.ran and self.weight_decay:
+                self.modules[index].scale *= 1.0 - pending.lr * self.weight_decay
             del self.pending[index]
 
     @staticmethod
@@ -164,6 +174,7 @@ class UpdatePipeline:
         with torch.no_grad():
             adam.member(0, 0).grad.copy_(pending.host)
         adam.update(pending.lr, pending.coef)
+        pending.ran = True
         self.clock.updates.append(time.perf_counter() - begun)
 
     def complete(self, index: int) -> None:
