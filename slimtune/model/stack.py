@@ -465,11 +465,12 @@ class Stack:
         inputs.masks  # made before block 0's segment: every block uses them
         return self.run_blocks(hidden, inputs)
 
-    def run_blocks(self, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        """hidden (B, T, D) through every block in turn, each block's forward and backward marked as a
-        segment of its own (memory.mark): the estimate by depth needs every block's work apart from
-        the loss's and the embedding's, whose peaks grow with depth at other rates."""
-        for index in range(len(self.blocks)):
+    def run_blocks(self, hidden: torch.Tensor, inputs: BlockInputs, first: int = 0) -> torch.Tensor:
+        """hidden (B, T, D) through blocks first.. in turn (hidden: block `first`'s input), each block's
+        forward and backward marked as a segment of its own (memory.mark): the estimate by depth needs
+        every block's work apart from the loss's and the embedding's, whose peaks grow with depth at
+        other rates."""
+        for index in range(first, len(self.blocks)):
             memory.mark("forward", index)
             hidden = self.run_block(index, hidden, inputs)
             memory.mark_on_backward(hidden, "backward", index)

@@ -52,12 +52,14 @@ SMALL_FRACTION = 8  # cache=small: an op output is small at <= 1/8 of the block 
 
 
 def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: ActivationsConfig,
-               store: BlockStore | None = None) -> torch.Tensor:
-    """hidden (B, T, D) -> the last block's output (B, T, D), checkpointed as cfg says."""
+               store: BlockStore | None = None, first: int = 0) -> torch.Tensor:
+    """hidden (B, T, D), block `first`'s input -> the last block's output (B, T, D), blocks first..
+    checkpointed as cfg says (the blocks below `first` are the caller's: engine chunk runs them
+    without grad when no gradient is wanted below `first`)."""
     count = len(stack.blocks)
     # Without grad (evaluation) nothing runs backward, so storing inputs would be wasted traffic.
-    if cfg.checkpoint == "none" or count == 0 or not torch.is_grad_enabled():
-        return stack.run_blocks(hidden, inputs)
+    if cfg.checkpoint == "none" or count <= first or not torch.is_grad_enabled():
+        return stack.run_blocks(hidden, inputs, first)
     if store is None and cfg.checkpoint != "recompute":
         raise ValueError(f"checkpoint={cfg.checkpoint} needs a store from open_store().")
     store = store or BlockStore(hidden.device)
@@ -65,7 +67,7 @@ def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: Act
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         # Gradients stop at the Function's inputs: such a tensor would silently get none.
         raise ValueError("checkpointed blocks take BlockInputs as constants; one of them requires grad.")
-    on_device = set(range(max(count - cfg.last_k, 0), count)) if cfg.cache == "last_k" else set()
+    on_device = set(range(max(count - cfg.last_k, first), count)) if cfg.cache == "last_k" else set()
     logs = {} if cfg.cache == "small" else None
     # A 0-dim input that needs grad, so backward runs even when `hidden` needs none (LoRA, frozen embedding).
     anchor = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=True)
@@ -74,7 +76,7 @@ def run_blocks(stack: Stack, hidden: torch.Tensor, inputs: BlockInputs, cfg: Act
         inputs.masks  # made before the first block, as plain autograd makes them: not in block 0's segment or log
     else:
         logs = None  # see "Caches" above
-    return _Checkpointed.apply(_Run(stack, inputs, store, on_device, logs, tile), hidden, anchor)
+    return _Checkpointed.apply(_Run(stack, inputs, store, on_device, logs, tile, first), hidden, anchor)
 
 
 def tile_tokens(stack: Stack, seq: int, cfg: ActivationsConfig, segmented: bool = False) -> int:
@@ -101,15 +103,16 @@ class _Run:
     """One run_blocks call: the blocks' inputs (keys into a store) and RNG states, and its cache log."""
 
     def __init__(self, stack: Stack, inputs: BlockInputs, store: BlockStore, on_device: set, logs: dict | None,
-                 tile: int):
+                 tile: int, first: int = 0):
         self.stack, self.inputs, self.store, self.on_device, self.logs = stack, inputs, store, on_device, logs
         self.tile = tile  # tokens per tile
-        self.keys, self.rng, self.local = {}, [], BlockStore()  # local: cache=last_k inputs
+        self.first = first  # the lowest block run here
+        self.keys, self.rng, self.local = {}, {}, BlockStore()  # rng: by block; local: cache=last_k inputs
         # A graph dropped without backward (or a failed forward) gives its entries back.
         self.release = weakref.finalize(self, _discard_all, self.keys)
 
     def put(self, index: int, x: torch.Tensor) -> None:
-        self.rng.append(dropout_rng_state(x.device))
+        self.rng[index] = dropout_rng_state(x.device)
         store = self.local if index in self.on_device else self.store
         self.keys[index] = (store, store.put(x))
 
@@ -154,8 +157,8 @@ class _Checkpointed(torch.autograd.Function):
 
 def _forward_blocks(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
     count = len(run.stack.blocks)
-    run.store.reserve(hidden, count - len(run.on_device))
-    for index in range(count):
+    run.store.reserve(hidden, count - run.first - len(run.on_device))
+    for index in range(run.first, count):
         memory.mark("forward", index)
         run.put(index, hidden)
         with _SmallCache(run, index, hidden) if run.logs is not None else contextlib.nullcontext():
@@ -173,11 +176,11 @@ def block_forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs
 def _backward_blocks(run: _Run, grad: torch.Tensor, wants_input_grad: bool):
     last = len(run.stack.blocks) - 1
     run.prefetch(last)
-    for index in range(last, -1, -1):
+    for index in range(last, run.first - 1, -1):
         memory.mark("backward", index)
         x = run.take(index)
         run.prefetch(index - 1)  # overlaps the fetch with this block's recompute
-        x = x.detach().requires_grad_(index > 0 or wants_input_grad)
+        x = x.detach().requires_grad_(index > run.first or wants_input_grad)
         restore_dropout_rng(run.rng[index], x.device)
         cache = _SmallCache(run, index) if run.logs is not None else contextlib.nullcontext()
         block_backward(run.stack, index, x, grad, run.inputs, run.tile, cache, grad_owned=index < last)

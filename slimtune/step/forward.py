@@ -24,11 +24,12 @@ def step_divisor(micro_batches: list[Batch], total_targets: int | None) -> int:
 
 
 def model_loss(stack, activations_cfg, loss_cfg, device: torch.device, precision: str, batch: Batch,
-               reading=memory.NO_READING, training: bool = True, store=None):
+               reading=memory.NO_READING, training: bool = True, store=None, run_blocks=None):
     """The exact loss (loss.LossOutput) of `batch` (on the device) through the whole model as it sits
-    on the device: the blocks as activations_cfg checkpoints them (`store`: their inputs' store),
-    then the final norm, head and loss; the meter's phases and segments marked on the way."""
-    blocks = activations.runner(activations_cfg, store)
+    on the device: the blocks as activations_cfg checkpoints them (`store`: their inputs' store), or
+    as `run_blocks` (Stack.body_hidden's hook) runs them, then the final norm, head and loss; the
+    meter's phases and segments marked on the way."""
+    blocks = run_blocks or activations.runner(activations_cfg, store)
     with autocast_for(device, precision):
         with reading.phase("activations"):
             hidden = stack.body_hidden(batch.input_ids, batch.position_ids, blocks, batch.segmented)
