@@ -4,11 +4,12 @@ chunkft.md).
 The trainable tensors, in model order, are one stream of bytes cut into chunk.n_chunks chunks of
 equal bytes (chunk/partition.py; a tensor may be split, each piece a contiguous range along its
 axis: input columns of a linear weight, vocabulary rows of the embedding and the head, elements of a
-norm gain or a bias). One chunk is active at a time, for chunk.switch_every optimizer steps, in
-round-robin order or a fresh random order each sweep.
+norm gain or a bias). One chunk is active at a time, for chunk.switch_every optimizer steps (by
+default derived from the run: chunk/state.py's derived_switch_every), in a fresh seeded random order
+each sweep (the default) or round robin.
 
 Where things live. Device: every weight in the run's dtype (bf16 on a GPU), the activations of full
-fine-tuning, and the active chunk's gradient (fp32, allocated when the step begins: the
+fine-tuning from the active chunk's lowest block up, and the active chunk's gradient (fp32, allocated when the step begins: the
 slice-aware ops of chunk/sliced.py add into it, so no dense .grad ever exists and input gradients
 are exact). With chunk.gradients=host not even that: each op's contribution goes down to the host
 accumulators as backward makes it (chunk/downlink.py), a window of 128 MiB (and the one being
@@ -34,10 +35,14 @@ the device, which is what the device budget of this engine is for.
 Learning rate: per_step follows the run's schedule step by step; per_sweep holds each sweep at the
 lr of its first step, on the same total-step schedule (the reference stretched it by N: pitfall 8).
 
-The planner's fake step runs the chunk with the most numbers (ChunkState.heaviest), or, with the
-gradient on the host, the chunk with most of the LM head (its tiles are made where the step peaks),
-at full depth: which blocks hold the active pieces differs with the depth, so the estimate by depth
-does not apply.
+The backward stops at the active chunk (chunk/reach.py): the embedding and the blocks below the
+lowest block holding one of the chunk's tensors run without autograd (no activation kept, no
+backward through them); a chunk holding part of the embedding (or of a tied head) runs the whole
+backward. So the chunks' steps hold different activations, and the planner's fake step runs each
+chunk that can hold the most (planned_chunks: those whose backward reaches block 0, and the heaviest,
+or with the gradient on the host the one with most of the LM head, whose tiles are made at the loss)
+and reports the largest, at full depth: which blocks hold the active pieces differs with the depth,
+so the estimate by depth does not apply.
 chunk.n_chunks=0 is settled when a run starts: the fewest chunks whose step fits the card.
 
 The same working set runs on the sliding window too (engine slide, slide.working_set=chunk): the
@@ -59,10 +64,10 @@ from slimtune.step import block_stores
 from slimtune.model import config_json
 from slimtune.device import memory, runtime, speed
 from slimtune.store.checkpoint import EngineState
-from slimtune.engines.chunk import partition, sliced
+from slimtune.engines.chunk import partition, reach, sliced
 from slimtune.engines.chunk.downlink import Downlink
 from slimtune.engines.chunk.state import ChunkState, Member, axis_of, narrow, open_settings, scratch
-from slimtune.config import RunConfig, positive, setting
+from slimtune.config import RunConfig, setting
 from slimtune.data.dataset import Batch
 from slimtune.dist.ranks import SINGLE, Dist
 from slimtune.engines.base import Engine, NextStep, StepResult
@@ -79,11 +84,12 @@ class ChunkConfig:
     n_chunks: int = setting(8, "chunk working set (engine=chunk, slide.working_set=chunk): chunks of equal bytes"
                                " the trainable tensors are cut into; one has gradients at a time. 0: the fewest (a"
                                " power of two up to 256) whose step fits the card, found by the planner at the start.")
-    switch_every: int = setting(1, "chunk working set: optimizer steps on a chunk before the next one (at N >= 4,"
-                                   " 20-50 with order random trains far better than 1: benchmarks/README.md).")
+    switch_every: int = setting(0, "chunk working set: optimizer steps on a chunk before the next one. 0: derived"
+                                   " from the run, the largest that visits every chunk twice in train.steps, at most 50"
+                                   " (printed at the start; 1 is the spec's and the reference's).")
     order: Literal["round_robin", "random"] = setting(
-        "round_robin", "chunk working set: visit the chunks in model order, or in a new seeded random order each"
-                       " sweep.")
+        "random", "chunk working set: visit the chunks in a new seeded random order each sweep, or in model order"
+                  " (round_robin, the spec's and the reference's).")
     lr_schedule: Literal["per_step", "per_sweep"] = setting(
         "per_step", "chunk working set: the lr schedule advances every step, or is held over each sweep at its first"
                     " step's value (the same total-step schedule).")
@@ -100,7 +106,9 @@ class ChunkConfig:
     def validate(self) -> None:
         if self.n_chunks < 0:
             raise UserError(f"chunk.n_chunks must be a count, or 0 for the planner to choose, got {self.n_chunks}.")
-        positive("chunk.switch_every", self.switch_every)
+        if self.switch_every < 0:
+            raise UserError(f"chunk.switch_every must be a count of steps, or 0 to derive it from the run, got"
+                            f" {self.switch_every}.")
 
     @staticmethod
     def read_by(cfg: RunConfig) -> bool:
@@ -156,8 +164,12 @@ class ChunkEngine(Engine):
             weakref.finalize(self, worker.close)
             self.downlink = Downlink(self.link, worker)
             self._plan_the_head_chunk()
+        # Per chunk, the lowest block its backward must reach (chunk/reach.py): below it, no autograd.
+        self.reaches = reach.reaches(stack, {n: s.param for n, s in self.slices.items()}, self.state.chunks)
         self.step_count = 0  # optimizer steps taken: the lr schedule's position
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
+        if not self.fake and dist.is_main:
+            print(self.state.describe())
 
     def _plan_the_head_chunk(self) -> None:
         """With gradients on the host the planner's step runs the chunk with most of the LM head's
@@ -199,16 +211,37 @@ class ChunkEngine(Engine):
         self.downlink.close(self.slices.values())
         return self.state.grad_views(k)
 
+    def planned_chunks(self) -> list[int]:
+        """The chunks the planner's fake step runs, each (the estimate is the largest peak): every
+        chunk whose backward reaches block 0 or the embedding (they keep every block's activations;
+        their gradients, or the contributions in flight with chunk.gradients=host, differ) and the
+        state's planned chunk (the heaviest; with the gradient on the host, the one with most of the LM
+        head, whose tiles are made at the loss). A chunk of a higher reach keeps a subset of those
+        activations and no larger gradient than the heaviest's (on every chunk of the test models, the
+        largest of these is the largest of all: tests/unit/test_chunk_reach.py)."""
+        deepest = [k for k, r in enumerate(self.reaches) if r <= 0]
+        return list(dict.fromkeys([*deepest, self.state.planned]))
+
     def step(self, micro_batches: list[Batch], total_targets: int | None = None,
              then: NextStep | None = None) -> StepResult:
+        if not self.fake:
+            return self._step(self.state.active, micro_batches, total_targets)
+        results = []
+        for k in self.planned_chunks():
+            results.append(self._step(k, micro_batches, total_targets))
+            self.step_count -= 1
+        self.step_count += 1
+        return max(results, key=lambda r: r.device_peak_bytes)
+
+    def _step(self, k: int, micro_batches: list[Batch], total_targets: int | None) -> StepResult:
         self.stack.model.train()
         total = step_divisor(micro_batches, total_targets)
-        k, lr = self.state.active, self.state.lr(self.step_count)
+        lr = self.state.lr(self.step_count)
         link_before = self.link.bytes
         with self.meter.measure(self._resident_tensors()) as reading:
             self._open(k, reading)
             with block_stores.open_store(self.activations_cfg, self.device, self.store_dir) as store:
-                exact_sum = self._backward(micro_batches, total, reading, store)
+                exact_sum = self._backward(k, micro_batches, total, reading, store)
             memory.mark("update")
             grads = self._gradients(k)
             on_host = self.downlink is not None
@@ -233,14 +266,16 @@ class ChunkEngine(Engine):
                 store.peak_bytes if self.activations_cfg.checkpoint == "disk" else 0),
             extras={"chunk": k}, applied=applied)
 
-    def _backward(self, micro_batches: list[Batch], total: int, reading, store) -> torch.Tensor | float:
-        """Forward and backward of every micro-batch; their exact loss sum. A step that raises with
-        the gradient on the host leaves nothing in flight and empty accumulators behind it."""
+    def _backward(self, k: int, micro_batches: list[Batch], total: int, reading, store) -> torch.Tensor | float:
+        """Forward and backward of every micro-batch, the backward down to chunk k's reach; their exact
+        loss sum. A step that raises with the gradient on the host leaves nothing in flight and empty
+        accumulators behind it."""
         exact_sum = 0.0
+        blocks = reach.runner(self.reaches[k], self.activations_cfg, store)
         try:
             for batch in micro_batches:
                 out = model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision,
-                                 batch.to(self.device), reading, store=store)
+                                 batch.to(self.device), reading, store=store, run_blocks=blocks)
                 (out.loss_sum / total).backward()
                 exact_sum = exact_sum + out.exact_sum
         except BaseException:

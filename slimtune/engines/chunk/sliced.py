@@ -5,8 +5,9 @@ ChunkFT trains one chunk of the parameter byte stream per optimizer step; a chun
 tensor, one contiguous range along one axis (`ActiveSlice`). The wrappers below replace built
 Linear, Embedding, LayerNorm and RMSNorm modules in place (`install`), keeping their Parameter
 objects under the same names, so state_dict keys and export are unchanged. Each op's backward
-- returns the exact full input gradient, so backprop continues through the whole network (every
-  trainable parameter keeps requires_grad=True: autograd must reach the lowest active slice);
+- returns the exact full input gradient, so backprop continues down to the lowest active slice
+  (every trainable parameter keeps requires_grad=True; the engine runs what lies below that slice's
+  block without autograd: chunk/reach.py);
 - returns None for its weight and bias, so `p.grad` stays None, and instead adds the active
   slice's gradient, computed from the incoming dY (so any loss scale is already in it), into the
   slice's side buffer (`ActiveSlice.add`, fp32 for 16-bit and fp32 weights, fp64 for fp64), which
@@ -193,10 +194,10 @@ class _SlicedLinearFn(torch.autograd.Function):
             y = F.linear(x, weight, None if bias is None else bias.to(weight.dtype))
         ctx.w_slice, ctx.w_range = w_slice, _live_range(w_slice)
         ctx.b_slice, ctx.b_range = b_slice, _live_range(b_slice)
-        # X is kept whether or not the weight's range is live: every chunk's step then holds the same
-        # activations (those of full fine-tuning), so the planner's one fake step (the largest
-        # chunk) is the worst of a sweep. Keeping only the active modules' inputs is the spec's open
-        # decision 1, not taken yet.
+        # X is kept whether or not the weight's range is live: above the active chunk's lowest block
+        # (the engine runs the blocks below it without grad: chunk/reach.py) every op keeps what full
+        # fine-tuning keeps. Keeping only the active modules' inputs (the other half of the spec's
+        # open decision 1) is not taken: an op with no live range needs only W for dX.
         ctx.save_for_backward(x, weight)
         return y
 

@@ -61,6 +61,17 @@ def scratch(cfg: RunConfig) -> dict[str, str]:
 
 
 CHUNK_COUNTS = tuple(2**i for i in range(9))  # 1 .. 256: what chunk.n_chunks=0 chooses from
+# chunk.switch_every=0 derives K from the run, at most this: the longest stay the budget benchmark
+# found good (benchmarks/docs/chunk_budget.md: K = 50 with a random order within 2 points of resident
+# at N = 4 and 16; K = 1 to 10 far from it).
+MOST_STEPS_ON_A_CHUNK = 50
+VISITS = 2  # a derived K gives every chunk at least this many visits over the run
+
+
+def derived_switch_every(steps: int, n_chunks: int) -> int:
+    """The largest K (steps on a chunk before the next) that still gives every chunk VISITS visits in
+    `steps` optimizer steps, within 1..MOST_STEPS_ON_A_CHUNK: a run too short for two visits gets K = 1."""
+    return max(1, min(MOST_STEPS_ON_A_CHUNK, steps // (VISITS * n_chunks)))
 
 
 def open_settings(cfg: RunConfig) -> list[dict]:
@@ -90,6 +101,7 @@ class ChunkState:
         streams = [self._stream(name, param, axes[name]) for name, param in params.items()]
         self.streams = {s.name: s for s in streams}
         self.chunks = partition(streams, self.section.n_chunks)
+        self.switch_every = self.section.switch_every or derived_switch_every(self.train_cfg.steps, len(self.chunks))
         self.fake = fake
         self.state_dir = self._state_dir(cfg)
         self.adams, self.members = self._optimizers()
@@ -148,6 +160,14 @@ class ChunkState:
     def numel(self, k: int) -> int:
         return sum(self.piece_shape(p).numel() for p in self.chunks[k])
 
+    def describe(self) -> str:
+        """One line for the start of a run: the chunks, their order and how long each stays."""
+        order = "a new random order each sweep" if self.section.order == "random" else "model order (round robin)"
+        why = "chunk.switch_every" if self.section.switch_every else (
+            f"derived from train.steps={self.train_cfg.steps}: every chunk visited {VISITS} times, at most"
+            f" {MOST_STEPS_ON_A_CHUNK} steps a visit; chunk.switch_every sets it")
+        return f"chunk: {len(self.chunks)} chunks in {order}, {self.switch_every} steps on each ({why})"
+
     # ------------------------------------------------------------ which chunk, which lr
 
     def order(self, sweep: int) -> list[int]:
@@ -181,7 +201,7 @@ class ChunkState:
         if self.fake:
             return
         self.done_on_active += 1
-        if self.done_on_active < self.section.switch_every:
+        if self.done_on_active < self.switch_every:
             return
         self.done_on_active, self.position = 0, self.position + 1
         if self.position == len(self.chunks):
@@ -190,7 +210,7 @@ class ChunkState:
     def lr(self, step: int) -> float:
         """per_step: the run's schedule at `step`; per_sweep: held at the sweep's first step's value."""
         if self.section.lr_schedule == "per_sweep":
-            sweep_steps = len(self.chunks) * self.section.switch_every
+            sweep_steps = len(self.chunks) * self.switch_every
             return rules.lr_at(self.train_cfg, step // sweep_steps * sweep_steps)
         return rules.lr_at(self.train_cfg, step)
 
