@@ -36,7 +36,8 @@ pytestmark = pytest.mark.xdist_group("test_resume_changed_settings")
 
 BASE = {"resident": [], "slide": ["method=full", "activations.checkpoint=host"],
         "lsp": ["method=full", "lsp.fit_samples=4", "lsp.fit_iterations=3", "lsp.d=8"],
-        "chunk": ["method=full", "chunk.n_chunks=2"], "roundpipe": ["method=full"]}
+        "chunk": ["method=full", "chunk.n_chunks=2", "chunk.order=round_robin", "chunk.switch_every=1"],
+        "roundpipe": ["method=full"]}
 DIFFERS, SAME = "differs", "same"  # the weights after the resumed step against the unchanged continuation's
 LSP_SHAPES = [("lsp.r", 2), ("lsp.d", 16)]  # changed in their own test below
 
