@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 # Storages the runtime placed on the host on purpose; the CPU meter never counts them.
 _HOST_RESIDENT: dict[int, weakref.finalize] = {}
@@ -78,18 +78,23 @@ class TransientReplay:
     """Under fake tensors, a call that leaves memory as it found it and whose transient peak depends
     only on `key` (its tensors' shapes) runs once per key; each later call allocates that peak
     above the current bytes and frees it, which is all a meter sees of it, in one op. With real
-    tensors every call runs. (lsp fits the projectors of every matrix of a shape alike.)"""
+    tensors every call runs, the first of each key under the meter and the later ones off it (their
+    peak counted by that one op): a meter's per-op cost is paid once per key. (lsp fits the
+    projectors of every matrix of a shape alike.)"""
 
     def __init__(self):
         self.peaks: dict = {}
 
     def run(self, key, like: torch.Tensor, fn, *args) -> None:
         meters = [m for m in list(_ACTIVE) if isinstance(m, LiveBytesMeter)]
-        if not is_fake(like) or not meters:
+        if not meters:
             fn(*args)
             return
         if key in self.peaks:
             torch.empty(self.peaks[key], dtype=torch.uint8, device=like.device)  # made and dropped at once
+            if not is_fake(like):
+                with _disable_current_modes():  # the values are still needed; the meter has its count
+                    fn(*args)
             return
         meter = meters[0]
         meter.track([like, *(a for a in args if isinstance(a, torch.Tensor))])  # inputs are not its transient
@@ -171,7 +176,7 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def _track_one(self, t: torch.Tensor, category: str) -> None:
         # Called for every tensor of every op: the common case (already counted) returns first.
-        if t.is_sparse:
+        if t.layout != torch.strided:  # a sparse tensor: its parts are strided tensors, counted as made
             return
         storage = t.untyped_storage()
         key = _key(storage)
