@@ -270,6 +270,7 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
     with RunFolder(cfg) if dist.is_main else contextlib.nullcontext() as folder:
         _on_rank0(dist, lambda: _check_before_loading(folder, cfg), "the run folder's check")
         run = run or build(cfg, dist)
+        run.engine.progress = progress
         out = Path(run.cfg.output_dir)
         stream, start = _begin(run, folder, say)
         log = _open_log(run, folder, start)

@@ -47,6 +47,9 @@ class Engine(abc.ABC):
     device: torch.device  # the device it was built for
     # True: step() may take the next step's batches (`then=`) and begin that step before this one ends.
     starts_ahead: bool = False
+    # True: the training loop shows a progress bar; work inside a step long enough to need its own (lsp's
+    # projector fit) shows one too. train.fit sets it.
+    progress: bool = False
 
     @abc.abstractmethod
     def step(self, micro_batches: list[Batch], total_targets: int | None = None,
