@@ -14,11 +14,19 @@ With C = P_o^T G P_i (d x d) and the Gram matrices A_o = P_o^T P_o, A_i = P_i^T 
 so e(G) and its gradient in the projectors' values cost n_o * n_i * r, not n_o * n_i * d (tested
 against the dense formula). Fitting learns the values with the positions fixed, so no two
 non-zeros of a row ever collide.
+
+Fitting (ValueFit) computes that gradient in closed form, not by autograd: with B = G P_i, G^T P_o
+(the only two products over G, as sparse CSR products: the positions fix the structure, each step
+only permutes the values into it) and D = dL/dC = (2 A_o C A_i - 4 C) / |G|^2,
+    dL/dP_o = B D^T + 2 P_o (C A_i C^T) / |G|^2,   dL/dP_i = (G^T P_o) D + 2 P_i (C^T A_o C) / |G|^2,
+read at the non-zeros only (n r d numbers). A step costs two passes over G's n_o n_i r non-zero
+products and a few d x d products (tested equal to autograd of the identity).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -175,18 +183,73 @@ def reproject_moments(m: torch.Tensor, v: torch.Tensor, old: tuple[SparseProject
     return left @ m @ right, left.pow(2) @ v @ right.pow(2)
 
 
+class Transposed:
+    """P^T (d x n) of a projector, as the CSR structure its fixed positions give: a product P^T @ M
+    (M: n x m, contiguous) costs n r m. Only the values change between products (a fit's steps), so
+    the structure is made once and each product permutes the current values into it."""
+
+    def __init__(self, pos: torch.Tensor, d: int):
+        n, r = pos.shape
+        rows = torch.arange(n, device=pos.device).repeat_interleave(r)
+        cols = pos.flatten()
+        self.order = torch.argsort(cols * n + rows)  # P's non-zeros by (column, row): P^T's rows in order
+        self.columns = rows[self.order]
+        self.rows = torch.zeros(d + 1, dtype=torch.long, device=pos.device)
+        counts = torch.zeros(d, dtype=torch.long, device=pos.device).index_add_(0, cols, torch.ones_like(cols))
+        self.rows[1:] = counts.cumsum(0)  # (not bincount: fake tensors cannot run it)
+        self.shape = (d, n)
+
+    def times(self, val: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """P^T @ m for the projector's values `val` (n, r): (d, m.shape[1])."""
+        values = val.flatten()[self.order].to(m.dtype)
+        if is_fake(m):  # fake tensors run no sparse product (the planner's estimate): its result is its memory
+            return m.new_empty(self.shape[0], m.shape[1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product is exact
+            sparse = torch.sparse_csr_tensor(self.rows, self.columns, values, self.shape, check_invariants=False)
+        return sparse @ m
+
+
+def compressed(g: torch.Tensor, left: Transposed, right: Transposed, val_o: torch.Tensor,
+               val_i: torch.Tensor) -> torch.Tensor:
+    """C = P_o^T G P_i (d x d) through two sparse products (no autograd)."""
+    half = left.times(val_o, g)  # P_o^T G (d, n_i)
+    return right.times(val_i, half.t().contiguous()).t()  # (P_i^T (P_o^T G)^T)^T
+
+
+def fast_squared_residual(g: torch.Tensor, p_o: SparseProjector, p_i: SparseProjector,
+                          g_norm_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """squared_residual without autograd, through the sparse products (the check's measure)."""
+    c = compressed(g, Transposed(p_o.pos, p_o.d), Transposed(p_i.pos, p_i.d), p_o.val, p_i.val)
+    total = g.pow(2).sum() if g_norm_sq is None else g_norm_sq
+    return total - 2 * c.pow(2).sum() + (c * (cross_gram(p_o, p_o).to(c.dtype) @ c @ cross_gram(p_i, p_i).to(c.dtype))).sum()
+
+
 class ValueFit:
     """Learns one pair's values on a stream of gradients, positions fixed (spec 2.5): the values start
-    afresh (random signs over 1/sqrt(r)), and each gradient G gets `steps` Adam steps on e(G)^2 (a
-    non-finite one is passed over). Each gradient is used as it arrives and dropped, so at most one n_o x n_i gradient exists."""
+    afresh (random signs over 1/sqrt(r)), and each gradient G gets up to `steps` Adam steps on e(G)^2
+    (a non-finite one is passed over), its gradient in closed form (module docstring). With a held-out
+    gradient H beside G (the same batch's other rows), e(H)^2 is read every CHECK_EVERY steps and the
+    steps stop once it has not fallen by FALLING (relative) for two readings in a row; the values keep
+    the best reading's. Each gradient is used as it arrives and dropped: at most one n_o x n_i gradient,
+    its transpose and a held-out one exist at once."""
+
+    CHECK_EVERY = 5
+    FALLING = 1e-3
 
     def __init__(self, p_o: SparseProjector, p_i: SparseProjector, lr: float, steps: int, generator: torch.Generator,
                  fresh: bool = True):
         """fresh=False keeps the shapes and draws nothing (fake tensors: the planner's estimate)."""
         self.pos_o, self.pos_i, self.d = p_o.pos, p_i.pos, p_o.d
         self.values = [(random_values(p.n, p.r, generator, p.val.dtype, p.val.device) if fresh
-                        else torch.empty_like(p.val)).requires_grad_() for p in (p_o, p_i)]
+                        else torch.empty_like(p.val)) for p in (p_o, p_i)]
+        self.best = [v.clone() for v in self.values]  # made now: a fit step holds the same memory every time
+        self.left, self.right = Transposed(self.pos_o, self.d), Transposed(self.pos_i, self.d)
         self.steps = steps
+        self.iterations = 0  # Adam steps taken over all gradients (early stops make it less than offered)
+        self.held_out_error: float | None = None  # e(H) of the values kept, on the last held-out gradient
+        for v in self.values:
+            v.grad = torch.zeros_like(v)
         self.optimizer = torch.optim.Adam(self.values, lr=lr, fused=True)
         rules.init_adamw_state(self.optimizer)  # made now: every step then holds the same memory
 
@@ -194,18 +257,95 @@ class ValueFit:
         return (SparseProjector(self.pos_o, self.values[0].detach(), self.d),
                 SparseProjector(self.pos_i, self.values[1].detach(), self.d))
 
-    def observe(self, g: torch.Tensor) -> None:
+    def observe(self, g: torch.Tensor, held_out: torch.Tensor | None = None) -> None:
         total = g.pow(2).sum()
         if not rules.is_finite(total):  # a non-finite gradient (a diverging batch) would poison the values
             return
-        # Every step holds the same memory (Adam's state exists from the start): under fake tensors
-        # (the planner's estimate) one step shows the peak of any number.
-        steps = range(min(self.steps, 1) if is_fake(g) else self.steps)
-        with torch.enable_grad():
-            for _ in steps:
-                p_o, p_i = (SparseProjector(pos, val, self.d) for pos, val in zip((self.pos_o, self.pos_i), self.values))
-                loss = squared_residual(g, p_o, p_i, total) / total
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            gt = g.t().contiguous()  # G^T P_o and G P_i both run as P^T @ (a contiguous matrix)
+            held = _HeldOut(held_out, self) if held_out is not None else None
+            # Every step holds the same memory (Adam's state exists from the start): under fake tensors
+            # (the planner's estimate) one step (and one held-out reading) shows the peak of any number.
+            steps = min(self.steps, 1) if is_fake(g) else self.steps
+            for k in range(steps):
+                if held is not None and k % self.CHECK_EVERY == 0 and held.stalled(k):
+                    break
+                self.step(g, gt, total)
+            if held is not None:
+                held.finish()
+            del gt
+
+    def error_sq(self, g: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+        """e(G)^2 of the current values (no autograd)."""
+        total = g.pow(2).sum() if total is None else total
+        c = compressed(g, self.left, self.right, *self.values)
+        a_o, a_i = (_gram(pos, v, self.d) for pos, v in zip((self.pos_o, self.pos_i), self.values))
+        return (total - 2 * c.pow(2).sum() + (c * (a_o @ c @ a_i)).sum()) / total
+
+    def step(self, g: torch.Tensor, gt: torch.Tensor, total: torch.Tensor) -> None:
+        """One Adam step on e(G)^2, its gradient in closed form (module docstring)."""
+        self.gradient(g, gt, total)
+        self.optimizer.step()
+        self.iterations += 1
+
+    def gradient(self, g: torch.Tensor, gt: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """e(G)^2 (returned) and its gradient in the values (into each value tensor's .grad)."""
+        val_o, val_i = self.values
+        b = self.right.times(val_i, gt).t()  # G P_i (n_o, d)
+        bo = self.left.times(val_o, g).t()  # G^T P_o (n_i, d)
+        c = self.left.times(val_o, b.contiguous())  # P_o^T G P_i (d, d)
+        a_o, a_i = _gram(self.pos_o, val_o, self.d), _gram(self.pos_i, val_i, self.d)
+        a_o_c, c_a_i = a_o @ c, c @ a_i
+        m = a_o_c @ a_i
+        loss = (total - 2 * c.pow(2).sum() + (c * m).sum()) / total
+        d_c = (2 * m - 4 * c) / total  # dL/dC
+        e_o, e_i = c_a_i @ c.t() * (2 / total), c.t() @ a_o_c * (2 / total)  # symmetric (d, d)
+        val_o.grad.copy_(_at_nonzeros(b, d_c, self.pos_o, val_o, e_o))
+        val_i.grad.copy_(_at_nonzeros(bo, d_c.t(), self.pos_i, val_i, e_i))
+        return loss
+
+
+def _gram(pos: torch.Tensor, val: torch.Tensor, d: int) -> torch.Tensor:
+    """P^T P (d x d)."""
+    p = SparseProjector(pos, val, d)
+    return cross_gram(p, p)
+
+
+def _at_nonzeros(b: torch.Tensor, d_c: torch.Tensor, pos: torch.Tensor, val: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """(b D^T + P E)[k, pos[k, s]] for P's non-zeros: <b[k], D[pos[k, s]]> + sum_t val[k, t] E[pos[k, t], pos[k, s]]."""
+    through_c = torch.gather(b @ d_c.t(), 1, pos)  # (n, r): a dense (n, d) product, then read at the non-zeros
+    through_gram = torch.bmm(val.unsqueeze(1), e[pos.unsqueeze(2), pos.unsqueeze(1)]).squeeze(1)
+    return through_c + through_gram
+
+
+class _HeldOut:
+    """The held-out readings of one gradient's steps: e(H)^2 every CHECK_EVERY steps; stalled once two
+    readings in a row did not fall by FALLING below the best before them; finish() leaves the values
+    of the lowest reading (the end's included)."""
+
+    def __init__(self, h: torch.Tensor, fit: ValueFit):
+        self.h, self.fit, self.total = h, fit, h.pow(2).sum()
+        self.best_error, self.misses = math.inf, 0
+
+    def stalled(self, k: int) -> bool:
+        error = self.fit.error_sq(self.h, self.total)
+        if is_fake(error):  # the planner's estimate: the reading's memory, no value
+            return False
+        error = float(error)
+        falling = error < self.best_error * (1 - self.fit.FALLING)
+        if error < self.best_error:
+            self.best_error = error
+            for best, value in zip(self.fit.best, self.fit.values):
+                best.copy_(value)
+        self.misses = 0 if falling else self.misses + 1
+        return self.misses >= 2 or not math.isfinite(error)
+
+    def finish(self) -> None:
+        if is_fake(self.h):
+            return
+        error = float(self.fit.error_sq(self.h, self.total))
+        if not error < self.best_error:  # the last steps did not help: back to the best reading
+            for best, value in zip(self.fit.best, self.fit.values):
+                value.copy_(best)
+            error = self.best_error
+        self.fit.held_out_error = math.sqrt(max(error, 0.0))

@@ -500,3 +500,72 @@ def test_steps_across_refits_with_no_checkpoint_between_follow_the_exact_recurre
         torch.testing.assert_close(trained[name], value, atol=1e-10, rtol=0, msg=name)
     moved = max(float((expected[n] - p).abs().max()) for n, p in model.named_parameters() if n in expected)
     assert moved > 1e-3
+
+
+def test_the_drift_rule_refits_exactly_the_matrices_whose_error_grew():
+    """After the first fit and two small steps, matrices 1 and 4 get fresh random values (their error on
+    the sample jumps far past its value just after the fit); the check at step 3 refits those two and
+    keeps every other matrix's projectors as they were (with the old rule, alpha = 0.3, it refits all,
+    so this test fails if all are refit)."""
+    model = model_of()
+    sample = batches(model.config.vocab_size, 50, micro=2)
+    counts = {}
+    for alpha in (-1.0, 0.3):
+        cfg = run_cfg(LspConfig(d=8, r=3, check_every=3, alpha=alpha, fit_iterations=20), lr=1e-4,
+                      measure_memory=False)
+        engine = LspEngine(Stack(copy.deepcopy(model)), cfg, CPU, "fp64")
+        engine.use_sample(sample)
+        first = [engine.step(batches(model.config.vocab_size, step)) for step in range(3)]
+        assert first[0].extras["lsp_refit"] == len(engine.modules)  # the first fit: every matrix
+        assert all(b is not None for b in engine.learning.baseline)
+        g = torch.Generator().manual_seed(9)
+        for index in (1, 4):
+            module = engine.modules[index]
+            module.p_o = projectors.SparseProjector(module.p_o.pos, projectors.random_values(
+                module.p_o.n, module.p_o.r, g, F64, CPU), module.d)
+        before = [(m.p_o.val.clone(), m.p_i.val.clone()) for m in engine.modules]
+        result = engine.step(batches(model.config.vocab_size, 3))
+        changed = {i for i, (m, (o, i_)) in enumerate(zip(engine.modules, before))
+                   if not (torch.equal(m.p_o.val, o) and torch.equal(m.p_i.val, i_))}
+        counts[alpha] = result.extras["lsp_refit"]
+        if alpha == -1.0:
+            assert changed == {1, 4} and result.extras["lsp_refit"] == 2
+    assert counts[0.3] == len(engine.modules)  # every learned error on this model is above 0.3
+
+
+def test_the_drift_rule_and_the_absolute_rule_on_given_errors():
+    from slimtune.engines.lsp import learning
+
+    def rule(alpha, drift):
+        return learning.ProjectorLearning([None] * 4, [], LspConfig(alpha=alpha, drift=drift), None, None, False)
+
+    drift = rule(-1.0, 0.1)
+    assert drift.drifted([0.5, 0.6, 0.3, 0.9]) == []  # the first check without baselines sets them
+    drift.baseline = [0.5, 0.6, 0.3, 0.9]
+    assert drift.drifted([0.54, 0.67, 0.2, 0.99]) == [1]  # 0.67 > 0.66; 0.99 is not > 0.99
+    assert rule(0.55, 0.1).drifted([0.54, 0.67, 0.2, 0.99]) == [1, 3]
+
+
+def test_the_fit_shows_its_progress_in_matrices_and_batches(monkeypatch):
+    from slimtune.engines.lsp import learning
+
+    shown = []
+
+    class Bar:
+        def __init__(self, total, what, enabled):
+            shown.append([total, 0, enabled, what])
+
+        def update(self, n):
+            shown[-1][1] += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(learning, "_bar", Bar)
+    model = model_of()
+    engine = LspEngine(Stack(model), run_cfg(LspConfig(d=8, r=3, check_every=0, fit_iterations=4),
+                                             measure_memory=False), CPU, "fp64")
+    engine.progress = True
+    engine.step(batches(model.config.vocab_size, 0, micro=3))
+    assert shown == [[len(engine.modules) * 3, len(engine.modules) * 3, True, shown[0][3]]]
+    assert str(len(engine.modules)) in shown[0][3]

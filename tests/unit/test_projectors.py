@@ -94,7 +94,9 @@ def test_compressed_gradient_and_input_gradient_equal_dense_autograd():
     assert torch.Size([2, 7, 40]) not in saved and saved.count(torch.Size([24, 40])) == 1
 
 
-def test_probe_mode_hands_the_full_gradient_of_the_effective_weight():
+def test_probe_mode_hands_the_full_gradient_of_the_effective_weight_in_two_halves_of_its_rows():
+    """The halves are the gradients of rows [0, 4) and [4, 9) (the fit holds one out); they sum to the
+    dense gradient."""
     module = projected(bias=False)
     seen = []
     module.probe = seen.append
@@ -102,7 +104,11 @@ def test_probe_mode_hands_the_full_gradient_of_the_effective_weight():
     dense_w = module.effective_weight().detach().requires_grad_()
     (module(x).sin().sum()).backward()
     torch.nn.functional.linear(x, dense_w).sin().sum().backward()
-    assert len(seen) == 1 and torch.allclose(seen[0], dense_w.grad, atol=1e-12)
+    assert len(seen) == 1
+    first, second = seen[0]
+    torch.testing.assert_close(first + second, dense_w.grad, atol=1e-12, rtol=0)
+    rows = torch.autograd.grad(torch.nn.functional.linear(x[:4], dense_w).sin().sum(), dense_w)[0]
+    torch.testing.assert_close(first, rows, atol=1e-12, rtol=0)
     assert module.z.grad is None
 
 
@@ -187,3 +193,61 @@ def test_product_gradients_in_the_values_and_the_input_equal_dense_autograd(tran
     assert torch.allclose(out, expected, atol=1e-12)
     assert torch.allclose(x.grad, x_dense.grad, atol=1e-12)
     assert torch.allclose(val.grad, val_dense.grad, atol=1e-12)
+
+
+def test_the_sparse_transposed_product_equals_the_dense_one():
+    p = pair(seed=11)[1]
+    m = torch.randn(40, 7, dtype=F64)
+    torch.testing.assert_close(pj.Transposed(p.pos, p.d).times(p.val, m), p.dense().T @ m, atol=1e-12, rtol=0)
+
+
+def test_the_fit_gradient_in_closed_form_equals_autograd_of_the_error_identity():
+    """ValueFit.gradient (two sparse products over G and d x d algebra) against autograd through
+    squared_residual / |G|^2, float64, both projectors' values."""
+    fit = pj.ValueFit(*pair(seed=9), lr=0.05, steps=1, generator=torch.Generator().manual_seed(10))
+    g = gradient_set(1, seed=3)[0]
+    values = [v.detach().clone().requires_grad_() for v in fit.values]
+    total = g.pow(2).sum()
+    loss = pj.squared_residual(g, *(pj.SparseProjector(pos, v, 8) for pos, v in zip((fit.pos_o, fit.pos_i), values)),
+                               total) / total
+    loss.backward()
+    got = fit.gradient(g, g.t().contiguous(), total)
+    assert float(got) == pytest.approx(float(loss.detach()), abs=1e-12)
+    for value, expected in zip(fit.values, values):
+        torch.testing.assert_close(value.grad, expected.grad, atol=1e-12, rtol=0)
+    assert float(fit.error_sq(g)) == pytest.approx(float(loss.detach()), abs=1e-12)
+    assert float(pj.fast_squared_residual(g, *fit.pair()) / total) == pytest.approx(float(loss.detach()), abs=1e-12)
+
+
+def test_the_fit_stops_when_the_held_out_error_stops_falling_and_keeps_its_best_values():
+    """Held out: a gradient of the same structure, and pure noise. Each stops before the 400 steps
+    offered, where two readings in a row fell by less than 0.1% below the best before them, and keeps
+    the values of its best reading; without a held-out gradient all 400 run."""
+    train = gradient_set(1, seed=1)[0]
+    like = gradient_set(1, seed=2)[0]
+    noise = torch.randn(24, 40, generator=torch.Generator().manual_seed(4), dtype=F64)
+    taken = {}
+    for name, held_out in (("like", like), ("noise", noise)):
+        fit = pj.ValueFit(*pair(seed=5), lr=0.05, steps=400, generator=torch.Generator().manual_seed(6))
+        readings = []
+        reading = pj._HeldOut.stalled
+
+        def recorded(self, k, reading=reading, readings=readings):
+            readings.append(float(self.fit.error_sq(self.h)))
+            return reading(self, k)
+
+        pj._HeldOut.stalled = recorded
+        try:
+            fit.observe(train, held_out)
+        finally:
+            pj._HeldOut.stalled = reading
+        taken[name] = fit.iterations
+        assert fit.iterations < 400 and fit.iterations == pj.ValueFit.CHECK_EVERY * (len(readings) - 1)
+        assert min(readings[-2:]) >= min(readings[:-2]) * (1 - pj.ValueFit.FALLING)  # why it stopped
+        assert all(a >= b * (1 - pj.ValueFit.FALLING) for a, b in zip(readings[-2:], readings[-3:-1]))
+        assert min(readings[:-2]) < readings[0] * 0.5  # it did fall first
+        assert fit.held_out_error ** 2 == pytest.approx(min(readings), rel=1e-9)
+        assert float(fit.error_sq(held_out)) == pytest.approx(min(readings), rel=1e-9)
+    plain = pj.ValueFit(*pair(seed=5), lr=0.05, steps=400, generator=torch.Generator().manual_seed(6))
+    plain.observe(train)
+    assert plain.iterations == 400

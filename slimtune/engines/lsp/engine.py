@@ -17,10 +17,12 @@ weights never change between refits: Z carries the update (lsp/projected_linear.
 Projectors are learned (spec 2.5). Before step 1, and every lsp.check_every steps, a pass over a
 fixed sample of examples held out of training (lsp.fit_samples, drawn once; the step's own batches
 when none was given, as in the planner's estimate) hands each matrix's full gradient to the engine, one matrix at
-a time: every check measures e(G) on it; a matrix above lsp.alpha is refit (values only, positions
-fixed) on a second pass; its Z is first folded into W, and its AdamW moments move into the new
-subspace (spec formulas; never zeroed; step counts go on). That pass's device peak is measured with
-the step that runs it and reported with every later step (it recurs).
+a time: every check measures e(G) on it; a matrix whose e(G) grew past its e(G) just after its last
+fit by lsp.drift (or, with lsp.alpha set, one above lsp.alpha) is refit (values only, positions fixed,
+early-stopped on held-out rows) on a second pass and measured again on a third; its Z is first folded
+into W, and its AdamW moments move into the new subspace (spec formulas; never zeroed; step counts go
+on). lsp/learning.py has the rule and the fit. Those passes' device peak is measured with the step
+that runs them and reported with every later step (it recurs).
 
 Weight decay (train.weight_decay, decoupled as in AdamW) is exact: each matrix computes with
 s W + P_o Z P_i^T, the host AdamW decays Z, and the module's scale s takes the same factor
@@ -73,11 +75,16 @@ class LspConfig:
                          " of 64 up to 512 within 5% of the matrices' bf16 gradient bytes (lsp/sizing.py).")
     r: int = setting(4, "engine=lsp: non-zeros in each projector row.")
     check_every: int = setting(100, "engine=lsp: optimizer steps between projector checks (0: fit once, before step 1).")
-    alpha: float = setting(0.3, "engine=lsp: a matrix whose projectors' relative error e(G) on the fit sample exceeds"
-                                " this is refit.")
+    alpha: float = setting(-1.0, "engine=lsp: if set (> 0), a check refits every matrix whose projectors' relative"
+                                 " error e(G) on the fit sample exceeds it (the spec's absolute rule) instead of"
+                                 " the drift rule (lsp.drift); -1: unset.")
+    drift: float = setting(0.1, "engine=lsp: a check refits a matrix whose e(G) on the fit sample has grown past its"
+                                " e(G) just after its last fit by this fraction (0.1: 10%).")
     fit_samples: int = setting(64, "engine=lsp: examples drawn once from the training data and held out of"
                                    " training, whose gradients the projectors are checked and fit on.")
-    fit_iterations: int = setting(100, "engine=lsp: Adam steps of one fit, spread over the fit sample's batches.")
+    fit_iterations: int = setting(100, "engine=lsp: the most Adam steps of one fit, spread over the fit sample's"
+                                       " batches; each batch's stop early once the error on its held-out half stops"
+                                       " falling.")
     fit_lr: float = setting(0.05, "engine=lsp: the fit's Adam learning rate.")
     schedule: Literal["pipelined", "sync"] = setting(
         "pipelined", "engine=lsp: pipelined: deep matrices update while backward runs, shallow ones before their next"
@@ -95,7 +102,10 @@ class LspConfig:
             positive(f"lsp.{name}", getattr(self, name))
         if self.d != -1:
             positive("lsp.d", self.d)
-        positive("lsp.alpha", self.alpha)
+        if self.alpha != -1:
+            positive("lsp.alpha", self.alpha)
+        if self.drift < 0:
+            raise UserError(f"lsp.drift must not be negative, got {self.drift}.")
         positive("lsp.fit_lr", self.fit_lr)
         if self.d != -1 and self.r > self.d:
             raise UserError(f"lsp.r ({self.r}) cannot exceed lsp.d ({self.d}): a row's non-zeros sit in distinct columns.")
@@ -365,6 +375,7 @@ class LspEngine(Engine):
                             " set lsp.fit_samples > 0 (it is 0, or the data has too few examples to hold any out).")
         self.flush()
         memory.mark("lsp check")
+        self.learning.progress = self.progress and self.dist.is_main
         extras = self.learning.check(self.sample or micro_batches, self._probe_pass)
         if reading.peak is not None and (self.check_peak is None or reading.peak > self.check_peak[0]):
             self.check_peak = (reading.peak, dict(reading.peak_breakdown or {}))
@@ -437,7 +448,8 @@ class LspEngine(Engine):
             engine=self.name, step=self.step_count, trainable=trainable,
             exp_avg={n: s["exp_avg"] for n, s in kept}, exp_avg_sq={n: s["exp_avg_sq"] for n, s in kept},
             adam_steps={n: float(s["step"]) for n, s in kept},
-            extra={"lsp": {"matrices": matrices, "fitted": self.learning.fitted, "generator": self.generator.get_state(),
+            extra={"lsp": {"matrices": matrices, "fitted": self.learning.fitted, "baseline": list(self.learning.baseline),
+                           "generator": self.generator.get_state(),
                            "rounding": self.rounding.get_state() if self.rounding is not None else None}})
 
     def _matrix_state(self, module: ProjectedLinear) -> dict:
@@ -468,6 +480,8 @@ class LspEngine(Engine):
             if self.rounding is not None and lsp["rounding"] is not None:
                 self.rounding.set_state(lsp["rounding"])
         self.learning.fitted = bool(lsp and lsp["fitted"]) and same_shapes
+        saved = (lsp or {}).get("baseline")  # a checkpoint from before the drift rule has none: the next check sets it
+        self.learning.baseline = list(saved) if self.learning.fitted and saved else [None] * len(self.modules)
         for name, param in self.others:
             if name in state.exp_avg:
                 self.optimizer.state[param] = {

@@ -1,19 +1,33 @@
 """How engine lsp learns its projectors (spec lsp-offload.md 2.5): before step 1 every matrix's
 projectors are fit; every lsp.check_every steps each matrix's relative error e(G) is measured on
-the full gradients of a fixed sample, and the matrices above lsp.alpha are refit.
+the full gradients of a fixed sample, and the matrices whose projectors have drifted are refit.
+
+Drift. The sample is fixed, so a matrix's checked error changes only as training moves the weights
+(and their gradients) away from where its projectors were fit. Right after each fit the error is
+measured on the sample (`baseline`); a check refits a matrix when its error has grown past that by
+the relative margin lsp.drift. A fixed threshold does not do this: learned projectors sit at e(G)
+0.6 to 1.0 on real models, above any threshold low enough to matter, so every check refit every
+matrix for no gain. lsp.alpha, if set, is the spec's absolute rule instead: refit above it.
 
 Both run on a probe pass (the engine's: forward and backward over the sample with the observed
-ProjectedLinears in probe mode, each full gradient handed over in backward and dropped, one matrix
-at a time). A refit draws fresh values on the fixed positions and fits them with Adam, `fit_iterations`
-steps spread over the sample's gradients; then the matrix folds Z into W (the old subspace's update
-goes into the weight) and its AdamW moments move into the new subspace with the spec's formulas;
-the step counts go on.
+ProjectedLinears in probe mode, each batch's full gradient handed over in backward, in two halves
+of its rows, and dropped, one matrix at a time). A refit draws fresh values on the fixed positions
+and fits them with Adam: on each batch, up to fit_iterations / batches steps on one half's gradient
+while the other half (examples the fit has not seen) is the held-out gradient whose error stops the
+steps once it stops falling (projectors.ValueFit); the halves swap roles from batch to batch. Then
+the matrix folds Z into W (the old subspace's update goes into the weight) and its AdamW moments move
+into the new subspace with the spec's formulas; the step counts go on.
+
+The fit's ops run off the device meter after the first of each matrix shape (memory.TransientReplay:
+its peak is counted once per shape and stands for the rest); a progress bar counts the matrices.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -23,34 +37,53 @@ from slimtune.optim import projectors
 from slimtune.optim.host_adam import HostAdam
 from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
+Halves = tuple[torch.Tensor, torch.Tensor | None]  # a batch's gradient in two halves of its rows
+
 
 class Collector:
-    """Hands each matrix's full gradient of a batch to its observer once it is complete, one at a
-    time. A checkpointed block runs in tiles of tokens, so each of its matrices (`in_parts`) gets
-    its gradient in parts: they are summed, and such a matrix is complete when backward reaches
-    another block, or ends (`finish`), as in updates.py; the others are observed as they come."""
+    """Hands each matrix's full gradient of a batch (two halves) to its observer once it is complete,
+    one at a time. A checkpointed block runs in tiles of tokens, so each of its matrices (`in_parts`)
+    gets its gradient in parts: they are summed half by half, and such a matrix is complete when
+    backward reaches another block, or ends (`finish`), as in updates.py; the others are observed as
+    they come."""
 
-    def __init__(self, blocks: list[int], observers: dict[int, Callable[[torch.Tensor], None]], in_parts: set[int]):
+    def __init__(self, blocks: list[int], observers: dict[int, Callable[[Halves], None]], in_parts: set[int]):
         self.blocks, self.observers, self.in_parts = blocks, observers, in_parts
-        self.parts: dict[int, torch.Tensor] = {}
+        self.parts: dict[int, Halves] = {}
         self.block: int | None = None
 
-    def take(self, index: int, grad: torch.Tensor) -> None:
+    def take(self, index: int, halves: Halves) -> None:
         if self.block is not None and self.blocks[index] != self.block:
             self.finish()
         self.block = self.blocks[index]
         if index not in self.in_parts:
-            self.observers[index](grad)
+            self.observers[index](halves)
         elif index in self.parts:
-            self.parts[index].add_(grad)
+            self.parts[index] = _sum_halves(self.parts[index], halves)
         else:
-            self.parts[index] = grad
+            self.parts[index] = halves
 
     def finish(self) -> None:
         while self.parts:
             index = next(iter(self.parts))
             self.observers[index](self.parts.pop(index))
         self.block = None
+
+
+def _sum_halves(into: Halves, more: Halves) -> Halves:
+    first = into[0].add_(more[0])
+    if into[1] is None or more[1] is None:  # a part of one row has no second half: it joins the first
+        rest = [h for h in (into[1], more[1]) if h is not None]
+        for h in rest:
+            first.add_(h)
+        return first, None
+    return first, into[1].add_(more[1])
+
+
+def whole(halves: Halves) -> torch.Tensor:
+    """The batch's whole gradient (in place into the first half)."""
+    first, second = halves
+    return first if second is None else first.add_(second)
 
 
 class ProjectorLearning:
@@ -61,62 +94,113 @@ class ProjectorLearning:
         self.modules, self.adams, self.settings = modules, adams, settings
         self.generator, self.rounding, self.fake = generator, rounding, fake
         self.fitted = False  # projectors learned (before step 1, or loaded from a checkpoint)
+        self.baseline: list[float | None] = [None] * len(modules)  # e(G) on the sample just after each fit
+        self.progress = False  # show the fit's progress bar (the training loop's choice)
 
     def due(self, step_count: int) -> bool:
         every = self.settings.check_every
         return not self.fitted or bool(every and step_count % every == 0)
 
     def check(self, batches: list, probe_pass: Callable) -> dict:
-        """Fit (first time) or check and refit; `probe_pass(batches, {matrix: observe(G)})` runs the
-        model. Returns the figures for the log."""
+        """Fit (first time) or check and refit the drifted; `probe_pass(batches, {matrix: observe(halves)})`
+        runs the model. Returns the figures for the log."""
+        began = time.perf_counter()
         extras, chosen = {}, list(range(len(self.modules)))
         if self.fitted:
             errors = self.measure(batches, probe_pass)
-            chosen = [i for i, e in enumerate(errors) if e > self.settings.alpha]
+            chosen = self.drifted(errors)
             finite = [e for e in errors if math.isfinite(e)]
             extras = {"lsp_error_mean": sum(finite) / len(finite) if finite else float("nan"),
                       "lsp_error_max": max(finite, default=float("nan"))}
         if chosen:
-            self.refit(batches, chosen, probe_pass)
+            extras["lsp_fit_steps"] = self.refit(batches, chosen, probe_pass)
+            after = self.measure(batches, probe_pass, chosen)
+            for index, error in zip(chosen, after):
+                self.baseline[index] = error if math.isfinite(error) else None
+            finite = [e for e in after if math.isfinite(e)]
+            if finite:
+                extras["lsp_fit_error_mean"] = sum(finite) / len(finite)
         extras["lsp_refit"] = len(chosen)
+        extras["lsp_check_s"] = time.perf_counter() - began
         self.fitted = True
         return extras
 
-    def measure(self, batches: list, probe_pass: Callable) -> list[float]:
-        """e(G) of every matrix's projectors over the sample's gradients (energy-weighted)."""
-        sums = {i: [0.0, 0.0] for i in range(len(self.modules))}
+    def drifted(self, errors: list[float]) -> list[int]:
+        """The matrices to refit: above lsp.alpha when it is set; otherwise those whose error grew past
+        its baseline by the margin lsp.drift (a matrix with no baseline, as after a resume from a
+        checkpoint that has none, takes this check's error as its baseline)."""
+        alpha, margin = self.settings.alpha, self.settings.drift
+        if alpha > 0:
+            return [i for i, e in enumerate(errors) if e > alpha]
+        chosen = []
+        for index, error in enumerate(errors):
+            if self.baseline[index] is None:
+                self.baseline[index] = error if math.isfinite(error) else None
+            elif error > self.baseline[index] * (1 + margin):
+                chosen.append(index)
+        return chosen
 
-        def observe(index: int, grad: torch.Tensor) -> None:
-            module, total = self.modules[index], grad.pow(2).sum()
-            sums[index][0] = sums[index][0] + projectors.squared_residual(grad, module.p_o, module.p_i, total)
+    def measure(self, batches: list, probe_pass: Callable, which: list[int] | None = None) -> list[float]:
+        """e(G) of the matrices' projectors (all, or `which`) over the sample's gradients (energy-weighted)."""
+        which = list(range(len(self.modules))) if which is None else which
+        sums = {i: [0.0, 0.0] for i in which}
+
+        def observe(index: int, halves: Halves) -> None:
+            module, grad = self.modules[index], whole(halves)
+            total = grad.pow(2).sum()
+            sums[index][0] = sums[index][0] + projectors.fast_squared_residual(grad, module.p_o, module.p_i, total)
             sums[index][1] = sums[index][1] + total
 
-        probe_pass(batches, {i: functools.partial(observe, i) for i in sums})
+        probe_pass(batches, {i: functools.partial(observe, i) for i in which})
         if self.fake:
-            return [float("nan")] * len(self.modules)
+            return [float("nan")] * len(which)
         return [math.sqrt(max(float(res / tot), 0.0)) if float(tot) > 0 else 0.0 for res, tot in sums.values()]
 
-    def refit(self, batches: list, chosen: list[int], probe_pass: Callable) -> None:
+    def refit(self, batches: list, chosen: list[int], probe_pass: Callable) -> int:
         """New values for the chosen matrices' projectors; each folds Z into W first, then its moments
-        move into the new subspace."""
+        move into the new subspace. Returns the fit's Adam steps, summed over the matrices."""
         steps = max(1, -(-self.settings.fit_iterations // len(batches)))
         fits = {i: projectors.ValueFit(self.modules[i].p_o, self.modules[i].p_i, self.settings.fit_lr, steps,
                                        self.generator, fresh=not self.fake) for i in chosen}
-        replay = memory.TransientReplay()  # under fake tensors: one fit step per matrix shape
+        seen = dict.fromkeys(chosen, 0)
+        replay = memory.TransientReplay()  # the fit's peak counted once per shape, the rest off the meter
+        bar = _bar(len(chosen) * len(batches), f"lsp: fitting {len(chosen)} matrices' projectors",
+                   self.progress and not self.fake)
 
-        def observe(index: int, grad: torch.Tensor) -> None:
+        def observe(index: int, halves: Halves) -> None:
+            fit_on, held_out = halves if seen[index] % 2 == 0 or halves[1] is None else halves[::-1]
+            seen[index] += 1
             module = self.modules[index]
-            replay.run((tuple(grad.shape), module.d, module.p_o.r, grad.dtype), grad, fits[index].observe, grad)
+            key = (tuple(fit_on.shape), None if held_out is None else tuple(held_out.shape), module.d, module.p_o.r,
+                   fit_on.dtype)
+            replay.run(key, fit_on, fits[index].observe, fit_on, held_out)
+            bar.update(1)
 
-        probe_pass(batches, {i: functools.partial(observe, i) for i in fits})
+        try:
+            probe_pass(batches, {i: functools.partial(observe, i) for i in fits})
+        finally:
+            bar.close()
         for index, fit in fits.items():
-            module, views = self.modules[index], self.adams[index].member(0, 0)
-            old, new = (module.p_o, module.p_i), fit.pair()
-            module.fold(self.rounding)
-            device = module.z.device
-            with torch.no_grad():
-                views.master.zero_()
-                moments = projectors.reproject_moments(views.exp_avg.to(device), views.exp_avg_sq.to(device), old, new)
-                views.exp_avg.copy_(moments[0])
-                views.exp_avg_sq.copy_(moments[1])
-            module.p_o, module.p_i = new
+            self._adopt(index, fit.pair())
+        return sum(fit.iterations for fit in fits.values())
+
+    def _adopt(self, index: int, new: tuple[projectors.SparseProjector, projectors.SparseProjector]) -> None:
+        """Matrix `index` takes the new projectors: Z (and the decay's scale) into W, moments moved."""
+        module, views = self.modules[index], self.adams[index].member(0, 0)
+        old = (module.p_o, module.p_i)
+        module.fold(self.rounding)
+        device = module.z.device
+        with torch.no_grad():
+            views.master.zero_()
+            moments = projectors.reproject_moments(views.exp_avg.to(device), views.exp_avg_sq.to(device), old, new)
+            views.exp_avg.copy_(moments[0])
+            views.exp_avg_sq.copy_(moments[1])
+        module.p_o, module.p_i = new
+
+
+def _bar(total: int, what: str, enabled: bool):
+    """A bar like the training loop's (a refresh every 30 s into a log file or pipe)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=what, unit="fit", disable=not enabled, dynamic_ncols=True, leave=False,
+                mininterval=0.1 if sys.stderr.isatty() else 30.0)

@@ -30,7 +30,9 @@ sync) and is 1 without decay, where the forward is the plain one. A fold puts s 
 it at 1 with Z at 0.
 
 A module in `probe` mode (the projector check and fit) also keeps X and hands the full gradient
-dY^T X of its effective weight to `probe(G)` in backward, one matrix at a time.
+dY^T X of its effective weight to `probe` in backward, one matrix at a time, as two halves: that of
+the first half of the rows (tokens, example-major: the first half of the batch's examples) and that of
+the rest, so the fit can hold out examples it does not fit on (learning.py).
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ class _ProjectedMatmul(torch.autograd.Function):
             if ctx.needs_input_grad[2]:
                 db = dy.flatten(0, -2).sum(0).to(module.bias.dtype)
             if ctx.probing:
-                module.probe(dy.flatten(0, -2).t().to(z.dtype) @ x.flatten(0, -2).to(z.dtype))
+                module.probe(_gradient_halves(dy, x, z.dtype))
             elif ctx.needs_input_grad[3]:
                 dz = v.flatten(0, -2).t() @ u.flatten(0, -2)
         return dx, None, db, dz, None
@@ -153,3 +155,12 @@ def _scaled_sum(product: torch.Tensor, scale: float, correction: torch.Tensor) -
     if scale == 1.0:
         return correction.add_(product)
     return correction.add_(product, alpha=scale)
+
+
+def _gradient_halves(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dY^T X of the first half of the rows and of the rest (None when there is one row), in `dtype`."""
+    dy, x = dy.flatten(0, -2), x.flatten(0, -2)
+    half = dy.shape[0] // 2
+    if half == 0:
+        return dy.t().to(dtype) @ x.to(dtype), None
+    return (dy[:half].t().to(dtype) @ x[:half].to(dtype), dy[half:].t().to(dtype) @ x[half:].to(dtype))
