@@ -468,15 +468,30 @@ static inline __m512i code_order(void) {
     return _mm512_loadu_si512(order);
 }
 
-/* The high 16 bits of 32 numbers' int32s, in order, from two interleaved registers (vpermt2w's index). */
-static inline __m512i high_word_order(void) {
+/* The high (`part` 1) or low (0) 16 bits of 32 numbers' int32s, in order, from two interleaved registers
+   (vpermt2w's index). */
+static inline __m512i word_order(const int part) {
     uint16_t order[32];
     for (int j = 0; j < 32; j++) {
         const int lane = j / 8, e = j % 8;
-        order[j] = (uint16_t)(32 * (e >= 4) + 2 * (4 * lane + e % 4) + 1);
+        order[j] = (uint16_t)(32 * (e >= 4) + 2 * (4 * lane + e % 4) + part);
     }
     return _mm512_loadu_si512(order);
 }
+
+/* 32 numbers in order from the 16-bit results of two interleaved registers packed by vcvtne2ps2bf16
+   (the first register's 16 numbers in words 0-15, the second's in 16-31): vpermw's index. */
+static inline __m512i packed_order(void) {
+    uint16_t order[32];
+    for (int j = 0; j < 32; j++) {
+        const int lane = j / 8, e = j % 8;
+        order[j] = (uint16_t)(16 * (e >= 4) + 4 * lane + e % 4);
+    }
+    return _mm512_loadu_si512(order);
+}
+
+/* The word permutes split32 puts its results in order with. */
+typedef struct { __m512i high_words, low_words, packed; } Orders;
 
 /* adamw() on 16 numbers in registers (the vector formula for v), the same operations in the same
    order; p the master, g the gradient (unclipped); returns the new master and the new moments in
@@ -503,9 +518,37 @@ static inline __m512i top_half(__m512i u) {
                                  _mm512_set1_epi32((int)0xFFFF0000u));
 }
 
+/* narrow() and residual_of() on 32 new masters u (two interleaved registers) with integer operations:
+   the bf16 weights and the residuals, in order. */
+static inline __attribute__((always_inline)) void narrow32(const Orders *o, const __m512i u[2], __m512i *weights,
+                                                           __m512i *residuals) {
+    __m512i top[2];
+    for (int h = 0; h < 2; h++) top[h] = top_half(u[h]);
+    *weights = _mm512_permutex2var_epi16(top[0], o->high_words, top[1]);
+    *residuals = _mm512_packs_epi32(_mm512_sub_epi32(u[0], top[0]), _mm512_sub_epi32(u[1], top[1]));  /* clamped */
+}
+
+#if defined(__AVX512BF16__)
+/* The same with vcvtne2ps2bf16, which rounds to nearest even as narrow() does; the residual is then
+   the master's low 16 bits (the weight's own are zero), save for the tie that rounds down to an even
+   weight (residual +32768, clamped to 32767). Where the instruction differs from narrow() (it flushes
+   subnormals to zero, and keeps a NaN's payload) or that tie occurs, the integer operations decide. */
+static inline __attribute__((always_inline)) void narrow32_bf16(const Orders *o, const __m512i u[2],
+                                                                __m512i *weights, __m512i *residuals) {
+    const __m512 p0 = _mm512_castsi512_ps(u[0]), p1 = _mm512_castsi512_ps(u[1]);
+    *weights = _mm512_permutexvar_epi16(o->packed, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    *residuals = _mm512_permutex2var_epi16(u[0], o->low_words, u[1]);
+    const __mmask16 odd = _mm512_fpclass_ps_mask(p0, 0xA1) | _mm512_fpclass_ps_mask(p1, 0xA1);  /* subnormal, NaN */
+    if (odd | _mm512_cmpeq_epi16_mask(*residuals, _mm512_set1_epi16((short)0x8000))) narrow32(o, u, weights, residuals);
+}
+#define NARROW32 narrow32_bf16
+#else
+#define NARROW32 narrow32
+#endif
+
 /* 32 numbers of the split layout with a bf16 gradient: combine(), widen(), adamw(), narrow() and
    residual_of() on registers. m and v: the moments, interleaved, updated in place. */
-static inline __attribute__((always_inline)) void split32(const Constants *k, const int small, __m512i high_words,
+static inline __attribute__((always_inline)) void split32(const Constants *k, const int small, const Orders *o,
                                                            uint16_t *weight, int16_t *residual, uint16_t *shadow,
                                                            uint16_t *grad, const int empty_grad, __m512 m[2],
                                                            __m512 v[2]) {
@@ -517,17 +560,14 @@ static inline __attribute__((always_inline)) void split32(const Constants *k, co
     const __m512i above = _mm512_add_epi16(w, _mm512_srai_epi16(low, 15));
     const __m512i masters[2] = {_mm512_unpacklo_epi16(low, above), _mm512_unpackhi_epi16(low, above)};
     const __m512i grads[2] = {_mm512_unpacklo_epi16(zero, g), _mm512_unpackhi_epi16(zero, g)};
-    __m512i top[2], rest[2];
-    for (int h = 0; h < 2; h++) {
-        const __m512i u = _mm512_castps_si512(adamw16(k, small, _mm512_castsi512_ps(masters[h]),
-                                                      _mm512_castsi512_ps(grads[h]), &m[h], &v[h]));
-        top[h] = top_half(u);
-        rest[h] = _mm512_sub_epi32(u, top[h]);
-    }
-    const __m512i weights = _mm512_permutex2var_epi16(top[0], high_words, top[1]);
+    __m512i u[2], weights, residuals;
+    for (int h = 0; h < 2; h++)
+        u[h] = _mm512_castps_si512(adamw16(k, small, _mm512_castsi512_ps(masters[h]), _mm512_castsi512_ps(grads[h]),
+                                           &m[h], &v[h]));
+    NARROW32(o, u, &weights, &residuals);
     _mm512_storeu_si512(weight, weights);
     if (shadow) _mm512_storeu_si512(shadow, weights);
-    _mm512_storeu_si512(residual, _mm512_packs_epi32(rest[0], rest[1]));  /* clamped to int16 by saturation */
+    _mm512_storeu_si512(residual, residuals);
 }
 
 /* 64 codes (interleaved registers of int32 codes c) stored in order. */
@@ -570,7 +610,8 @@ static inline __attribute__((always_inline)) int64_t split_blocks_small(const Ru
                          _mm512_set1_ps(h->eps), _mm512_set1_ps(h->step_size), _mm512_set1_ps(h->clip)};
     const Coded *cm = &r->exp_avg_coded, *cv = &r->exp_avg_sq_coded;
     const Segments sm = segments_of(cm->fast), sv = segments_of(cv->fast);
-    const __m512i decode_order = interleaved_order(), codes_in_order = code_order(), high_words = high_word_order();
+    const __m512i decode_order = interleaved_order(), codes_in_order = code_order();
+    const Orders orders = {word_order(1), word_order(0), packed_order()};
     uint16_t *const weight = r->weight, *const shadow = r->shadow, *const grad = (uint16_t *)r->grad;
     int16_t *const residual = r->residual;
     const int empty_grad = r->empty_grad;
@@ -586,7 +627,7 @@ static inline __attribute__((always_inline)) int64_t split_blocks_small(const Ru
             decode64_into(cv->fast, decode_order, cv->codes + at + j, v_scale, v);
             for (int q = 0; q < 4; q += 2) {
                 const int64_t i = at + j + 16 * q;
-                split32(&k, small, high_words, weight + i, residual + i, shadow ? shadow + i : NULL, grad + i,
+                split32(&k, small, &orders, weight + i, residual + i, shadow ? shadow + i : NULL, grad + i,
                         empty_grad, m + q, v + q);
             }
             for (int q = 0; q < 4; q++) {

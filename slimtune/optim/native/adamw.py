@@ -305,16 +305,20 @@ ISA = {"AVX2": ("-mavx2", "-mfma", "-mf16c"),
 
 
 VBMI = ("-mavx512vbmi",)  # byte permutes: 8-bit moments decoded and coded without gathers (adamw.c's Fast)
+BF16 = ("-mavx512bf16",)  # vcvtne2ps2bf16: the fused split loop rounds its weights in one instruction
 
 
 def isa() -> tuple[str, ...] | None:
     """The instruction-set flags to build with here: by torch's capability on x86 (None: torch runs
-    no AVX2 there, so neither does this), with VBMI's where torch runs AVX-512 and the CPU has it;
-    none elsewhere (the load-time check still decides)."""
+    no AVX2 there, so neither does this), with VBMI's where torch runs AVX-512 and the CPU has it (and
+    AVX-512 BF16's beside them where it has that too); none elsewhere (the load-time check still
+    decides)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ()
     flags = ISA.get(torch.backends.cpu.get_cpu_capability())
-    return (*flags, *VBMI) if flags == ISA["AVX512"] and "avx512vbmi" in cpu_flags() else flags
+    if flags != ISA["AVX512"] or "avx512vbmi" not in cpu_flags():
+        return flags
+    return (*flags, *VBMI, *(BF16 if "avx512_bf16" in cpu_flags() else ()))
 
 
 @functools.cache
