@@ -43,6 +43,24 @@ def blocks_run_backward(engine: ChunkEngine, k: int, batch_list) -> set[int]:
     return ran
 
 
+def projections_in_the_graph(engine: ChunkEngine, k: int, batch_list) -> dict[str, bool]:
+    """Of chunk k's lowest block: whether the q, k and v projections' outputs joined the graph."""
+    attention = engine.stack.blocks[engine.reaches[k]].self_attn
+    joined = {}
+
+    def note(name: str):
+        def hook(module, args, out) -> None:
+            joined[name] = joined.get(name, False) or out.requires_grad  # recomputed blocks: in backward
+        return hook
+    hooks = [getattr(attention, name).register_forward_hook(note(name)) for name in ("q_proj", "k_proj", "v_proj")]
+    try:
+        truncated_gradients(engine, k, batch_list)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return joined
+
+
 def chunk_cfg(n: int, checkpoint: str = "none", **chunk):
     return engine_config(TrainConfig(**BASE), engine="chunk", method="full",
                          activations=ActivationsConfig(checkpoint=checkpoint),
@@ -75,7 +93,18 @@ def test_the_truncated_backward_gives_every_chunk_the_dense_gradient_and_stops_a
             want = dense[p.name].narrow(p.axis, p.start, p.stop - p.start)
             torch.testing.assert_close(got[(p.name, p.start)], want, rtol=1e-10, atol=1e-12, msg=f"{k} {p}")
         assert blocks_run_backward(engine, k, batch_list) == set(range(max(reaches[k], 0), blocks)), k
-    assert all(p.grad is None for p in model.parameters())
+    # Only the chunk's own tensors require grad in its step: in its lowest block a projection joins the
+    # graph (keeps its input, gets a backward) only when its weight or the norm before it is the chunk's.
+    left_out = 0
+    for k, r in enumerate(reaches):
+        if 0 <= r < blocks:
+            names = {p.name for p, _, _ in engine.state.members[k]}
+            for proj, joined in projections_in_the_graph(engine, k, batch_list).items():
+                mine = {f"model.layers.{r}.self_attn.{proj}.weight", f"model.layers.{r}.input_layernorm.weight"}
+                assert joined == bool(mine & names), (k, proj)
+                left_out += not joined
+    assert left_out > 0
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
 
 
 def test_a_chunk_above_the_embedding_keeps_fewer_activations_and_the_embeddings_chunk_all():

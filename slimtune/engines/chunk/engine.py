@@ -272,12 +272,15 @@ class ChunkEngine(Engine):
         accumulators behind it."""
         exact_sum = 0.0
         blocks = reach.runner(self.reaches[k], self.activations_cfg, store)
+        params = [s.param for s in self.slices.values()]
+        active = [self.slices[piece.name].param for piece, _, _ in self.state.members[k]]
         try:
-            for batch in micro_batches:
-                out = model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision,
-                                 batch.to(self.device), reading, store=store, run_blocks=blocks)
-                (out.loss_sum / total).backward()
-                exact_sum = exact_sum + out.exact_sum
+            with reach.only_these_require_grad(params, active):
+                for batch in micro_batches:
+                    out = model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision,
+                                     batch.to(self.device), reading, store=store, run_blocks=blocks)
+                    (out.loss_sum / total).backward()
+                    exact_sum = exact_sum + out.exact_sum
         except BaseException:
             if self.downlink is not None:
                 self.downlink.abandon(self.slices.values())

@@ -6,12 +6,21 @@ below it no weight is active, so no input gradient is wanted there. Those blocks
 embedding) run without autograd, keeping no activation, and the backward ends at that block. Only a
 chunk holding part of the embedding (or of a tied head, the same tensor) runs the whole backward.
 
+Within and above that block, only the chunk's own tensors require grad while its step runs
+(`only_these_require_grad`): an op whose input and weight need none then joins no graph, so the ops of
+the lowest block that come before the chunk's first tensor keep nothing and get no backward either
+(the q, k and v projections' input gradients, when only the block's MLP is active). The sliced ops
+never hand a weight gradient to autograd, so nothing else changes.
+
 A chunk's reach is that lowest block's index: EMBEDDING (-1) for a chunk that holds the embedding
 or any tensor outside the blocks, the final norm and the head; len(blocks) for a chunk of the final
 norm and head only (no block needs a backward at all).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
 
 import torch
 
@@ -63,3 +72,17 @@ def runner(reach: int, activations_cfg, store):
                 hidden = activations.block_forward(stack, index, hidden, inputs, tile)
         return activations.run_blocks(stack, hidden, inputs, activations_cfg, store, first=reach)
     return run
+
+
+@contextlib.contextmanager
+def only_these_require_grad(params: Iterable[torch.nn.Parameter], active: Iterable[torch.nn.Parameter]):
+    """Inside: of `params`, only those in `active` require grad; after: all of them again (what the
+    rest of slimtune reads as trainable)."""
+    params, wanted = list(params), {id(p) for p in active}
+    try:
+        for p in params:
+            p.requires_grad_(id(p) in wanted)
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
