@@ -145,7 +145,7 @@ def moment_forms(m: torch.Tensor, v: torch.Tensor, coded: bool) -> tuple[list, l
 
 
 def layout_forms(split: bool, grad_dtype: torch.dtype, shadow: bool, masters: torch.Tensor, seed: int,
-                 coded: bool = False):
+                 coded: bool = False, clip: float = 0.3):
     """(master form, gradient form, moment forms, the tensors to compare) for one layout."""
     g = torch.Generator().manual_seed(seed)
     numel = masters.numel()
@@ -161,7 +161,7 @@ def layout_forms(split: bool, grad_dtype: torch.dtype, shadow: bool, masters: to
     else:
         master = tiled_adamw.Whole(masters.clone(), (copy,) if shadow else ())
         held = [master.flat]
-    forms = (master, tiled_adamw.Scaled([(0, grad)], 0.3), *moments)
+    forms = (master, tiled_adamw.Scaled([(0, grad)], clip), *moments)
     return forms, [*held, grad, *held_moments, *([copy] if shadow else [])]
 
 
@@ -178,13 +178,14 @@ def watch_native(monkeypatch) -> list[bool]:
 
 
 def both_paths(monkeypatch, masters: torch.Tensor, steps: int = 3, threads: int = 1,
-               hyper: tiled_adamw.Hyper = tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), **layout) -> None:
+               hyper: tiled_adamw.Hyper = tiled_adamw.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01), clip: float = 0.3,
+               **layout) -> None:
     """The same steps by the native loop and by the tile path leave the same bits everywhere, the
     gradient emptied by both."""
     runs, answers = [], watch_native(monkeypatch)
     for native_on in ("1", "0"):
         monkeypatch.setenv(native.ENV, native_on)
-        forms, held = layout_forms(masters=masters, seed=5, **layout)
+        forms, held = layout_forms(masters=masters, seed=5, clip=clip, **layout)
         for step in range(1, steps + 1):
             forms[1].pieces[0][1].copy_(torch.randn(masters.numel(), generator=torch.Generator().manual_seed(step)))
             tiled_adamw.adamw(hyper, torch.tensor(float(step)), masters.numel(), torch.float32, *forms,
@@ -250,6 +251,23 @@ def test_8bit_split_layout_on_each_path_equals_the_tile_path(monkeypatch, eight_
     masters = torch.randn(3 * tiled_adamw.TILE + 11, generator=torch.Generator().manual_seed(2))
     for shadow in (False, True):
         both_paths(monkeypatch, masters, split=True, grad_dtype=torch.bfloat16, shadow=shadow, coded=True)
+
+
+@pytest.mark.parametrize("beta1", [0.9, 0.3], ids=["lerp_small", "lerp_large"])
+@pytest.mark.parametrize("clip", [1.0, 0.3], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01], ids=["no_decay", "decay"])
+def test_each_variant_of_the_fused_8bit_loop_equals_the_tile_path(monkeypatch, beta1, clip, weight_decay):
+    """The fused loop is compiled once for each of lerp's branches, with and without the clipping
+    multiply (skipped at 1) and the weight decay's (skipped without decay): each against the tile path.
+    Where this machine can build the VBMI path, it must also pass its own load-time check (which would
+    otherwise hand 8-bit moments to the portable loops, and this test to them)."""
+    if "-mavx512vbmi" not in (native.isa() or ()):
+        pytest.skip("this machine does not build the VBMI path")
+    assert native.fast_path()
+    monkeypatch.setenv(native.VBMI_ENV, "1")
+    masters = torch.randn(4 * 256 + 9, generator=torch.Generator().manual_seed(3))
+    both_paths(monkeypatch, masters, steps=2, hyper=tiled_adamw.Hyper(1e-3, beta1, 0.999, 1e-8, weight_decay),
+               clip=clip, split=True, grad_dtype=torch.bfloat16, shadow=True, coded=True)
 
 
 @pytest.mark.parametrize("eight_bit_path", PATHS, indirect=True)

@@ -62,7 +62,9 @@ typedef struct {
    the line of the segment the binade starts in; no binade holds two segment boundaries (checked
    when building), so a number above its binade's boundary takes the next binade's line, which is
    the next segment's. Where that arithmetic lands within UNSURE / 65536 of a step, the midpoints
-   themselves decide. */
+   themselves decide: the intercepts hold UNSURE / 65536 more, so the lanes to settle are those whose count
+   has a fraction below 2 UNSURE / 65536 (where the line fell short of a step by less than UNSURE / 65536,
+   the count is one too many: settled too). */
 typedef struct {
     uint8_t planes[4][256];  /* byte k of map[c] (little-endian) at planes[k][c] */
     float midpoints[256];    /* the positive side's midpoints in order (`count` of them) */
@@ -330,8 +332,7 @@ static inline __m512i line_counts(const Segments *s, __m512i a, __mmask16 *unsur
     const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(a), slope,
                                         _mm512_permutex2var_ps(s->intercept_lo, binade, s->intercept_hi));
     const __m512i fixed = _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    *unsure |= _mm512_testn_epi32_mask(_mm512_add_epi32(fixed, _mm512_set1_epi32(UNSURE)),
-                                       _mm512_set1_epi32((1 << FIXED) - 2 * UNSURE));
+    *unsure |= _mm512_testn_epi32_mask(fixed, _mm512_set1_epi32((1 << FIXED) - 2 * UNSURE));
     return _mm512_min_epi32(_mm512_srai_epi32(fixed, FIXED), _mm512_permutex2var_epi32(s->top_lo, binade, s->top_hi));
 }
 
@@ -436,6 +437,12 @@ static inline void decode64_into(const Fast *f, __m512i order, const uint8_t *co
     out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), absmax);
 }
 
+/* What a fused loop does, fixed when it is compiled: lerp's branch (|1 - beta1| < 0.5), the clipping
+   multiply (skipped where the coefficient is 1) and the weight decay's (skipped where it is 1). */
+#define SMALL 1
+#define CLIPS 2
+#define DECAYS 4
+
 /* The step's constants, one a register. */
 typedef struct { __m512 decay, coeff, beta2, one_minus_beta2, bias2_sqrt, eps, step_size, clip; } Constants;
 
@@ -496,11 +503,11 @@ typedef struct { __m512i high_words, low_words, packed; } Orders;
 /* adamw() on 16 numbers in registers (the vector formula for v), the same operations in the same
    order; p the master, g the gradient (unclipped); returns the new master and the new moments in
    *m and *v. */
-static inline __attribute__((always_inline)) __m512 adamw16(const Constants *k, const int small, __m512 p, __m512 g,
+static inline __attribute__((always_inline)) __m512 adamw16(const Constants *k, const int kind, __m512 p, __m512 g,
                                                             __m512 *m, __m512 *v) {
-    g = _mm512_mul_ps(g, k->clip);
-    p = _mm512_mul_ps(p, k->decay);
-    const __m512 m1 = _mm512_fmadd_ps(k->coeff, _mm512_sub_ps(g, *m), small ? *m : g);
+    if (kind & CLIPS) g = _mm512_mul_ps(g, k->clip);  /* (x * 1.0f is x, NaNs' payloads included: skipped at 1) */
+    if (kind & DECAYS) p = _mm512_mul_ps(p, k->decay);
+    const __m512 m1 = _mm512_fmadd_ps(k->coeff, _mm512_sub_ps(g, *m), kind & SMALL ? *m : g);
     const __m512 v1 = _mm512_fmadd_ps(_mm512_mul_ps(k->one_minus_beta2, g), g, _mm512_mul_ps(*v, k->beta2));
     const __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v1), k->bias2_sqrt), k->eps);
     *m = m1;
@@ -548,7 +555,7 @@ static inline __attribute__((always_inline)) void narrow32_bf16(const Orders *o,
 
 /* 32 numbers of the split layout with a bf16 gradient: combine(), widen(), adamw(), narrow() and
    residual_of() on registers. m and v: the moments, interleaved, updated in place. */
-static inline __attribute__((always_inline)) void split32(const Constants *k, const int small, const Orders *o,
+static inline __attribute__((always_inline)) void split32(const Constants *k, const int kind, const Orders *o,
                                                            uint16_t *weight, int16_t *residual, uint16_t *shadow,
                                                            uint16_t *grad, const int empty_grad, __m512 m[2],
                                                            __m512 v[2]) {
@@ -562,7 +569,7 @@ static inline __attribute__((always_inline)) void split32(const Constants *k, co
     const __m512i grads[2] = {_mm512_unpacklo_epi16(zero, g), _mm512_unpackhi_epi16(zero, g)};
     __m512i u[2], weights, residuals;
     for (int h = 0; h < 2; h++)
-        u[h] = _mm512_castps_si512(adamw16(k, small, _mm512_castsi512_ps(masters[h]), _mm512_castsi512_ps(grads[h]),
+        u[h] = _mm512_castps_si512(adamw16(k, kind, _mm512_castsi512_ps(masters[h]), _mm512_castsi512_ps(grads[h]),
                                            &m[h], &v[h]));
     NARROW32(o, u, &weights, &residuals);
     _mm512_storeu_si512(weight, weights);
@@ -603,9 +610,9 @@ static inline void code_interleaved(const Coded *c, const Segments *s, __m512i o
    by `end` and before the scalar tail, in one pass each: the block's moments decoded 64 at a time
    into registers, updated with its numbers, kept in the cache while their absmax is found, then
    coded. Returns where it stopped. */
-static inline __attribute__((always_inline)) int64_t split_blocks_small(const Run *r, const Hyper *h, int64_t at,
-                                                                         int64_t end, const int small) {
-    const Constants k = {_mm512_set1_ps(h->decay), _mm512_set1_ps(small ? h->lerp_weight : h->lerp_weight - 1.0f),
+static inline __attribute__((always_inline)) int64_t split_blocks_of(const Run *r, const Hyper *h, int64_t at,
+                                                                      int64_t end, const int kind) {
+    const Constants k = {_mm512_set1_ps(h->decay), _mm512_set1_ps(kind & SMALL ? h->lerp_weight : h->lerp_weight - 1.0f),
                          _mm512_set1_ps(h->beta2), _mm512_set1_ps(h->one_minus_beta2), _mm512_set1_ps(h->bias2_sqrt),
                          _mm512_set1_ps(h->eps), _mm512_set1_ps(h->step_size), _mm512_set1_ps(h->clip)};
     const Coded *cm = &r->exp_avg_coded, *cv = &r->exp_avg_sq_coded;
@@ -627,7 +634,7 @@ static inline __attribute__((always_inline)) int64_t split_blocks_small(const Ru
             decode64_into(cv->fast, decode_order, cv->codes + at + j, v_scale, v);
             for (int q = 0; q < 4; q += 2) {
                 const int64_t i = at + j + 16 * q;
-                split32(&k, small, &orders, weight + i, residual + i, shadow ? shadow + i : NULL, grad + i,
+                split32(&k, kind, &orders, weight + i, residual + i, shadow ? shadow + i : NULL, grad + i,
                         empty_grad, m + q, v + q);
             }
             for (int q = 0; q < 4; q++) {
@@ -644,7 +651,18 @@ static inline __attribute__((always_inline)) int64_t split_blocks_small(const Ru
 }
 
 static int64_t split_blocks(const Run *r, const Hyper *h, int64_t at, int64_t end) {
-    return fabsf(h->lerp_weight) < 0.5f ? split_blocks_small(r, h, at, end, 1) : split_blocks_small(r, h, at, end, 0);
+    const int kind = (fabsf(h->lerp_weight) < 0.5f ? SMALL : 0) | (h->clip != 1.0f ? CLIPS : 0) |
+                     (h->decay != 1.0f ? DECAYS : 0);
+    switch (kind) {  /* one loop each, its branches decided when compiled */
+        case 0: return split_blocks_of(r, h, at, end, 0);
+        case 1: return split_blocks_of(r, h, at, end, 1);
+        case 2: return split_blocks_of(r, h, at, end, 2);
+        case 3: return split_blocks_of(r, h, at, end, 3);
+        case 4: return split_blocks_of(r, h, at, end, 4);
+        case 5: return split_blocks_of(r, h, at, end, 5);
+        case 6: return split_blocks_of(r, h, at, end, 6);
+        default: return split_blocks_of(r, h, at, end, 7);
+    }
 }
 #else
 #define HAVE_FAST 0

@@ -202,14 +202,14 @@ def fast_tables(signed: bool) -> Fast:
     starts = [sum(2 ** (e + (0 if signed else 1)) for e in range(d)) for d in range(8)]  # first midpoint of each decade
     assert starts[-1] == mids.numel() - 1, "the map is not seven decades of doubling runs"
     bounds = mids[starts].tolist()  # segment s + 1 begins above bounds[s]
-    lines = [(0.0, 0.5 * FIXED, 0)]
+    lines = [(0.0, 0.5 * FIXED + UNSURE, 0)]  # (each intercept holds UNSURE more: adamw.c's line_counts)
     for d in range(7):
         n, below = starts[d + 1] - starts[d], starts[d] + 1
         if n == 1:  # one value: its segment's count is constant
-            lines.append((0.0, (below + 0.5) * FIXED, below))
+            lines.append((0.0, (below + 0.5) * FIXED + UNSURE, below))
         else:
-            lines.append((FIXED * 10.0 ** (6 - d) * n / 0.9, FIXED * (below - 0.1 * n / 0.9), below + n - 1))
-    lines.append((0.0, (mids.numel() + 0.5) * FIXED, mids.numel()))
+            lines.append((FIXED * 10.0 ** (6 - d) * n / 0.9, FIXED * (below - 0.1 * n / 0.9) + UNSURE, below + n - 1))
+    lines.append((0.0, (mids.numel() + 0.5) * FIXED + UNSURE, mids.numel()))
     bound_bits = [b.view(torch.int32).item() for b in mids[starts]]
     for binade in range(103, 128):  # 2^-24 (below every midpoint) .. [1, 2): entries 7 .. 31
         start = struct.unpack("<f", struct.pack("<I", binade << 23))[0]
@@ -233,7 +233,7 @@ def _check_lines(lines: list[tuple[float, float, int]], mids: torch.Tensor, star
         q = mids[first:last].double()
         line = (q * float(lines[d + 1][0]) + float(lines[d + 1][1])).float().double()
         steps = torch.arange(first, last, dtype=torch.float64) + 1
-        assert float((line - steps * FIXED).abs().max()) < UNSURE - 1, "a decade's line is off its midpoints"
+        assert float((line - steps * FIXED - UNSURE).abs().max()) < UNSURE - 1, "a decade's line is off its midpoints"
 
 
 def constants(hyper, step: float, clip: float) -> Hyper:
