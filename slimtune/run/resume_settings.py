@@ -110,6 +110,7 @@ RULES: dict[str, Rule] = {
     "lsp.check_every": safe(),
     "lsp.alpha": safe(),
     "lsp.drift": safe(),
+    "lsp.check_samples": safe(),
     "lsp.fit_samples": refused("it decides which examples are held out of training, and so the data stream's batches"),
     "lsp.fit_iterations": safe(),
     "lsp.fit_lr": safe(),
