@@ -227,12 +227,19 @@ def fast_squared_residual(g: torch.Tensor, p_o: SparseProjector, p_i: SparseProj
 
 class ValueFit:
     """Learns one pair's values on a stream of gradients, positions fixed (spec 2.5): the values start
-    afresh (random signs over 1/sqrt(r)), and each gradient G gets up to `steps` Adam steps on e(G)^2
-    (a non-finite one is passed over), its gradient in closed form (module docstring). With a held-out
-    gradient H beside G (the same batch's other rows), e(H)^2 is read every CHECK_EVERY steps and the
-    steps stop once it has not fallen by FALLING (relative) for two readings in a row; the values keep
-    the best reading's. Each gradient is used as it arrives and dropped: at most one n_o x n_i gradient,
-    its transpose and a held-out one exist at once."""
+    afresh, random signs over sqrt(d / (n r)), and each gradient G gets up to `steps` Adam steps on
+    e(G)^2 (a non-finite one is passed over), its gradient in closed form (module docstring). With a
+    held-out gradient H beside G (the same batch's other rows), e(H)^2 is read every CHECK_EVERY steps;
+    once two readings in a row have not fallen by FALLING (relative) below the best of that gradient's
+    readings before them, the fit is done (`done`: later gradients are passed over) and the values keep
+    the best reading's. Each gradient is used as it arrives and dropped: at most one n_o x n_i
+    gradient, its transpose and a held-out one exist at once.
+
+    Why that start and not the spec's 1/sqrt(r) (E[P P^T] = I, the unbiased compression): P then has
+    columns of squared norm n/d, so P P^T G P_i P_i^T is (n_o/d)(n_i/d) times too large and e(G) starts
+    at 11-16 on SmolLM2-135M's matrices (d = 64); Adam spends its steps shrinking the values and is at
+    1.05-1.2 after 100. From unit columns in expectation (P^T P ~ I) e(G) starts near 1 and the
+    held-out error is 0.73-0.81 after 50 steps, where it stops falling (benchmarks/docs/lsp_fit.md)."""
 
     CHECK_EVERY = 5
     FALLING = 1e-3
@@ -241,13 +248,15 @@ class ValueFit:
                  fresh: bool = True):
         """fresh=False keeps the shapes and draws nothing (fake tensors: the planner's estimate)."""
         self.pos_o, self.pos_i, self.d = p_o.pos, p_i.pos, p_o.d
-        self.values = [(random_values(p.n, p.r, generator, p.val.dtype, p.val.device) if fresh
-                        else torch.empty_like(p.val)) for p in (p_o, p_i)]
+        self.values = [(random_values(p.n, p.r, generator, p.val.dtype, p.val.device).mul_(math.sqrt(p.d / p.n))
+                        if fresh else torch.empty_like(p.val)) for p in (p_o, p_i)]
         self.best = [v.clone() for v in self.values]  # made now: a fit step holds the same memory every time
         self.left, self.right = Transposed(self.pos_o, self.d), Transposed(self.pos_i, self.d)
         self.steps = steps
         self.iterations = 0  # Adam steps taken over all gradients (early stops make it less than offered)
         self.held_out_error: float | None = None  # e(H) of the values kept, on the last held-out gradient
+        self.misses = 0  # held-out readings in a row that did not fall (across gradients)
+        self.done = False  # the held-out error stopped falling: no more steps
         for v in self.values:
             v.grad = torch.zeros_like(v)
         self.optimizer = torch.optim.Adam(self.values, lr=lr, fused=True)
@@ -258,6 +267,8 @@ class ValueFit:
                 SparseProjector(self.pos_i, self.values[1].detach(), self.d))
 
     def observe(self, g: torch.Tensor, held_out: torch.Tensor | None = None) -> None:
+        if self.done:
+            return
         total = g.pow(2).sum()
         if not rules.is_finite(total):  # a non-finite gradient (a diverging batch) would poison the values
             return
@@ -269,6 +280,7 @@ class ValueFit:
             steps = min(self.steps, 1) if is_fake(g) else self.steps
             for k in range(steps):
                 if held is not None and k % self.CHECK_EVERY == 0 and held.stalled(k):
+                    self.done = True
                     break
                 self.step(g, gt, total)
             if held is not None:
@@ -319,26 +331,28 @@ def _at_nonzeros(b: torch.Tensor, d_c: torch.Tensor, pos: torch.Tensor, val: tor
 
 
 class _HeldOut:
-    """The held-out readings of one gradient's steps: e(H)^2 every CHECK_EVERY steps; stalled once two
-    readings in a row did not fall by FALLING below the best before them; finish() leaves the values
-    of the lowest reading (the end's included)."""
+    """The held-out readings of one gradient's steps: e(H)^2 every CHECK_EVERY steps; a reading that
+    does not fall by FALLING below the best before it (on this gradient: the first sets it) is a miss,
+    counted on in the fit across gradients; stalled at two in a row. finish() leaves the values of the
+    lowest reading (the end's included)."""
 
     def __init__(self, h: torch.Tensor, fit: ValueFit):
         self.h, self.fit, self.total = h, fit, h.pow(2).sum()
-        self.best_error, self.misses = math.inf, 0
+        self.best_error = math.inf
 
     def stalled(self, k: int) -> bool:
         error = self.fit.error_sq(self.h, self.total)
         if is_fake(error):  # the planner's estimate: the reading's memory, no value
             return False
-        error = float(error)
+        error, first = float(error), self.best_error == math.inf
         falling = error < self.best_error * (1 - self.fit.FALLING)
         if error < self.best_error:
             self.best_error = error
             for best, value in zip(self.fit.best, self.fit.values):
                 best.copy_(value)
-        self.misses = 0 if falling else self.misses + 1
-        return self.misses >= 2 or not math.isfinite(error)
+        if not first:
+            self.fit.misses = 0 if falling else self.fit.misses + 1
+        return self.fit.misses >= 2 or not math.isfinite(error)
 
     def finish(self) -> None:
         if is_fake(self.h):

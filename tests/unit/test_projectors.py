@@ -221,8 +221,9 @@ def test_the_fit_gradient_in_closed_form_equals_autograd_of_the_error_identity()
 
 def test_the_fit_stops_when_the_held_out_error_stops_falling_and_keeps_its_best_values():
     """Held out: a gradient of the same structure, and pure noise. Each stops before the 400 steps
-    offered, where two readings in a row fell by less than 0.1% below the best before them, and keeps
-    the values of its best reading; without a held-out gradient all 400 run."""
+    offered, where two readings in a row fell by less than 0.1% below the best before them, keeps the
+    values of its best reading and takes no step on a later gradient; without a held-out gradient all
+    400 run."""
     train = gradient_set(1, seed=1)[0]
     like = gradient_set(1, seed=2)[0]
     noise = torch.randn(24, 40, generator=torch.Generator().manual_seed(4), dtype=F64)
@@ -244,10 +245,14 @@ def test_the_fit_stops_when_the_held_out_error_stops_falling_and_keeps_its_best_
         taken[name] = fit.iterations
         assert fit.iterations < 400 and fit.iterations == pj.ValueFit.CHECK_EVERY * (len(readings) - 1)
         assert min(readings[-2:]) >= min(readings[:-2]) * (1 - pj.ValueFit.FALLING)  # why it stopped
-        assert all(a >= b * (1 - pj.ValueFit.FALLING) for a, b in zip(readings[-2:], readings[-3:-1]))
-        assert min(readings[:-2]) < readings[0] * 0.5  # it did fall first
+        if name == "like":  # it fell first
+            assert min(readings[:-2]) < readings[0] * (1 - 10 * pj.ValueFit.FALLING)
         assert fit.held_out_error ** 2 == pytest.approx(min(readings), rel=1e-9)
         assert float(fit.error_sq(held_out)) == pytest.approx(min(readings), rel=1e-9)
+        done = fit.iterations
+        fit.observe(train, held_out)  # done: later gradients take no steps
+        assert fit.done and fit.iterations == done
+    assert taken["noise"] < taken["like"]
     plain = pj.ValueFit(*pair(seed=5), lr=0.05, steps=400, generator=torch.Generator().manual_seed(6))
     plain.observe(train)
     assert plain.iterations == 400

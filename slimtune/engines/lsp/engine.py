@@ -82,6 +82,8 @@ class LspConfig:
                                 " e(G) just after its last fit by this fraction (0.1: 10%).")
     fit_samples: int = setting(64, "engine=lsp: examples drawn once from the training data and held out of"
                                    " training, whose gradients the projectors are checked and fit on.")
+    check_samples: int = setting(16, "engine=lsp: the fit sample's first examples that every check (and the"
+                                     " error after each fit) measures e(G) on.")
     fit_iterations: int = setting(100, "engine=lsp: the most Adam steps of one fit, spread over the fit sample's"
                                        " batches; each batch's stop early once the error on its held-out half stops"
                                        " falling.")
@@ -98,7 +100,7 @@ class LspConfig:
                                        " device (fp32 copies); default: they stay frozen.")
 
     def validate(self) -> None:
-        for name in ("r", "fit_samples", "fit_iterations"):
+        for name in ("r", "fit_samples", "check_samples", "fit_iterations"):
             positive(f"lsp.{name}", getattr(self, name))
         if self.d != -1:
             positive("lsp.d", self.d)
