@@ -95,15 +95,19 @@ def test_the_truncated_backward_gives_every_chunk_the_dense_gradient_and_stops_a
         assert blocks_run_backward(engine, k, batch_list) == set(range(max(reaches[k], 0), blocks)), k
     # Only the chunk's own tensors require grad in its step: in its lowest block a projection joins the
     # graph (keeps its input, gets a backward) only when its weight or the norm before it is the chunk's.
-    left_out = 0
+    # The stream runs in each block's call order (the norm before the projections), so a chunk that
+    # begins in a block's MLP leaves that block's attention out of its graph altogether.
+    left_out, attention_skipped = 0, 0
     for k, r in enumerate(reaches):
         if 0 <= r < blocks:
             names = {p.name for p, _, _ in engine.state.members[k]}
-            for proj, joined in projections_in_the_graph(engine, k, batch_list).items():
+            joined = projections_in_the_graph(engine, k, batch_list)
+            for proj in joined:
                 mine = {f"model.layers.{r}.self_attn.{proj}.weight", f"model.layers.{r}.input_layernorm.weight"}
-                assert joined == bool(mine & names), (k, proj)
-                left_out += not joined
-    assert left_out > 0
+                assert joined[proj] == bool(mine & names), (k, proj)
+            left_out += list(joined.values()).count(False)
+            attention_skipped += not any(joined.values())
+    assert left_out > 0 and attention_skipped > 0
     assert all(p.grad is None and p.requires_grad for p in model.parameters())
 
 
@@ -115,6 +119,40 @@ def test_a_chunk_above_the_embedding_keeps_fewer_activations_and_the_embeddings_
     batch_list = batches(model.config.vocab_size, 0)
     held = {k: engine._step(k, batch_list, None).device_peak_breakdown["activations"] for k in (0, 6)}
     assert engine.reaches[6] == 3 and held[6] < held[0] / 2, held
+
+
+@pytest.mark.quick
+def test_the_stream_follows_each_blocks_call_order():
+    from slimtune.engines.chunk.state import in_call_order
+    model = model_of(layers=2)
+    names = in_call_order([n for n, _ in model.named_parameters()])
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    block = [n.removeprefix("model.layers.1.") for n in names if n.startswith("model.layers.1.")]
+    assert block == ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                     "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    assert names[0] == "model.embed_tokens.weight" and names[-2:] == ["model.norm.weight", "lm_head.weight"]
+    engine = engine_of(model, chunk_cfg(4))
+    assert list(dict.fromkeys(p.name for chunk in engine.state.chunks for p in chunk)) == names
+
+
+def test_a_checkpoint_cut_in_another_order_resumes_from_each_tensors_state_and_says_so(tmp_path, capsys):
+    from slimtune.store import checkpoint
+    cfg = run_cfg(ChunkConfig(n_chunks=3))
+    first = engine_of(model_of(layers=2), cfg)
+    for b in step_batches(first.stack.model.config.vocab_size, 2):
+        first.step(b)
+    state = first.state_dict()
+    assert state.extra["chunk"]["pieces"] == first.state.pieces()
+    del state.extra["chunk"]["pieces"]  # as a checkpoint written before the stream's order changed
+    folder = checkpoint.save(tmp_path, 2, state, {}, keep_last=1)
+    second = engine_of(model_of(layers=2, seed=7), cfg)
+    capsys.readouterr()
+    second.load_state_dict(checkpoint.load(folder)[1])
+    assert "cut in another order" in capsys.readouterr().err
+    assert second.state.visited == [True] * 3
+    for name, want in first.trainable_state().items():
+        assert torch.equal(second.trainable_state()[name], want), name
 
 
 # ---------------------------------------------------------------- the planner

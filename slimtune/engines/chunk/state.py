@@ -17,6 +17,7 @@ host copy).
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from slimtune.device import runtime
 from slimtune.store.checkpoint import EngineState
 from slimtune.engines.chunk.partition import Piece, Stream, partition
 from slimtune.config import RunConfig
+from slimtune.config_sources import say_warning
 from slimtune.errors import UserError
 from slimtune.optim import rules
 from slimtune.optim import host_adam
@@ -81,6 +83,32 @@ def open_settings(cfg: RunConfig) -> list[dict]:
     return [{"chunk.n_chunks": n} for n in CHUNK_COUNTS]
 
 
+# Within a block, the order its parts run in: a norm before the projections it feeds. The stream
+# follows it (not the modules' declaration order, which puts a Llama block's two norms last), so a
+# chunk that begins inside a block holds nothing that runs before its first tensor there, and its
+# backward can skip that part of the block (chunk/reach.py).
+BLOCK_CALL_ORDER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_IN_A_BLOCK = re.compile(r"^(.*\.layers\.\d+\.)([^.]+)")
+
+
+def in_call_order(names: list[str]) -> list[str]:
+    """`names` (model order) with each block's tensors in BLOCK_CALL_ORDER by their part, a part not
+    named there after the others, ties in model order; everything outside the blocks where it was."""
+    def key(item: tuple[int, str]) -> tuple:
+        found = _IN_A_BLOCK.match(item[1])
+        if not found:
+            return (item[0],)
+        part = found.group(2)
+        rank = BLOCK_CALL_ORDER.index(part) if part in BLOCK_CALL_ORDER else len(BLOCK_CALL_ORDER)
+        return (first_of_block[found.group(1)], rank, item[0])
+    first_of_block: dict[str, int] = {}
+    for i, name in enumerate(names):
+        found = _IN_A_BLOCK.match(name)
+        if found:
+            first_of_block.setdefault(found.group(1), i)
+    return [name for _, name in sorted(enumerate(names), key=key)]
+
+
 def narrow(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     return t.narrow(piece.axis, piece.start, piece.stop - piece.start)
 
@@ -96,6 +124,7 @@ class ChunkState:
         (slide's under a chunk working set): under the split master they are its top half, so the
         state keeps only the residuals and moments (no bf16 copy of its own)."""
         self.section, self.train_cfg, self.seed = cfg.section("chunk"), cfg.train, cfg.train.seed
+        params = {name: params[name] for name in in_call_order(list(params))}  # the stream's order
         self.params, self.device, self.weight_of = params, device, weight_of
         self.shares_weights = shares_weights
         streams = [self._stream(name, param, axes[name]) for name, param in params.items()]
@@ -250,6 +279,10 @@ class ChunkState:
 
     # ------------------------------------------------------------ accounting and checkpoints
 
+    def pieces(self) -> list[list[list]]:
+        """The partition as a checkpoint keeps it: per chunk, [name, start, stop] of each piece."""
+        return [[[p.name, p.start, p.stop] for p in chunk] for chunk in self.chunks]
+
     def host_bytes(self) -> int:
         return sum(a.host_bytes() for a in self.adams) + self.working.host_bytes()
 
@@ -273,8 +306,8 @@ class ChunkState:
                 for m in MOMENTS:
                     narrow(moments[m][piece.name], piece).copy_(adam.moment_of(g, i, m))
                 steps.setdefault(piece.name, float(adam.state(g)["step"]))
-        extra = {"n_chunks": len(self.chunks), "visited": list(self.visited), "sweep": self.sweep,
-                 "position": self.position, "done_on_active": self.done_on_active,
+        extra = {"n_chunks": len(self.chunks), "pieces": self.pieces(), "visited": list(self.visited),
+                 "sweep": self.sweep, "position": self.position, "done_on_active": self.done_on_active,
                  "chunk_steps": [[float(a.state(g)["step"]) for g in range(len(a.groups))] for a in self.adams]}
         return EngineState(engine=engine, step=step, trainable=self.trainable_state(), exp_avg=moments["exp_avg"],
                            exp_avg_sq=moments["exp_avg_sq"], adam_steps=steps,
@@ -288,6 +321,10 @@ class ChunkState:
         if mine is not None and mine["n_chunks"] != len(self.chunks):
             raise UserError(f"the checkpoint was cut into {mine['n_chunks']} chunks and this run into"
                             f" {len(self.chunks)}: set chunk.n_chunks={mine['n_chunks']} to resume it.")
+        if mine is not None and mine.get("pieces") != self.pieces():
+            say_warning("the checkpoint's chunks were cut in another order (written before the stream followed"
+                        " each block's call order): every chunk starts from its tensors' moments and step counts.")
+            mine = None
         for k, adam in enumerate(self.adams):
             for g in range(len(adam.groups)):
                 pieces = [piece for piece, group, _ in sorted(self.members[k], key=lambda m: m[2]) if group == g]
