@@ -5,7 +5,8 @@ task: held-out accuracy and CPU step time.
 Part 1, quality: held-out exact-match accuracy (greedy, the demo's 100 held-out prompts) at equal
 steps and data, lr 3e-4 (resident's best in the chunk case), constant after 10 warm-up steps:
 resident at 300 and 1,600 steps; chunk at its defaults at N = 4 over 300 steps and N = 16 over 1,600
-(the goals: within 2 points of resident), and beside them N = 16 over 300 steps and N = 4 with the
+(the goals: within 2 points of resident), the 300-step pair again at seed 1 (data order, random
+chunk order and initial state of the run), and beside them N = 16 over 300 steps and N = 4 with the
 spec's round robin and K = 1 (the old defaults). A curve is scored along the way by stopping and
 resuming the run (resume is exact: tests/unit/test_chunk.py), so its chunk.switch_every is pinned to
 what a run of its full length derives (a resumed run of fewer steps would derive a smaller one); one
@@ -61,7 +62,13 @@ def quality_jobs(quick: bool) -> list[tuple[str, dict, int, int]]:
         ("chunk N=4 round_robin switch_every=1 (old defaults), 300 steps",
          _chunk(4, switch_every=1, order="round_robin"), short, short_every),
         ("chunk N=4 defaults, 300 steps in one fit", _chunk(4), short, short),
+        ("resident full, 300 steps, seed 1", _seeded(_resident(), 1), short, short_every),
+        ("chunk N=4 defaults, 300 steps, seed 1", _seeded(_chunk(4, short), 1), short, short_every),
     ]
+
+
+def _seeded(variant: dict, seed: int) -> dict:
+    return {**variant, "train": {**variant["train"], "seed": seed}}
 
 
 def part1(quick: bool) -> dict:
@@ -74,6 +81,7 @@ def part1(quick: bool) -> dict:
     final = {r["run"]: r["curve"][-1]["accuracy"] for r in runs}
     goals = {}
     for chunk_run, resident_run in (("chunk N=4 defaults, 300 steps", "resident full, 300 steps"),
+                                    ("chunk N=4 defaults, 300 steps, seed 1", "resident full, 300 steps, seed 1"),
                                     ("chunk N=16 defaults, 1600 steps", "resident full, 1600 steps")):
         goals[chunk_run] = {"best": best[chunk_run], "residents_best": best[resident_run],
                             "final": final[chunk_run], "residents_final": final[resident_run],
