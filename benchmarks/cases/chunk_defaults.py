@@ -20,6 +20,10 @@ chunk (every chunk the same share, as over a defaults run's whole sweeps; the or
 a step's cost). Beside it chunk with the backward run to the embedding for every chunk (the engine
 before this change: every tensor requiring grad, no block run without autograd), and each chunk's
 own mean with its reach.
+
+Part 3, the planner's figure: Llama-3.1-8B full fine-tuning, batch 1 x 1024, bf16, every block
+recomputed, N = 4 and 16, gradient on the device and on the host: the estimate (the largest of the
+chunks the fake step runs), each of those chunks alone, and the estimate's wall time.
 """
 
 from __future__ import annotations
@@ -173,8 +177,52 @@ def part2(quick: bool) -> dict:
     return {"rows": rows}
 
 
+# ---------------------------------------------------------------- part 3: the planner's figure at 8B
+
+
+def estimate_row(model_config, n: int, gradients: str) -> dict:
+    """The planner's estimate of chunk's step (the largest of the chunks it runs) and each chunk
+    it runs on its own: the same fake step with planned_chunks pinned to one."""
+    from slimtune.engines import settings
+    from slimtune.engines.chunk.engine import ChunkEngine
+    from slimtune.planning import estimate
+    cfg = settings.load(None, ["engine=chunk", "method=full", "precision=bf16", "train.batch_size=1",
+                               "activations.checkpoint=recompute", f"chunk.n_chunks={n}",
+                               f"chunk.gradients={gradients}"], base={"model": "(benchmark)", "data": "(benchmark)"})
+    began = time.perf_counter()
+    found = estimate.estimate(model_config, cfg, 1, 1024)
+    seconds = time.perf_counter() - began
+    ran: list[int] = []
+    kept = ChunkEngine.planned_chunks
+
+    def noting(engine):
+        ran[:] = kept(engine)
+        return ran
+    ChunkEngine.planned_chunks = noting
+    try:
+        estimate.estimate(model_config, cfg, 1, 1024)
+        each = {}
+        for k in list(ran):
+            ChunkEngine.planned_chunks = lambda engine, k=k: [k]
+            each[k] = estimate.estimate(model_config, cfg, 1, 1024).device_peak_bytes / GIB
+    finally:
+        ChunkEngine.planned_chunks = kept
+    return {"n_chunks": n, "gradients": gradients, "device_peak_gib": found.device_peak_bytes / GIB,
+            "breakdown_gib": {k: v / GIB for k, v in found.breakdown.items()}, "chunks_run": ran,
+            "each_chunk_gib": each, "estimate_seconds": seconds}
+
+
+def part3(quick: bool) -> list[dict]:
+    from slimtune import presets
+    model_config = presets.model_config("Llama-3.2-1B" if quick else "Llama-3.1-8B")
+    return [estimate_row(model_config, n, g) for n in ((16,) if quick else (4, 16)) for g in ("host", "device")]
+
+
+GIB = 2**30
+
+
 def run(quick: bool) -> dict:
     began = time.perf_counter()
-    result = {"step_time": part2(quick), "quality": part1(quick)}
+    result = {"step_time": part2(quick), "quality": part1(quick), "estimate_8b": part3(quick)}
     result["seconds"] = time.perf_counter() - began
     return result

@@ -218,9 +218,14 @@ class ChunkEngine(Engine):
         state's planned chunk (the heaviest; with the gradient on the host, the one with most of the LM
         head, whose tiles are made at the loss). A chunk of a higher reach keeps a subset of those
         activations and no larger gradient than the heaviest's (on every chunk of the test models, the
-        largest of these is the largest of all: tests/unit/test_chunk_reach.py)."""
-        deepest = [k for k, r in enumerate(self.reaches) if r <= 0]
-        return list(dict.fromkeys([*deepest, self.state.planned]))
+        largest of these is the largest of all: tests/unit/test_chunk_reach.py). Of chunks alike in
+        reach and in the length of each of their pieces (the embedding's rows cut into several chunks)
+        the first stands for all: a fake step reads shapes, and theirs are the same."""
+        alike: dict[tuple, int] = {}
+        for k in [*(k for k, r in enumerate(self.reaches) if r <= 0), self.state.planned]:
+            shape = (self.reaches[k], tuple((p.name, p.stop - p.start) for p in self.state.chunks[k]))
+            alike.setdefault(shape, k)
+        return list(alike.values())
 
     def step(self, micro_batches: list[Batch], total_targets: int | None = None,
              then: NextStep | None = None) -> StepResult:
