@@ -71,7 +71,7 @@ typedef struct {
     uint32_t threshold[32];  /* by binade (exponent mod 32): the bits of the segment boundary in it, or of 2 */
     float slope[32];         /* by binade: 65536 x (the count below a) ~ a * slope + intercept */
     float intercept[32];
-    int32_t top[32];         /* by binade: the largest count of its first segment */
+    int32_t top[32];         /* by binade: its first segment's last code, 65536 x (it + 1) - 1 */
     int32_t count;           /* midpoints on the positive side: 128 (signed map), 255 (unsigned) */
     int32_t zero;            /* the code of 0.0: 127 (signed), 0 (unsigned) */
 } Fast;
@@ -320,8 +320,14 @@ static void fast_decode(const Coded *c, int64_t begin, float *restrict out) {
     for (int j = 0; j < BLOCK; j += 64) decode64(&p, order, c->codes + begin + j, absmax, out + j);
 }
 
-/* Per lane, the count of the positive side's midpoints below a (fp32 bits; a negative int32 counts
-   none), found by the segment's line; lanes where the line lands near a step are added to *unsure. */
+/* fixed clamped to the top of the segment `binade` names. */
+static inline __m512i line_fixed_top(const Segments *s, __m512i binade, __m512i fixed) {
+    return _mm512_min_epi32(fixed, _mm512_permutex2var_epi32(s->top_lo, binade, s->top_hi));
+}
+
+/* Per lane, the code of 0.0 plus the count of the positive side's midpoints below a (fp32 bits; a
+   negative int32 counts none), found by the segment's line; lanes where the line lands near a step are
+   added to *unsure. */
 static inline __m512i line_counts(const Segments *s, __m512i a, __mmask16 *unsure) {
     a = _mm512_max_epi32(a, _mm512_set1_epi32(FLOOR_BITS));
     __m512i binade = _mm512_srli_epi32(a, 23);  /* 103 .. 127: each its own entry mod 32 */
@@ -333,7 +339,7 @@ static inline __m512i line_counts(const Segments *s, __m512i a, __mmask16 *unsur
                                         _mm512_permutex2var_ps(s->intercept_lo, binade, s->intercept_hi));
     const __m512i fixed = _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     *unsure |= _mm512_testn_epi32_mask(fixed, _mm512_set1_epi32((1 << FIXED) - 2 * UNSURE));
-    return _mm512_min_epi32(_mm512_srai_epi32(fixed, FIXED), _mm512_permutex2var_epi32(s->top_lo, binade, s->top_hi));
+    return _mm512_srai_epi32(line_fixed_top(s, binade, fixed), FIXED);
 }
 
 /* The lanes in `unsure` counted exactly: from the line's count (a step off at most) to the one
@@ -345,10 +351,10 @@ static __attribute__((noinline)) __m512i settle(const Fast *f, __m512i a, __m512
     for (int lane = 0; lane < 16; lane++) {
         if (!((unsure >> lane) & 1)) continue;
         const float x = from_bits((uint32_t)bits[lane]);
-        int32_t k = n[lane];
+        int32_t k = n[lane] - f->zero;  /* (the tables' counts start at the code of 0.0) */
         while (k > 0 && x <= f->midpoints[k - 1]) k--;
         while (k < f->count && x > f->midpoints[k]) k++;
-        n[lane] = k;
+        n[lane] = k + f->zero;
     }
     return _mm512_loadu_si512(n);
 }
@@ -364,8 +370,7 @@ static inline __m512i code16_signed(const Fast *f, const Segments *s, __m512 x, 
     __mmask16 unsure = 0;
     __m512i n = line_counts(s, a, &unsure);
     if (unsure) n = settle(f, a, n, unsure);
-    const __m512i zero = _mm512_set1_epi32(f->zero);
-    const __m512i code = _mm512_mask_sub_epi32(_mm512_add_epi32(zero, n), negative, zero, n);
+    const __m512i code = _mm512_mask_sub_epi32(n, negative, _mm512_set1_epi32(2 * f->zero), n);  /* n: zero + count */
     return _mm512_max_epi32(code, _mm512_setzero_si512());
 }
 
@@ -583,8 +588,47 @@ static inline void store_codes64(uint8_t *codes, __m512i order, const __m512i c[
     _mm512_storeu_si512(codes, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, low, high));
 }
 
-/* A block's codes from its new numbers x (interleaved) and their |x| maximum. */
-static inline void code_interleaved(const Coded *c, const Segments *s, __m512i order, int64_t begin,
+/* A block's codes from its new numbers x (interleaved), one vector at a time with code16 (lanes near a
+   step settled as they come), put in order. */
+static __attribute__((noinline)) void code_settled(const Coded *c, const Segments *s, __m512i order, int64_t begin,
+                                                   const float *restrict x, __m512 scale, const int is_signed) {
+    for (int j = 0; j < BLOCK; j += 64) {
+        __m512i codes[4];
+        for (int q = 0; q < 4; q++)
+            codes[q] = is_signed ? code16_signed(c->fast, s, _mm512_loadu_ps(x + j + 16 * q), scale)
+                                 : code16_unsigned(c->fast, s, _mm512_loadu_ps(x + j + 16 * q), scale);
+        store_codes64(c->codes + begin + j, order, codes);
+    }
+}
+
+/* 16 numbers' codes as fixed-point counts (the code in bits 16-23, the fraction below; the unsigned
+   map's negative numbers 0), without settling: the lanes near a step lower *near's lanes to 0. */
+static inline __m512i fixed16(const Segments *s, __m512 x, __m512 scale, __m512i mirror, __m512i *near,
+                               const int is_signed) {
+    const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, scale));
+    const __mmask16 negative = is_signed ? _mm512_movepi32_mask(bits) : 0;
+    const __m512i a = is_signed ? _mm512_mask_sub_epi32(bits, negative, bits, _mm512_set1_epi32(0x7FFFFFFF)) : bits;
+    const __m512i floored = _mm512_max_epi32(a, _mm512_set1_epi32(FLOOR_BITS));
+    __m512i binade = _mm512_srli_epi32(floored, 23);
+    const __mmask16 above = _mm512_cmpgt_epi32_mask(floored, _mm512_permutex2var_epi32(s->threshold_lo, binade,
+                                                                                        s->threshold_hi));
+    binade = _mm512_mask_add_epi32(binade, above, binade, _mm512_set1_epi32(1));
+    const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(floored), _mm512_permutex2var_ps(s->slope_lo, binade, s->slope_hi),
+                                        _mm512_permutex2var_ps(s->intercept_lo, binade, s->intercept_hi));
+    const __m512i fixed = line_fixed_top(s, binade, _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEAREST_INT |
+                                                                                   _MM_FROUND_NO_EXC));
+    *near = _mm512_min_epu32(*near, _mm512_and_si512(fixed, _mm512_set1_epi32((1 << FIXED) - 2 * UNSURE)));
+    if (!is_signed) return fixed;
+    /* -t: 2 zero - (zero + the count at t's next float), in bits 16-23 as well (below 0: code 0); `mirror`
+       is 2 zero in bits 16-23 over a fraction of all ones */
+    const __m512i mirrored = _mm512_mask_sub_epi32(fixed, negative, mirror, fixed);
+    return _mm512_max_epi32(mirrored, _mm512_setzero_si512());
+}
+
+/* A block's codes from its new numbers x (interleaved) and their |x| maximum: every lane by its line,
+   then, where any lane of the block landed near a step (a few blocks in a hundred), the block again
+   with code_settled. `order` puts low bytes in order, `order2` bits 16-23. */
+static inline void code_interleaved(const Coded *c, const Segments *s, __m512i order, __m512i order2, int64_t begin,
                                     const float *restrict x, __m512i largest, const int is_signed) {
     const float inverse = scale_of(c, begin, largest);
     if (inverse == 0.0f) {  /* an inf or NaN: code_block on the numbers put back in order */
@@ -597,13 +641,15 @@ static inline void code_interleaved(const Coded *c, const Segments *s, __m512i o
         return;
     }
     const __m512 scale = _mm512_set1_ps(inverse);
+    const __m512i mirror = _mm512_set1_epi32((2 * c->fast->zero << FIXED) + (1 << FIXED) - 1);
+    __m512i near = _mm512_set1_epi32(-1);
     for (int j = 0; j < BLOCK; j += 64) {
         __m512i codes[4];
-        for (int q = 0; q < 4; q++)
-            codes[q] = is_signed ? code16_signed(c->fast, s, _mm512_loadu_ps(x + j + 16 * q), scale)
-                                 : code16_unsigned(c->fast, s, _mm512_loadu_ps(x + j + 16 * q), scale);
-        store_codes64(c->codes + begin + j, order, codes);
+        for (int q = 0; q < 4; q++) codes[q] = fixed16(s, _mm512_loadu_ps(x + j + 16 * q), scale, mirror, &near,
+                                                                  is_signed);
+        store_codes64(c->codes + begin + j, order2, codes);
     }
+    if (_mm512_testn_epi32_mask(near, near)) code_settled(c, s, order, begin, x, scale, is_signed);
 }
 
 /* Whole blocks of the split layout with a bf16 gradient and 8-bit moments, from `at` while they end
@@ -618,6 +664,7 @@ static inline __attribute__((always_inline)) int64_t split_blocks_of(const Run *
     const Coded *cm = &r->exp_avg_coded, *cv = &r->exp_avg_sq_coded;
     const Segments sm = segments_of(cm->fast), sv = segments_of(cv->fast);
     const __m512i decode_order = interleaved_order(), codes_in_order = code_order();
+    const __m512i codes_in_order2 = _mm512_add_epi8(codes_in_order, _mm512_set1_epi8(2));  /* bits 16-23 */
     const Orders orders = {word_order(1), word_order(0), packed_order()};
     uint16_t *const weight = r->weight, *const shadow = r->shadow, *const grad = (uint16_t *)r->grad;
     int16_t *const residual = r->residual;
@@ -644,8 +691,8 @@ static inline __attribute__((always_inline)) int64_t split_blocks_of(const Run *
                 v_largest = abs_max(v_largest, v[q]);
             }
         }
-        code_interleaved(cm, &sm, codes_in_order, at, m_new, m_largest, 1);
-        code_interleaved(cv, &sv, codes_in_order, at, v_new, v_largest, 0);
+        code_interleaved(cm, &sm, codes_in_order, codes_in_order2, at, m_new, m_largest, 1);
+        code_interleaved(cv, &sv, codes_in_order, codes_in_order2, at, v_new, v_largest, 0);
     }
     return at;
 }

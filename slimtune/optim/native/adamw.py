@@ -202,14 +202,19 @@ def fast_tables(signed: bool) -> Fast:
     starts = [sum(2 ** (e + (0 if signed else 1)) for e in range(d)) for d in range(8)]  # first midpoint of each decade
     assert starts[-1] == mids.numel() - 1, "the map is not seven decades of doubling runs"
     bounds = mids[starts].tolist()  # segment s + 1 begins above bounds[s]
-    lines = [(0.0, 0.5 * FIXED + UNSURE, 0)]  # (each intercept holds UNSURE more: adamw.c's line_counts)
+    # Each intercept holds the code of 0.0 (so a line gives a positive number's code) and UNSURE more
+    # (adamw.c tests the count's fraction); each top is the segment's last code in the same fixed point,
+    # its fraction all ones (so it clamps the fixed-point count itself).
+    def line(slope: float, count: float, top: int) -> tuple[float, float, int]:
+        return slope, (count + zero) * FIXED + UNSURE, (top + zero) * FIXED + FIXED - 1
+    lines = [line(0.0, 0.5, 0)]
     for d in range(7):
         n, below = starts[d + 1] - starts[d], starts[d] + 1
         if n == 1:  # one value: its segment's count is constant
-            lines.append((0.0, (below + 0.5) * FIXED + UNSURE, below))
+            lines.append(line(0.0, below + 0.5, below))
         else:
-            lines.append((FIXED * 10.0 ** (6 - d) * n / 0.9, FIXED * (below - 0.1 * n / 0.9) + UNSURE, below + n - 1))
-    lines.append((0.0, (mids.numel() + 0.5) * FIXED + UNSURE, mids.numel()))
+            lines.append(line(FIXED * 10.0 ** (6 - d) * n / 0.9, below - 0.1 * n / 0.9, below + n - 1))
+    lines.append(line(0.0, mids.numel() + 0.5, mids.numel()))
     bound_bits = [b.view(torch.int32).item() for b in mids[starts]]
     for binade in range(103, 128):  # 2^-24 (below every midpoint) .. [1, 2): entries 7 .. 31
         start = struct.unpack("<f", struct.pack("<I", binade << 23))[0]
@@ -219,11 +224,11 @@ def fast_tables(signed: bool) -> Fast:
         fast.slope[binade % 32], fast.intercept[binade % 32], fast.top[binade % 32] = lines[first]
         fast.threshold[binade % 32] = inside[0] if inside else 0x40000000  # 2.0: no boundary
     assert not any(bits >> 23 == 127 for bits in bound_bits), "a boundary in [1, 2) would need binade 128's line"
-    _check_lines(lines, mids, starts)
+    _check_lines(lines, mids, starts, zero)
     return fast
 
 
-def _check_lines(lines: list[tuple[float, float, int]], mids: torch.Tensor, starts: list[int]) -> None:
+def _check_lines(lines: list[tuple[float, float, int]], mids: torch.Tensor, starts: list[int], zero: int) -> None:
     """Each decade's line puts each of its midpoints within UNSURE / 65536 of its step (so the numbers
     it does not settle are counted right): the line at a midpoint Q_k is about k + 1."""
     for d in range(7):
@@ -232,7 +237,7 @@ def _check_lines(lines: list[tuple[float, float, int]], mids: torch.Tensor, star
             continue
         q = mids[first:last].double()
         line = (q * float(lines[d + 1][0]) + float(lines[d + 1][1])).float().double()
-        steps = torch.arange(first, last, dtype=torch.float64) + 1
+        steps = torch.arange(first, last, dtype=torch.float64) + 1 + zero
         assert float((line - steps * FIXED - UNSURE).abs().max()) < UNSURE - 1, "a decade's line is off its midpoints"
 
 
