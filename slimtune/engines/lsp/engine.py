@@ -383,10 +383,10 @@ class LspEngine(Engine):
             self.check_peak = (reading.peak, dict(reading.peak_breakdown or {}))
         return extras
 
-    def _probe_pass(self, batches: list[Batch], observers: dict) -> None:
+    def _probe_pass(self, batches: list[Batch], observers: dict, finished=None) -> None:
         """Forward and backward over `batches` with the observed matrices in probe mode (each batch's
         full gradient handed to observers[i] once complete, then dropped: learning.Collector) and
-        nothing else collecting gradients."""
+        nothing else collecting gradients; `finished()` true after a batch: the rest are not needed."""
         saved = [(t, t.requires_grad) for t in [p for _, p in self.others] + [m.z for m in self.modules]]
         for tensor, _ in saved:
             tensor.requires_grad_(False)
@@ -404,6 +404,8 @@ class LspEngine(Engine):
                                      batch.to(self.device), self._reading or memory.NO_READING, store=store)
                     (out.loss_sum / max(batch.num_targets, 1)).backward()
                 collector.finish()
+                if finished is not None and finished():
+                    break
         finally:
             for module in self.modules:
                 module.probe = None

@@ -14,7 +14,8 @@ ProjectedLinears in probe mode, each batch's full gradient handed over in backwa
 of its rows, and dropped, one matrix at a time). A refit draws fresh values on the fixed positions
 and fits them with Adam: on each batch, up to fit_iterations / batches steps on one half's gradient
 while the other half (examples the fit has not seen) is the held-out gradient whose error stops the
-steps once it stops falling (projectors.ValueFit); the halves swap roles from batch to batch. Then
+fit once it stops falling (projectors.ValueFit); the halves swap roles from batch to batch, and the
+pass ends after the batch where the last fit stopped. Then
 the matrix folds Z into W (the old subspace's update goes into the weight) and its AdamW moments move
 into the new subspace with the spec's formulas; the step counts go on.
 
@@ -190,7 +191,9 @@ class ProjectorLearning:
             bar.update(1)
 
         try:
-            probe_pass(batches, {i: functools.partial(observe, i) for i in fits})
+            # Once every fit has stopped (held-out error no longer falling) the sample's other batches are not run.
+            probe_pass(batches, {i: functools.partial(observe, i) for i in fits},
+                       lambda: not self.fake and all(fit.done for fit in fits.values()))
         finally:
             bar.close()
         for index, fit in fits.items():
