@@ -7,6 +7,10 @@ a hash of: the model config, the settings that shape a step (every RunConfig fie
 and output), batch size and length, the versions of torch and transformers, and the bytes of every
 slimtune source file, so a code change never reads an old answer. A file that cannot be read or
 written is ignored: the cache only ever saves time.
+
+The sequence tile is keyed as the tile the step runs, not as set: a step reads activations.seq_tile
+only through activations.tile_tokens, so the auto rule's tile and the same tile set by hand are one
+step (the planner asks for both: a plan's own row, and --max-seq's probe with MIN_TILE-token tiles).
 """
 
 from __future__ import annotations
@@ -54,9 +58,22 @@ def _folder() -> Path:
 
 def _key(model_config, cfg: RunConfig, batch_size: int, seq_len: int) -> str:
     settings = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_SHAPE}
+    settings["activations"] = {**settings["activations"], "mlp_chunk": 0,
+                               "seq_tile": tile_run(model_config, cfg, seq_len)}
     question = {"model": model_config.to_dict(), "settings": settings, "batch": [batch_size, seq_len],
                 "code": _code_version()}
     return hashlib.sha256(json.dumps(question, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def tile_run(model_config, cfg: RunConfig, seq_len: int) -> int:
+    """The tile a checkpointed block of the estimate's synthetic batch runs in (seq_len: untiled),
+    whether cfg sets it or leaves it to the auto rule: what the step reads of the setting."""
+    from types import SimpleNamespace
+
+    from slimtune.step import activations
+
+    segmented = estimate.synthetic_batch(1, seq_len, 2).segmented  # packed-looking rows, as estimated
+    return activations.tile_tokens(SimpleNamespace(config=model_config), seq_len, cfg.activations, segmented)
 
 
 @functools.cache
