@@ -1,0 +1,167 @@
+"""Engine lsp's projector fit and checks on the real SmolLM2-135M (issue 32, items 3 and 4): how long
+the first fit takes, whether it shows progress, and what share of training time the fit and the
+checks take at the defaults.
+
+Goals: "lsp first fit, SmolLM2-135M full fine-tuning, 2 idle cores: <= 60 s, with progress" and "lsp
+fit + checks, share of training time at defaults: <= 10%".
+
+The run: SmolLM2-135M-Instruct (scripts/make_smollm2.py, cached), engine=lsp, method=full,
+precision=fp32 (this CPU's fast dtype), every lsp setting at its default (d derived from the shapes:
+64 for this model; r 4; fit sample 64 examples held out of training; at most 100 fit steps a matrix,
+stopped early on held-out rows; a check every 100 steps; refit on drift, lsp.drift 0.1), batch 8 x
+32 tokens, lr 5e-5, a constant rate after 10 warm-up steps, train.steps steps (201: the fit before
+step 1 and the checks at steps 101 and 201). A small word task made here (seed 0): spell a made-up
+word of 3-6 letters with dashes, "Spell 'brosk' with dashes:" -> " b-r-o-s-k".
+
+Measured from metrics.jsonl: each step's wall time (step_s: the check inside it included), the
+check's own wall time (lsp_check_s: its probe passes, the fit and the re-measure), matrices refit,
+the fit's Adam steps (early stops make them fewer than 210 x 100), and e(G) after each fit and at
+each check. The share is sum(lsp_check_s) / sum(step_s) over the run. Beside it, one fit timed
+alone with the engine's progress on (its bar's lines captured from stderr), and the old fit (autograd
+through the sparse products, 100 steps, no early stop) timed on one matrix of each shape for
+comparison, its whole time for the 210 matrices scaled from those (labelled: a product of measured
+per-matrix times and counts, not a run).
+
+Threads: run with OMP_NUM_THREADS=1. On these 2 shared cores (other work keeps the load at 2-9) two
+torch threads spin at every parallel region waiting for a descheduled partner: one check pass of a
+batch took 51 s of CPU with two threads and 3.2 s with one (measured, load ~8). One thread is the
+figure for a loaded machine; two idle cores would not be slower (not measured here).
+
+    OMP_NUM_THREADS=1 python benchmarks/run.py lsp_fit    # ~15 minutes on 2 shared cores
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import random
+import statistics
+import string
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from slimtune import train
+from slimtune.engines import settings as run_settings
+from slimtune.optim import projectors
+
+STEPS, QUICK_STEPS = 201, 3
+TRAIN_EXAMPLES = 3000
+
+
+def word_task(folder: Path) -> Path:
+    rng = random.Random(0)
+    letters = string.ascii_lowercase
+    lines = []
+    for _ in range(TRAIN_EXAMPLES):
+        word = "".join(rng.choice(letters) for _ in range(rng.randint(3, 6)))
+        lines.append(json.dumps({"prompt": f"Spell '{word}' with dashes:", "response": " " + "-".join(word)}))
+    path = folder / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def smollm2_folder() -> Path:
+    spec = importlib.util.spec_from_file_location("make_smollm2", Path(__file__).parents[2] / "scripts" /
+                                                  "make_smollm2.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    return maker.make()
+
+
+def settings(data: Path, out: Path, steps: int) -> dict:
+    return {"model": str(smollm2_folder()), "device": "cpu", "method": "full", "engine": "lsp", "precision": "fp32",
+            "data": {"path": str(data), "format": "prompt_response", "max_length": 32},
+            "train": {"steps": steps, "batch_size": 8, "lr": 5e-5, "warmup_steps": min(10, steps), "schedule": "constant",
+                      "seed": 0, "log_every": 1, "eval_every": 0, "save_every": 0, "measure_memory": False},
+            "output_dir": str(out)}
+
+
+def training_run(data: Path, root: Path, steps: int) -> dict:
+    out = root / "run"
+    began, load = time.perf_counter(), os.getloadavg()[0]
+    train.fit(run_settings.load(None, [], base=settings(data, out, steps)), progress=False)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    steps_done = [r for r in records if "step_s" in r]
+    checks = [r for r in steps_done if "lsp_check_s" in r]
+    total, checked = sum(r["step_s"] for r in steps_done), sum(r["lsp_check_s"] for r in checks)
+    plain = [r["step_s"] for r in steps_done if "lsp_check_s" not in r]
+    return {"steps": len(steps_done), "wall_s": time.perf_counter() - began, "load_1min_before": load,
+            "load_1min_after": os.getloadavg()[0], "train_seconds": total, "fit_and_check_seconds": checked,
+            "share_of_training_time": checked / total, "median_plain_step_s": statistics.median(plain),
+            "checks": [{k: r.get(k) for k in ("step", "lsp_check_s", "lsp_refit", "lsp_fit_steps", "lsp_fit_error_mean",
+                                               "lsp_error_mean", "lsp_error_max", "step_s")} for r in checks],
+            "loss_first_last": [steps_done[0]["loss"], steps_done[-1]["loss"]]}
+
+
+def fit_with_progress(data: Path, root: Path) -> dict:
+    """One step with progress on: the first fit's wall time and its bar's lines (stderr)."""
+    captured = io.StringIO()
+    with contextlib.redirect_stderr(captured):
+        began = time.perf_counter()
+        run, _ = train.fit(run_settings.load(None, [], base=settings(data, root / "progress", 1)), progress=True)
+        wall = time.perf_counter() - began
+    record = [json.loads(line) for line in (root / "progress" / "metrics.jsonl").read_text().splitlines() if line][0]
+    bar = [line.strip() for line in captured.getvalue().replace("\r", "\n").splitlines() if "lsp: fitting" in line]
+    return {"first_fit_s": record["lsp_check_s"], "step_s": record["step_s"], "run_wall_s": wall,
+            "refit": record["lsp_refit"], "fit_steps": record["lsp_fit_steps"],
+            "fit_error_mean": record.get("lsp_fit_error_mean"), "bar_lines": list(dict.fromkeys(bar))[:4],
+            "load_1min": os.getloadavg()[0]}
+
+
+def old_fit_per_shape() -> dict:
+    """The fit as it was (autograd through the sparse products), 5 steps on one random gradient of each
+    SmolLM2 block shape; per step times and the scaled whole (labelled)."""
+    from torch.utils.checkpoint import checkpoint  # noqa: F401  (keeps torch's lazy imports out of the timing)
+
+    g = torch.Generator().manual_seed(0)
+    counts = {(576, 576): 60, (192, 576): 60, (1536, 576): 60, (576, 1536): 30}
+    out, old_total, new_total = {}, 0.0, 0.0
+    for (n_o, n_i), count in counts.items():
+        grad = torch.randn(n_o, n_i, generator=g)
+        pair = [projectors.SparseProjector.random(n, 64, 4, g, torch.float32, torch.device("cpu")) for n in (n_o, n_i)]
+        values = [p.val.clone().requires_grad_() for p in pair]
+        optimizer = torch.optim.Adam(values, lr=0.05)
+        total = grad.pow(2).sum()
+        began = time.perf_counter()
+        for _ in range(5):
+            loss = projectors.squared_residual(grad, *(projectors.SparseProjector(p.pos, v, 64) for p, v in
+                                                       zip(pair, values)), total) / total
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        old = (time.perf_counter() - began) / 5
+        fit = projectors.ValueFit(*pair, lr=0.05, steps=5, generator=g)
+        began = time.perf_counter()
+        fit.observe(grad)
+        new = (time.perf_counter() - began) / 5
+        out[f"{n_o}x{n_i}"] = {"matrices": count, "old_step_ms": old * 1e3, "new_step_ms": new * 1e3}
+        old_total += old * count * 100
+        new_total += new * count * 100
+    return {"per_shape": out, "scaled_210_matrices_x_100_steps_s (formula: per-step time x matrices x 100)":
+            {"old": old_total, "new": new_total}}
+
+
+def run(quick: bool) -> dict:
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        data = word_task(root)
+        shapes = old_fit_per_shape()
+        print(f"fit step times: {shapes}", flush=True)
+        progress = fit_with_progress(data, root)
+        print(f"first fit: {progress}", flush=True)
+        training = training_run(data, root, QUICK_STEPS if quick else STEPS)
+        print(f"training: share {training['share_of_training_time']:.3f}", flush=True)
+    return {"model": "SmolLM2-135M-Instruct (scripts/make_smollm2.py), full fine-tuning, engine lsp at its defaults",
+            "task": "spell a made-up 3-6 letter word with dashes (3,000 generated, seed 0), batch 8 x 32 tokens",
+            "threads": torch.get_num_threads(), "first_fit": progress, "training": training, "fit_step": shapes,
+            "goals": {"first_fit_s": 60, "share_of_training_time": 0.10},
+            "met": {"first_fit_s": progress["first_fit_s"] <= 60,
+                    "share_of_training_time": training["share_of_training_time"] <= 0.10},
+            "wall_s": time.perf_counter() - began}
