@@ -613,7 +613,8 @@ static inline __m512i fixed16(const Segments *s, __m512 x, __m512 scale, __m512i
     const __mmask16 above = _mm512_cmpgt_epi32_mask(floored, _mm512_permutex2var_epi32(s->threshold_lo, binade,
                                                                                         s->threshold_hi));
     binade = _mm512_mask_add_epi32(binade, above, binade, _mm512_set1_epi32(1));
-    const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(floored), _mm512_permutex2var_ps(s->slope_lo, binade, s->slope_hi),
+    const __m512 slope = _mm512_permutex2var_ps(s->slope_lo, binade, s->slope_hi);
+    const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(floored), slope,
                                         _mm512_permutex2var_ps(s->intercept_lo, binade, s->intercept_hi));
     const __m512i fixed = line_fixed_top(s, binade, _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEAREST_INT |
                                                                                    _MM_FROUND_NO_EXC));
@@ -658,7 +659,8 @@ static inline void code_interleaved(const Coded *c, const Segments *s, __m512i o
    coded. Returns where it stopped. */
 static inline __attribute__((always_inline)) int64_t split_blocks_of(const Run *r, const Hyper *h, int64_t at,
                                                                       int64_t end, const int kind) {
-    const Constants k = {_mm512_set1_ps(h->decay), _mm512_set1_ps(kind & SMALL ? h->lerp_weight : h->lerp_weight - 1.0f),
+    const float coeff = kind & SMALL ? h->lerp_weight : h->lerp_weight - 1.0f;
+    const Constants k = {_mm512_set1_ps(h->decay), _mm512_set1_ps(coeff),
                          _mm512_set1_ps(h->beta2), _mm512_set1_ps(h->one_minus_beta2), _mm512_set1_ps(h->bias2_sqrt),
                          _mm512_set1_ps(h->eps), _mm512_set1_ps(h->step_size), _mm512_set1_ps(h->clip)};
     const Coded *cm = &r->exp_avg_coded, *cv = &r->exp_avg_sq_coded;
