@@ -15,8 +15,8 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
 # Storages the runtime placed on the host on purpose; the CPU meter never counts them.
 _HOST_RESIDENT: dict[int, weakref.finalize] = {}
@@ -98,12 +98,35 @@ class TransientReplay:
             return
         meter = meters[0]
         meter.track([like, *(a for a in args if isinstance(a, torch.Tensor))])  # inputs are not its transient
-        start, before = meter.current, (meter.peak, meter.peak_breakdown)
-        meter.peak = start
-        fn(*args)
-        self.peaks[key] = meter.peak - start
-        if meter.peak < before[0]:
-            meter.peak, meter.peak_breakdown = before
+        self.peaks[key] = _transient(meter, fn, *args)
+
+
+def _transient(meter: LiveBytesMeter, fn, *args) -> int:
+    """fn(*args) on `meter`, and how far above the bytes it began with it went."""
+    start, before = meter.current, (meter.peak, meter.peak_breakdown)
+    meter.peak = start
+    fn(*args)
+    peak = meter.peak - start
+    if meter.peak < before[0]:
+        meter.peak, meter.peak_breakdown = before
+    return peak
+
+
+def replayed(key, fn) -> None:
+    """In the planner's estimate (a MeteredFakeMode that meters), fn() runs once per key of its
+    replay table, and later calls with that key allocate the transient peak it measured and drop it
+    in one op, which is all the meter sees of fn; elsewhere (a real run, or no meter) fn() just runs.
+    For calls that leave memory as they found it (they write into tensors that exist) and hold a
+    transient that `key` decides: a later tile of a tiled block's forward, which every block of a
+    step and both steps of the estimate by depth repeat (step/seq_tiles.py)."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    meter = mode.meter if isinstance(mode, MeteredFakeMode) else None
+    if meter is None or meter.host_allocations:
+        fn()
+    elif key in mode.replays:
+        torch.empty(mode.replays[key], dtype=torch.uint8, device=meter.device_type)  # made and dropped at once
+    else:
+        mode.replays[key] = _transient(meter, fn)
 
 
 def is_host_resident(tensor: torch.Tensor) -> bool:
@@ -210,10 +233,20 @@ class LiveBytesMeter(TorchDispatchMode):
     def __enter__(self):
         self.thread = threading.get_ident()
         _ACTIVE.add(self)
+        inner = _get_current_dispatch_mode()
+        if isinstance(inner, MeteredFakeMode) and inner.meter is None:
+            inner.attach(self)  # counted by the fake mode: one Python mode fewer an op
+            self._host_mode = inner
+            return self
+        self._host_mode = None
         return super().__enter__()
 
     def __exit__(self, *exc):
         _ACTIVE.discard(self)
+        if getattr(self, "_host_mode", None) is not None:
+            self._host_mode.attach(None)
+            self._host_mode = None
+            return None
         return super().__exit__(*exc)
 
     def close(self) -> None:
@@ -225,6 +258,10 @@ class LiveBytesMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.host_allocations or func in _ALLOCATES_NOTHING:  # host memory in the making
             return func(*args, **(kwargs or {}))  # (host_allocation): not the device's
+        return self.counted(func, args, kwargs, lambda: func(*args, **(kwargs or {})))
+
+    def counted(self, func, args, kwargs, run):
+        """run() (func on args), with its inputs and outputs counted."""
         # Inputs first: a tensor made before the meter started is live when it is used.
         category = self.category
         for t in _tensors(args):
@@ -232,7 +269,7 @@ class LiveBytesMeter(TorchDispatchMode):
         if kwargs:
             for t in _tensors(kwargs.values()):
                 self._track_one(t, category)
-        out = func(*args, **(kwargs or {}))
+        out = run()
         for t in _tensors((out,)):
             self._track_one(t, category)
         return out
@@ -241,6 +278,63 @@ class LiveBytesMeter(TorchDispatchMode):
 # Queries the dispatcher makes of a tensor subclass (two in three of a fake step's calls reach the
 # meter as prim.device): they allocate nothing and their argument was counted when it was made.
 _ALLOCATES_NOTHING = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+
+
+_PRIM_DEVICE = torch.ops.prim.device.default
+
+
+class MeteredFakeMode(FakeTensorMode):
+    """The planner's FakeTensorMode, which also does the counting of a LiveBytesMeter entered inside
+    it (LiveBytesMeter.__enter__ attaches itself instead of pushing a mode of its own). The counts
+    are the same: the meter sees each op the step dispatches, before the fake mode runs it, and none
+    of the ops the fake mode runs inside (a decomposition), as an outer mode would; but every op
+    passes one Python mode, not two. And a FakeTensor's device, which the dispatcher asks for about
+    twice an op (prim.device: two in three of a fake step's calls, most from autograd), is answered
+    at once, as FakeTensor's own handler answers it. Under it a step's estimate takes about an eighth
+    less time (benchmarks/docs/max_seq_time.md).
+
+    A meter pushed as a mode sees nothing while the modes are switched off (_disable_current_modes:
+    the runtime's inline host jobs); a FakeTensor's op then enters the fake mode again on its own
+    (`with fake_mode`). So the attached meter counts only ops dispatched at the depth of entries it
+    attached at."""
+
+    def __init__(self, *args, replays: dict | None = None, **kwargs):
+        """`replays`: the table of replayed() (transient peaks by key), shared by the steps of one
+        estimate (the two depths of the estimate by depth)."""
+        super().__init__(*args, **kwargs)
+        self.meter: LiveBytesMeter | None = None
+        self.replays = {} if replays is None else replays
+        self.entries = 0  # times entered and not left: `with mode` nested
+        self.metered_entries = -1  # the entries at which the meter attached
+        self._inside = 0  # > 0 while the fake mode runs an op: what it dispatches then is its own
+
+    def __enter__(self):
+        self.entries += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.entries -= 1
+        return super().__exit__(*exc)
+
+    def attach(self, meter: LiveBytesMeter | None) -> None:
+        self.meter, self.metered_entries = meter, self.entries
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and len(args) == 1 and isinstance(args[0], FakeTensor):
+            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        meter = self.meter  # a pushed meter sees its own thread only (modes are per thread)
+        if meter is None or meter.thread != threading.get_ident() or self.entries != self.metered_entries:
+            return super().__torch_dispatch__(func, types, args, kwargs or {})
+        if self._inside or meter.host_allocations or func in _ALLOCATES_NOTHING:
+            return self._run(func, types, args, kwargs)
+        return meter.counted(func, args, kwargs, lambda: self._run(func, types, args, kwargs))
+
+    def _run(self, func, types, args, kwargs):
+        self._inside += 1
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs or {})
+        finally:
+            self._inside -= 1
 
 
 def _tensors(values) -> Iterator[torch.Tensor]:

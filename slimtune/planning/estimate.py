@@ -16,8 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from slimtune import assembly, engines
 from slimtune.dist import ranks as distributed
 from slimtune.device import memory
@@ -111,10 +109,12 @@ def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch
     return _step(config, cfg, real_batch)[0]
 
 
-def _step(config, cfg: RunConfig, real_batch: Batch, segments: bool = False) -> tuple[Estimate, dict | None]:
-    """One fake step at `config`'s depth; with `segments`, the peak of each marked segment too."""
+def _step(config, cfg: RunConfig, real_batch: Batch, segments: bool = False,
+          replays: dict | None = None) -> tuple[Estimate, dict | None]:
+    """One fake step at `config`'s depth; with `segments`, the peak of each marked segment too.
+    `replays`: memory.replayed's table, shared with another step of the same plan and batch."""
     precision = assembly.resolve_precision(cfg.precision, torch.device("cuda"))  # planned for a GPU
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = memory.MeteredFakeMode(allow_non_fake_inputs=True, replays=replays)  # the step's meter counts inside it
     stack = Stack(fake_model(config, assembly.run_weight_dtype(cfg, precision), mode))
     counting = distributed.Counting()
     with mode:
@@ -181,7 +181,8 @@ def at_depth(config, depth: int):
 def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tuple[int, int]) -> Estimate | None:
     """The full-depth estimate from steps at the two probe depths; None when their segments do not
     line up as the loop structure says they must (then the caller runs the full depth)."""
-    shallow, deep = (_step(at_depth(config, d), cfg, real_batch, segments=True) for d in probes)
+    replays: dict = {}  # the two depths run the same blocks on the same batch
+    shallow, deep = (_step(at_depth(config, d), cfg, real_batch, segments=True, replays=replays) for d in probes)
     fits = _segment_fits(shallow[1], deep[1], probes, margin)
     if fits is None:
         return None
