@@ -48,15 +48,28 @@ def forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, tile
     block = _Block(stack, index, x, inputs, tile)
     out = None
     for start in memory.representative(block.starts, x):
-        with block.tile_rng(start), torch.no_grad():
-            xi = x[:, start : start + tile]
-            n = block.layer.input_layernorm(xi)
-            block.write_kv(start, *block.kv(n, start))
-            y = block.rest(xi, block.q(n, start), block.keys(start), block.values(start), start)
-        out = y.new_empty(x.shape[:2] + y.shape[2:]) if out is None else out
+        if out is not None:  # K, V and the output exist: the tile writes into them and keeps nothing
+            memory.replayed(block.tile_key("forward", start), lambda: _forward_tile(block, start, out))
+            continue
+        y, n = _forward_tile(block, start)
+        out = y.new_empty(x.shape[:2] + y.shape[2:])
         out[:, start : start + tile] = y
         del y, n
     return out
+
+
+def _forward_tile(block: "_Block", start: int, out: torch.Tensor | None = None):
+    """One tile of the forward: its keys and values into K and V, and its output into `out`; without
+    `out`, the output and the tile's normed input are returned (both live while `out` is made)."""
+    with block.tile_rng(start), torch.no_grad():
+        xi = block.x[:, start : start + block.tile]
+        n = block.layer.input_layernorm(xi)
+        block.write_kv(start, *block.kv(n, start))
+        y = block.rest(xi, block.q(n, start), block.keys(start), block.values(start), start)
+    if out is None:
+        return y, n
+    out[:, start : start + block.tile] = y
+    return None
 
 
 def backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor, inputs: BlockInputs,
@@ -180,9 +193,24 @@ class _Block:
     def recompute_kv(self) -> None:
         """K and V of the whole sequence without grad, tile by tile (the backward's first pass)."""
         for start in memory.representative(self.starts, self.x, alike_from=0):
-            with self.tile_rng(start), torch.no_grad():
-                n = self.layer.input_layernorm(self.x[:, start : start + self.tile])
-                self.write_kv(start, *self.kv(n, start))
+            if self.k_all is None:
+                self._recompute_kv_tile(start)
+            else:  # K and V exist: the tile writes into them and keeps nothing
+                memory.replayed(self.tile_key("recompute_kv", start), lambda: self._recompute_kv_tile(start))
+
+    def _recompute_kv_tile(self, start: int) -> None:
+        with self.tile_rng(start), torch.no_grad():
+            n = self.layer.input_layernorm(self.x[:, start : start + self.tile])
+            self.write_kv(start, *self.kv(n, start))
+
+    def tile_key(self, part: str, start: int) -> tuple:
+        """What decides the transient bytes of a tile of `part` (memory.replayed): the tile's queries and
+        key prefix, its mask, the block's tensors and the step's dtypes; not the block's index."""
+        stop = min(start + self.tile, self.seq)
+        first = self.first_key(start)
+        cast = torch.is_autocast_enabled(self.x.device.type) and torch.get_autocast_dtype(self.x.device.type)
+        return (part, stop - start, stop - first, start - first, self.window, self.segments is None,
+                tuple(self.x.shape), self.x.dtype, cast, self.layer.training, _signature(self.layer))
 
     def first_key(self, start: int) -> int:
         return self.firsts[start // self.tile]
@@ -219,6 +247,12 @@ class _Block:
         if self.seed is None:
             return contextlib.nullcontext()
         return _seeded(self.seed + start, self.x.device)
+
+
+def _signature(layer: nn.Module) -> tuple:
+    """A block's parameters and buffers by name, shape, dtype and whether they train."""
+    return tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+                 for name, t in (*layer.named_parameters(), *layer.named_buffers()))
 
 
 def causal_band(queries: int, keys: int, offset: int, window: int | None, device) -> torch.Tensor:
