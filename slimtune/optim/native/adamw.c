@@ -550,7 +550,10 @@ static inline __attribute__((always_inline)) void narrow32_bf16(const Orders *o,
     const __m512 p0 = _mm512_castsi512_ps(u[0]), p1 = _mm512_castsi512_ps(u[1]);
     *weights = _mm512_permutexvar_epi16(o->packed, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     *residuals = _mm512_permutex2var_epi16(u[0], o->low_words, u[1]);
-    const __mmask16 odd = _mm512_fpclass_ps_mask(p0, 0xA1) | _mm512_fpclass_ps_mask(p1, 0xA1);  /* subnormal, NaN */
+    /* a weight with exponent 0 or 255: a subnormal master (flushed to 0), a NaN, and the zeros and infinities
+       that are right either way; adding 1 to the exponent clears bits 8-14 exactly for those two */
+    const __mmask32 odd = _mm512_testn_epi16_mask(_mm512_add_epi16(*weights, _mm512_set1_epi16(0x0080)),
+                                                  _mm512_set1_epi16(0x7F00));
     if (odd | _mm512_cmpeq_epi16_mask(*residuals, _mm512_set1_epi16((short)0x8000))) narrow32(o, u, weights, residuals);
 }
 #define NARROW32 narrow32_bf16
