@@ -280,7 +280,7 @@ def first_fitting(model_config, cfg: RunConfig, candidates: list[dict], machine:
 
 def applicable_plans(base: RunConfig, machine: Machine | None = None) -> list[dict]:
     """Every engine's plans for the run's method on the machine's cards, less those an engine refuses
-    for the run's other settings (e.g. lsp under train.weight_decay > 0) and sharded plans where
+    for the run's other settings (e.g. chunk over a 4-bit base) and sharded plans where
     there is one rank: those are not candidates, not errors. The device peak of a plan is per card
     (per worker, for an engine using several)."""
     cards, found = machine.cards if machine else 1, []
