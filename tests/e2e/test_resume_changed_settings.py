@@ -72,7 +72,7 @@ CASES = [
     ("slide", {"train.master": "fp32"}, SAME),  # fp32 compute: nothing to split; checkpoints hold fp32 masters
     ("slide", {"train.moments": "8bit"}, DIFFERS),
     ("lsp", {"lsp.alpha": 0.01, "lsp.fit_iterations": 1, "lsp.fit_lr": 0.5, "lsp.schedule": "sync", "lsp.k": 1,
-             "lsp.p": 1, "lsp.h": 1, "lsp.u": 1}, SAME),
+             "lsp.p": 1, "lsp.h": 1, "lsp.u": 1, "lsp.drift": 0.5, "lsp.check_samples": 2}, SAME),
     ("lsp", {"lsp.check_every": 1}, None),
     ("lsp", {"lsp.fit_samples": 3}, None),
     ("lsp", {"lsp.train_other": True}, None),
