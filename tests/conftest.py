@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 
 @pytest.fixture(autouse=True)
@@ -127,3 +128,18 @@ def shapes_in_turn(plans: list[tuple[str, dict]], shapes: list[str]) -> list[tup
     for engine, (method, plan) in first.items():
         cases += [(shape, method, plan) for shape in shapes if (shape, engine) not in met]
     return cases
+
+
+class Fp32RMSNorm(nn.Module):
+    """Llama's RMSNorm: computes in fp32 whatever its input, scales by its weight in the input's dtype. Its
+    backward rounds the incoming gradient to fp32, so a loss must scale the gradient before it, as the plain
+    way does (test_loss.py, test_loss_streamed_norm.py)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim, dtype=torch.float64))
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)

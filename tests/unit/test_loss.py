@@ -15,6 +15,8 @@ from slimtune.config import LossConfig, QuantConfig
 from slimtune.data.dataset import IGNORE_INDEX, trained_positions
 from slimtune.errors import UserError
 
+from conftest import Fp32RMSNorm
+
 pytestmark = pytest.mark.quick  # the losses' exactness, cheap
 
 B, T, D, V = 3, 7, 8, 37
@@ -125,24 +127,10 @@ def test_trained_layernorm_gets_weight_and_bias_gradients(chunk):
     _check_against_reference(hidden, norm, head, _targets("all"), leaves, chunk_size=chunk, masking=False)
 
 
-class _Fp32RMSNorm(nn.Module):
-    """An RMSNorm that computes in fp32 whatever its input, as Llama's does: its backward rounds the
-    incoming gradient to fp32, so the gradient must be scaled before it, as the plain way does."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim, dtype=torch.float64))
-
-    def forward(self, x):
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return self.weight * h.to(x.dtype)
-
-
 @pytest.mark.parametrize("norm_grad", [False, True])
 def test_norm_computing_in_fp32_sees_the_scaled_gradient(norm_grad):
     hidden, _, head = _model(14, head_grad=False)
-    norm = _Fp32RMSNorm(D).requires_grad_(norm_grad)
+    norm = Fp32RMSNorm(D).requires_grad_(norm_grad)
     leaves = [hidden] + ([norm.weight] if norm_grad else [])
     _check_against_reference(hidden, norm, head, _targets("segments"), leaves, chunk_size=4, masking=True)
 

@@ -11,21 +11,10 @@ from torch import nn
 from slimtune.data.dataset import IGNORE_INDEX
 from slimtune.engines.slide.streamed_ce import streamed_ce
 
+from conftest import Fp32RMSNorm
+
 N, D, V = 23, 6, 41
 TOL = dict(rtol=0, atol=1e-12)
-
-
-class Fp32RMSNorm(nn.Module):
-    """Llama's RMSNorm: computes in fp32 whatever its input, scales by its weight in the input's dtype."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim, dtype=torch.float64))
-
-    def forward(self, x):
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return self.weight * h.to(x.dtype)
 
 
 def _norm(kind: str) -> nn.Module:
