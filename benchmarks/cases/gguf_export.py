@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from _smollm2 import smollm2_folder  # benchmarks/cases/ is on the path (run.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 TYPES = ("f16", "bf16", "q8_0")
 PLAIN = "The capital of France is Paris. In 1889, the Eiffel Tower was 312 metres tall; today it is 330."
@@ -88,7 +90,7 @@ def run(quick: bool) -> dict:
 def smollm2(folder: Path, types: tuple[str, ...]) -> dict:
     from slimtune.model.stack import load_model, load_tokenizer
 
-    path = _smollm2()
+    path = smollm2_folder()
     model, tokenizer = load_model(path, torch.float32, torch.device("cpu")).eval(), load_tokenizer(path)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
                                          tokenize=False, add_generation_prompt=True)
@@ -127,15 +129,6 @@ def answers(model, tokenizer, folder: Path) -> dict:
                               capture_output=True, text=True, check=True)
         found[f"llama.cpp, {name}"] = proc.stdout.strip()
     return found
-
-
-def _smollm2() -> Path:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("make_smollm2", ROOT / "scripts" / "make_smollm2.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make()
 
 
 def _smollm2_type(model, tokenizer, prompts: dict, reference: dict, path: Path, kind: str) -> dict:

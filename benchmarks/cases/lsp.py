@@ -125,13 +125,9 @@ def part3(quick: bool) -> dict:
 def part3_larger(quick: bool) -> dict:
     """The same comparison on SmolLM2-135M-Instruct (scripts/make_smollm2.py: pretrained, from PyPI),
     every 5th block (6 of 30, 42 matrices), 4 fit and 4 held-out batches."""
-    import importlib.util
+    from _smollm2 import smollm2_folder  # benchmarks/cases/ is on the path (run.py)
 
-    spec = importlib.util.spec_from_file_location("make_smollm2", Path(__file__).parents[2] / "scripts" /
-                                                  "make_smollm2.py")
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
-    folder = maker.make()
+    folder = smollm2_folder()
     fit = 2 if quick else 4
     grads, shapes = model_gradients(folder, 2 * fit, every_block=5)
     methods = ("learned", "random", "gaussian", "svd_two_sided", "galore_equal_state")

@@ -33,7 +33,6 @@ figure for a loaded machine; two idle cores would not be slower (not measured he
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -49,6 +48,7 @@ import torch
 from slimtune import train
 from slimtune.engines import settings as run_settings
 from slimtune.optim import projectors
+from _smollm2 import smollm2_folder  # benchmarks/cases/ is on the path (run.py)
 
 STEPS, QUICK_STEPS = 201, 3
 TRAIN_EXAMPLES = 3000
@@ -64,14 +64,6 @@ def word_task(folder: Path) -> Path:
     path = folder / "train.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def smollm2_folder() -> Path:
-    spec = importlib.util.spec_from_file_location("make_smollm2", Path(__file__).parents[2] / "scripts" /
-                                                  "make_smollm2.py")
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
-    return maker.make()
 
 
 def settings(data: Path, out: Path, steps: int) -> dict:

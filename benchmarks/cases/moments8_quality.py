@@ -37,7 +37,6 @@ disagree (a 1-point goal on 100 prompts is one prompt).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import random
@@ -50,6 +49,7 @@ from slimtune import demo, train
 from slimtune.data import dataset as data
 from slimtune.engines import settings as run_settings
 from slimtune.serve import inference
+from _smollm2 import smollm2_folder  # benchmarks/cases/ is on the path (run.py)
 
 MOMENTS = ("fp32", "8bit")
 GOAL_POINTS = 1.0
@@ -191,15 +191,6 @@ def addition_task(folder: Path) -> tuple[Path, Path, list[dict]]:
     for path, part in ((train_path, records[:SMOL_TRAIN]), (heldout_path, records[SMOL_TRAIN:])):
         path.write_text("".join(json.dumps(r) + "\n" for r in part))
     return train_path, heldout_path, records[SMOL_TRAIN:]
-
-
-def smollm2_folder() -> Path:
-    """The converted model (made once, cached under ~/.cache by scripts/make_smollm2.py)."""
-    spec = importlib.util.spec_from_file_location("make_smollm2", Path(__file__).parents[2] / "scripts" /
-                                                  "make_smollm2.py")
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
-    return maker.make()
 
 
 def part_smollm2(quick: bool, root: Path) -> dict:
