@@ -227,7 +227,8 @@ def fast_squared_residual(g: torch.Tensor, p_o: SparseProjector, p_i: SparseProj
 
 class ValueFit:
     """Learns one pair's values on a stream of gradients, positions fixed (spec 2.5): the values start
-    afresh, random signs over sqrt(d / (n r)), and each gradient G gets up to `steps` Adam steps on
+    afresh, random signs over sqrt(d / (n r)) (a first fit), or warm, from the pair's current values (a
+    refit: what the last fit learned is where this one starts), and each gradient G gets up to `steps` Adam steps on
     e(G)^2 (a non-finite one is passed over), its gradient in closed form (module docstring). With a
     held-out gradient H beside G (the same batch's other rows), e(H)^2 is read every CHECK_EVERY steps;
     once two readings in a row have not fallen by FALLING (relative) below the best of that gradient's
@@ -245,11 +246,13 @@ class ValueFit:
     FALLING = 1e-3
 
     def __init__(self, p_o: SparseProjector, p_i: SparseProjector, lr: float, steps: int, generator: torch.Generator,
-                 fresh: bool = True):
-        """fresh=False keeps the shapes and draws nothing (fake tensors: the planner's estimate)."""
+                 fresh: bool = True, warm: bool = False):
+        """warm=True starts from the pair's own values (a refit: copies, the pair is left as it is), so the
+        start is the first held-out reading and a fit that cannot beat it ends with those values bit for
+        bit; otherwise fresh draws, or with fresh=False the shapes and no draws (fake tensors: the
+        planner's estimate)."""
         self.pos_o, self.pos_i, self.d = p_o.pos, p_i.pos, p_o.d
-        self.values = [(random_values(p.n, p.r, generator, p.val.dtype, p.val.device).mul_(math.sqrt(p.d / p.n))
-                        if fresh else torch.empty_like(p.val)) for p in (p_o, p_i)]
+        self.values = [_start(p, generator, fresh, warm) for p in (p_o, p_i)]
         self.best = [v.clone() for v in self.values]  # made now: a fit step holds the same memory every time
         self.left, self.right = Transposed(self.pos_o, self.d), Transposed(self.pos_i, self.d)
         self.steps = steps
@@ -315,6 +318,15 @@ class ValueFit:
         val_o.grad.copy_(_at_nonzeros(b, d_c, self.pos_o, val_o, e_o))
         val_i.grad.copy_(_at_nonzeros(bo, d_c.t(), self.pos_i, val_i, e_i))
         return loss
+
+
+def _start(p: SparseProjector, generator: torch.Generator, fresh: bool, warm: bool) -> torch.Tensor:
+    """A fit's starting values for projector p (ValueFit's docstring)."""
+    if warm:
+        return p.val.detach().clone()
+    if fresh:
+        return random_values(p.n, p.r, generator, p.val.dtype, p.val.device).mul_(math.sqrt(p.d / p.n))
+    return torch.empty_like(p.val)
 
 
 def _gram(pos: torch.Tensor, val: torch.Tensor, d: int) -> torch.Tensor:

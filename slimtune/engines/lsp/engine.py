@@ -19,9 +19,10 @@ fixed sample of examples held out of training (lsp.fit_samples, drawn once; the 
 when none was given, as in the planner's estimate) hands each matrix's full gradient to the engine, one matrix at
 a time: every check measures e(G) on it; a matrix whose e(G) grew past its e(G) just after its last
 fit by lsp.drift (or, with lsp.alpha set, one above lsp.alpha) is refit (values only, positions fixed,
-early-stopped on held-out rows) on a second pass and measured again on a third; its Z is first folded
-into W, and its AdamW moments move into the new subspace (spec formulas; never zeroed; step counts go
-on). lsp/learning.py has the rule and the fit. Those passes' device peak is measured with the step
+starting from its current values, early-stopped on held-out rows) on a second pass; if its values
+changed, its Z is first folded into W, its AdamW moments move into the new subspace (spec formulas;
+never zeroed; step counts go on) and it is measured again on a third pass; a refit that kept its
+values leaves the matrix as it was. lsp/learning.py has the rule and the fit. Those passes' device peak is measured with the step
 that runs them and reported with every later step (it recurs).
 
 Weight decay (train.weight_decay, decoupled as in AdamW) is exact: each matrix computes with

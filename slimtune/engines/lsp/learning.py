@@ -11,13 +11,17 @@ matrix for no gain. lsp.alpha, if set, is the spec's absolute rule instead: refi
 
 Both run on a probe pass (the engine's: forward and backward over the sample with the observed
 ProjectedLinears in probe mode, each batch's full gradient handed over in backward, in two halves
-of its rows, and dropped, one matrix at a time). A refit draws fresh values on the fixed positions
-and fits them with Adam: on each batch, up to fit_iterations / batches steps on one half's gradient
-while the other half (examples the fit has not seen) is the held-out gradient whose error stops the
-fit once it stops falling (projectors.ValueFit); the halves swap roles from batch to batch, and the
-pass ends after the batch where the last fit stopped. Then
-the matrix folds Z into W (the old subspace's update goes into the weight) and its AdamW moments move
-into the new subspace with the spec's formulas; the step counts go on.
+of its rows, and dropped, one matrix at a time). A fit learns the values on the fixed positions with
+Adam: on each batch, up to fit_iterations / batches steps on one half's gradient while the other
+half (examples the fit has not seen) is the held-out gradient whose error stops the fit once it
+stops falling (projectors.ValueFit); the halves swap roles from batch to batch, and the pass ends
+after the batch where the last fit stopped. The first fit starts from fresh values; a refit starts
+warm, from the matrix's current values, which are its first held-out reading: a refit that cannot
+beat them stops after that batch's first readings and keeps them bit for bit, and the matrix is left
+exactly as it was (no fold, no moment transfer, no re-measure). A matrix whose values changed folds
+Z into W (the old subspace's update goes into the weight) and its AdamW moments move into the new
+subspace with the spec's formulas; the step counts go on; its error is measured again on the check
+examples as its new baseline.
 
 The fit's ops run off the device meter after the first of each matrix shape (memory.TransientReplay:
 its peak is counted once per shape and stands for the rest); a progress bar counts the matrices.
@@ -106,7 +110,7 @@ class ProjectorLearning:
         """Fit (first time) or check and refit the drifted; `probe_pass(batches, {matrix: observe(halves)})`
         runs the model. Returns the figures for the log."""
         began = time.perf_counter()
-        extras, chosen = {}, list(range(len(self.modules)))
+        extras, chosen, errors = {}, list(range(len(self.modules))), None
         checked = self.check_batches(batches)
         if self.fitted:
             errors = self.measure(checked, probe_pass)
@@ -115,17 +119,27 @@ class ProjectorLearning:
             extras = {"lsp_error_mean": sum(finite) / len(finite) if finite else float("nan"),
                       "lsp_error_max": max(finite, default=float("nan"))}
         if chosen:
-            extras["lsp_fit_steps"] = self.refit(batches, chosen, probe_pass)
-            after = self.measure(checked, probe_pass, chosen)
-            for index, error in zip(chosen, after):
-                self.baseline[index] = error if math.isfinite(error) else None
-            finite = [e for e in after if math.isfinite(e)]
+            extras["lsp_fit_steps"], changed = self.refit(batches, chosen, probe_pass)
+            extras["lsp_refit_kept"] = len(chosen) - len(changed)
+            self._new_baselines(chosen, changed, errors if self.fitted else None, checked, probe_pass)
+            finite = [self.baseline[i] for i in chosen if self.baseline[i] is not None]
             if finite:
                 extras["lsp_fit_error_mean"] = sum(finite) / len(finite)
         extras["lsp_refit"] = len(chosen)
         extras["lsp_check_s"] = time.perf_counter() - began
         self.fitted = True
         return extras
+
+    def _new_baselines(self, chosen: list[int], changed: list[int], errors: list[float] | None, checked: list,
+                       probe_pass: Callable) -> None:
+        """Each fit matrix's error just after its fit, on the check examples: measured again (one more pass)
+        for those whose projectors changed; one that kept its values takes this check's reading, made on the
+        same examples with the same projectors and weights (up to the rounding of other matrices' folds), so
+        when no matrix changed no pass is run."""
+        after = dict(zip(changed, self.measure(checked, probe_pass, changed))) if changed else {}
+        for index in chosen:
+            error = after[index] if index in after else errors[index]
+            self.baseline[index] = error if math.isfinite(error) else None
 
     def check_batches(self, batches: list) -> list:
         """The sample's first batches holding lsp.check_samples examples (rows): what every check and
@@ -170,12 +184,14 @@ class ProjectorLearning:
             return [float("nan")] * len(which)
         return [math.sqrt(max(float(res / tot), 0.0)) if float(tot) > 0 else 0.0 for res, tot in sums.values()]
 
-    def refit(self, batches: list, chosen: list[int], probe_pass: Callable) -> int:
-        """New values for the chosen matrices' projectors; each folds Z into W first, then its moments
-        move into the new subspace. Returns the fit's Adam steps, summed over the matrices."""
+    def refit(self, batches: list, chosen: list[int], probe_pass: Callable) -> tuple[int, list[int]]:
+        """New values for the chosen matrices' projectors: fresh at the first fit, from their current values
+        after it (warm). A matrix whose values changed folds Z into W, then its moments move into the new
+        subspace; one whose fit kept its values exactly (no held-out reading beat the start) is left as it
+        is. Returns the fit's Adam steps, summed over the matrices, and the matrices that changed."""
         steps = max(1, -(-self.settings.fit_iterations // len(batches)))
         fits = {i: projectors.ValueFit(self.modules[i].p_o, self.modules[i].p_i, self.settings.fit_lr, steps,
-                                       self.generator, fresh=not self.fake) for i in chosen}
+                                       self.generator, fresh=not self.fake, warm=self.fitted) for i in chosen}
         seen = dict.fromkeys(chosen, 0)
         replay = memory.TransientReplay()  # the fit's peak counted once per shape, the rest off the meter
         bar = _bar(len(chosen) * len(batches), f"lsp: fitting {len(chosen)} matrices' projectors",
@@ -196,9 +212,17 @@ class ProjectorLearning:
                        lambda: not self.fake and all(fit.done for fit in fits.values()))
         finally:
             bar.close()
-        for index, fit in fits.items():
-            self._adopt(index, fit.pair())
-        return sum(fit.iterations for fit in fits.values())
+        changed = [i for i, fit in fits.items() if not self._kept(i, fit)]
+        for index in changed:
+            self._adopt(index, fits[index].pair())
+        return sum(fit.iterations for fit in fits.values()), changed
+
+    def _kept(self, index: int, fit: projectors.ValueFit) -> bool:
+        """The warm fit of matrix `index` ended on its starting values, bit for bit (never under fake
+        tensors: the planner's estimate counts the adoption's memory)."""
+        module = self.modules[index]
+        return (not self.fake and self.fitted and torch.equal(fit.values[0], module.p_o.val)
+                and torch.equal(fit.values[1], module.p_i.val))
 
     def _adopt(self, index: int, new: tuple[projectors.SparseProjector, projectors.SparseProjector]) -> None:
         """Matrix `index` takes the new projectors: Z (and the decay's scale) into W, moments moved."""

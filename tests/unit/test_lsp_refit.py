@@ -1,0 +1,158 @@
+"""Engine lsp's refits start warm (issue 32 item 4): a refit starts from the matrix's current projector
+values, which count as its first held-out reading, so a refit that cannot beat them keeps them bit for
+bit and leaves the matrix exactly as it was (projectors, Z, W, moments, step count, the folds' random
+draws), with no fold, no moment transfer and no re-measuring pass; the refit's pass ends with the
+batch where the last fit stopped. float64 throughout."""
+
+import math
+
+import pytest
+import torch
+
+from test_lsp import _NoReading, model_of, run_cfg
+from test_projectors import gradient_set, pair
+from test_slide import batches
+from slimtune.engines.lsp import learning
+from slimtune.engines.lsp.engine import LspConfig, LspEngine
+from slimtune.model.stack import Stack
+from slimtune.optim import projectors as pj
+
+CPU = torch.device("cpu")
+F64 = torch.float64
+
+
+def held_out_error(fit_pair, h: torch.Tensor) -> float:
+    return pj.relative_error(h, *fit_pair)
+
+
+def test_a_warm_fit_starts_from_the_pairs_values_and_never_ends_worse_on_its_held_out_rows():
+    """From a learned-looking start (a fit on other gradients) and from a poor one (random sparse):
+    the warm fit's values start as copies of the pair's (the pair untouched), and the values it ends
+    with are no worse on the held-out gradient than the start; from the poor start it improves."""
+    train, held = gradient_set(1, seed=1)[0], gradient_set(1, seed=2)[0]
+    learned = pj.ValueFit(*pair(seed=5), lr=0.05, steps=60, generator=torch.Generator().manual_seed(6))
+    for grad in gradient_set(4, seed=3):
+        learned.observe(grad)
+    for start in (learned.pair(), pair(seed=7)):
+        kept = [p.val.clone() for p in start]
+        fit = pj.ValueFit(*start, lr=0.05, steps=60, generator=torch.Generator().manual_seed(8), warm=True)
+        assert all(torch.equal(v, p.val) and v.data_ptr() != p.val.data_ptr() for v, p in zip(fit.values, start))
+        fresh = pj.ValueFit(*start, lr=0.05, steps=60, generator=torch.Generator().manual_seed(8))
+        assert not torch.equal(fresh.values[0], start[0].val)  # what warm=False would start from
+        fit.observe(train, held)
+        assert all(torch.equal(p.val, k) for p, k in zip(start, kept))
+        assert held_out_error(fit.pair(), held) <= held_out_error(start, held) + 1e-12
+    assert held_out_error(fit.pair(), held) < 0.9 * held_out_error(start, held)  # the poor start: it gains
+
+
+def test_a_warm_fit_that_cannot_beat_its_start_stops_at_its_first_readings_and_keeps_it_bit_for_bit():
+    """A learning rate of 10 overshoots at every step: the readings after the start never beat it, the
+    fit is done after two of them (CHECK_EVERY * 2 steps, not the 100 offered) and its values are the
+    start's, bit for bit, though its steps moved them."""
+    start = pair(seed=5)
+    fit = pj.ValueFit(*start, lr=10.0, steps=100, generator=torch.Generator().manual_seed(8), warm=True)
+    moved = []
+    step = fit.step
+
+    def recorded(*args):
+        step(*args)
+        moved.append(not torch.equal(fit.values[0], start[0].val))
+
+    fit.step = recorded
+    train, held = gradient_set(1, seed=1)[0], gradient_set(1, seed=2)[0]
+    fit.observe(train, held)
+    assert fit.done and fit.iterations == 2 * pj.ValueFit.CHECK_EVERY and all(moved)
+    assert all(torch.equal(v, p.val) for v, p in zip(fit.values, start))
+    assert fit.held_out_error == pytest.approx(held_out_error(start, held), rel=1e-9)
+
+
+def engine_state(engine: LspEngine) -> list:
+    engine.flush()
+    state = []
+    for module, adam in zip(engine.modules, engine.adams):
+        views = adam.member(0, 0)
+        state.append([t.detach().clone() for t in (module.p_o.pos, module.p_o.val, module.p_i.pos, module.p_i.val,
+                                                   module.z, module.weight, views.master, views.exp_avg,
+                                                   views.exp_avg_sq)] + [module.scale, float(adam.state(0)["step"])])
+    return state + [engine.learning.rounding.get_state().clone() if engine.learning.rounding else None]
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class PassCounter:
+    """The engine's probe passes, each as (matrices observed, batches run, batches offered)."""
+
+    def __init__(self, engine: LspEngine):
+        self.passes, self.probe = [], engine._probe_pass
+
+    def __call__(self, batches_, observers, finished=None):
+        ran = [0]
+
+        def after_batch():
+            ran[0] += 1
+            return finished() if finished is not None else False
+
+        self.probe(batches_, observers, after_batch)
+        self.passes.append((len(observers), ran[0], len(batches_)))
+
+
+def test_a_refit_that_cannot_improve_leaves_the_matrix_exactly_as_it_was():
+    """alpha tiny: every matrix is chosen at the check after two training steps (Z and the moments are
+    not zero); lsp.fit_lr 10 overshoots, so every fit keeps its start. The whole state is bit-identical
+    to before the check (a fold would change W, a moment transfer the moments, a fresh start the
+    projectors), the check runs two passes (measure, refit: no re-measure), the refit's ends after its
+    first batch of three, and each baseline is the check's own reading."""
+    model = model_of()
+    cfg = run_cfg(LspConfig(d=8, r=3, check_every=2, alpha=1e-9, fit_iterations=60, fit_lr=10.0, check_samples=2), measure_memory=False)
+    engine = LspEngine(Stack(model), cfg, CPU, "fp64")
+    engine.use_sample(batches(model.config.vocab_size, 50, micro=3))
+    for step in range(2):
+        engine.step(batches(model.config.vocab_size, step))
+    before = engine_state(engine)
+    assert all(torch.count_nonzero(s[4]) > 0 and torch.count_nonzero(s[7]) > 0 for s in before[:-1])
+    counter = PassCounter(engine)
+    extras = engine.learning.check(engine.sample, counter)
+    assert extras["lsp_refit"] == extras["lsp_refit_kept"] == len(engine.modules)
+    assert same(engine_state(engine), before)
+    assert counter.passes == [(len(engine.modules), 1, 1), (len(engine.modules), 1, 3)]
+    measured = learning.ProjectorLearning.measure(engine.learning, engine.learning.check_batches(engine.sample),
+                                                  engine._probe_pass)
+    assert engine.learning.baseline == measured  # the same examples, projectors and weights: the same numbers
+
+
+def test_a_warm_refit_starts_from_the_current_values_and_the_first_fit_from_fresh_ones(monkeypatch):
+    """Every fit's starting values, recorded: the first fit's differ from the engine's initial random
+    projectors; at the check after two steps every refit starts from the values the first fit left.
+    The refits that changed their values are folded and measured again (three passes)."""
+    starts = []
+
+    class Recorded(pj.ValueFit):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            starts.append([v.clone() for v in self.values])
+
+    monkeypatch.setattr(learning.projectors, "ValueFit", Recorded)
+    model = model_of()
+    cfg = run_cfg(LspConfig(d=8, r=3, check_every=2, alpha=1e-9, fit_iterations=20), measure_memory=False)
+    engine = LspEngine(Stack(model), cfg, CPU, "fp64")
+    engine.use_sample(batches(model.config.vocab_size, 50, micro=2))
+    initial = [(m.p_o.val.clone(), m.p_i.val.clone()) for m in engine.modules]
+    engine.step(batches(model.config.vocab_size, 0))
+    first = [(m.p_o.val.clone(), m.p_i.val.clone()) for m in engine.modules]
+    assert len(starts) == len(engine.modules)
+    assert not any(torch.equal(s[0], o) or torch.equal(s[1], i) for s, (o, i) in zip(starts, initial))
+    starts.clear()
+    engine.step(batches(model.config.vocab_size, 1))
+    counter = PassCounter(engine)
+    extras = engine.learning.check(engine.sample, counter)
+    assert len(starts) == len(engine.modules)
+    assert all(torch.equal(s[0], o) and torch.equal(s[1], i) for s, (o, i) in zip(starts, first))
+    changed = len(engine.modules) - extras["lsp_refit_kept"]
+    assert changed > 0 and len(counter.passes) == 3 and counter.passes[2][0] == changed
+    assert all(b is not None and math.isfinite(b) for b in engine.learning.baseline)
