@@ -183,17 +183,26 @@ def batch_stream(run: Run) -> data.BatchStream:
 
 
 def evaluate(run: Run, batches: list[data.Batch]) -> dict:
-    """Exact loss and perplexity over `batches`: shared out across ranks under ddp; under fsdp every
-    rank runs them all (a sharded block's forward is a collective: the ranks must run alike)."""
+    """Exact loss and perplexity over `batches`, shared out across ranks (evaluate_sums)."""
     if not batches:
         return {}
     sharded = run.cfg.dist.strategy == "fsdp" and run.dist.active
-    mine = batches if sharded or not run.dist.active else run.dist.shard(batches)
-    loss_sum, tokens = run.engine.evaluate(mine) if mine else (0.0, 0)
-    if run.dist.active and not sharded:
-        loss_sum, tokens = run.dist.sum_floats([loss_sum, tokens], "the evaluation's sums")
+    loss_sum, tokens = evaluate_sums(run.engine, batches, run.dist, sharded)
     loss = loss_sum / max(tokens, 1)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def evaluate_sums(engine, batches: list[data.Batch], dist, sharded: bool) -> tuple[float, int]:
+    """(summed loss, tokens) over `batches`, each rank a share (Dist.shard), the sums summed across
+    ranks. `sharded` (fsdp): a sharded forward is a collective, so a rank whose share is one short
+    runs its first batch again, uncounted, and every rank runs as many forwards."""
+    mine = dist.shard(batches)
+    loss_sum, tokens = engine.evaluate(mine) if mine else (0.0, 0)
+    if sharded and len(mine) < -(-len(batches) // dist.world_size):
+        engine.evaluate(batches[:1])
+    if dist.active:
+        loss_sum, tokens = dist.sum_floats([loss_sum, tokens], "the evaluation's sums")
+    return loss_sum, int(tokens)
 
 
 def resume(run: Run, stream: data.BatchStream, say=print) -> int:
