@@ -242,12 +242,22 @@ class DistConfig:
         "ddp", "Under torchrun (or --nproc): ddp: every rank holds the whole model and its gradients are summed across"
                " ranks; fsdp (engine resident): the blocks' weights, gradients and AdamW state are sharded across ranks"
                " (FSDP2), the embedding, final norm and head kept whole on every rank.")
+    param_dtype: Literal["auto", "bf16", "fp32"] = setting(
+        "auto", "fsdp: the dtype weights are gathered and computed in (FSDP2's MixedPrecisionPolicy.param_dtype); auto:"
+                " bf16 under precision=bf16, else the weights' own. The sharded master weights and AdamW stay fp32.")
+    reduce_dtype: Literal["fp32", "bf16"] = setting(
+        "fp32", "fsdp with bf16 gathers: the dtype gradients are reduce-scattered in (MixedPrecisionPolicy.reduce_dtype);"
+                " bf16 halves that traffic and rounds the sum.")
     timeout_s: float = setting(
         600.0, "Under torchrun: how long a rank waits for the others (a collective, or rank 0 writing a checkpoint)"
                " before the run ends on every rank with a message.")
 
     def validate(self) -> None:
         positive("dist.timeout_s", self.timeout_s)
+        for name, default in (("param_dtype", "auto"), ("reduce_dtype", "fp32")):
+            if self.strategy != "fsdp" and getattr(self, name) != default:
+                raise UserError(f"dist.{name} sets how FSDP gathers and reduces: it needs dist.strategy=fsdp (it is"
+                                f" {self.strategy}).")
 
 
 @dataclass

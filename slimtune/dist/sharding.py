@@ -23,18 +23,48 @@ import torch
 from torch import nn
 
 from slimtune.dist.ranks import Dist
+from slimtune.errors import UserError
 
 
-def shard_blocks(blocks: nn.ModuleList, device: torch.device, dist: Dist) -> None:
-    """Every block becomes an FSDP2 unit over all ranks (a 1-D mesh on the run's device type)."""
+def gather_dtype(param_dtype: str, precision: str) -> torch.dtype | None:
+    """The dtype FSDP gathers (and the step computes with) the weights in; None: their own dtype.
+    bf16 only under precision=bf16: elsewhere nothing casts the activations to meet bf16 weights."""
+    if param_dtype == "auto":
+        return torch.bfloat16 if precision == "bf16" else None
+    if param_dtype == "bf16" and precision != "bf16":
+        raise UserError(f"dist.param_dtype=bf16 computes with bf16 weights and needs precision=bf16 (it is {precision});"
+                        " leave dist.param_dtype=auto.")
+    if param_dtype == "fp32" and precision == "fp64":
+        raise UserError("dist.param_dtype=fp32 would round the fp64 weights of precision=fp64; leave dist.param_dtype=auto.")
+    return torch.bfloat16 if param_dtype == "bf16" else None
+
+
+def precision_policy(dist_cfg, precision: str):
+    """FSDP2's MixedPrecisionPolicy for the run: weights gathered in gather_dtype, gradients reduce-
+    scattered in dist.reduce_dtype when that is bf16 (else in their own dtype), the sharded masters
+    and AdamW in the weights' own dtype (fp32). Inputs are not cast (cast_forward_inputs=False): the
+    step's autocast casts what the matmuls take, as it does on one process."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    gathered = gather_dtype(dist_cfg.param_dtype, precision)
+    if dist_cfg.reduce_dtype == "bf16" and gathered is None:
+        raise UserError("dist.reduce_dtype=bf16 rounds the gradients of bf16 gathers; it needs dist.param_dtype=bf16"
+                        " (the default under precision=bf16).")
+    reduced = None if gathered is None else {"fp32": torch.float32, "bf16": torch.bfloat16}[dist_cfg.reduce_dtype]
+    return MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=reduced, cast_forward_inputs=False)
+
+
+def shard_blocks(blocks: nn.ModuleList, device: torch.device, dist: Dist, policy=None) -> None:
+    """Every block becomes an FSDP2 unit over all ranks (a 1-D mesh on the run's device type),
+    gathered as `policy` (precision_policy) says."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.world_size,))
     for block in blocks:
         # Each block is its own FSDP root (no parent unit: the edges stay whole), and a root left to
         # its default keeps its weights gathered from forward to backward: re-shard them explicitly.
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy or MixedPrecisionPolicy())
         block.set_gradient_divide_factor(1.0)
         # Plain SUM collectives with the factor applied after (exactly 1): gloo has no PREMUL_SUM.
         block.set_force_sum_reduction_for_comms(True)

@@ -39,7 +39,7 @@ class ResidentEngine(Engine):
         self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
         self.sharded, self.method = cfg.dist.strategy == "fsdp" and dist.active, cfg.method
         if self.sharded:
-            sharding.shard_blocks(stack.blocks, device, dist)
+            sharding.shard_blocks(stack.blocks, device, dist, sharding.precision_policy(cfg.dist, precision))
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         # Fused AdamW on every device: the fastest form and the leanest in temporaries, and one
@@ -198,6 +198,8 @@ def validate(cfg: RunConfig) -> None:
                         " roundpipe); engine=resident keeps torch's AdamW on the device: set train.moments=fp32.")
     if cfg.dist.strategy != "fsdp":
         return
+    if cfg.precision != "auto":  # auto is resolved where the run starts (bf16 on CUDA): checked there
+        sharding.precision_policy(cfg.dist, cfg.precision)
     if cfg.activations.checkpoint != "none":
         raise UserError(f"dist.strategy=fsdp runs without block checkpointing; set activations.checkpoint=none (it is"
                         f" {cfg.activations.checkpoint}), or use dist.strategy=ddp.")

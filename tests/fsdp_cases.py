@@ -1,0 +1,97 @@
+"""dist.strategy=fsdp cases, run two ways: under torchrun by `python fsdp_cases.py OUT` (each rank
+trains its share of every step: micro-batches r, r + W, ...; every rank writes what it found and
+holds to OUT/<case>-rank<r>.pt), and in one process on the whole step (`run_case` with SINGLE).
+tests/unit/test_fsdp.py compares the two. Several checks share one job: starting ranks is the cost."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
+
+from conftest import engine_config  # noqa: E402
+from test_slide import batches, model_of  # noqa: E402
+from slimtune import assembly, train  # noqa: E402
+from slimtune.config import DistConfig, TrainConfig  # noqa: E402
+from slimtune.dist import ranks as distributed  # noqa: E402
+from slimtune.engines import settings  # noqa: E402
+
+CPU = torch.device("cpu")
+STEPS = 2
+MICRO = 2  # micro-batches a rank trains a step, whatever the world size
+EVAL_BATCHES = 5  # an uneven share on 2 and 3 ranks: a rank runs a forward it does not count
+TRAIN = dict(steps=STEPS, batch_size=2, weight_decay=0.1, warmup_steps=1, schedule="cosine", max_grad_norm=0.5)
+# name -> (precision, RunConfig.dist fields, model settings, which world sizes run it)
+CASES = {
+    # precision=bf16: weights gathered in bf16 (FSDP2's MixedPrecisionPolicy), gradients reduced in fp32.
+    "mixed": ("bf16", {}, {}, (2,)),
+    # The same in fp64 without mixed precision: exact but for the order of sums.
+    "untied": ("fp64", {}, {}, (2, 3)),
+    "tied": ("fp64", {}, {"tie_word_embeddings": True}, (2,)),
+}
+LR = {"fp64": 1e-2, "bf16": 1e-3}
+EPS = {"fp64": 1e-8, "bf16": 1e-6}  # as dist_cases: fp32-rounded residues near eps must not steer AdamW
+
+
+def build(name: str, dist: distributed.Dist, world: int):
+    """(engine, model) of case `name` with `world` ranks' micro-batches a step."""
+    precision, dist_fields, model_settings, _ = CASES[name]
+    train_cfg = TrainConfig(**TRAIN, lr=LR[precision], eps=EPS[precision], grad_accum=MICRO * world // dist.world_size)
+    cfg = engine_config(train_cfg, precision=precision, engine="resident", method="full",
+                        dist=DistConfig(strategy="fsdp", **dist_fields))
+    settings.validate(cfg)
+    dtype = torch.float64 if precision == "fp64" else torch.float32
+    model = model_of(3, dtype=dtype, **model_settings)
+    stack = assembly.stack_of(model, cfg, CPU, precision)
+    return assembly.assemble(cfg, stack, CPU, precision, dist), model
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this process holds of `tensors` (a shard's own part only)."""
+    from slimtune.dist.sharding import is_sharded
+
+    held = [t.to_local() if is_sharded(t) else t for t in tensors if t is not None]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
+def held_bytes(engine) -> dict:
+    """What this rank holds between steps: weights, and AdamW's moments."""
+    moments = [v for s in engine.optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    return {"weights": local_bytes(engine.stack.model.parameters()), "optimizer": local_bytes(moments)}
+
+
+def run_case(name: str, dist: distributed.Dist, world: int) -> dict:
+    """Losses, grad norms, trained weights, the weight dtype a block computes with and the bytes held,
+    after STEPS steps of `world` ranks' micro-batches (SINGLE: all of them in one process)."""
+    engine, model = build(name, dist, world)
+    seen = []
+    engine.stack.blocks[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    vocab = model.config.vocab_size
+    losses, norms = [], []
+    for step in range(STEPS):
+        whole = batches(vocab, 1000 + step, micro=MICRO * world, rows=2)
+        total = sum(b.num_targets for b in whole)
+        result = train.combine_ranks(dist, step, engine.step(dist.shard(whole), total))
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    held = held_bytes(engine)
+    eval_sums = train.evaluate_sums(engine, batches(vocab, 77, micro=EVAL_BATCHES, rows=2), dist, sharded=dist.active)
+    weights = {k: v.detach().clone() for k, v in engine.trainable_state().items()}
+    return {"losses": losses, "norms": norms, "weights": weights, "computed_in": seen[0], "held": held,
+            "eval": eval_sums}
+
+
+def main(out: Path) -> None:
+    dist = distributed.from_env(60.0)
+    for name, case in CASES.items():
+        if dist.world_size in case[3]:
+            found = run_case(name, dist, dist.world_size)
+            torch.save({"world": dist.world_size, **found}, out / f"{name}-rank{dist.rank}.pt")
+    print(f"rank {dist.rank}: every case done", file=sys.stderr, flush=True)
+    dist.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

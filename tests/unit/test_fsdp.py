@@ -1,0 +1,121 @@
+"""dist.strategy=fsdp as people run it, on gloo ranks under torchrun (tests/fsdp_cases.py) against
+one process on the whole batch: mixed precision (bf16 gathers, fp32 reduce), everything sharded
+(tied and untied heads), evaluation shared out by rank; and the policy each setting gives."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fsdp_cases
+from conftest import engine_config
+from slimtune.config import DistConfig
+from slimtune.dist import ranks as distributed
+from slimtune.dist import sharding
+from slimtune.engines import settings
+from slimtune.errors import UserError
+
+TESTS = Path(__file__).resolve().parent.parent
+
+
+def torchrun(nproc: int, out: Path, stderr) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=0",
+               str(TESTS / "fsdp_cases.py"), str(out)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=TESTS,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every case on 2 and on 3 ranks (one job each, one after the other: two cores), and meanwhile
+    (the ranks wait on one another) the same cases in this one process on the whole batch."""
+    found, whole = {}, {}
+    for world in (2, 3):
+        out = tmp_path_factory.mktemp(f"fsdp{world}")
+        log = out / "torchrun.err"
+        with log.open("w") as stderr:
+            job = torchrun(world, out, stderr)
+        try:
+            for name, case in fsdp_cases.CASES.items():
+                if world in case[3]:
+                    whole[name, world] = fsdp_cases.run_case(name, distributed.SINGLE, world)
+            job.wait(timeout=300)
+        finally:
+            job.kill()
+        assert job.returncode == 0, log.read_text()[-4000:]
+        for name, case in fsdp_cases.CASES.items():
+            if world in case[3]:
+                found[name, world] = [torch.load(out / f"{name}-rank{r}.pt", weights_only=False) for r in range(world)]
+    return found, whole
+
+
+def assert_same_training(found: dict, ref: dict, loss_tol: float, weight_tol: float, case: str) -> None:
+    assert found["losses"] == pytest.approx(ref["losses"], abs=loss_tol, rel=0), case
+    assert found["norms"] == pytest.approx(ref["norms"], abs=loss_tol, rel=0), case
+    assert found["weights"].keys() == ref["weights"].keys(), case
+    for key, value in ref["weights"].items():
+        torch.testing.assert_close(found["weights"][key], value, atol=weight_tol, rtol=0, msg=f"{case}: {key}")
+
+
+@pytest.mark.parametrize("name,world", [("untied", 2), ("untied", 3), ("tied", 2)])
+def test_sharded_fp64_trains_as_one_process(jobs, name, world):
+    found, whole = jobs
+    assert_same_training(found[name, world][0], whole[name, world], 1e-10, 1e-10, f"{name} on {world} ranks")
+    for rank in found[name, world]:  # evaluation: each rank a share, the sums summed (5 batches: uneven)
+        assert rank["eval"][1] == whole[name, world]["eval"][1]
+        assert rank["eval"][0] == pytest.approx(whole[name, world]["eval"][0], abs=1e-10, rel=0)
+
+
+def test_mixed_precision_trains_as_one_process_within_bf16_rounding(jobs):
+    """Ranks gather the weights in bf16 (FSDP2's MixedPrecisionPolicy) and compute with them; one
+    process under precision=bf16 keeps fp32 weights that autocast rounds to bf16 for the matmuls
+    only. So the two differ by bf16 rounding where the ranks use the weights outside a matmul (the
+    embedding's rows, the norms' scales: 2^-9 relative each) and in the bf16 gradients summed across
+    ranks before their fp32 reduction. Losses, gradient norms and the evaluation's sum are sums of
+    many such terms whose roundings are independent, so they agree far better than one rounding:
+    to 1e-3 relative (measured: 1.3e-4 at most); a rank's own share alone, or a gradient summed
+    twice, is tens of percent off. AdamW's first steps move each
+    weight by about lr whatever its gradient's size, so the weights agree to a small part of lr
+    where the gradients do, and one tiny gradient of the other sign moves a weight 2 lr the other
+    way: the test asks for 99% of the weights within lr / 4 of one process's and none beyond 2 lr."""
+    found, whole = jobs
+    mine, ref = found["mixed", 2][0], whole["mixed", 2]
+    assert mine["computed_in"] == torch.bfloat16 and ref["computed_in"] == torch.float32
+    assert mine["losses"] == pytest.approx(ref["losses"], rel=1e-3)
+    assert mine["norms"] == pytest.approx(ref["norms"], rel=1e-3)
+    assert mine["eval"][1] == ref["eval"][1] and mine["eval"][0] == pytest.approx(ref["eval"][0], rel=1e-3)
+    lr = fsdp_cases.LR["bf16"]
+    for key, value in ref["weights"].items():
+        assert mine["weights"][key].dtype == torch.float32, key  # the masters stay fp32
+        apart = (mine["weights"][key] - value).abs()
+        assert (apart <= lr / 4).float().mean() >= 0.99 and apart.max() <= 2 * lr, f"{key}: {apart.max():.2e}"
+
+
+def test_policy_follows_precision_and_the_dist_fields():
+    policy = sharding.precision_policy(DistConfig(strategy="fsdp"), "bf16")
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    policy = sharding.precision_policy(DistConfig(strategy="fsdp", reduce_dtype="bf16"), "bf16")
+    assert policy.reduce_dtype == torch.bfloat16 and not policy.cast_forward_inputs
+    for precision in ("fp32", "fp64"):
+        policy = sharding.precision_policy(DistConfig(strategy="fsdp"), precision)
+        assert policy.param_dtype is None and policy.reduce_dtype is None  # the weights' own dtype
+    assert sharding.precision_policy(DistConfig(strategy="fsdp", param_dtype="fp32"), "bf16").param_dtype is None
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("fields,precision,said", [
+    (dict(param_dtype="bf16"), "fp32", "dist.param_dtype=bf16 computes with bf16 weights and needs precision=bf16"),
+    (dict(param_dtype="fp32"), "fp64", "dist.param_dtype=fp32 would round the fp64 weights"),
+    (dict(reduce_dtype="bf16"), "fp32", "dist.reduce_dtype=bf16 rounds the gradients of bf16 gathers"),
+    (dict(strategy="ddp", reduce_dtype="bf16"), "bf16", "dist.reduce_dtype sets how FSDP gathers and reduces: it"
+                                                        " needs dist.strategy=fsdp"),
+])
+def test_a_bad_precision_setting_is_one_sentence(fields, precision, said):
+    cfg = engine_config(engine="resident", method="full", precision=precision,
+                        dist=DistConfig(**{"strategy": "fsdp", **fields}))
+    with pytest.raises(UserError, match=said) as err:
+        settings.validate(cfg)
+    assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
