@@ -241,7 +241,7 @@ class DistConfig:
     strategy: Literal["ddp", "fsdp"] = setting(
         "ddp", "Under torchrun (or --nproc): ddp: every rank holds the whole model and its gradients are summed across"
                " ranks; fsdp (engine resident): the blocks' weights, gradients and AdamW state are sharded across ranks"
-               " (FSDP2), the embedding, final norm and head kept whole on every rank.")
+               " (FSDP2), the embedding, final norm and head too (a tied pair as one tensor).")
     param_dtype: Literal["auto", "bf16", "fp32"] = setting(
         "auto", "fsdp: the dtype weights are gathered and computed in (FSDP2's MixedPrecisionPolicy.param_dtype); auto:"
                 " bf16 under precision=bf16, else the weights' own. The sharded master weights and AdamW stay fp32.")

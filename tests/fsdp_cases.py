@@ -29,7 +29,8 @@ CASES = {
     "mixed": ("bf16", {}, {}, (2,)),
     # The same in fp64 without mixed precision: exact but for the order of sums.
     "untied": ("fp64", {}, {}, (2, 3)),
-    "tied": ("fp64", {}, {"tie_word_embeddings": True}, (2,)),
+    "tied": ("fp64", {}, {"tie_word_embeddings": True}, (2, 3)),
+    "mixed_tied": ("bf16", {}, {"tie_word_embeddings": True}, (3,)),
 }
 LR = {"fp64": 1e-2, "bf16": 1e-3}
 EPS = {"fp64": 1e-8, "bf16": 1e-6}  # as dist_cases: fp32-rounded residues near eps must not steer AdamW
@@ -79,8 +80,9 @@ def run_case(name: str, dist: distributed.Dist, world: int) -> dict:
     held = held_bytes(engine)
     eval_sums = train.evaluate_sums(engine, batches(vocab, 77, micro=EVAL_BATCHES, rows=2), dist, sharded=dist.active)
     weights = {k: v.detach().clone() for k, v in engine.trainable_state().items()}
+    shapes = [(tuple(p.shape), p.element_size()) for p in engine.stack.model.parameters()]
     return {"losses": losses, "norms": norms, "weights": weights, "computed_in": seen[0], "held": held,
-            "eval": eval_sums}
+            "eval": eval_sums, "shapes": shapes}
 
 
 def main(out: Path) -> None:

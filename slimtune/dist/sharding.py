@@ -1,17 +1,18 @@
-"""dist.strategy=fsdp: the resident engine's blocks sharded across ranks with FSDP2
+"""dist.strategy=fsdp: every weight of the resident engine sharded across ranks with FSDP2
 (`torch.distributed.fsdp.fully_shard`).
 
-Each decoder block is its own FSDP unit: its weights, their gradients and AdamW's moments are held
-as DTensor shards (dim 0, 1/world each); the block's forward all-gathers its weights and frees them
-after, its backward gathers them again and reduce-scatters the gradients. The weights are gathered
-in their own dtype (fp32; no MixedPrecisionPolicy: autocast casts for the matmuls). The slimtune
-step calls the blocks as modules (Stack.run_block), so FSDP's own hooks do this; nothing is patched.
+Each weight, its gradient and AdamW's moments are held as DTensor shards (dim 0, 1/world each), so
+no rank holds a whole copy of any (shard_model). Each decoder block is an FSDP unit: its forward
+all-gathers its weights and frees them after, its backward gathers them again and reduce-scatters
+the gradients. So is an untied embedding. The final norm, the head and a tied embedding (one
+parameter) belong to the root unit, StepRoot, whose forward is the engine's whole forward and loss:
+they are gathered for the step and their gradients reduce-scattered after its backward. The slimtune
+step calls the blocks and the embedding as modules, so FSDP's own hooks do all this; nothing is
+patched.
 
-The edges (embedding, final norm, LM head: a tied pair is one tensor) stay whole on every rank: the
-loss reads the head's weight in vocabulary tiles rather than calling the head module, which FSDP
-would need to gather it; their gradients are summed across ranks as under ddp. So what fsdp divides
-by the world size is the blocks' weights, gradients and moments (the planner's per-device figure
-divides exactly those).
+Mixed precision (precision_policy): under precision=bf16 the weights are gathered and computed in
+bf16 and the gradients reduce-scattered in fp32 (dist.param_dtype, dist.reduce_dtype); the shards,
+the masters AdamW updates, stay fp32.
 
 Gradients are summed, not averaged, across ranks (divide factor 1): every engine divides its loss
 by the trained-token count of the whole step, summed over ranks, so a sum is the global gradient.
@@ -54,20 +55,39 @@ def precision_policy(dist_cfg, precision: str):
     return MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=reduced, cast_forward_inputs=False)
 
 
-def shard_blocks(blocks: nn.ModuleList, device: torch.device, dist: Dist, policy=None) -> None:
-    """Every block becomes an FSDP2 unit over all ranks (a 1-D mesh on the run's device type),
-    gathered as `policy` (precision_policy) says."""
+class StepRoot(nn.Module):
+    """FSDP's root unit over the whole model (its child): its forward is the function handed in, the
+    engine's forward and loss, so the root's own hooks gather what no block holds (the final norm,
+    the head, a tied embedding) before it, and reduce-scatter their gradients after its backward."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, run):
+        return run()
+
+
+def shard_model(stack, device: torch.device, dist: Dist, policy) -> StepRoot:
+    """Every weight sharded over all ranks (a 1-D mesh on the run's device type), gathered as
+    `policy` (precision_policy) says: each block its own unit; an untied embedding its own (gathered
+    for its lookup, again for its backward); the root (StepRoot) the rest, gathered from the start
+    of the step's forward to the end of its backward (the loss reads the head's weight in tiles
+    rather than calling the head module, and a tied weight serves the first op and the last)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (dist.world_size,))
-    for block in blocks:
-        # Each block is its own FSDP root (no parent unit: the edges stay whole), and a root left to
-        # its default keeps its weights gathered from forward to backward: re-shard them explicitly.
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy or MixedPrecisionPolicy())
-        block.set_gradient_divide_factor(1.0)
+    units = [*stack.blocks, *([] if stack.tied else [stack.embed])]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    root = StepRoot(stack.model)
+    fully_shard(root, mesh=mesh, mp_policy=policy)  # a tied pair: one parameter, FSDP sets it on both modules
+    for unit in (*units, root):
+        unit.set_gradient_divide_factor(1.0)
         # Plain SUM collectives with the factor applied after (exactly 1): gloo has no PREMUL_SUM.
-        block.set_force_sum_reduction_for_comms(True)
+        unit.set_force_sum_reduction_for_comms(True)
+    return root
 
 
 def is_sharded(tensor: torch.Tensor | None) -> bool:

@@ -2,8 +2,8 @@
 
 Under torchrun: dist.strategy=ddp sums the gradients across ranks while the step's last backward
 runs (flat buckets launched as they fill: grad_buckets.py) and waits for the sums before clipping
-and AdamW; dist.strategy=fsdp shards the blocks' weights, gradients and moments across ranks with
-FSDP2 (sharding.py), the edges summed after backward."""
+and AdamW; dist.strategy=fsdp shards every weight, gradient and moment across ranks with FSDP2
+(sharding.py), bf16 gathers under precision=bf16."""
 
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ class ResidentEngine(Engine):
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
         self.sharded, self.method = cfg.dist.strategy == "fsdp" and dist.active, cfg.method
-        if self.sharded:
-            sharding.shard_blocks(stack.blocks, device, dist, sharding.precision_policy(cfg.dist, precision))
+        # fsdp: the root unit every forward runs through (sharding.StepRoot), None otherwise.
+        self.root = sharding.shard_model(stack, device, dist, sharding.precision_policy(cfg.dist, precision)) \
+            if self.sharded else None
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         # Fused AdamW on every device: the fastest form and the leanest in temporaries, and one
@@ -71,8 +72,11 @@ class ResidentEngine(Engine):
             yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
 
     def _loss(self, batch: Batch, reading=memory.NO_READING, training: bool = True, store=None) -> LossOutput:
-        return model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision, batch,
-                          reading, training, store)
+        def loss() -> LossOutput:
+            return model_loss(self.stack, self.activations_cfg, self.loss_cfg, self.device, self.precision, batch,
+                              reading, training, store)
+
+        return loss() if self.root is None else self.root(loss)
 
     def step(self, micro_batches: list[Batch], total_targets: int | None = None,
              then: NextStep | None = None) -> StepResult:
@@ -93,7 +97,7 @@ class ResidentEngine(Engine):
             memory.mark("update")
             if self.buckets is not None:
                 self.buckets.finish()
-            else:  # the edges under fsdp (its shards were reduce-scattered in backward); Counting's count
+            else:  # whole gradients: none under fsdp (reduce-scattered in backward); Counting's count
                 self.dist.all_reduce_(p.grad for p in self.params if not sharding.is_sharded(p.grad))
             grad_norm = self._clip()
             applied = rules.is_finite(grad_norm) and rules.is_finite(exact_sum)
@@ -135,7 +139,15 @@ class ResidentEngine(Engine):
 
     def evaluate(self, batches: list[Batch]) -> tuple[float, int]:
         self.stack.model.eval()
-        return evaluate_batches(batches, lambda b: self._loss(b.to(self.device), training=False).exact_sum)
+        return evaluate_batches(batches, self._eval_loss)
+
+    def _eval_loss(self, batch: Batch) -> torch.Tensor:
+        loss_sum = self._loss(batch.to(self.device), training=False).exact_sum
+        if self.root is not None:
+            # The root keeps its weights gathered after a forward, for a backward: freed after each
+            # batch, every forward gathers alike however a rank's batches are grouped into calls.
+            self.root.reshard()
+        return loss_sum
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The trained weights by name. Under fsdp gathered whole one at a time to the host: a
