@@ -28,6 +28,14 @@ def _key(storage: torch.UntypedStorage) -> int:
     return id(storage)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this process holds of `tensor`: a DTensor's (dist.strategy=fsdp's shards) own part, whose
+    storage is the shard; the wrapper's storage reads as the whole tensor's bytes."""
+    if type(tensor) is torch.Tensor or type(tensor).__name__ != "DTensor":  # by name: no import on the hot path
+        return tensor
+    return tensor._local_tensor
+
+
 def mark_host_resident(tensor: torch.Tensor) -> torch.Tensor:
     """Declare `tensor`'s storage host memory (excluded from device bytes). Returns it."""
     storage = tensor.untyped_storage()
@@ -191,7 +199,7 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def retag(self, tensor: torch.Tensor | None, category: str) -> None:
         """Move a tracked storage to another category (a gradient made during backward)."""
-        entry = self._live.get(_key(tensor.untyped_storage())) if tensor is not None else None
+        entry = self._live.get(_key(_local(tensor).untyped_storage())) if tensor is not None else None
         if entry is not None:
             self.by_category[entry[2]] -= entry[0]
             self.by_category[category] += entry[0]
@@ -199,6 +207,7 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def _track_one(self, t: torch.Tensor, category: str) -> None:
         # Called for every tensor of every op: the common case (already counted) returns first.
+        t = _local(t)
         if t.layout != torch.strided:  # a sparse tensor: its parts are strided tensors, counted as made
             return
         storage = t.untyped_storage()
