@@ -76,13 +76,14 @@ def run_case(name: str, dist: distributed.Dist, world: int) -> dict:
         total = sum(b.num_targets for b in whole)
         result = train.combine_ranks(dist, step, engine.step(dist.shard(whole), total))
         losses.append(result.loss)
+        peak = {"total": result.device_peak_bytes, **(result.device_peak_breakdown or {})}
         norms.append(result.grad_norm)
     held = held_bytes(engine)
     eval_sums = train.evaluate_sums(engine, batches(vocab, 77, micro=EVAL_BATCHES, rows=2), dist, sharded=dist.active)
     weights = {k: v.detach().clone() for k, v in engine.trainable_state().items()}
     shapes = [(tuple(p.shape), p.element_size()) for p in engine.stack.model.parameters()]
     return {"losses": losses, "norms": norms, "weights": weights, "computed_in": seen[0], "held": held,
-            "eval": eval_sums, "shapes": shapes}
+            "eval": eval_sums, "shapes": shapes, "peak": peak}
 
 
 def main(out: Path) -> None:

@@ -122,6 +122,26 @@ def test_every_weight_and_moment_is_held_one_share_a_rank(jobs, name):
             assert share <= one["weights"] / world + sum(torch.Size(s[1:]).numel() * size for s, size in shapes)
 
 
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_the_meter_sees_weights_gradients_and_moments_fall_as_one_over_ranks(jobs, name):
+    """The device meter on each gloo rank (its step's peak, by category) against one process: the
+    weights, gradients and AdamW moments held at the peak are 1/ranks of one process's, to within
+    one row a tensor (FSDP2 pads a shard to whole rows of ceil(rows / ranks)) and a few scalars
+    (Adam's steps, the rotary table); the whole peak falls too."""
+    found, whole = jobs
+    shapes = whole[name, 2]["shapes"]
+    row_bytes = sum(torch.Size(s[1:]).numel() * size for s, size in shapes)
+    one = whole[name, 2]["peak"]
+    totals = [one["total"]]
+    for world in (2, 3):
+        for rank, peak in enumerate(r["peak"] for r in found[name, world]):
+            for category, rows in (("weights", 1), ("gradients", 1), ("optimizer", 2)):
+                share = one[category] / world
+                assert abs(peak[category] - share) <= rows * row_bytes + 1024, f"{category}: rank {rank} of {world}"
+        totals.append(max(r["peak"]["total"] for r in found[name, world]))
+    assert totals == sorted(totals, reverse=True) and totals[-1] < 0.8 * totals[0], totals
+
+
 def test_policy_follows_precision_and_the_dist_fields():
     policy = sharding.precision_policy(DistConfig(strategy="fsdp"), "bf16")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
