@@ -127,8 +127,8 @@ class PlanResult:
             "engine": self.engine,
             "options": self.options,
             "device_peak_bytes": e.device_peak_bytes,
-            "device_peak_kind": ("derived: one device's measurement on fake tensors, the blocks' state divided by"
-                                 " the ranks (rank_plan.sharded)") if self.derived
+            "device_peak_kind": ("derived: one device's measurement on fake tensors, every weight's state divided"
+                                 " by the ranks (rank_plan.sharded)") if self.derived
                                 else "measured on fake tensors (training meter)",
             "ranks": self.ranks,
             "allreduce_bytes": e.allreduce_bytes,
@@ -232,7 +232,8 @@ def per_device_estimate(model_config, cfg: RunConfig, machine: Machine, batch_si
     """What one device holds: the measured estimate; under fsdp derived from it (rank_plan.sharded)."""
     found = cached_estimate(model_config, cfg, batch_size, seq_len)
     if cfg.dist.strategy == "fsdp":
-        found = rank_plan.sharded(found, model_config, machine.ranks(cfg.engine), cfg.train.grad_accum)
+        found = rank_plan.sharded(found, model_config, machine.ranks(cfg.engine), cfg.train.grad_accum,
+                                  rank_plan.gather_bytes(cfg))
     return found
 
 
@@ -474,8 +475,9 @@ def _data_parallel_notes(results: list[PlanResult], machine: Machine) -> list[st
              " machine (a ring all-reduce of the bytes the engine's fake step"
              f" hands to its all-reduces, over the host link{' and an assumed %g GB/s network' % rank_plan.NETWORK_GBPS if machine.nodes > 1 else ''}; modelled, not overlapped)."]
     if any(r.derived for r in results):
-        lines.append("** derived, not measured: the one-device measurement with the blocks' weights, gradients and"
-                     " AdamW moments divided by the ranks and two blocks gathered whole (FSDP2; rank_plan.sharded).")
+        lines.append("** derived, not measured: the one-device measurement with every weight, gradient and AdamW"
+                     " moment divided by the ranks, and two blocks, the head and an untied embedding gathered whole,"
+                     " in bf16 under precision=bf16 (FSDP2; rank_plan.sharded).")
     return lines
 
 

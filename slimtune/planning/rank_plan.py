@@ -5,14 +5,14 @@ Ranks. One per card (N x G), except for an engine that spreads one rank over all
 machine (EngineSpec.uses_cards: roundpipe's workers), which runs one rank per machine (N).
 
 Per device. Under ddp every rank holds what one device holds alone: the measured estimate as it is.
-Under fsdp the blocks' weights, gradients and AdamW moments are divided by the ranks, and two
-blocks' weights (the one computing and the one prefetched) and one block's gradients are gathered
-whole: *derived* from the one-device measurement by that formula (fake tensors cannot run FSDP's
-collectives), and labelled so wherever it is printed.
+Under fsdp every weight, gradient and AdamW moment is divided by the ranks, and what FSDP gathers
+whole at once is added (gathered_bytes: two blocks, the head, an untied embedding, in bf16 under
+mixed precision): *derived* from the one-device measurement by that formula (the step is not yet
+run under a fake process group), and labelled so wherever it is printed.
 
 Speed (modelled). A step on every rank takes the engine's own modelled time plus the sum of its
 gradients across ranks: the bytes the fake step's engine hands to its all-reduces (counted:
-Estimate.allreduce_bytes; under fsdp, two all-gathers and a reduce-scatter of the blocks), moved
+Estimate.allreduce_bytes; under fsdp, the all-gathers and reduce-scatters of sharded), moved
 2(R-1)/R times by a ring over the slowest link it crosses (the card's host link within a machine, an
 assumed network between machines), not overlapped with compute. The job's tokens/s is R times a
 rank's tokens over that time.
@@ -48,30 +48,50 @@ def block_params(model_config, total_params: int) -> int:
     return total_params - vocab * hidden * (1 if tied else 2) - hidden
 
 
-def sharded(found: estimate.Estimate, model_config, ranks_: int, micro_batches: int = 1) -> estimate.Estimate:
-    """The per-device figures of fsdp on `ranks_` ranks, derived from the one-device estimate; its
-    payload too: every micro-batch gathers the blocks twice (forward, backward) and reduce-scatters
-    their gradients. Weights are gathered in their own dtype, fp32 (sharding.py sets no
-    MixedPrecisionPolicy)."""
+def gather_bytes(cfg) -> int:
+    """Bytes a weight (and its unsharded gradient) takes gathered: bf16 under mixed precision (the
+    default under precision=bf16: sharding.gather_dtype), else the weights' own (fp32, fp64)."""
+    if cfg.precision == "bf16" and cfg.dist.param_dtype in ("auto", "bf16"):
+        return 2
+    return 8 if cfg.precision == "fp64" else 4
+
+
+def gathered_bytes(model_config, total_params: int, width: int) -> tuple[int, int]:
+    """(weights, gradients) FSDP holds whole at once, `width` bytes a number (sharding.shard_model):
+    two blocks' weights (the computing one and the next) and one block's gradients; the root's head
+    and final norm (a tied embedding with them) gathered from the step's forward to the end of its
+    backward, the head's gradient with them (the loss makes it in forward); an untied embedding and
+    its gradient at its backward, the last the step runs."""
+    per_block = block_params(model_config, total_params) / model_config.num_hidden_layers
+    head = model_config.vocab_size * model_config.hidden_size + model_config.hidden_size
+    embed = 0 if getattr(model_config, "tie_word_embeddings", False) else model_config.vocab_size * model_config.hidden_size
+    weights = FSDP_GATHERED_BLOCKS * per_block + head + embed
+    return int(width * weights), int(width * (per_block + head + embed))
+
+
+def sharded(found: estimate.Estimate, model_config, ranks_: int, micro_batches: int = 1, width: int = 4) -> estimate.Estimate:
+    """The per-device figures of fsdp on `ranks_` ranks, derived from the one-device estimate: every
+    weight, gradient and AdamW moment divided by the ranks, plus what FSDP gathers whole at once
+    (gathered_bytes, `width` bytes a number: gather_bytes); its payload too: every micro-batch
+    gathers the blocks and an untied embedding twice (forward, backward), the root once, and
+    reduce-scatters every gradient in fp32."""
     if ranks_ <= 1:
         return found
-    share = block_params(model_config, found.total_params) / max(found.trainable_params, 1)
-    kept = 1.0 / ranks_
     breakdown = dict(found.breakdown)
     saved = 0
     for category in ("weights", "gradients", "optimizer"):
-        divided = int(breakdown.get(category, 0) * share * (1 - kept))
+        divided = int(breakdown.get(category, 0) * (1 - 1.0 / ranks_))
         breakdown[category] = breakdown.get(category, 0) - divided
         saved += divided
-    per_block = 4 * block_params(model_config, found.total_params) / model_config.num_hidden_layers  # fp32
-    gathered = int(FSDP_GATHERED_BLOCKS * per_block + per_block)  # two blocks' weights, one's gradients
-    breakdown["weights"] = breakdown.get("weights", 0) + int(FSDP_GATHERED_BLOCKS * per_block)
-    breakdown["gradients"] = breakdown.get("gradients", 0) + int(per_block)
-    blocks = 4 * block_params(model_config, found.total_params)
-    # As all-reduce payloads (sync_seconds applies the ring's 2(R-1)/R): two all-gathers and a
-    # reduce-scatter a micro-batch, each half an all-reduce's traffic; the edges summed as under ddp.
-    payload = int(1.5 * blocks * micro_batches + found.allreduce_bytes * (1 - share))
-    return dataclasses.replace(found, device_peak_bytes=found.device_peak_bytes - saved + gathered,
+    weights, gradients = gathered_bytes(model_config, found.total_params, width)
+    breakdown["weights"] = breakdown.get("weights", 0) + weights
+    breakdown["gradients"] = breakdown.get("gradients", 0) + gradients
+    root = model_config.vocab_size * model_config.hidden_size + model_config.hidden_size  # head, final norm
+    twice = found.total_params - root  # the blocks, an untied embedding
+    # As all-reduce payloads (sync_seconds applies the ring's 2(R-1)/R): an all-gather or a
+    # reduce-scatter moves half an all-reduce's traffic.
+    payload = int(0.5 * (width * (2 * twice + root) + 4 * found.trainable_params) * micro_batches)
+    return dataclasses.replace(found, device_peak_bytes=found.device_peak_bytes - saved + weights + gradients,
                                breakdown=breakdown, allreduce_bytes=payload)
 
 
