@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
 from conftest import engine_config  # noqa: E402
 from test_slide import batches, model_of  # noqa: E402
 from slimtune import assembly, train  # noqa: E402
-from slimtune.config import DistConfig, TrainConfig  # noqa: E402
+from slimtune.config import ActivationsConfig, DistConfig, TrainConfig  # noqa: E402
 from slimtune.dist import ranks as distributed  # noqa: E402
 from slimtune.engines import settings  # noqa: E402
 
@@ -23,7 +23,7 @@ STEPS = 2
 MICRO = 2  # micro-batches a rank trains a step, whatever the world size
 EVAL_BATCHES = 5  # an uneven share on 2 and 3 ranks: a rank runs a forward it does not count
 TRAIN = dict(steps=STEPS, batch_size=2, weight_decay=0.1, warmup_steps=1, schedule="cosine", max_grad_norm=0.5)
-# name -> (precision, RunConfig.dist fields, model settings, which world sizes run it)
+# name -> (precision, RunConfig.dist fields, model settings, which world sizes run it[, other RunConfig fields])
 CASES = {
     # precision=bf16: weights gathered in bf16 (FSDP2's MixedPrecisionPolicy), gradients reduced in fp32.
     "mixed": ("bf16", {}, {}, (2,)),
@@ -31,17 +31,23 @@ CASES = {
     "untied": ("fp64", {}, {}, (2, 3)),
     "tied": ("fp64", {}, {"tie_word_embeddings": True}, (2, 3)),
     "mixed_tied": ("bf16", {}, {"tie_word_embeddings": True}, (3,)),
+    # Block checkpointing under fsdp: each block recomputed through its module call in backward.
+    "recompute": ("fp64", {}, {}, (2,), {"activations": ActivationsConfig(checkpoint="recompute", cache="last_k",
+                                                                          last_k=1)}),
+    "host_tied": ("fp64", {}, {"tie_word_embeddings": True}, (3,), {"activations": ActivationsConfig(checkpoint="host")}),
 }
+# A checkpointed case is held against the plain case (no checkpointing) it differs from.
+PLAIN = {"recompute": "untied", "host_tied": "tied"}
 LR = {"fp64": 1e-2, "bf16": 1e-3}
 EPS = {"fp64": 1e-8, "bf16": 1e-6}  # as dist_cases: fp32-rounded residues near eps must not steer AdamW
 
 
 def build(name: str, dist: distributed.Dist, world: int):
     """(engine, model) of case `name` with `world` ranks' micro-batches a step."""
-    precision, dist_fields, model_settings, _ = CASES[name]
+    precision, dist_fields, model_settings, _, *others = CASES[name]
     train_cfg = TrainConfig(**TRAIN, lr=LR[precision], eps=EPS[precision], grad_accum=MICRO * world // dist.world_size)
     cfg = engine_config(train_cfg, precision=precision, engine="resident", method="full",
-                        dist=DistConfig(strategy="fsdp", **dist_fields))
+                        dist=DistConfig(strategy="fsdp", **dist_fields), **(others[0] if others else {}))
     settings.validate(cfg)
     dtype = torch.float64 if precision == "fp64" else torch.float32
     model = model_of(3, dtype=dtype, **model_settings)
@@ -76,7 +82,8 @@ def run_case(name: str, dist: distributed.Dist, world: int) -> dict:
         total = sum(b.num_targets for b in whole)
         result = train.combine_ranks(dist, step, engine.step(dist.shard(whole), total))
         losses.append(result.loss)
-        peak = {"total": result.device_peak_bytes, **(result.device_peak_breakdown or {})}
+        peak = {"total": result.device_peak_bytes, **(result.device_peak_breakdown or {}),
+                "host": result.host_peak_bytes or 0}
         norms.append(result.grad_norm)
     held = held_bytes(engine)
     eval_sums = train.evaluate_sums(engine, batches(vocab, 77, micro=EVAL_BATCHES, rows=2), dist, sharded=dist.active)

@@ -20,6 +20,8 @@ by the trained-token count of the whole step, summed over ranks, so a sum is the
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -88,6 +90,31 @@ def shard_model(stack, device: torch.device, dist: Dist, policy) -> StepRoot:
         # Plain SUM collectives with the factor applied after (exactly 1): gloo has no PREMUL_SUM.
         unit.set_force_sum_reduction_for_comms(True)
     return root
+
+
+UNTILED = 2**62  # activations.seq_tile that no row reaches: a checkpointed block runs whole
+
+
+def whole_blocks(activations_cfg):
+    """The activations settings a sharded run uses: a checkpointed block runs whole, not in sequence
+    tiles (auto tiles included): FSDP gathers a block's weights when the block module is called, and
+    a tile calls the block's parts."""
+    return dataclasses.replace(activations_cfg, seq_tile=UNTILED, mlp_chunk=0)
+
+
+def refusal(cfg) -> str | None:
+    """Why dist.strategy=fsdp cannot run `cfg` yet, in one sentence (None: it can)."""
+    acts = cfg.activations
+    if acts.checkpoint != "none" and acts.tile:
+        return (f"dist.strategy=fsdp runs a checkpointed block whole, not in sequence tiles (FSDP gathers a block"
+                f" when the block module is called, and a tile calls its parts); set activations.seq_tile=0 (it is"
+                f" {acts.tile}), or use dist.strategy=ddp.")
+    if acts.checkpoint != "none" and acts.cache == "small":
+        return ("dist.strategy=fsdp recomputes a block through its module call, and activations.cache=small would hand"
+                " back logged op outputs there, FSDP's gathers among them; set activations.cache=none or last_k.")
+    if cfg.quant.scheme != "none":
+        return "dist.strategy=fsdp shards float weights, not a 4-bit base; set quant.scheme=none or use dist.strategy=ddp."
+    return None
 
 
 def is_sharded(tensor: torch.Tensor | None) -> bool:

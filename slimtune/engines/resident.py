@@ -36,6 +36,8 @@ class ResidentEngine(Engine):
     def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
         self.stack, self.device, self.precision, self.dist = stack, device, precision, dist
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
+        if cfg.dist.strategy == "fsdp" and dist.active:
+            self.activations_cfg = sharding.whole_blocks(cfg.activations)
         self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
         self.sharded, self.method = cfg.dist.strategy == "fsdp" and dist.active, cfg.method
         # fsdp: the root unit every forward runs through (sharding.StepRoot), None otherwise.
@@ -202,9 +204,8 @@ def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch
 
 
 def validate(cfg: RunConfig) -> None:
-    """dist.strategy=fsdp: FSDP gathers a block when the block module is called, which the block
-    checkpointing of activations.py does in parts, and it shards float tensors, not 4-bit codes.
-    train.moments=8bit is the host optimizer's: this engine runs torch's AdamW where the weights are."""
+    """dist.strategy=fsdp: what sharding.refusal says it cannot do yet. train.moments=8bit is the
+    host optimizer's: this engine runs torch's AdamW where the weights are."""
     if cfg.train.moments == "8bit":
         raise UserError("train.moments=8bit codes the moments of the host optimizer (engines slide, chunk,"
                         " roundpipe); engine=resident keeps torch's AdamW on the device: set train.moments=fp32.")
@@ -212,12 +213,9 @@ def validate(cfg: RunConfig) -> None:
         return
     if cfg.precision != "auto":  # auto is resolved where the run starts (bf16 on CUDA): checked there
         sharding.precision_policy(cfg.dist, cfg.precision)
-    if cfg.activations.checkpoint != "none":
-        raise UserError(f"dist.strategy=fsdp runs without block checkpointing; set activations.checkpoint=none (it is"
-                        f" {cfg.activations.checkpoint}), or use dist.strategy=ddp.")
-    if cfg.quant.scheme != "none":
-        raise UserError("dist.strategy=fsdp shards float weights, not a 4-bit base; set quant.scheme=none or use"
-                        " dist.strategy=ddp.")
+    refused = sharding.refusal(cfg)
+    if refused:
+        raise UserError(refused)
 
 
 def plans(method: str) -> list[dict]:

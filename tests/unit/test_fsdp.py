@@ -11,7 +11,7 @@ import torch
 
 import fsdp_cases
 from conftest import engine_config
-from slimtune.config import DistConfig
+from slimtune.config import ActivationsConfig, DistConfig, QuantConfig
 from slimtune.dist import ranks as distributed
 from slimtune.dist import sharding
 from slimtune.engines import settings
@@ -67,6 +67,37 @@ def test_sharded_fp64_trains_as_one_process(jobs, name, world):
     for rank in found[name, world]:  # evaluation: each rank a share, the sums summed (5 batches: uneven)
         assert rank["eval"][1] == whole[name, world]["eval"][1]
         assert rank["eval"][0] == pytest.approx(whole[name, world]["eval"][0], abs=1e-10, rel=0)
+
+
+@pytest.mark.parametrize("name,world", [("recompute", 2), ("host_tied", 3)])
+def test_checkpointed_blocks_under_fsdp_train_as_one_plain_process(jobs, name, world):
+    """Block checkpointing under fsdp (recompute with the last block's input kept, and inputs in host
+    RAM on a tied model): each block recomputed through its module call in backward, FSDP gathering
+    it again; the weights equal one process's without any checkpointing, fp64, to 1e-10."""
+    found, whole = jobs
+    plain = whole[fsdp_cases.PLAIN[name], world]
+    ranks_plain = found[fsdp_cases.PLAIN[name], world][0]["peak"]
+    mine = found[name, world][0]["peak"]
+    assert mine["total"] < ranks_plain["total"]  # it did checkpoint: the ranks' own plain peak is higher
+    assert (mine["host"] > 0) == (name == "host_tied")
+    for rank in found[name, world]:
+        assert rank["eval"][0] == pytest.approx(plain["eval"][0], abs=1e-10, rel=0)
+    assert_same_training(found[name, world][0], plain, 1e-10, 1e-10, f"{name} on {world} ranks")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("fields,said", [
+    (dict(activations=ActivationsConfig(checkpoint="recompute", seq_tile=64)),
+     "dist.strategy=fsdp runs a checkpointed block whole, not in sequence tiles"),
+    (dict(activations=ActivationsConfig(checkpoint="host", cache="small")),
+     "activations.cache=small would hand back logged op outputs there, FSDP's gathers among them"),
+    (dict(method="lora", quant=QuantConfig(scheme="nf4")), "dist.strategy=fsdp shards float weights, not a 4-bit base"),
+])
+def test_what_fsdp_cannot_do_yet_is_one_sentence(fields, said):
+    cfg = engine_config(**{"engine": "resident", "method": "full", "dist": DistConfig(strategy="fsdp"), **fields})
+    with pytest.raises(UserError, match=said) as err:
+        settings.validate(cfg)
+    assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
 
 
 @pytest.mark.parametrize("name,world", [("mixed", 2), ("mixed_tied", 3)])
