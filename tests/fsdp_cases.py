@@ -3,6 +3,7 @@ trains its share of every step: micro-batches r, r + W, ...; every rank writes w
 holds to OUT/<case>-rank<r>.pt), and in one process on the whole step (`run_case` with SINGLE).
 tests/unit/test_fsdp.py compares the two. Several checks share one job: starting ranks is the cost."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -35,16 +36,20 @@ CASES = {
     "recompute": ("fp64", {}, {}, (2,), {"activations": ActivationsConfig(checkpoint="recompute", cache="last_k",
                                                                           last_k=1)}),
     "host_tied": ("fp64", {}, {"tie_word_embeddings": True}, (3,), {"activations": ActivationsConfig(checkpoint="host")}),
+    "disk": ("fp64", {}, {}, (2,), {"activations": ActivationsConfig(checkpoint="disk")}),  # block files in OUT
 }
 # A checkpointed case is held against the plain case (no checkpointing) it differs from.
-PLAIN = {"recompute": "untied", "host_tied": "tied"}
+PLAIN = {"recompute": "untied", "host_tied": "tied", "disk": "untied"}
 LR = {"fp64": 1e-2, "bf16": 1e-3}
 EPS = {"fp64": 1e-8, "bf16": 1e-6}  # as dist_cases: fp32-rounded residues near eps must not steer AdamW
 
 
-def build(name: str, dist: distributed.Dist, world: int):
-    """(engine, model) of case `name` with `world` ranks' micro-batches a step."""
+def build(name: str, dist: distributed.Dist, world: int, out: Path | None = None):
+    """(engine, model) of case `name` with `world` ranks' micro-batches a step (`out`: where
+    checkpoint=disk writes its block files)."""
     precision, dist_fields, model_settings, _, *others = CASES[name]
+    others = [{k: dataclasses.replace(v, disk_dir=str(out)) if k == "activations" and v.checkpoint == "disk" else v
+               for k, v in others[0].items()}] if others else []
     train_cfg = TrainConfig(**TRAIN, lr=LR[precision], eps=EPS[precision], grad_accum=MICRO * world // dist.world_size)
     cfg = engine_config(train_cfg, precision=precision, engine="resident", method="full",
                         dist=DistConfig(strategy="fsdp", **dist_fields), **(others[0] if others else {}))
@@ -69,10 +74,10 @@ def held_bytes(engine) -> dict:
     return {"weights": local_bytes(engine.stack.model.parameters()), "optimizer": local_bytes(moments)}
 
 
-def run_case(name: str, dist: distributed.Dist, world: int) -> dict:
+def run_case(name: str, dist: distributed.Dist, world: int, out: Path | None = None) -> dict:
     """Losses, grad norms, trained weights, the weight dtype a block computes with and the bytes held,
     after STEPS steps of `world` ranks' micro-batches (SINGLE: all of them in one process)."""
-    engine, model = build(name, dist, world)
+    engine, model = build(name, dist, world, out)
     seen = []
     engine.stack.blocks[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
     vocab = model.config.vocab_size
@@ -97,7 +102,7 @@ def main(out: Path) -> None:
     dist = distributed.from_env(60.0)
     for name, case in CASES.items():
         if dist.world_size in case[3]:
-            found = run_case(name, dist, dist.world_size)
+            found = run_case(name, dist, dist.world_size, out)
             torch.save({"world": dist.world_size, **found}, out / f"{name}-rank{dist.rank}.pt")
     print(f"rank {dist.rank}: every case done", file=sys.stderr, flush=True)
     dist.close()
