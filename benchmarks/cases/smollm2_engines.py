@@ -244,7 +244,7 @@ def save(rows: dict, steps: int, heldout: int, quick: bool) -> None:
 
 def run_rows(names: list[str], quick: bool) -> dict:
     steps, heldout = (QUICK_STEPS, QUICK_HELDOUT) if quick else (STEPS, HELDOUT)
-    rows = stored_rows(quick)
+    rows, loaded = stored_rows(quick), git_state()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         files = task_files(root, heldout)
@@ -255,6 +255,7 @@ def run_rows(names: list[str], quick: bool) -> dict:
                 print(f"{name}: kept from {result_path(quick).name} (commit {rows[name]['commit']['head']})", flush=True)
                 continue
             rows[name] = zero_shot(files, root) if name == "zero_shot" else run_row(name, files, steps, root, quick)
+            rows[name]["code_loaded_at"] = loaded  # what ran: the modules this process imported then
             print(f"{name}: exact match {rows[name]['exact_match']:.3f}, eval loss {rows[name]['eval_loss']}"
                   + (f", {rows[name]['train_wall_s']:.0f} s" if "train_wall_s" in rows[name] else ""), flush=True)
             save(rows, steps, heldout, quick)
