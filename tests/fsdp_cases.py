@@ -37,6 +37,9 @@ CASES = {
                                                                           last_k=1)}),
     "host_tied": ("fp64", {}, {"tie_word_embeddings": True}, (3,), {"activations": ActivationsConfig(checkpoint="host")}),
     "disk": ("fp64", {}, {}, (2,), {"activations": ActivationsConfig(checkpoint="disk")}),  # block files in OUT
+    # LoRA: the frozen base and the adapters sharded alike, the adapters trained.
+    "lora": ("fp64", {}, {}, (2,), {"method": "lora"}),
+    "mixed_lora": ("bf16", {}, {}, (3,), {"method": "lora"}),  # the frozen base stored in bf16
 }
 # A checkpointed case is held against the plain case (no checkpointing) it differs from.
 PLAIN = {"recompute": "untied", "host_tied": "tied", "disk": "untied"}
@@ -51,8 +54,8 @@ def build(name: str, dist: distributed.Dist, world: int, out: Path | None = None
     others = [{k: dataclasses.replace(v, disk_dir=str(out)) if k == "activations" and v.checkpoint == "disk" else v
                for k, v in others[0].items()}] if others else []
     train_cfg = TrainConfig(**TRAIN, lr=LR[precision], eps=EPS[precision], grad_accum=MICRO * world // dist.world_size)
-    cfg = engine_config(train_cfg, precision=precision, engine="resident", method="full",
-                        dist=DistConfig(strategy="fsdp", **dist_fields), **(others[0] if others else {}))
+    fields = {"engine": "resident", "method": "full", **(others[0] if others else {})}
+    cfg = engine_config(train_cfg, precision=precision, dist=DistConfig(strategy="fsdp", **dist_fields), **fields)
     settings.validate(cfg)
     dtype = torch.float64 if precision == "fp64" else torch.float32
     model = model_of(3, dtype=dtype, **model_settings)
@@ -79,7 +82,9 @@ def run_case(name: str, dist: distributed.Dist, world: int, out: Path | None = N
     after STEPS steps of `world` ranks' micro-batches (SINGLE: all of them in one process)."""
     engine, model = build(name, dist, world, out)
     seen = []
-    engine.stack.blocks[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    down = engine.stack.blocks[0].mlp.down_proj
+    down = getattr(down, "base", down)  # a LoRALinear's frozen base
+    down.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
     vocab = model.config.vocab_size
     losses, norms = [], []
     for step in range(STEPS):
