@@ -40,9 +40,10 @@ CASES = {
     # LoRA: the frozen base and the adapters sharded alike, the adapters trained.
     "lora": ("fp64", {}, {}, (2,), {"method": "lora"}),
     "mixed_lora": ("bf16", {}, {}, (3,), {"method": "lora"}),  # the frozen base stored in bf16
+    "lora_recompute": ("fp64", {}, {}, (2,), {"method": "lora", "activations": ActivationsConfig(checkpoint="recompute")}),
 }
 # A checkpointed case is held against the plain case (no checkpointing) it differs from.
-PLAIN = {"recompute": "untied", "host_tied": "tied", "disk": "untied"}
+PLAIN = {"recompute": "untied", "host_tied": "tied", "disk": "untied", "lora_recompute": "lora"}
 LR = {"fp64": 1e-2, "bf16": 1e-3}
 EPS = {"fp64": 1e-8, "bf16": 1e-6}  # as dist_cases: fp32-rounded residues near eps must not steer AdamW
 

@@ -36,7 +36,7 @@ class ResidentEngine(Engine):
     def __init__(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE):
         self.stack, self.device, self.precision, self.dist = stack, device, precision, dist
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
-        if cfg.dist.strategy == "fsdp" and dist.active:
+        if cfg.dist.strategy == "fsdp":  # one process too: the planner's one-device step for an fsdp plan
             self.activations_cfg = sharding.whole_blocks(cfg.activations)
         self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
         self.sharded, self.method = cfg.dist.strategy == "fsdp" and dist.active, cfg.method
@@ -220,7 +220,7 @@ def validate(cfg: RunConfig) -> None:
 
 def plans(method: str) -> list[dict]:
     """bf16 and fp32, checkpointing in each store, and for LoRA a 4-bit base with and without them
-    and the whole LoRA peak-memory stack; for full fine-tuning also the blocks sharded across ranks
+    and the whole LoRA peak-memory stack; for full fine-tuning also everything sharded across ranks
     (weighed only where there are several: planner.Machine.ranks)."""
     options = [{"precision": precision} for precision in ("bf16", "fp32")]
     options += [{"precision": "bf16", "activations.checkpoint": store} for store in ("recompute", "host", "disk")]

@@ -57,8 +57,9 @@ def gather_bytes(cfg) -> int:
 
 
 def gathered_bytes(model_config, total_params: int, width: int) -> tuple[int, int]:
-    """(weights, gradients) FSDP holds whole at once, `width` bytes a number (sharding.shard_model):
-    two blocks' weights (the computing one and the next) and one block's gradients; the root's head
+    """(weights, gradients) FSDP holds whole at once, `width` bytes a number (sharding.shard_model),
+    every weight trained: two blocks' weights (the computing one and the next) and one block's
+    gradients; the root's head
     and final norm (a tied embedding with them) gathered from the step's forward to the end of its
     backward, the head's gradient with them (the loss makes it in forward); an untied embedding and
     its gradient at its backward, the last the step runs."""
@@ -84,6 +85,7 @@ def sharded(found: estimate.Estimate, model_config, ranks_: int, micro_batches: 
         breakdown[category] = breakdown.get(category, 0) - divided
         saved += divided
     weights, gradients = gathered_bytes(model_config, found.total_params, width)
+    gradients = int(gradients * found.trainable_params / max(found.total_params, 1))  # LoRA: the adapters' alone
     breakdown["weights"] = breakdown.get("weights", 0) + weights
     breakdown["gradients"] = breakdown.get("gradients", 0) + gradients
     root = model_config.vocab_size * model_config.hidden_size + model_config.hidden_size  # head, final norm

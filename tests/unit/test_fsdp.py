@@ -72,10 +72,10 @@ def test_sharded_fp64_trains_as_one_process(jobs, name, world):
         assert rank["eval"][0] == pytest.approx(whole[name, world]["eval"][0], abs=1e-10, rel=0)
 
 
-@pytest.mark.parametrize("name,world", [("recompute", 2), ("host_tied", 3), ("disk", 2)])
+@pytest.mark.parametrize("name,world", [("recompute", 2), ("host_tied", 3), ("disk", 2), ("lora_recompute", 2)])
 def test_checkpointed_blocks_under_fsdp_train_as_one_plain_process(jobs, name, world):
     """Block checkpointing under fsdp (recompute with the last block's input kept, inputs in host RAM
-    on a tied model, inputs in block files): each block recomputed through its module call in backward, FSDP gathering
+    on a tied model, inputs in block files, LoRA recomputed): each block recomputed through its module call in backward, FSDP gathering
     it again; the weights equal one process's without any checkpointing, fp64, to 1e-10."""
     found, whole = jobs
     plain = whole[fsdp_cases.PLAIN[name], world]
