@@ -220,12 +220,13 @@ def validate(cfg: RunConfig) -> None:
 
 def plans(method: str) -> list[dict]:
     """bf16 and fp32, checkpointing in each store, and for LoRA a 4-bit base with and without them
-    and the whole LoRA peak-memory stack; for full fine-tuning also everything sharded across ranks
-    (weighed only where there are several: planner.Machine.ranks)."""
+    and the whole LoRA peak-memory stack; for full fine-tuning also everything sharded across ranks,
+    with and without recompute (weighed only where there are several: planner.Machine.ranks)."""
     options = [{"precision": precision} for precision in ("bf16", "fp32")]
     options += [{"precision": "bf16", "activations.checkpoint": store} for store in ("recompute", "host", "disk")]
     if method == "full":
-        options.append({"precision": "bf16", "dist.strategy": "fsdp"})
+        fsdp = {"precision": "bf16", "dist.strategy": "fsdp"}
+        options += [fsdp, {**fsdp, "activations.checkpoint": "recompute"}]
     if method == "lora":
         nf4 = {"precision": "bf16", "quant.scheme": "nf4"}
         options += [nf4, *({**nf4, "activations.checkpoint": store} for store in ("recompute", "host", "disk"))]

@@ -181,7 +181,8 @@ def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_siz
     cfg = _run_config(base, plan)
     ranks, derived = machine.ranks(cfg.engine), cfg.dist.strategy == "fsdp"
     found = per_device_estimate(model_config, cfg, machine, batch_size, seq_len)
-    if "device" in machine.shortfalls(found, ranks) and not cfg.activations.tile:
+    tileable = not cfg.activations.tile and cfg.dist.strategy != "fsdp"  # fsdp's blocks run whole (whole_blocks)
+    if "device" in machine.shortfalls(found, ranks) and tileable:
         plan, cfg, found = _tiled_to_fit(model_config, base, plan, machine, batch_size, seq_len, found)
     time = engines.get(cfg.engine).step_time(model_config, cfg, found.counts(), machine.gpu, batch_size, seq_len)
     tokens = batch_size * seq_len * cfg.train.grad_accum
@@ -219,7 +220,8 @@ def _longest_with_tile(model_config, cfg: RunConfig, machine: Machine, batch_siz
     weigh less than one whole tile), tile_choice.MIN_TILE: the tile that fits the longest."""
     limit = limit or getattr(model_config, "max_position_embeddings", None) or 2**20
     at = min(tile_choice.probe_length(known), limit)
-    if not cfg.activations.tile and at > tile_choice.MIN_TILE:  # else no row is long enough to tile
+    # else no row is long enough to tile, or (fsdp) blocks run whole: sharding.whole_blocks
+    if not cfg.activations.tile and at > tile_choice.MIN_TILE and cfg.dist.strategy != "fsdp":
         tiled, whole = (_run_config(cfg, {"activations.seq_tile": tile}) for tile in (tile_choice.MIN_TILE, at))
         peaks = {per_device_estimate(model_config, c, machine, batch_size, at).device_peak_bytes for c in (tiled, whole)}
         if len(peaks) == 2:

@@ -94,7 +94,8 @@ def test_the_estimate_runs_few_loop_steps_and_still_equals_the_meter(tmp_path, t
     monkeypatch.setattr(quant, "DEQUANT_TILE_ELEMENTS", 256)  # 8 rows of a 32-wide weight: 4-8 tiles
     monkeypatch.setattr(loss, "CAST_TILE_ROWS", 64)  # 5 tiles of the 300-row head
     folder = save_tiny_model(tmp_path, tokenizer)
-    cfg = settings.load(None, [f"{k}={v}" for k, v in plan.items()] + ["loss.chunk_size=6", "activations.mlp_chunk=8"],
+    tiles = [] if plan.get("dist.strategy") == "fsdp" else ["activations.mlp_chunk=8"]  # fsdp runs blocks whole
+    cfg = settings.load(None, [f"{k}={v}" for k, v in plan.items()] + ["loss.chunk_size=6", *tiles],
                       base={"model": str(folder), "data": "x.jsonl", "method": method, "lora": {"rank": 4},
                             "train": {"batch_size": 2}, "slide": {"head_tile_mb": 0.005}, "lsp": FEW_FIT_STEPS})
     predicted = estimate.estimate(tiny_config("llama", len(tokenizer)), cfg, 2, 48)
