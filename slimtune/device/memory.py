@@ -4,7 +4,10 @@ On a CPU-only machine the device and the host are the same memory, so the CPU me
 counts what a GPU would hold: every live tensor storage, except storage the runtime
 marked as host-resident (pinned pools, offloaded activations, host optimizer state).
 It is a TorchDispatchMode: each op's outputs are recorded when they appear, and a
-weakref on the storage subtracts them when the last reference dies.
+weakref on the storage subtracts them when the last reference dies. FSDP2 (dist.strategy=fsdp)
+keeps each gathered weight's storage for the run and frees and refills it by resizing, which no op
+shows: the meter follows those storages from the op that fills them (_fsdp_fills) and reads their
+size before every op while they hold bytes.
 """
 
 from __future__ import annotations
@@ -169,6 +172,10 @@ class LiveBytesMeter(TorchDispatchMode):
         # A storage may die on another thread than the one that made it (a pipeline worker's tensor
         # freed by the main thread): its release and the counting thread's updates take turns.
         self._lock = threading.RLock()  # re-entrant: a collection inside the block may release a storage
+        # FSDP2's gathered-weight storages now holding bytes (key -> weakref): resized to 0 after a
+        # unit's forward and backward without an op, so read before each op until they are.
+        self._resizable: dict[int, weakref.ref] = {}
+        self._fills = _fsdp_fills()
 
     def enter_segment(self, label: tuple) -> None:
         """The step enters segment `label` (its n-th occurrence this step: micro-batches repeat them)."""
@@ -258,6 +265,31 @@ class LiveBytesMeter(TorchDispatchMode):
             return None
         return super().__exit__(*exc)
 
+    def _follow_resizes(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Count `tensors`' storages at their size now, and read it before each op from here on."""
+        for t in tensors:
+            self._track_one(t, self.category)
+            storage = t.untyped_storage()
+            self._resizable[_key(storage)] = weakref.ref(storage)
+        self._read_resized()
+
+    def _read_resized(self) -> None:
+        """Bring the count of each followed storage to its size; stop following those now empty."""
+        for key, ref in list(self._resizable.items()):
+            storage, entry = ref(), self._live.get(key)
+            nbytes = storage.nbytes() if storage is not None else 0
+            if entry is not None and nbytes != entry[0]:
+                with self._lock:
+                    self.current += nbytes - entry[0]
+                    self.by_category[entry[2]] += nbytes - entry[0]
+                    entry[0] = nbytes
+                    if self.current > self.peak:
+                        self.peak, self.peak_breakdown = self.current, dict(self.by_category)
+                if self.segments is not None:
+                    self._note_segment()
+            if nbytes == 0 or entry is None:
+                del self._resizable[key]
+
     def close(self) -> None:
         """Stop watching storages that outlive the measurement (parameters, optimizer state)."""
         for entry in self._live.values():
@@ -271,6 +303,10 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def counted(self, func, args, kwargs, run):
         """run() (func on args), with its inputs and outputs counted."""
+        if self._resizable:
+            self._read_resized()
+        if func in self._fills:  # FSDP2 copies a gather into its weights' storages, just resized to hold it
+            self._follow_resizes(kwargs["out"])
         # Inputs first: a tensor made before the meter started is live when it is used.
         category = self.category
         for t in _tensors(args):
@@ -282,6 +318,16 @@ class LiveBytesMeter(TorchDispatchMode):
         for t in _tensors((out,)):
             self._track_one(t, category)
         return out
+
+
+def _fsdp_fills() -> frozenset:
+    """FSDP2's op that copies an all-gather into the gathered weights' storages (fsdp::split_with_sizes_copy),
+    where FSDP is in use (imported): none otherwise."""
+    import sys
+
+    if "torch.distributed.fsdp._fully_shard._fsdp_collectives" not in sys.modules:
+        return frozenset()
+    return frozenset({torch.ops.fsdp.split_with_sizes_copy.default})
 
 
 # Queries the dispatcher makes of a tensor subclass (two in three of a fake step's calls reach the
