@@ -76,10 +76,12 @@ def shard_model(stack, device: torch.device, dist: Dist, policy) -> StepRoot:
     for its lookup, again for its backward); the root (StepRoot) the rest, gathered from the start
     of the step's forward to the end of its backward (the loss reads the head's weight in tiles
     rather than calling the head module, and a tied weight serves the first op and the last)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.world_size,))
+    with unset_fake_temporarily():  # the planner's fake step (fake_ranks): the mesh reads its rank table's values
+        mesh = init_device_mesh(device.type, (dist.world_size,))
     units = [*stack.blocks, *([] if stack.tied else [stack.embed])]
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
@@ -145,13 +147,11 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def scale_(grads: list[torch.Tensor], coefficient: torch.Tensor) -> None:
-    """Multiply every gradient by the clipping coefficient (a DTensor takes a Python number)."""
-    sharded = [g for g in grads if is_sharded(g)]
-    whole = [g for g in grads if not is_sharded(g)]
-    if whole:
-        torch._foreach_mul_(whole, coefficient.to(whole[0].device))
-    if sharded:
-        torch._foreach_mul_(sharded, float(coefficient))
+    """Multiply every gradient by the clipping coefficient (a shard's local part, in place: the
+    coefficient stays a tensor, which the planner's fake step cannot read as a number)."""
+    held = [g.to_local() if is_sharded(g) else g for g in grads]
+    if held:
+        torch._foreach_mul_(held, coefficient.to(held[0].device))
 
 
 def full(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
