@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from slimtune import assembly, engines
-from slimtune.dist import ranks as distributed
+from slimtune.dist import fake_ranks, ranks as distributed
 from slimtune.device import memory
 from slimtune.config import RunConfig
 from slimtune.data.dataset import IGNORE_INDEX, Batch
@@ -93,9 +93,11 @@ def fake_model(config, dtype: torch.dtype, mode) -> nn.Module:
 
 
 def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch | None = None,
-             by_depth: bool = True) -> Estimate:
+             by_depth: bool = True, ranks: int = 1) -> Estimate:
     """Device peak of one steady-state optimizer step of `cfg` on a model of `config`'s shape, on
-    `batch` (real tensors; its shape wins) or else a synthetic_batch(batch_size, seq_len). A deep
+    `batch` (real tensors; its shape wins) or else a synthetic_batch(batch_size, seq_len); under
+    dist.strategy=fsdp on `ranks` ranks, rank 0's step of a fake job (fake_ranks: the real sharded
+    step, the other ranks a fake process group). A deep
     stack of identical blocks is estimated from two shallow ones (`by_depth`, see _by_depth): the
     same bytes as the full-depth step, in the time of a few blocks."""
     real_batch = batch if batch is not None else synthetic_batch(batch_size, seq_len, config.vocab_size)
@@ -103,20 +105,25 @@ def estimate(config, cfg: RunConfig, batch_size: int, seq_len: int, batch: Batch
     probes = (2 * margin + 1, 2 * margin + 2)
     by_depth = by_depth and engines.get(cfg.engine).by_depth(cfg)
     if by_depth and _repeats_one_block(config, cfg) and config.num_hidden_layers > probes[1]:
-        found = _by_depth(config, cfg, real_batch, margin, probes)
+        found = _by_depth(config, cfg, real_batch, margin, probes, ranks)
         if found is not None:
             return found
-    return _step(config, cfg, real_batch)[0]
+    return _step(config, cfg, real_batch, ranks=ranks)[0]
 
 
 def _step(config, cfg: RunConfig, real_batch: Batch, segments: bool = False,
-          replays: dict | None = None) -> tuple[Estimate, dict | None]:
+          replays: dict | None = None, ranks: int = 1) -> tuple[Estimate, dict | None]:
     """One fake step at `config`'s depth; with `segments`, the peak of each marked segment too.
     `replays`: memory.replayed's table, shared with another step of the same plan and batch."""
+    with fake_ranks.rank_of(ranks if fake_ranks.needed(cfg, ranks) else 1) as dist:
+        return _fake_step(config, cfg, real_batch, segments, replays, dist if dist.active else distributed.Counting())
+
+
+def _fake_step(config, cfg: RunConfig, real_batch: Batch, segments: bool, replays: dict | None,
+               counting: distributed.Counting) -> tuple[Estimate, dict | None]:
     precision = assembly.resolve_precision(cfg.precision, torch.device("cuda"))  # planned for a GPU
     mode = memory.MeteredFakeMode(allow_non_fake_inputs=True, replays=replays)  # the step's meter counts inside it
     stack = Stack(fake_model(config, assembly.run_weight_dtype(cfg, precision), mode))
-    counting = distributed.Counting()
     with mode:
         engine = assembly.assemble(cfg, stack, assembly.HOST, precision, counting)
         if segments:
@@ -126,7 +133,7 @@ def _step(config, cfg: RunConfig, real_batch: Batch, segments: bool = False,
                       segmented=real_batch.segmented)
         results = [engine.step([batch] * cfg.train.grad_accum) for _ in range(STEPS)]
     model = stack.model
-    found = Estimate(
+    found = Estimate(  # params: the whole model's, a sharded weight counted whole (DTensor.numel)
         device_peak_bytes=results[-1].device_peak_bytes,
         breakdown=results[-1].device_peak_breakdown,
         host_bytes=results[-1].host_peak_bytes,
@@ -178,11 +185,13 @@ def at_depth(config, depth: int):
     return shallow
 
 
-def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tuple[int, int]) -> Estimate | None:
+def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tuple[int, int],
+              ranks: int = 1) -> Estimate | None:
     """The full-depth estimate from steps at the two probe depths; None when their segments do not
     line up as the loop structure says they must (then the caller runs the full depth)."""
     replays: dict = {}  # the two depths run the same blocks on the same batch
-    shallow, deep = (_step(at_depth(config, d), cfg, real_batch, segments=True, replays=replays) for d in probes)
+    shallow, deep = (_step(at_depth(config, d), cfg, real_batch, segments=True, replays=replays, ranks=ranks)
+                     for d in probes)
     fits = _segment_fits(shallow[1], deep[1], probes, margin)
     if fits is None:
         return None

@@ -29,14 +29,15 @@ from slimtune.config import RunConfig, to_dict
 _NOT_SHAPE = ("model", "data", "output_dir", "plan", "gpu", "device", "log")
 
 
-def cached_estimate(model_config, cfg: RunConfig, batch_size: int, seq_len: int) -> estimate.Estimate:
-    """estimate.estimate on a synthetic batch, read from the cache when this exact question was asked."""
-    path = _folder() / f"{_key(model_config, cfg, batch_size, seq_len)}.json"
+def cached_estimate(model_config, cfg: RunConfig, batch_size: int, seq_len: int, ranks: int = 1) -> estimate.Estimate:
+    """estimate.estimate on a synthetic batch (`ranks`: rank 0 of a sharded job), read from the cache
+    when this exact question was asked."""
+    path = _folder() / f"{_key(model_config, cfg, batch_size, seq_len, ranks)}.json"
     try:
         return estimate.Estimate(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
-    found = estimate.estimate(model_config, cfg, batch_size, seq_len)
+    found = estimate.estimate(model_config, cfg, batch_size, seq_len, ranks=ranks)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -56,12 +57,12 @@ def _folder() -> Path:
     return Path(root) / "slimtune" / "estimates"
 
 
-def _key(model_config, cfg: RunConfig, batch_size: int, seq_len: int) -> str:
+def _key(model_config, cfg: RunConfig, batch_size: int, seq_len: int, ranks: int = 1) -> str:
     settings = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_SHAPE}
     settings["activations"] = {**settings["activations"], "mlp_chunk": 0,
                                "seq_tile": tile_run(model_config, cfg, seq_len)}
     question = {"model": model_config.to_dict(), "settings": settings, "batch": [batch_size, seq_len],
-                "code": _code_version()}
+                "code": _code_version(), **({"ranks": ranks} if ranks > 1 else {})}
     return hashlib.sha256(json.dumps(question, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
