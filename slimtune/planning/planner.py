@@ -9,6 +9,7 @@ engine. The figures come from estimate.estimate (the estimate by depth: seconds 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 from slimtune.model import config_json
 from slimtune import engines, presets
 from slimtune.engines import settings
+from slimtune.dist import fake_ranks
 from slimtune.planning import estimate, longest_seq, tile_choice, worker as planning_worker, rank_plan
 from slimtune.device import speed
 from slimtune.planning.estimate_cache import cached_estimate, is_cached
@@ -108,6 +110,7 @@ class PlanResult:
     ranks: int = 1  # processes under data parallelism (Machine.ranks); the figures are per device
     sync_s: float = 0.0  # modelled seconds a step spends summing gradients across ranks
     derived: bool = False  # the device figures are derived from the measurement by a formula (fsdp)
+    sharded: bool = False  # fsdp on several ranks: the figures are rank 0's sharded step (fake_ranks)
 
     @property
     def fits(self) -> bool:
@@ -133,6 +136,7 @@ class PlanResult:
             "ranks": self.ranks,
             "allreduce_bytes": e.allreduce_bytes,
             "allreduce_bytes_kind": "derived (rank_plan.sharded)" if self.derived
+                                    else "formula (rank_plan.fsdp_payload)" if self.sharded
                                     else "counted on the fake step (distributed.Counting)",
             "breakdown_kind": "derived (rank_plan.sharded)" if self.derived else "measured on fake tensors",
             "sync_s_modelled": self.sync_s,
@@ -179,7 +183,8 @@ def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_siz
     tokens (0: the model's positions). A plan whose blocks run in tiles and that does not fit the card
     with the auto rule's tile takes the largest of tile_choice.TILES that fits (its options say so)."""
     cfg = _run_config(base, plan)
-    ranks, derived = machine.ranks(cfg.engine), cfg.dist.strategy == "fsdp"
+    ranks = machine.ranks(cfg.engine)
+    derived = fake_ranks.needed(cfg, ranks) and not fake_ranks.available()
     found = per_device_estimate(model_config, cfg, machine, batch_size, seq_len)
     tileable = not cfg.activations.tile and cfg.dist.strategy != "fsdp"  # fsdp's blocks run whole (whole_blocks)
     if "device" in machine.shortfalls(found, ranks) and tileable:
@@ -189,7 +194,8 @@ def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_siz
     sync = rank_plan.sync_seconds(found.allreduce_bytes, ranks, machine.nodes, machine.gpu)
     options = {k: v for k, v in plan.items() if k != "engine"}
     result = PlanResult(plan["engine"], options, found, time, rank_plan.job_tokens_per_s(time, tokens, ranks, sync),
-                        machine.shortfalls(found, ranks), ranks=ranks, sync_s=sync, derived=derived)
+                        machine.shortfalls(found, ranks), ranks=ranks, sync_s=sync, derived=derived,
+                        sharded=fake_ranks.needed(cfg, ranks))
     if max_seq:
         result.max_seq, result.max_seq_tile = _longest_with_tile(model_config, cfg, machine, batch_size, seq_len,
                                                                  seq_limit)
@@ -231,12 +237,18 @@ def _longest_with_tile(model_config, cfg: RunConfig, machine: Machine, batch_siz
 
 def per_device_estimate(model_config, cfg: RunConfig, machine: Machine, batch_size: int,
                         seq_len: int) -> estimate.Estimate:
-    """What one device holds: the measured estimate; under fsdp derived from it (rank_plan.sharded)."""
-    found = cached_estimate(model_config, cfg, batch_size, seq_len)
-    if cfg.dist.strategy == "fsdp":
-        found = rank_plan.sharded(found, model_config, machine.ranks(cfg.engine), cfg.train.grad_accum,
-                                  rank_plan.gather_bytes(cfg))
-    return found
+    """What one device holds: the measured estimate; under fsdp rank 0's sharded step, measured under a
+    fake process group (fake_ranks), or where none can start derived by formula (rank_plan.sharded)."""
+    ranks = machine.ranks(cfg.engine)
+    if not fake_ranks.needed(cfg, ranks):
+        return cached_estimate(model_config, cfg, batch_size, seq_len)
+    width = rank_plan.gather_bytes(cfg)
+    if not fake_ranks.available():
+        return rank_plan.sharded(cached_estimate(model_config, cfg, batch_size, seq_len), model_config, ranks,
+                                 cfg.train.grad_accum, width)
+    found = cached_estimate(model_config, cfg, batch_size, seq_len, ranks)
+    return dataclasses.replace(found, allreduce_bytes=rank_plan.fsdp_payload(found, model_config,
+                                                                             cfg.train.grad_accum, width))
 
 
 def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_size: int, known: int,

@@ -5,14 +5,16 @@ Ranks. One per card (N x G), except for an engine that spreads one rank over all
 machine (EngineSpec.uses_cards: roundpipe's workers), which runs one rank per machine (N).
 
 Per device. Under ddp every rank holds what one device holds alone: the measured estimate as it is.
-Under fsdp every weight, gradient and AdamW moment is divided by the ranks, and what FSDP gathers
-whole at once is added (gathered_bytes: two blocks, the head, an untied embedding, in bf16 under
-mixed precision): *derived* from the one-device measurement by that formula (the step is not yet
-run under a fake process group), and labelled so wherever it is printed.
+Under fsdp the estimate is rank 0's own step, measured: the real sharded step run under torch's fake
+process group on fake tensors (estimate.estimate with ranks: dist/fake_ranks.py), equal to a gloo
+rank's meter to the byte (tests/unit/test_fsdp.py). Only where no fake job can start (a planner asked
+from inside a launched job, which already has a process group) is it *derived* from the one-device
+measurement by a formula (sharded: every weight, gradient and AdamW moment divided by the ranks, plus
+what FSDP gathers whole at once), and labelled so wherever it is printed.
 
 Speed (modelled). A step on every rank takes the engine's own modelled time plus the sum of its
 gradients across ranks: the bytes the fake step's engine hands to its all-reduces (counted:
-Estimate.allreduce_bytes; under fsdp, the all-gathers and reduce-scatters of sharded), moved
+Estimate.allreduce_bytes; under fsdp, the all-gathers and reduce-scatters by formula: fsdp_payload), moved
 2(R-1)/R times by a ring over the slowest link it crosses (the card's host link within a machine, an
 assumed network between machines), not overlapped with compute. The job's tokens/s is R times a
 rank's tokens over that time.
@@ -71,7 +73,8 @@ def gathered_bytes(model_config, total_params: int, width: int) -> tuple[int, in
 
 
 def sharded(found: estimate.Estimate, model_config, ranks_: int, micro_batches: int = 1, width: int = 4) -> estimate.Estimate:
-    """The per-device figures of fsdp on `ranks_` ranks, derived from the one-device estimate: every
+    """The per-device figures of fsdp on `ranks_` ranks derived from the one-device estimate (where no
+    fake job can run: fake_ranks.available): every
     weight, gradient and AdamW moment divided by the ranks, plus what FSDP gathers whole at once
     (gathered_bytes, `width` bytes a number: gather_bytes); its payload too: every micro-batch
     gathers the blocks and an untied embedding twice (forward, backward), the root once, and
@@ -88,13 +91,20 @@ def sharded(found: estimate.Estimate, model_config, ranks_: int, micro_batches: 
     gradients = int(gradients * found.trainable_params / max(found.total_params, 1))  # LoRA: the adapters' alone
     breakdown["weights"] = breakdown.get("weights", 0) + weights
     breakdown["gradients"] = breakdown.get("gradients", 0) + gradients
+    return dataclasses.replace(found, device_peak_bytes=found.device_peak_bytes - saved + weights + gradients,
+                               breakdown=breakdown, allreduce_bytes=fsdp_payload(found, model_config, micro_batches,
+                                                                                 width))
+
+
+def fsdp_payload(found: estimate.Estimate, model_config, micro_batches: int, width: int) -> int:
+    """What a rank moves a step under fsdp, as all-reduce payloads (sync_seconds applies the ring's
+    2(R-1)/R; an all-gather or a reduce-scatter moves half an all-reduce's traffic), by formula: every
+    micro-batch gathers the blocks and an untied embedding twice (forward, backward) and the root
+    once, `width` bytes a number (gather_bytes), and reduce-scatters every trained gradient in fp32.
+    FSDP's own collectives run inside torch, where distributed.Counting does not see them."""
     root = model_config.vocab_size * model_config.hidden_size + model_config.hidden_size  # head, final norm
     twice = found.total_params - root  # the blocks, an untied embedding
-    # As all-reduce payloads (sync_seconds applies the ring's 2(R-1)/R): an all-gather or a
-    # reduce-scatter moves half an all-reduce's traffic.
-    payload = int(0.5 * (width * (2 * twice + root) + 4 * found.trainable_params) * micro_batches)
-    return dataclasses.replace(found, device_peak_bytes=found.device_peak_bytes - saved + weights + gradients,
-                               breakdown=breakdown, allreduce_bytes=payload)
+    return int(0.5 * (width * (2 * twice + root) + 4 * found.trainable_params) * micro_batches)
 
 
 def job_tokens_per_s(step: speed.StepTime, tokens_per_rank: int, ranks_: int, sync_s: float) -> float:

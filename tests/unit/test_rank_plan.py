@@ -1,5 +1,6 @@
 """The planner on several machines and cards (slimtune plan --nodes/--gpus-per-node): ranks per plan,
-per-device figures (measured under ddp, derived and labelled under fsdp), the gradient payload each
+per-device figures (measured under ddp; under fsdp rank 0's step measured under a fake process group,
+or derived and labelled where none can start), the gradient payload each
 engine's fake step hands to its all-reduces (counted: lsp's is d x d per matrix), host RAM shared
 by a machine's ranks, and the job's modelled speed."""
 
@@ -35,7 +36,12 @@ def test_ranks_are_one_per_card_or_one_per_machine_for_an_engine_spanning_cards(
     assert not any(r.options.get("dist.strategy") == "fsdp" for r in one)  # nothing to shard across
 
 
-def test_ddp_figures_are_the_measured_ones_and_fsdp_divides_everything(model_config):
+def test_ddp_figures_are_the_measured_ones_and_fsdp_is_rank_zeros_measured_step(model_config):
+    """Under fsdp the plan's figures are rank 0's sharded step measured under a fake process group
+    (estimate with ranks: held to a gloo rank's meter in test_fsdp.py), not a formula: the weights,
+    gradients and moments at its peak are a quarter of one device's, to within a row a tensor."""
+    from slimtune.planning import estimate
+
     gpu = presets.gpu_profile("rtx4090")
     machine = planner.Machine(gpu, 2**40, 2**40, cards=4, nodes=1)
     results = {(r.engine, r.label): r for r in weighed(model_config, machine)}
@@ -43,6 +49,29 @@ def test_ddp_figures_are_the_measured_ones_and_fsdp_divides_everything(model_con
     single = planner.weigh(model_config, planner.planning_config("full"), {"engine": "resident", "precision": "bf16"},
                            planner.Machine(gpu, 2**40, 2**40), 1, 32)
     assert ddp.estimate == single.estimate and not ddp.derived
+    assert not fsdp.derived and fsdp.as_json()["device_peak_kind"].startswith("measured")
+    cfg = planner._run_config(planner.planning_config("full"), {"engine": "resident", "precision": "bf16",
+                                                                 "dist.strategy": "fsdp"})
+    measured = estimate.estimate(model_config, cfg, 1, 32, ranks=4)
+    assert fsdp.estimate.device_peak_bytes == measured.device_peak_bytes
+    assert fsdp.estimate.breakdown == measured.breakdown
+    # FSDP2 pads each shard to ceil(rows / 4) rows: at most one fp32 row of each weight (9 a block, and
+    # the embedding, final norm and head) more or less than a quarter, two for the moments.
+    rows = (9 * model_config.num_hidden_layers + 3) * 4 * max(model_config.hidden_size, model_config.intermediate_size)
+    for category, count in (("weights", 1), ("optimizer", 2)):
+        assert abs(fsdp.estimate.breakdown[category] - ddp.estimate.breakdown[category] / 4) <= count * rows + 64, category
+    assert fsdp.estimate.device_peak_bytes < ddp.estimate.device_peak_bytes
+
+
+def test_fsdp_is_derived_by_formula_and_labelled_where_no_fake_job_can_start(model_config, monkeypatch):
+    """Inside a launched job (a process group exists: fake_ranks.available is false) the fsdp figure
+    falls back to rank_plan.sharded over one device's measurement, labelled derived."""
+    from slimtune.dist import fake_ranks
+
+    monkeypatch.setattr(fake_ranks, "available", lambda: False)
+    machine = planner.Machine(presets.gpu_profile("rtx4090"), 2**40, 2**40, cards=4, nodes=1)
+    results = {(r.engine, r.label): r for r in weighed(model_config, machine)}
+    ddp, fsdp = results[("resident", "precision=bf16")], results[("resident", "precision=bf16 dist.strategy=fsdp")]
     assert fsdp.derived and fsdp.as_json()["device_peak_kind"].startswith("derived")
     blocks = rank_plan.block_params(model_config, ddp.estimate.total_params)
     per_block = blocks / model_config.num_hidden_layers
@@ -52,7 +81,6 @@ def test_ddp_figures_are_the_measured_ones_and_fsdp_divides_everything(model_con
     sharded_state = sum(ddp.estimate.breakdown[c] for c in ("weights", "gradients", "optimizer"))
     expected = ddp.estimate.device_peak_bytes - sharded_state * 3 / 4 + gathered
     assert fsdp.estimate.device_peak_bytes == pytest.approx(expected, abs=8)
-    assert fsdp.estimate.device_peak_bytes < ddp.estimate.device_peak_bytes
 
 
 def test_the_payload_is_what_the_engine_sums(model_config):
@@ -95,5 +123,5 @@ def test_plan_table_says_what_is_per_device(tiny_model_dir, capsys):
                      "--nodes", "2", "--gpus-per-node", "2"]) == 0
     out = capsys.readouterr().out
     assert "2 machines, each 2 x rtx4090" in out and "per device (per rank)" in out
-    assert "** derived, not measured" in out and "dist.strategy=fsdp" in out
+    assert "** derived, not measured" not in out and "dist.strategy=fsdp" in out  # fsdp measured (fake_ranks)
     assert cli.main(["plan", "--model", str(tiny_model_dir), "--gpu", "rtx4090", "--nodes", "0"]) == 2
