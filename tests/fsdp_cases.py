@@ -18,6 +18,7 @@ from slimtune import assembly, train  # noqa: E402
 from slimtune.config import ActivationsConfig, DistConfig, TrainConfig  # noqa: E402
 from slimtune.dist import ranks as distributed  # noqa: E402
 from slimtune.engines import settings  # noqa: E402
+from slimtune.model.stack import Stack  # noqa: E402
 
 CPU = torch.device("cpu")
 STEPS = 2
@@ -48,20 +49,45 @@ LR = {"fp64": 1e-2, "bf16": 1e-3}
 EPS = {"fp64": 1e-8, "bf16": 1e-6}  # as dist_cases: fp32-rounded residues near eps must not steer AdamW
 
 
-def build(name: str, dist: distributed.Dist, world: int, out: Path | None = None):
-    """(engine, model) of case `name` with `world` ranks' micro-batches a step (`out`: where
-    checkpoint=disk writes its block files)."""
+# Cases whose ranks also run the planner's synthetic step (PLANNED_SHAPE): their meter's peak is what
+# the planner's fake rank (estimate with ranks=world: fake_ranks) must give to the byte.
+PLANNED = ("untied", "tied", "mixed", "mixed_tied", "recompute")
+PLANNED_SHAPE = (2, 24)  # batch rows, tokens
+
+
+def config_of(name: str, ranks: int, world: int, out: Path | None = None):
+    """Case `name`'s RunConfig on `ranks` processes with `world` ranks' micro-batches a step."""
     precision, dist_fields, model_settings, _, *others = CASES[name]
     others = [{k: dataclasses.replace(v, disk_dir=str(out)) if k == "activations" and v.checkpoint == "disk" else v
                for k, v in others[0].items()}] if others else []
-    train_cfg = TrainConfig(**TRAIN, lr=LR[precision], eps=EPS[precision], grad_accum=MICRO * world // dist.world_size)
+    train_cfg = TrainConfig(**TRAIN, lr=LR[precision], eps=EPS[precision], grad_accum=MICRO * world // ranks)
     fields = {"engine": "resident", "method": "full", **(others[0] if others else {})}
     cfg = engine_config(train_cfg, precision=precision, dist=DistConfig(strategy="fsdp", **dist_fields), **fields)
     settings.validate(cfg)
+    return cfg
+
+
+def build(name: str, dist: distributed.Dist, world: int, out: Path | None = None, as_loaded: bool = False):
+    """(engine, model) of case `name` with `world` ranks' micro-batches a step (`out`: where
+    checkpoint=disk writes its block files). `as_loaded`: the model made in its run dtype as a loader
+    makes it (the rotary tables stay fp32), not cast whole (stack_of casts them to fp64 too)."""
+    precision, _, model_settings, *_ = CASES[name]
+    cfg = config_of(name, dist.world_size, world, out)
     dtype = torch.float64 if precision == "fp64" else torch.float32
     model = model_of(3, dtype=dtype, **model_settings)
-    stack = assembly.stack_of(model, cfg, CPU, precision)
+    stack = Stack(model) if as_loaded else assembly.stack_of(model, cfg, CPU, precision)
     return assembly.assemble(cfg, stack, CPU, precision, dist), model
+
+
+def planned_step(name: str, dist: distributed.Dist) -> dict:
+    """This rank's meter over the planner's synthetic step of case `name` (its second step: the
+    optimizer state used once), as the estimate's fake rank runs it: each rank the same batch."""
+    from slimtune.planning import estimate
+
+    engine, model = build(name, dist, dist.world_size, as_loaded=True)  # as the estimate's meta model
+    batch = estimate.synthetic_batch(*PLANNED_SHAPE, model.config.vocab_size)
+    result = [engine.step([batch] * engine.train_cfg.grad_accum) for _ in range(2)][-1]
+    return {"total": result.device_peak_bytes, "breakdown": result.device_peak_breakdown}
 
 
 def local_bytes(tensors) -> int:
@@ -110,6 +136,9 @@ def main(out: Path) -> None:
         if dist.world_size in case[3]:
             found = run_case(name, dist, dist.world_size, out)
             torch.save({"world": dist.world_size, **found}, out / f"{name}-rank{dist.rank}.pt")
+    for name in PLANNED:
+        if dist.world_size in CASES[name][3]:
+            torch.save(planned_step(name, dist), out / f"planned-{name}-rank{dist.rank}.pt")
     print(f"rank {dist.rank}: every case done", file=sys.stderr, flush=True)
     dist.close()
 
