@@ -248,13 +248,17 @@ class DistConfig:
     reduce_dtype: Literal["fp32", "bf16"] = setting(
         "fp32", "fsdp with bf16 gathers: the dtype gradients are reduce-scattered in (MixedPrecisionPolicy.reduce_dtype);"
                 " bf16 halves that traffic and rounds the sum.")
+    offload: Literal["none", "cpu"] = setting(
+        "none", "fsdp: cpu keeps every weight's shard, its gradient and AdamW's moments in host RAM and runs AdamW there"
+                " (FSDP2's CPUOffloadPolicy); the device holds the weights gathered for the block at work and the"
+                " activations.")
     timeout_s: float = setting(
         600.0, "Under torchrun: how long a rank waits for the others (a collective, or rank 0 writing a checkpoint)"
                " before the run ends on every rank with a message.")
 
     def validate(self) -> None:
         positive("dist.timeout_s", self.timeout_s)
-        for name, default in (("param_dtype", "auto"), ("reduce_dtype", "fp32")):
+        for name, default in (("param_dtype", "auto"), ("reduce_dtype", "fp32"), ("offload", "none")):
             if self.strategy != "fsdp" and getattr(self, name) != default:
                 raise UserError(f"dist.{name} sets how FSDP gathers and reduces: it needs dist.strategy=fsdp (it is"
                                 f" {self.strategy}).")
