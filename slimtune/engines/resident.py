@@ -41,8 +41,9 @@ class ResidentEngine(Engine):
         self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
         self.sharded, self.method = cfg.dist.strategy == "fsdp" and dist.active, cfg.method
         # fsdp: the root unit every forward runs through (sharding.StepRoot), None otherwise.
-        self.root = sharding.shard_model(stack, device, dist, sharding.precision_policy(cfg.dist, precision)) \
-            if self.sharded else None
+        self.offloaded = self.sharded and cfg.dist.offload == "cpu"  # shards, gradients, AdamW in host RAM
+        self.root = sharding.shard_model(stack, device, dist, sharding.precision_policy(cfg.dist, precision),
+                                         self.offloaded) if self.sharded else None
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         # Fused AdamW on every device: the fastest form and the leanest in temporaries, and one
@@ -52,6 +53,8 @@ class ResidentEngine(Engine):
             [{"params": params, "weight_decay": decay} for params, decay in sharding.split_by_sharding(groups)],
             **rules.adamw_settings(cfg.train), fused=True)
         rules.init_adamw_state(self.optimizer)
+        if self.offloaded:
+            sharding.mark_offloaded([*stack.model.parameters(), *self._moments()])
         # ddp: sums launched during the last backward (the planner's Counting dist counts instead).
         self.buckets = GradientBuckets(dist, self.params) if dist.active and not self.sharded else None
         self.step_count = 0  # optimizer steps taken: the learning-rate schedule's position
@@ -60,7 +63,12 @@ class ResidentEngine(Engine):
         for param in self.params:  # a gradient made in backward is counted as a gradient
             param.register_post_accumulate_grad_hook(weak_hook(self._tag_gradient))
 
+    def _moments(self) -> list[torch.Tensor]:
+        return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
     def _tag_gradient(self, param: torch.Tensor) -> None:
+        if self.offloaded:  # FSDP copied the reduce-scattered shard to the host
+            sharding.mark_offloaded([param.grad])
         if self._reading is not None:
             self._reading.retag(param.grad, "gradients")
         if self.buckets is not None:
@@ -120,9 +128,14 @@ class ResidentEngine(Engine):
         )
 
     def _offload_peaks(self, store) -> dict:
-        """Block inputs held in host RAM or on disk at most at once this step."""
+        """Block inputs held in host RAM or on disk at most at once this step; with dist.offload=cpu the
+        host also holds every shard, a gradient for each trained one, and AdamW's moments."""
         where = {"host": "host_peak_bytes", "disk": "disk_peak_bytes"}.get(self.activations_cfg.checkpoint)
-        return {where: store.peak_bytes} if where else {}
+        peaks = {where: store.peak_bytes} if where else {}
+        if self.offloaded:
+            state = sharding.local_bytes([*self.stack.model.parameters(), *self.params, *self._moments()])
+            peaks["host_peak_bytes"] = peaks.get("host_peak_bytes", 0) + state
+        return peaks
 
     def _clip(self) -> torch.Tensor:
         """The global gradient norm before clipping; the gradients clipped (rules.clip_coefficient)."""
@@ -221,12 +234,14 @@ def validate(cfg: RunConfig) -> None:
 def plans(method: str) -> list[dict]:
     """bf16 and fp32, checkpointing in each store, and for LoRA a 4-bit base with and without them
     and the whole LoRA peak-memory stack; for full fine-tuning also everything sharded across ranks,
-    with and without recompute (weighed only where there are several: planner.Machine.ranks)."""
+    with and without recompute, and with recompute and the shards in host RAM (dist.offload=cpu)
+    (weighed only where there are several: planner.Machine.ranks)."""
     options = [{"precision": precision} for precision in ("bf16", "fp32")]
     options += [{"precision": "bf16", "activations.checkpoint": store} for store in ("recompute", "host", "disk")]
     if method == "full":
         fsdp = {"precision": "bf16", "dist.strategy": "fsdp"}
-        options += [fsdp, {**fsdp, "activations.checkpoint": "recompute"}]
+        options += [fsdp, {**fsdp, "activations.checkpoint": "recompute"},
+                    {**fsdp, "activations.checkpoint": "recompute", "dist.offload": "cpu"}]
     if method == "lora":
         nf4 = {"precision": "bf16", "quant.scheme": "nf4"}
         options += [nf4, *({**nf4, "activations.checkpoint": store} for store in ("recompute", "host", "disk"))]
