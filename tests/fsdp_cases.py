@@ -42,16 +42,18 @@ CASES = {
     "lora": ("fp64", {}, {}, (2,), {"method": "lora"}),
     "mixed_lora": ("bf16", {}, {}, (3,), {"method": "lora"}),  # the frozen base stored in bf16
     "lora_recompute": ("fp64", {}, {}, (2,), {"method": "lora", "activations": ActivationsConfig(checkpoint="recompute")}),
+    # Shards, gradients and AdamW in host RAM (FSDP2's CPUOffloadPolicy; on the CPU every copy stays put).
+    "offload": ("fp64", {"offload": "cpu"}, {}, (2,)),
 }
 # A checkpointed case is held against the plain case (no checkpointing) it differs from.
-PLAIN = {"recompute": "untied", "host_tied": "tied", "disk": "untied", "lora_recompute": "lora"}
+PLAIN = {"recompute": "untied", "host_tied": "tied", "disk": "untied", "lora_recompute": "lora", "offload": "untied"}
 LR = {"fp64": 1e-2, "bf16": 1e-3}
 EPS = {"fp64": 1e-8, "bf16": 1e-6}  # as dist_cases: fp32-rounded residues near eps must not steer AdamW
 
 
 # Cases whose ranks also run the planner's synthetic step (PLANNED_SHAPE): their meter's peak is what
 # the planner's fake rank (estimate with ranks=world: fake_ranks) must give to the byte.
-PLANNED = ("untied", "tied", "mixed", "mixed_tied", "recompute")
+PLANNED = ("untied", "tied", "mixed", "mixed_tied", "recompute", "offload")
 PLANNED_SHAPE = (2, 24)  # batch rows, tokens
 
 

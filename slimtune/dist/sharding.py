@@ -70,23 +70,29 @@ class StepRoot(nn.Module):
         return run()
 
 
-def shard_model(stack, device: torch.device, dist: Dist, policy) -> StepRoot:
+def shard_model(stack, device: torch.device, dist: Dist, policy, offload: bool = False) -> StepRoot:
     """Every weight sharded over all ranks (a 1-D mesh on the run's device type), gathered as
     `policy` (precision_policy) says: each block its own unit; an untied embedding its own (gathered
     for its lookup, again for its backward); the root (StepRoot) the rest, gathered from the start
     of the step's forward to the end of its backward (the loss reads the head's weight in tiles
-    rather than calling the head module, and a tied weight serves the first op and the last)."""
+    rather than calling the head module, and a tied weight serves the first op and the last).
+    `offload`: every shard, its gradient and (made by the optimizer after) AdamW's moments in host RAM
+    (FSDP2's CPUOffloadPolicy: a unit's shards are copied to the device for its gather, its gradients
+    copied back after their reduce-scatter)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     with unset_fake_temporarily():  # the planner's fake step (fake_ranks): the mesh reads its rank table's values
         mesh = init_device_mesh(device.type, (dist.world_size,))
     units = [*stack.blocks, *([] if stack.tied else [stack.embed])]
+    # pin_memory only where there is a device to copy to (pinning raises without one).
+    placement = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy, offload_policy=placement)
     root = StepRoot(stack.model)
-    fully_shard(root, mesh=mesh, mp_policy=policy)  # a tied pair: one parameter, FSDP sets it on both modules
+    # a tied pair: one parameter, FSDP sets it on both modules
+    fully_shard(root, mesh=mesh, mp_policy=policy, offload_policy=placement)
     for unit in (*units, root):
         unit.set_gradient_divide_factor(1.0)
         # Plain SUM collectives with the factor applied after (exactly 1): gloo has no PREMUL_SUM.
@@ -117,6 +123,22 @@ def refusal(cfg) -> str | None:
     if cfg.quant.scheme != "none":
         return "dist.strategy=fsdp shards float weights, not a 4-bit base; set quant.scheme=none or use dist.strategy=ddp."
     return None
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this process holds of `tensors`: a shard's own part only."""
+    held = [t.to_local() if is_sharded(t) else t for t in tensors if t is not None]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
+def mark_offloaded(tensors) -> None:
+    """Declare the shards of `tensors` host memory (dist.offload=cpu): the meter counts them no more,
+    as a GPU's allocator never sees them."""
+    from slimtune.device import memory
+
+    for t in tensors:
+        if t is not None:
+            memory.mark_host_resident(t.to_local() if is_sharded(t) else t)
 
 
 def is_sharded(tensor: torch.Tensor | None) -> bool:

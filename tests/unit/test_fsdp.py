@@ -91,6 +91,23 @@ def test_checkpointed_blocks_under_fsdp_train_as_one_plain_process(jobs, name, w
     assert_same_training(found[name, world][0], plain, 1e-10, 1e-10, f"{name} on {world} ranks")
 
 
+def test_offloaded_shards_train_as_one_process_and_leave_the_device(jobs):
+    """dist.offload=cpu (FSDP2's CPUOffloadPolicy, on gloo CPU ranks: every copy to and from the
+    "device" stays put): trains as one plain process, fp64, to 1e-10; the meter counts no shard,
+    gradient shard or moment (host memory), only what is gathered; the host holds exactly the rank's
+    shards, a gradient shard per weight, two moments and AdamW's step counts."""
+    found, whole = jobs
+    mine, plain = found["offload", 2], whole["untied", 2]
+    assert_same_training(mine[0], plain, 1e-10, 1e-10, "offload on 2 ranks")
+    ranks_plain = found["untied", 2]
+    for rank, held in enumerate(mine):
+        assert held["peak"]["optimizer"] == 0, f"rank {rank}"
+        assert held["peak"]["total"] < ranks_plain[rank]["peak"]["total"]
+        shards = 2 * held["held"]["weights"] + held["held"]["optimizer"]  # weights, gradients, moments
+        steps = held["peak"]["host"] - shards  # and AdamW's step count of each tensor: a scalar
+        assert 0 < steps <= 8 * len(held["shapes"]), f"rank {rank}"
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize("fields,said", [
     (dict(activations=ActivationsConfig(checkpoint="recompute", seq_tile=64)),
