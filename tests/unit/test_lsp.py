@@ -419,16 +419,31 @@ def llama_shapes(name: str) -> list[tuple[int, int]]:
     return sizing.block_shapes(c) * c.num_hidden_layers
 
 
-@pytest.mark.parametrize("name, expected", [("Llama-3.2-1B", 320), ("Llama-3.2-3B", 384), ("Llama-3.1-8B", 512)])
-def test_the_default_d_is_the_largest_within_five_percent_of_the_gradient_bytes(name, expected):
+# SmolLM2-135M's block linears (hidden 576, 9 heads, 3 KV heads of 64, MLP 1536), 30 blocks
+SMOLLM2_135M = ([(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30, 576)
+
+
+@pytest.mark.parametrize("name, expected", [("Llama-3.2-1B", 1024), ("Llama-3.2-3B", 1536), ("Llama-3.1-8B", 2048),
+                                            ("SmolLM2-135M", 256)])
+def test_the_default_d_is_half_the_hidden_size_in_steps_of_64(name, expected):
+    """The rule chosen from benchmarks/docs/smollm2_engines.md (quality against d on SmolLM2-135M)."""
+    from slimtune import presets
     from slimtune.engines.lsp import sizing
-    shapes = llama_shapes(name)
-    gradient = sum(2 * n_o * n_i for n_o, n_i in shapes)
+    shapes, hidden = SMOLLM2_135M if name == "SmolLM2-135M" else (
+        llama_shapes(name), presets.model_config(name).hidden_size)
     d = sizing.derived_d(shapes)
-    assert d == expected and d % 64 == 0 and d <= 512
-    assert sizing.compressed_bytes(shapes, d) <= 0.05 * gradient
-    assert d == 512 or sizing.compressed_bytes(shapes, d + 64) > 0.05 * gradient  # the largest such d
+    assert d == expected and d % 64 == 0
+    assert d <= hidden / 2 < d + 64  # the largest multiple of 64 within half the hidden size
     assert sizing.subspace_size(200, shapes) == 200  # a given lsp.d is kept
+    assert sizing.derived_d([(32, 48), (16, 32)]) == 64  # a narrow model gets the smallest step (each matrix caps it)
+
+
+def test_the_link_bytes_count_each_matrix_at_its_capped_d():
+    from slimtune.engines.lsp import sizing
+    shapes, _ = SMOLLM2_135M
+    # at d = 512 the k and v matrices (192 wide) send 192^2, the others 512^2: 2 directions x fp32
+    assert sizing.compressed_bytes(shapes, 512) == 30 * 2 * 4 * (5 * 512**2 + 2 * 192**2)
+    assert sizing.compressed_bytes(shapes, 64) == 210 * 2 * 4 * 64**2
 
 
 def test_an_engine_without_lsp_d_takes_the_derived_size_capped_by_each_matrix():
