@@ -53,7 +53,7 @@ EPS = {"fp64": 1e-8, "bf16": 1e-6}  # as dist_cases: fp32-rounded residues near 
 
 # Cases whose ranks also run the planner's synthetic step (PLANNED_SHAPE): their meter's peak is what
 # the planner's fake rank (estimate with ranks=world: fake_ranks) must give to the byte.
-PLANNED = ("untied", "tied", "mixed", "mixed_tied", "recompute", "offload")
+PLANNED = ("untied", "mixed", "mixed_tied", "recompute", "offload")  # tied: in mixed_tied
 PLANNED_SHAPE = (2, 24)  # batch rows, tokens
 
 
