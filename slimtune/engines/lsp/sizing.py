@@ -6,7 +6,8 @@ a Llama-style block (q, o and the MLP's three have it; k and v are narrower). Sm
 Llama-3.2-1B 1024, Llama-3.2-3B 1536, Llama-3.1-8B 2048 (the paper's d for its 6.7B model).
 
 Why, measured on the real SmolLM2-135M (benchmarks/docs/smollm2_engines.md: full fine-tuning, a word
-task, 200 steps, 200 held-out prompts): held-out exact match against d was 0.645 at 64, 0.80 at 256,
+task, 200 steps, 200 held-out prompts): held-out exact match against d was 0.645 at 64, 0.745 at
+128, 0.80 at 256,
 against resident full fine-tuning's 0.835; d = 64 (0.11 of the width) is what the earlier rule, the
 largest d whose traffic stays within 5% of the bf16 gradient bytes, chose, and it trained 19 points
 short. Half the width is where quality came within the issue's 5 points. The price is traffic: at
