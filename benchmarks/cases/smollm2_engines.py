@@ -221,12 +221,14 @@ def against_resident(rows: dict) -> dict:
     return out
 
 
-def result_path(quick: bool) -> Path:
-    return RESULTS / f"smollm2_engines_cpu_{datetime.date.today().isoformat()}{'_quick' if quick else ''}.json"
+def result_path(quick: bool, steps: int = STEPS) -> Path:
+    """Today's result file; rows at another step count (--steps) have their own."""
+    length = "" if quick or steps == STEPS else f"_{steps}steps"
+    return RESULTS / f"smollm2_engines{length}_cpu_{datetime.date.today().isoformat()}{'_quick' if quick else ''}.json"
 
 
-def stored_rows(quick: bool) -> dict:
-    path = result_path(quick)
+def stored_rows(quick: bool, steps: int = STEPS) -> dict:
+    path = result_path(quick, steps)
     return json.loads(path.read_text()).get("rows", {}) if path.is_file() and not quick else {}
 
 
@@ -240,12 +242,12 @@ def document(rows: dict, steps: int, heldout: int, partial: bool) -> dict:
 
 def save(rows: dict, steps: int, heldout: int, quick: bool) -> None:
     RESULTS.mkdir(exist_ok=True)
-    result_path(quick).write_text(json.dumps(document(rows, steps, heldout, True), indent=2) + "\n")
+    result_path(quick, steps).write_text(json.dumps(document(rows, steps, heldout, True), indent=2) + "\n")
 
 
-def run_rows(names: list[str], quick: bool) -> dict:
-    steps, heldout = (QUICK_STEPS, QUICK_HELDOUT) if quick else (STEPS, HELDOUT)
-    rows, loaded = stored_rows(quick), git_state()
+def run_rows(names: list[str], quick: bool, steps: int = STEPS) -> dict:
+    steps, heldout = (QUICK_STEPS, QUICK_HELDOUT) if quick else (steps, HELDOUT)
+    rows, loaded = stored_rows(quick, steps), git_state()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         files = task_files(root, heldout)
@@ -253,7 +255,7 @@ def run_rows(names: list[str], quick: bool) -> dict:
             raise SystemExit("lsp's training examples differ from rest.jsonl's: the rows would not see the same batches.")
         for name in names:
             if name in rows:
-                print(f"{name}: kept from {result_path(quick).name} (commit {rows[name]['commit']['head']})", flush=True)
+                print(f"{name}: kept from {result_path(quick, steps).name} (commit {rows[name]['commit']['head']})", flush=True)
                 continue
             rows[name] = zero_shot(files, root) if name == "zero_shot" else run_row(name, files, steps, root, quick)
             rows[name]["code_loaded_at"] = loaded  # what ran: the modules this process imported then
@@ -273,8 +275,13 @@ def run(quick: bool) -> dict:
 
 
 if __name__ == "__main__":
-    chosen = sys.argv[1:]
-    unknown = [n for n in chosen if n not in ROWS and n != "zero_shot"]
-    if unknown or not chosen:
-        sys.exit(f"rows: {', '.join(['zero_shot', *ROWS])} (unknown: {', '.join(unknown) or 'none given'})")
-    run_rows(chosen, quick=False)
+    # python benchmarks/cases/smollm2_engines.py [--steps N] ROW...: these rows (at N steps: their own file)
+    arguments = sys.argv[1:]
+    length = STEPS
+    if arguments[:1] == ["--steps"] and len(arguments) > 1 and arguments[1].isdigit():
+        length, arguments = int(arguments[1]), arguments[2:]
+    unknown = [n for n in arguments if n not in ROWS and n != "zero_shot"]
+    if unknown or not arguments:
+        sys.exit(f"usage: smollm2_engines.py [--steps N] ROW...; rows: {', '.join(['zero_shot', *ROWS])}"
+                 f" (unknown: {', '.join(unknown) or 'none given'})")
+    run_rows(arguments, quick=False, steps=length)
