@@ -239,7 +239,7 @@ def per_device_estimate(model_config, cfg: RunConfig, machine: Machine, batch_si
                         seq_len: int) -> estimate.Estimate:
     """What one device holds: the measured estimate; under fsdp rank 0's sharded step, measured under a
     fake process group (fake_ranks), or where none can start derived by formula (rank_plan.sharded)."""
-    ranks = machine.ranks(cfg.engine)
+    ranks = machine.ranks(cfg.engine) if machine is not None else 1  # no machine: one device's step
     if not fake_ranks.needed(cfg, ranks):
         return cached_estimate(model_config, cfg, batch_size, seq_len)
     width = rank_plan.gather_bytes(cfg)

@@ -172,6 +172,11 @@ RULES: dict[str, Rule] = {
     "log.run_name": safe(),
     "dist.strategy": safe(),  # a sharded checkpoint is read into either layout (checkpoint.load)
     "dist.timeout_s": safe(),
+    # fsdp's mixed precision: the masters and moments are fp32 whatever the gather and reduce dtypes
+    "dist.param_dtype": applied("the resumed steps gather the weights in the new dtype; the fp32 masters are"
+                                " unchanged"),
+    "dist.reduce_dtype": applied("the resumed steps reduce the gradients in the new dtype"),
+    "dist.offload": safe(),  # where the shards and moments live, not what they hold
     "device": safe(),
     "precision": applied("the resumed steps compute in the new precision; weights held in a narrower dtype are"
                          " rounded once as they load"),

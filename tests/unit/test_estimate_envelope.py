@@ -20,7 +20,7 @@ def synthetic_step(middle):
     small, the ones between `middle(D, i)`) and the loss; the device peak is the largest segment's."""
     depths = []
 
-    def step(model_config, cfg, batch, segments=False, replays=None):
+    def step(model_config, cfg, batch, segments=False, replays=None, ranks=1):
         depth = model_config.num_hidden_layers
         depths.append(depth)
         found = {("start", 0): 1000 + 10 * depth, ("loss", 0): 1500 + 20 * depth}
