@@ -15,12 +15,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
 from conftest import engine_config  # noqa: E402
 from test_slide import batches, model_of  # noqa: E402
 from slimtune import assembly, train  # noqa: E402
-from slimtune.config import ActivationsConfig, DistConfig, TrainConfig  # noqa: E402
+from slimtune.config import ActivationsConfig, DistConfig, QuantConfig, TrainConfig  # noqa: E402
 from slimtune.dist import ranks as distributed  # noqa: E402
 from slimtune.engines import settings  # noqa: E402
 from slimtune.model.stack import Stack  # noqa: E402
 
 CPU = torch.device("cpu")
+NF4 = QuantConfig(scheme="nf4")
 STEPS = 2
 MICRO = 2  # micro-batches a rank trains a step, whatever the world size
 EVAL_BATCHES = 5  # an uneven share on 2 and 3 ranks: a rank runs a forward it does not count
@@ -44,16 +45,27 @@ CASES = {
     "lora_recompute": ("fp64", {}, {}, (2,), {"method": "lora", "activations": ActivationsConfig(checkpoint="recompute")}),
     # Shards, gradients and AdamW in host RAM (FSDP2's CPUOffloadPolicy; on the CPU every copy stays put).
     "offload": ("fp64", {"offload": "cpu"}, {}, (2,)),
+    # QLoRA: the 4-bit base's codes and scales sharded a row per quantization block, dequantized from
+    # the gathered rows; the same codes as one process's (every rank quantizes the same weights).
+    "qlora": ("fp64", {}, {}, (2, 3), {"method": "lora", "quant": NF4}),
+    "mixed_qlora": ("bf16", {}, {}, (2,), {"method": "lora", "quant": NF4}),
+    # int4's fp16 scales, and a quantized tied embedding and head (one QuantWeight, in the root unit).
+    "qlora_int4_tied": ("fp64", {}, {"tie_word_embeddings": True}, (3,),
+                        {"method": "lora", "quant": QuantConfig(scheme="int4", group_size=16, embeddings=True)}),
+    # The Answer.AI recipe's shape: a sharded 4-bit base, blocks recomputed, shards in host RAM.
+    "qlora_offload": ("fp64", {"offload": "cpu"}, {}, (2,),
+                      {"method": "lora", "quant": NF4, "activations": ActivationsConfig(checkpoint="recompute")}),
 }
 # A checkpointed case is held against the plain case (no checkpointing) it differs from.
-PLAIN = {"recompute": "untied", "host_tied": "tied", "disk": "untied", "lora_recompute": "lora", "offload": "untied"}
+PLAIN = {"recompute": "untied", "host_tied": "tied", "disk": "untied", "lora_recompute": "lora", "offload": "untied",
+         "qlora_offload": "qlora"}
 LR = {"fp64": 1e-2, "bf16": 1e-3}
 EPS = {"fp64": 1e-8, "bf16": 1e-6}  # as dist_cases: fp32-rounded residues near eps must not steer AdamW
 
 
 # Cases whose ranks also run the planner's synthetic step (PLANNED_SHAPE): their meter's peak is what
 # the planner's fake rank (estimate with ranks=world: fake_ranks) must give to the byte.
-PLANNED = ("untied", "mixed", "mixed_tied", "recompute", "offload")  # tied: in mixed_tied
+PLANNED = ("untied", "mixed", "mixed_tied", "recompute", "offload", "mixed_qlora", "qlora_offload")  # tied: in mixed_tied
 PLANNED_SHAPE = (2, 24)  # batch rows, tokens
 
 
@@ -75,7 +87,10 @@ def build(name: str, dist: distributed.Dist, world: int, out: Path | None = None
     makes it (the rotary tables stay fp32), not cast whole (stack_of casts them to fp64 too)."""
     precision, _, model_settings, *_ = CASES[name]
     cfg = config_of(name, dist.world_size, world, out)
-    dtype = torch.float64 if precision == "fp64" else torch.float32
+    # as loaded: in the run's weight dtype (a LoRA base under bf16 is loaded in bf16), else made in
+    # fp64 or fp32 and cast by stack_of.
+    dtype = assembly.run_weight_dtype(cfg, precision) if as_loaded else (
+        torch.float64 if precision == "fp64" else torch.float32)
     model = model_of(3, dtype=dtype, **model_settings)
     stack = Stack(model) if as_loaded else assembly.stack_of(model, cfg, CPU, precision)
     return assembly.assemble(cfg, stack, CPU, precision, dist), model

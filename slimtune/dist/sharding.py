@@ -120,8 +120,6 @@ def refusal(cfg) -> str | None:
     if acts.checkpoint != "none" and acts.cache == "small":
         return ("dist.strategy=fsdp recomputes a block through its module call, and activations.cache=small would hand"
                 " back logged op outputs there, FSDP's gathers among them; set activations.cache=none or last_k.")
-    if cfg.quant.scheme != "none":
-        return "dist.strategy=fsdp shards float weights, not a 4-bit base; set quant.scheme=none or use dist.strategy=ddp."
     return None
 
 

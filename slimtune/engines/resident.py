@@ -26,6 +26,7 @@ from slimtune.engines.registry import EngineSpec, register
 from slimtune.dist.grad_buckets import GradientBuckets
 from slimtune.errors import UserError
 from slimtune.step.loss import LossOutput
+from slimtune.model import quant
 from slimtune.model.stack import Stack
 from slimtune.optim import rules
 
@@ -42,6 +43,8 @@ class ResidentEngine(Engine):
         self.sharded, self.method = cfg.dist.strategy == "fsdp" and dist.active, cfg.method
         # fsdp: the root unit every forward runs through (sharding.StepRoot), None otherwise.
         self.offloaded = self.sharded and cfg.dist.offload == "cpu"  # shards, gradients, AdamW in host RAM
+        if self.sharded:  # a 4-bit base's codes and scales as parameters FSDP shards, a row per block
+            quant.hold_as_rows(stack.model)
         self.root = sharding.shard_model(stack, device, dist, sharding.precision_policy(cfg.dist, precision),
                                          self.offloaded) if self.sharded else None
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]

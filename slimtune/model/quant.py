@@ -247,23 +247,74 @@ def state_shapes(layout: Layout) -> tuple[tuple[tuple[int, ...], torch.dtype], t
 
 
 class QuantWeight(nn.Module):
-    """A frozen (out, in) weight in 4 bits. A tied embedding and LM head share one instance."""
+    """A frozen (out, in) weight in 4 bits. A tied embedding and LM head share one instance.
+
+    Its codes and scales are buffers, in the layouts the kernels read (module docstring), until
+    hold_as_rows makes them frozen parameters a row per quantization block, for FSDP to shard."""
 
     def __init__(self, layout: Layout, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
         super().__init__()
         self.layout = layout
         self.dtype = dtype  # the dense weight's dtype: the default dequantization dtype
+        self.as_rows = False
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
 
+    def hold_as_rows(self) -> None:
+        """dist.strategy=fsdp: the codes and scales as frozen parameters (FSDP2 shards parameters, not
+        buffers), a row per quantization block (nf4: 32 code bytes and 4 absmax bytes; int4: a weight
+        row's codes and its fp16 scales' bytes), so FSDP's dim-0 shards cut both at the same blocks.
+        The scales travel as bytes: FSDP's mixed precision casts floating parameters, and an absmax
+        gathered in bf16 would move every block's values (2^-9 relative); uint8 is left as it is."""
+        if self.as_rows:
+            return
+        codes, scales = rows_of_blocks(self.layout, self.codes, self.scales)
+        del self.codes, self.scales  # the buffers: their storage is the parameters' (views) or freed
+        self.codes = nn.Parameter(codes, requires_grad=False)
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        self.as_rows = True
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) in the layouts the kernels read, whichever way they are held (views)."""
+        if not self.as_rows:
+            return self.codes, self.scales
+        return kernel_state(self.layout, self.codes, self.scales)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize(self.layout, self.codes, self.scales, dtype or self.dtype)
+        return dequantize(self.layout, *self.state(), dtype or self.dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_rows(self.layout, self.codes, self.scales, index, dtype or self.dtype)
+        return dequantize_rows(self.layout, *self.state(), index, dtype or self.dtype)
 
     def extra_repr(self) -> str:
         return f"scheme={self.layout.scheme}, shape={self.layout.shape}, group_size={self.layout.group_size}"
+
+
+def rows_of_blocks(layout: Layout, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes and scales a row per quantization block, uint8 both (QuantWeight.hold_as_rows). Views of
+    the inputs but where nf4's last block is partial (its codes padded to the block's 32 bytes)."""
+    if layout.scheme == "int4":  # already a row per weight row; the fp16 scales as their bytes
+        return codes, scales.view(torch.uint8)
+    blocks = scales.numel()
+    flat = codes.reshape(-1)
+    if flat.numel() < blocks * NF4_BLOCK // 2:
+        flat = F.pad(flat, (0, blocks * NF4_BLOCK // 2 - flat.numel()))
+    return flat.view(blocks, NF4_BLOCK // 2), scales.view(torch.uint8).view(blocks, 4)
+
+
+def kernel_state(layout: Layout, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows_of_blocks' inverse: the kernels' codes and scales, as views of the (gathered) rows."""
+    if layout.scheme == "int4":
+        return codes, scales.view(torch.float16)
+    (codes_shape, _), _ = state_shapes(layout)
+    return codes.reshape(-1)[: codes_shape[0]].view(codes_shape), scales.view(torch.float32).reshape(-1)
+
+
+def hold_as_rows(model: nn.Module) -> None:
+    """Every 4-bit weight of `model` held as parameters a row per block (QuantWeight.hold_as_rows)."""
+    for module in model.modules():
+        if isinstance(module, QuantWeight):
+            module.hold_as_rows()
 
 
 class _DequantLinear(torch.autograd.Function):
@@ -330,7 +381,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(_compute_dtype(x))  # autograd casts dx back to x's dtype
-        y = _DequantLinear.apply(x, self.qweight.layout, self.qweight.codes, self.qweight.scales)
+        y = _DequantLinear.apply(x, self.qweight.layout, *self.qweight.state())
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -341,8 +392,9 @@ class QuantLinear(nn.Module):
         """Yields (start, stop, rows [start, stop) of W dense in `dtype`), one tile at a time
         (the LM head of the loss: never the whole (V, D) weight at once)."""
         q = self.qweight
-        for start, stop in memory.representative(row_tiles(q.layout), q.codes):
-            yield start, stop, dequantize_row_range(q.layout, q.codes, q.scales, start, stop, dtype or q.dtype)
+        codes, scales = q.state()
+        for start, stop in memory.representative(row_tiles(q.layout), codes):
+            yield start, stop, dequantize_row_range(q.layout, codes, scales, start, stop, dtype or q.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

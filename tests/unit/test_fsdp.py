@@ -14,7 +14,7 @@ import torch
 
 import fsdp_cases
 from conftest import engine_config
-from slimtune.config import ActivationsConfig, DistConfig, QuantConfig
+from slimtune.config import ActivationsConfig, DistConfig
 from slimtune.dist import ranks as distributed
 from slimtune.dist import sharding
 from slimtune.engines import settings
@@ -66,7 +66,8 @@ def assert_same_training(found: dict, ref: dict, loss_tol: float, weight_tol: fl
         torch.testing.assert_close(found["weights"][key], value, atol=weight_tol, rtol=0, msg=f"{case}: {key}")
 
 
-@pytest.mark.parametrize("name,world", [("untied", 2), ("untied", 3), ("tied", 2), ("tied", 3), ("lora", 2)])
+@pytest.mark.parametrize("name,world", [("untied", 2), ("untied", 3), ("tied", 2), ("tied", 3), ("lora", 2),
+                                        ("qlora", 2), ("qlora", 3), ("qlora_int4_tied", 3)])
 def test_sharded_fp64_trains_as_one_process(jobs, name, world):
     found, whole = jobs
     assert_same_training(found[name, world][0], whole[name, world], 1e-10, 1e-10, f"{name} on {world} ranks")
@@ -108,13 +109,29 @@ def test_offloaded_shards_train_as_one_process_and_leave_the_device(jobs):
         assert 0 < steps <= 8 * len(held["shapes"]), f"rank {rank}"
 
 
+def test_qlora_recomputed_with_its_shards_in_host_ram_trains_as_one_plain_process(jobs):
+    """The Answer.AI recipe's shape on gloo ranks: the 4-bit base sharded, blocks recomputed, every
+    shard, gradient and AdamW moment in host RAM. It trains as one process without any of it (fp64,
+    1e-10); the device meter counts no shard, gradient or moment; the host holds exactly the rank's
+    shards (the codes and scales among them), a gradient for each adapter shard, two moments and
+    AdamW's fp32 step count a tensor."""
+    found, whole = jobs
+    mine, plain = found["qlora_offload", 2], whole["qlora", 2]
+    assert_same_training(mine[0], plain, 1e-10, 1e-10, "qlora_offload on 2 ranks")
+    for rank, held in enumerate(mine):
+        assert held["peak"]["optimizer"] == held["peak"]["gradients"] == 0, f"rank {rank}"
+        assert held["peak"]["total"] < found["qlora", 2][rank]["peak"]["total"]
+        shards, moments = held["held"]["weights"], held["held"]["optimizer"]
+        adapters = len(mine[0]["weights"])  # rank 0 keeps what trainable_state gathers
+        assert held["peak"]["host"] == shards + moments // 2 + moments + 4 * adapters, f"rank {rank}"
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize("fields,said", [
     (dict(activations=ActivationsConfig(checkpoint="recompute", seq_tile=64)),
      "dist.strategy=fsdp runs a checkpointed block whole, not in sequence tiles"),
     (dict(activations=ActivationsConfig(checkpoint="host", cache="small")),
      "activations.cache=small would hand back logged op outputs there, FSDP's gathers among them"),
-    (dict(method="lora", quant=QuantConfig(scheme="nf4")), "dist.strategy=fsdp shards float weights, not a 4-bit base"),
 ])
 def test_what_fsdp_cannot_do_yet_is_one_sentence(fields, said):
     cfg = engine_config(**{"engine": "resident", "method": "full", "dist": DistConfig(strategy="fsdp"), **fields})
@@ -123,7 +140,7 @@ def test_what_fsdp_cannot_do_yet_is_one_sentence(fields, said):
     assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
 
 
-@pytest.mark.parametrize("name,world", [("mixed", 2), ("mixed_tied", 3), ("mixed_lora", 3)])
+@pytest.mark.parametrize("name,world", [("mixed", 2), ("mixed_tied", 3), ("mixed_lora", 3), ("mixed_qlora", 2)])
 def test_mixed_precision_trains_as_one_process_within_bf16_rounding(jobs, name, world):
     """Ranks gather every weight in bf16 (FSDP2's MixedPrecisionPolicy) and compute with it; one
     process under precision=bf16 keeps fp32 weights that autocast rounds to bf16 for the matmuls
@@ -138,11 +155,16 @@ def test_mixed_precision_trains_as_one_process_within_bf16_rounding(jobs, name, 
     sign moves a weight the other way (two steps of up to ~1.4 lr each): 99% of all the weights
     within lr / 4 of one process's (measured 99.5%), none beyond 4 lr (measured 3.1 lr). LoRA's frozen
     base is stored in bf16 on one process too, and its embedding frozen: there the two agree to
-    1e-7 lr (the same tolerances hold)."""
+    1e-7 lr (the same tolerances hold). A 4-bit base's codes are gathered as they are, uint8 (the
+    hooked linear's `weight` is its codes), and its scales as their bytes: exact."""
     found, whole = jobs
     mine, ref = found[name, world][0], whole[name, world]
     lora = name.endswith("lora")
-    assert mine["computed_in"] == torch.bfloat16 and ref["computed_in"] == (torch.bfloat16 if lora else torch.float32)
+    if name.endswith("qlora"):
+        assert mine["computed_in"] == ref["computed_in"] == torch.uint8
+    else:
+        assert mine["computed_in"] == torch.bfloat16
+        assert ref["computed_in"] == (torch.bfloat16 if lora else torch.float32)
     assert mine["losses"] == pytest.approx(ref["losses"], rel=1e-3)
     assert mine["norms"] == pytest.approx(ref["norms"], rel=1e-2)
     assert mine["eval"][1] == ref["eval"][1] and mine["eval"][0] == pytest.approx(ref["eval"][0], rel=1e-3)
@@ -179,6 +201,23 @@ def test_every_weight_and_moment_is_held_one_share_a_rank(jobs, name):
             assert share <= one["weights"] / world + sum(torch.Size(s[1:]).numel() * size for s, size in shapes)
 
 
+@pytest.mark.parametrize("name,world", [("qlora", 2), ("qlora", 3), ("qlora_int4_tied", 3)])
+def test_a_4bit_base_is_held_a_share_of_its_blocks_a_rank(jobs, name, world):
+    """Under fsdp a 4-bit base's codes and scales are frozen uint8 parameters, a row per quantization
+    block (nf4: 32 code bytes, 4 absmax bytes; int4: a weight row's codes, its fp16 scales' bytes),
+    so FSDP's dim-0 shards cut codes and scales at the same blocks; each rank holds its share of
+    them and of every other weight, nothing whole."""
+    found, _ = jobs
+    for rank, got in enumerate(found[name, world]):
+        packed = [s for s, size in got["shapes"] if size == 1]
+        if name == "qlora":  # 7 linears a block, 3 blocks: codes and absmax of each
+            assert sorted({s[1] for s in packed}) == [4, 32] and len(packed) == 2 * 7 * 3, packed
+        else:  # int4 with the tied embedding and head quantized too: one QuantWeight for the pair
+            assert len(packed) == 2 * (7 * 3 + 1), packed
+        share = sum(shard_rows(s[0], world, rank) * torch.Size(s[1:]).numel() * size for s, size in got["shapes"])
+        assert got["held"]["weights"] == share, f"rank {rank} of {world}"
+
+
 @pytest.mark.parametrize("name", ["untied", "tied"])
 def test_the_meter_sees_weights_gradients_and_moments_fall_as_one_over_ranks(jobs, name):
     """The device meter on each gloo rank (its step's peak, by category) against one process: the
@@ -209,7 +248,8 @@ def test_the_planners_fake_rank_equals_a_gloo_ranks_meter(jobs, name):
     not identified), so the real peak is held to at least the estimate and at most one block's
     weight bytes above it (74 kB here), and so is every other rank's (rank 0 holds the largest
     shards). The weights and AdamW state at the peak are equal to the byte; fewer bytes on more ranks. Mixed
-    precision (bf16 gathers), recompute and offload among them."""
+    precision (bf16 gathers), recompute and offload among them, and a 4-bit base sharded (QLoRA in
+    bf16, and recomputed with its shards in host RAM)."""
     from slimtune.planning import estimate
 
     found, _ = jobs
