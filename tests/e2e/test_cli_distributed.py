@@ -152,3 +152,21 @@ def test_a_lost_rank_ends_the_job_with_a_message(workdir, how):
                    "output_dir=out", "--nproc", "2", cwd=workdir)  # the last checkpoint stays usable
     assert f"resumed from {latest}" in out.stdout
 
+
+
+def test_qlora_sharded_by_fsdp_trains_as_one_process_and_exports_its_adapter(workdir):
+    """`--nproc 2` with a 4-bit base sharded by FSDP2 (QLoRA, blocks recomputed): the adapter it
+    exports equals one process's on the whole batch but for the order of the sums (fp32: 1e-6), and
+    loads like any adapter (one file of LoRA tensors)."""
+    qlora = ["train.steps=3", "train.save_every=0", "train.eval_every=0", "lora.dropout=0", "quant.scheme=nf4",
+             "activations.checkpoint=recompute", "precision=fp32", "--no-progress"]
+    slimtune("train", "run.yaml", *qlora, "dist.strategy=fsdp", "--nproc", "2", "output_dir=two", cwd=workdir)
+    # one process on both ranks' micro-batches: each rank trains train.batch_size rows a step
+    slimtune("train", "run.yaml", *qlora, "train.grad_accum=2", "output_dir=one", cwd=workdir)
+    two, one = (load_file(str(workdir / run / "adapter" / "adapter_model.safetensors")) for run in ("two", "one"))
+    assert two.keys() == one.keys() and all("lora_" in key for key in two)
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0, msg=key)
+    assert [r["step"] for r in records(workdir / "two")] == [1, 2, 3]
+    assert [r["loss"] for r in records(workdir / "two")] == pytest.approx([r["loss"] for r in records(workdir / "one")],
+                                                                          rel=1e-5)
