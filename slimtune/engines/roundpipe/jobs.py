@@ -70,8 +70,11 @@ class StepContext:
     losses: dict = field(default_factory=dict)  # (micro-batch, shard) -> exact loss sum (host scalar)
     times: StepTimes = field(default_factory=StepTimes)  # what the jobs timed, per layer
     host_bytes: int = 0  # hand-offs and saved inputs alive on the host now
-    host_peak: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Every change of host_bytes, with the place in the schedule of the job that made it: (job index,
+    # micro-batch), EMBED's (the main thread's rows) before all; host_peak replays them in that order.
+    _held: list[tuple[tuple[int, int], int]] = field(default_factory=list)
+    _at: threading.local = field(default_factory=threading.local)  # each worker thread's (job index, micro-batch)
     _takers: dict[int, int] = field(default_factory=dict)  # id of a host tensor put under several keys -> takes left
 
     def await_weights(self, layers: range) -> None:
@@ -87,10 +90,31 @@ class StepContext:
         with self._lock:
             self.link_bytes += nbytes
 
+    def at(self, job: Job, m: int) -> None:
+        """This thread now runs micro-batch m of `job`: the hand-offs it puts and takes are that place's."""
+        self._at.place = (job.index, m)
+
     def held(self, delta: int) -> None:
         with self._lock:
             self.host_bytes += delta
-            self.host_peak = max(self.host_peak, self.host_bytes)
+            self._held.append((getattr(self._at, "place", (EMBED, 0)), delta))
+
+    @property
+    def host_peak(self) -> int:
+        """The most bytes the step's hand-offs and saved inputs hold at once with its jobs run one
+        after another in job order (as the planner's fake step runs them), not in the order this run's
+        workers happened to put and take them: that order varies run to run (a tail worker that takes
+        a hand-off before the forward worker puts the next holds one hand-off less), and the figure
+        must not. No timing holds more: in job order all forward and tail work comes before any
+        backward work, and on balance a forward or tail micro-batch only adds hand-offs (it takes one
+        and puts one or more) and a backward one only frees them (it takes its saved input and the
+        gradient, puts one gradient), so job order reaches the largest set of finished micro-batches
+        any timing could have."""
+        now = peak = 0
+        for _, delta in sorted(self._held, key=lambda change: change[0]):  # stable: a place's own order kept
+            now += delta
+            peak = max(peak, now)
+        return peak
 
     def put(self, key: tuple, handoff: tuple) -> None:
         """handoff: (host tensor, the event after which it is filled, None on the CPU)."""
@@ -168,6 +192,7 @@ def run(worker: Worker, job: Job, ctx: StepContext) -> None:
             body = {"forward": _forward_micro_batch, "tail": _tail_micro_batch, "backward": _backward_micro_batch}
             for m, piece in enumerate(ctx.pieces):
                 worker.pause(job, m)
+                ctx.at(job, m)
                 body[stage.kind](worker, job, ctx, m, piece, ahead)
                 for _, leaf in pairs:  # made by the first backward: the job's gradient sums
                     worker.retag(leaf.grad, "gradients")
