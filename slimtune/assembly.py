@@ -3,10 +3,11 @@
     precision      auto -> bf16 on CUDA, fp32 on the CPU
     weight dtype   what the weights are loaded in (a frozen LoRA base in bf16 under bf16; the engine's
                    own rule where it registered one)
-    load device    the host when a 4-bit base is quantized from there or the engine keeps the model
-                   on the host; else the device
+    load device    the host when a 4-bit base is quantized from there, the engine keeps the model
+                   on the host, or an fsdp job shards it from there; else the device
     method         4-bit base (quant), then LoRA adapters, or full fine-tuning minus freeze patterns
-    placement      the model moved to the device, unless the engine keeps it on the host
+    placement      the model moved to the device, unless the engine keeps it on the host or an fsdp
+                   job's sharding moves it (a unit at a time)
     engine         the registered engine's constructor: Engine(stack, cfg, device, precision)
 
 train.build, the planner's estimate (on fake tensors), the tests and the benchmarks all assemble a
@@ -68,15 +69,23 @@ def run_weight_dtype(cfg: RunConfig, precision: str) -> torch.dtype:
     return (own or weight_dtype)(precision, cfg.method)
 
 
-def load_device(cfg: RunConfig, device: torch.device) -> torch.device:
+def kept_on_host(cfg: RunConfig, dist: Dist = SINGLE) -> bool:
+    """Whether the model stays on the host once loaded: the engine keeps it there, or it is sharded
+    from there. An fsdp rank never holds the whole model on its card (Llama-3.1-8B's fp32 masters are
+    32 GB, a 70B base's 4-bit codes 37 GiB): FSDP2's fully_shard moves one unit at a time to the
+    device, cuts it and keeps the rank's shard (in host RAM again under dist.offload=cpu)."""
+    return engines.get(cfg.engine).model_on_host or (cfg.dist.strategy == "fsdp" and dist.active)
+
+
+def load_device(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE) -> torch.device:
     """Where the weights are loaded: a 4-bit base is loaded on the host and quantized onto the device,
-    so the dense weights never sit there; an engine that keeps the model on the host gets it there."""
-    return HOST if cfg.quant.scheme != "none" or engines.get(cfg.engine).model_on_host else device
+    so the dense weights never sit there; a model kept on the host (kept_on_host) is loaded there."""
+    return HOST if cfg.quant.scheme != "none" or kept_on_host(cfg, dist) else device
 
 
-def load_stack(cfg: RunConfig, device: torch.device, precision: str) -> Stack:
+def load_stack(cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE) -> Stack:
     """The model folder cfg.model, loaded in the run's weight dtype where it belongs."""
-    return Stack(load_model(cfg.model, run_weight_dtype(cfg, precision), load_device(cfg, device)))
+    return Stack(load_model(cfg.model, run_weight_dtype(cfg, precision), load_device(cfg, device, dist)))
 
 
 def stack_of(model: nn.Module, cfg: RunConfig, device: torch.device, precision: str) -> Stack:
@@ -103,8 +112,9 @@ def apply_method(cfg: RunConfig, stack: Stack, codes_device: torch.device | None
 def assemble(cfg: RunConfig, stack: Stack, device: torch.device, precision: str, dist: Dist = SINGLE) -> Engine:
     """Method, placement and engine for a loaded stack; `dist`: the ranks it trains with."""
     spec = engines.get(cfg.engine)
-    apply_method(cfg, stack, HOST if spec.model_on_host else device)
-    if not spec.model_on_host:
+    on_host = kept_on_host(cfg, dist)
+    apply_method(cfg, stack, HOST if on_host else device)
+    if not on_host:
         place(stack.model, device)
     stack.advance("engine")
     return spec.build(stack, cfg, device, precision, dist)

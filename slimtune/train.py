@@ -128,7 +128,7 @@ def build(cfg: RunConfig, dist: Dist = SINGLE) -> Run:
     splits = data.load_splits(cfg.data, tokenizer, cfg.train.seed)
     if not splits.train:
         raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
-    stack = assembly.load_stack(cfg, device, precision)
+    stack = assembly.load_stack(cfg, device, precision, dist)
     engine = assembly.assemble(cfg, stack, device, precision, dist)
     wanted = engines.get(cfg.engine).sample_examples(cfg)
     if wanted:

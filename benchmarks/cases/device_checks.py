@@ -35,6 +35,12 @@ on the CPU the live-tensor meter. What it records:
    (4 blocks, LoRA, block inputs on the host) at 32K and 64K tokens on the card capped to 24 GiB
    (torch.cuda.set_per_process_memory_fraction): the estimate beside the allocator's peak, tokens/s
    tiled (auto tile, 1,024-token tiles) against untiled, or the out-of-memory under the cap.
+9. fsdp_rank: one rank of a 2-rank fsdp job on the one card (rank 0 under torch's fake process group:
+   its collectives move nothing, its memory is real; slimtune/dist/fake_ranks.py), a Llama-3.2-1B-shaped
+   model (4 blocks): QLoRA sharded (NF4, recompute), the same with dist.offload=cpu, and full
+   fine-tuning (bf16 gathers, recompute). The allocator's peak while the engine is built (the model
+   loaded on the host; FSDP moves one unit at a time to the card: assembly.kept_on_host) beside the
+   whole model's bytes, and step 2's peak beside the planner's fake rank (estimate with ranks=2).
 Data parallelism (torchrun, NCCL) is not checked here: ranks sharing the one lent card would measure
 contention, not data parallelism. The result says so ("data_parallel"); the CPU case data_parallel
 (gloo) records what two processes do, and the tests check every engine's sums.
@@ -449,12 +455,49 @@ def host_optimizer(quick: bool, output_dir: str) -> dict:
     return out
 
 
+FSDP_PLANS = (
+    {"method": "lora", "quant.scheme": "nf4", "activations.checkpoint": "recompute"},
+    {"method": "lora", "quant.scheme": "nf4", "activations.checkpoint": "recompute", "dist.offload": "cpu"},
+    {"method": "full", "activations.checkpoint": "recompute"},
+)
+
+
+def fsdp_rank(quick: bool, output_dir: str) -> list[dict]:
+    """Rank 0 of a 2-rank fsdp job on this device (section 9 of the docstring)."""
+    from slimtune.dist import fake_ranks
+    from slimtune.model.stack import Stack
+
+    config = shapes(quick, 4)
+    seq = 256 if quick else 1024
+    model, batch, rows = random_model(config), one_batch(config.vocab_size, seq), []
+    whole = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    for plan in FSDP_PLANS:
+        cfg = run_config({"engine": "resident", "precision": "bf16", "dist.strategy": "fsdp", **plan}, output_dir)
+        found = estimate(config, cfg, 1, seq, batch=batch, ranks=2)  # before the fake job: it makes its own
+        with fake_ranks.rank_of(2) as dist:
+            precision = assembly.resolve_precision(cfg.precision, device())
+            stack = Stack(copy.deepcopy(model).to(assembly.run_weight_dtype(cfg, precision)))  # loaded on the host
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            engine = assembly.assemble(cfg, stack, device(), precision, dist)
+            built = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+            peak, times = measured_step2(engine, batch)
+            del engine, stack
+        rows.append({"plan": plan, "seq": seq, "ranks": 2, "whole_model_fp32_bytes": whole,
+                     "peak_while_building_bytes": built, "estimate_bytes": found.device_peak_bytes,
+                     "measured_bytes": peak, "difference_pct": 100 * (peak - found.device_peak_bytes) / found.device_peak_bytes,
+                     "step_s": times})
+        print(f"fsdp rank 0 of 2 {plan}: estimate {found.device_peak_bytes / GIB:.3f} GiB, measured {peak / GIB:.3f} GiB"
+              f" ({rows[-1]['difference_pct']:+.2f}%), building {built}", flush=True)
+    return rows
+
+
 SECTIONS = (("estimate_vs_device", lambda quick, out: estimate_vs_device(quick, out)),
             ("context", lambda quick, out: context_bytes()), ("parity", lambda quick, out: parity(out)),
             ("speed", speed), ("lsp_compressed_gradient", lambda quick, out: lsp_compressed_gradient(quick)),
             ("lsp_speed", lsp_speed), ("chunk", chunk_checks), ("roundpipe", roundpipe_checks),
             ("host_optimizer", host_optimizer),
-            ("long_context", lambda quick, out: long_context(quick, out, _helpers())))
+            ("long_context", lambda quick, out: long_context(quick, out, _helpers())), ("fsdp_rank", fsdp_rank))
 
 
 def _helpers():

@@ -237,8 +237,9 @@ def validate(cfg: RunConfig) -> None:
 def plans(method: str) -> list[dict]:
     """bf16 and fp32, checkpointing in each store, and for LoRA a 4-bit base with and without them
     and the whole LoRA peak-memory stack; for full fine-tuning also everything sharded across ranks,
-    with and without recompute, and with recompute and the shards in host RAM (dist.offload=cpu)
-    (weighed only where there are several: planner.Machine.ranks)."""
+    with and without recompute, and with recompute and the shards in host RAM (dist.offload=cpu);
+    for LoRA a sharded 4-bit base, recomputed, with and without offload (fsdp plans are weighed only
+    where there are several ranks: planner.Machine.ranks)."""
     options = [{"precision": precision} for precision in ("bf16", "fp32")]
     options += [{"precision": "bf16", "activations.checkpoint": store} for store in ("recompute", "host", "disk")]
     if method == "full":
@@ -249,6 +250,10 @@ def plans(method: str) -> list[dict]:
         nf4 = {"precision": "bf16", "quant.scheme": "nf4"}
         options += [nf4, *({**nf4, "activations.checkpoint": store} for store in ("recompute", "host", "disk"))]
         options.append({**nf4, "activations.checkpoint": "disk", "loss.mode": "subset"})
+        # QLoRA sharded (FSDP + QLoRA, Answer.AI's recipe): the 4-bit base's codes sharded, blocks
+        # recomputed, and with the shards, adapters' gradients and AdamW in host RAM.
+        fsdp = {**nf4, "dist.strategy": "fsdp", "activations.checkpoint": "recompute"}
+        options += [fsdp, {**fsdp, "dist.offload": "cpu"}]
     return options
 
 
