@@ -47,6 +47,8 @@ class ResidentEngine(Engine):
             quant.hold_as_rows(stack.model)
         self.root = sharding.shard_model(stack, device, dist, sharding.precision_policy(cfg.dist, precision),
                                          self.offloaded) if self.sharded else None
+        if cfg.dist.strategy == "fsdp" and not dist.active and not _fake(stack):
+            print(unsharded_note(cfg.dist.offload))
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         # Fused AdamW on every device: the fastest form and the leanest in temporaries, and one
@@ -202,6 +204,21 @@ class ResidentEngine(Engine):
                     if source is not held[moment]:
                         sharding.copy_into(held[moment], source)
         self.step_count = state.step
+
+
+def unsharded_note(offload: str) -> str:
+    """The start line of an fsdp run in one process: nothing to shard it across."""
+    ignored = "; dist.offload=cpu does nothing here" if offload == "cpu" else ""
+    return ("dist.strategy=fsdp in one process: nothing is sharded, the model trains whole on one device"
+            f"{ignored} (start several ranks with slimtune train --nproc N or torchrun).")
+
+
+def _fake(stack: Stack) -> bool:
+    """The planner's model: fake tensors, no run to speak to."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    first = next(stack.model.parameters(), None)
+    return first is not None and is_fake(first)
 
 
 def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,

@@ -272,6 +272,16 @@ def test_the_planners_fake_rank_equals_a_gloo_ranks_meter(jobs, name):
     assert peaks == sorted(peaks, reverse=True)
 
 
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_fsdp_in_one_process_says_nothing_is_sharded(capsys, offload):
+    """A run of an fsdp config started without ranks trains on one device, and says so at the start
+    (with dist.offload=cpu, that the offload does nothing) rather than silently."""
+    fsdp_cases.build("offload" if offload == "cpu" else "untied", distributed.SINGLE, 1)
+    said = capsys.readouterr().out
+    assert "dist.strategy=fsdp in one process: nothing is sharded" in said
+    assert ("dist.offload=cpu does nothing here" in said) == (offload == "cpu")
+
+
 def test_policy_follows_precision_and_the_dist_fields():
     policy = sharding.precision_policy(DistConfig(strategy="fsdp"), "bf16")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
