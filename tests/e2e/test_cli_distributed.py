@@ -154,15 +154,21 @@ def test_a_lost_rank_ends_the_job_with_a_message(workdir, how):
 
 
 
-def test_qlora_sharded_by_fsdp_trains_as_one_process_and_exports_its_adapter(workdir):
-    """`--nproc 2` with a 4-bit base sharded by FSDP2 (QLoRA, blocks recomputed): the adapter it
-    exports equals one process's on the whole batch but for the order of the sums (fp32: 1e-6), and
-    loads like any adapter (one file of LoRA tensors)."""
-    qlora = ["train.steps=3", "train.save_every=0", "train.eval_every=0", "lora.dropout=0", "quant.scheme=nf4",
-             "activations.checkpoint=recompute", "precision=fp32", "--no-progress"]
-    slimtune("train", "run.yaml", *qlora, "dist.strategy=fsdp", "--nproc", "2", "output_dir=two", cwd=workdir)
+def test_qlora_sharded_by_fsdp_resumes_and_trains_as_one_process(workdir):
+    """`--nproc 2` with a 4-bit base sharded by FSDP2 (QLoRA, blocks recomputed): 2 steps and their
+    sharded checkpoint, then the same folder asked for 3 resumes from it; the adapter it exports equals
+    one process's on both ranks' micro-batches but for the order of the sums (fp32: 1e-6), and loads
+    like any adapter (one file of LoRA tensors). (Bit-exact resume after kill -9 under fsdp: the full
+    fine-tuning test above; one process against the ranks in fp64: tests/unit/test_fsdp.py.)"""
+    qlora = ["train.save_every=2", "train.eval_every=0", "train.schedule=constant", "lora.dropout=0",
+             "quant.scheme=nf4", "activations.checkpoint=recompute", "precision=fp32", "--no-progress"]
+    fsdp = [*qlora, "dist.strategy=fsdp", "--nproc", "2"]
+    slimtune("train", "run.yaml", *fsdp, "train.steps=2", "output_dir=two", cwd=workdir)
+    assert (workdir / "two" / "checkpoints" / "step-00000002" / "sharded" / ".metadata").is_file()
+    out = slimtune("train", "run.yaml", *fsdp, "train.steps=3", "output_dir=two", cwd=workdir)
+    assert "resumed from" in out.stdout
     # one process on both ranks' micro-batches: each rank trains train.batch_size rows a step
-    slimtune("train", "run.yaml", *qlora, "train.grad_accum=2", "output_dir=one", cwd=workdir)
+    slimtune("train", "run.yaml", *qlora, "train.steps=3", "train.grad_accum=2", "output_dir=one", cwd=workdir)
     two, one = (load_file(str(workdir / run / "adapter" / "adapter_model.safetensors")) for run in ("two", "one"))
     assert two.keys() == one.keys() and all("lora_" in key for key in two)
     for key in one:
