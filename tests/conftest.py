@@ -40,6 +40,19 @@ def pytest_configure(config):
                                 " (pytest 8.4).")
 
 
+# Modules run whole by one worker under --dist loadgroup, beside those marked xdist_group in their own
+# file: test_fsdp's module fixture runs two torchrun jobs (~40 s); on both workers it ran twice.
+GROUPED = {"tests/unit/test_fsdp.py": "test_fsdp"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook, which tags each grouped node id
+def pytest_collection_modifyitems(items):
+    for item in items:
+        group = GROUPED.get(item.nodeid.split("::")[0])
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
     """The planner's estimate cache goes to a folder of this session, not the user's ~/.cache: every
