@@ -27,7 +27,7 @@ from slimtune.config import RunConfig
 from slimtune.dist.ranks import SINGLE, Dist
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
-from slimtune.model.stack import Stack, load_model
+from slimtune.model.stack import Stack, empty_model, load_model
 
 HOST = torch.device("cpu")
 
@@ -84,8 +84,13 @@ def load_device(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE) -> to
 
 
 def load_stack(cfg: RunConfig, device: torch.device, precision: str, dist: Dist = SINGLE) -> Stack:
-    """The model folder cfg.model, loaded in the run's weight dtype where it belongs."""
-    return Stack(load_model(cfg.model, run_weight_dtype(cfg, precision), load_device(cfg, device, dist)))
+    """The model folder cfg.model, loaded in the run's weight dtype where it belongs. In an fsdp job
+    only rank 0 reads the weights; the others build the model on the meta device and are handed their
+    shards (sharding.fill_from_rank0), so a machine of 8 ranks holds one loaded copy, not 8."""
+    dtype = run_weight_dtype(cfg, precision)
+    if cfg.dist.strategy == "fsdp" and dist.active and not dist.is_main:
+        return Stack(empty_model(cfg.model, dtype))
+    return Stack(load_model(cfg.model, dtype, load_device(cfg, device, dist)))
 
 
 def stack_of(model: nn.Module, cfg: RunConfig, device: torch.device, precision: str) -> Stack:

@@ -55,10 +55,14 @@ CASES = {
     # The Answer.AI recipe's shape: a sharded 4-bit base, blocks recomputed, shards in host RAM.
     "qlora_offload": ("fp64", {"offload": "cpu"}, {}, (2,),
                       {"method": "lora", "quant": NF4, "activations": ActivationsConfig(checkpoint="recompute")}),
+    # Only rank 0 holds the weights, as a launched job loads them (assembly.load_stack): the other
+    # ranks build the model on the meta device and are handed their shards (sharding.fill_from_rank0).
+    "from_rank0": ("fp64", {}, {}, (2, 3)),
+    "qlora_from_rank0": ("fp64", {"offload": "cpu"}, {}, (3,), {"method": "lora", "quant": NF4}),
 }
 # A checkpointed case is held against the plain case (no checkpointing) it differs from.
 PLAIN = {"recompute": "untied", "host_tied": "tied", "disk": "untied", "lora_recompute": "lora", "offload": "untied",
-         "qlora_offload": "qlora"}
+         "qlora_offload": "qlora", "from_rank0": "untied", "qlora_from_rank0": "qlora"}
 LR = {"fp64": 1e-2, "bf16": 1e-3}
 EPS = {"fp64": 1e-8, "bf16": 1e-6}  # as dist_cases: fp32-rounded residues near eps must not steer AdamW
 
@@ -91,6 +95,11 @@ def build(name: str, dist: distributed.Dist, world: int, out: Path | None = None
     # fp64 or fp32 and cast by stack_of.
     dtype = assembly.run_weight_dtype(cfg, precision) if as_loaded else (
         torch.float64 if precision == "fp64" else torch.float32)
+    if name.endswith("from_rank0") and dist.rank != 0:  # the weights come from rank 0
+        with torch.device("meta"):
+            model = model_of(3, dtype=dtype, **model_settings)
+        stack = Stack(model.to(dtype=assembly.run_weight_dtype(cfg, precision)))
+        return assembly.assemble(cfg, stack, CPU, precision, dist), model
     model = model_of(3, dtype=dtype, **model_settings)
     stack = Stack(model) if as_loaded else assembly.stack_of(model, cfg, CPU, precision)
     return assembly.assemble(cfg, stack, CPU, precision, dist), model

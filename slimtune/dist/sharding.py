@@ -14,6 +14,11 @@ Mixed precision (precision_policy): under precision=bf16 the weights are gathere
 bf16 and the gradients reduce-scattered in fp32 (dist.param_dtype, dist.reduce_dtype); the shards,
 the masters AdamW updates, stay fp32.
 
+A 4-bit base is sharded as its codes and scales (model/quant.py's QuantWeight.hold_as_rows: uint8
+rows of whole quantization blocks, which mixed precision leaves uncast). In a launched job only rank 0
+has read the weights; the other ranks built the model on the meta device and are sent their shards
+after sharding (fill_from_rank0).
+
 Gradients are summed, not averaged, across ranks (divide factor 1): every engine divides its loss
 by the trained-token count of the whole step, summed over ranks, so a sum is the global gradient.
 """
@@ -100,6 +105,45 @@ def shard_model(stack, device: torch.device, dist: Dist, policy, offload: bool =
     return root
 
 
+def whole_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `model` by name, as they are before sharding: rank 0's loaded
+    weights (fill_from_rank0 hands them out after), another rank's meta placeholders."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def fill_from_rank0(model: nn.Module, whole: dict[str, torch.Tensor], dist: Dist, device: torch.device,
+                    offload: bool) -> None:
+    """After shard_model: a rank whose model was built on the meta device (assembly.load_stack: only
+    rank 0 reads the weights) allocates its shards and buffers and is sent rank 0's `whole` tensors,
+    one at a time, keeping its shard of each. Whether any rank needs it is agreed first (a max over
+    ranks): where every rank loaded its own weights (the tests' jobs, the planner's fake rank) nothing
+    is sent. Rank 0's shards were cut from its own tensors by fully_shard."""
+    from torch import distributed as tdist
+
+    empty = any(t.is_meta for t in whole.values())
+    if not dist.max_floats([float(empty)], "the check for ranks awaiting weights")[0]:
+        return
+    # rank 0's dtypes and shapes: a rank receives what rank 0 holds and casts it to its own (a
+    # buffer its constructor made in another dtype than rank 0's loader still gets rank 0's values)
+    sent_as = dist.broadcast_object({n: (t.dtype, tuple(t.shape)) for n, t in whole.items()} if dist.is_main
+                                    else None, "the weights' layout from rank 0")
+    if empty:
+        # FSDP2's deferred initialisation: shards allocated where they live (host RAM under offload),
+        # buffers where the step reads them.
+        model.to_empty(device=HOST if offload else device)
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
+    for name, target in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
+        dtype, shape = sent_as[name]
+        sent = whole[name].to(device) if dist.is_main else torch.empty(shape, dtype=dtype, device=device)
+        dist.collective(lambda: tdist.broadcast(sent, src=0, group=dist.device_group), f"{name} from rank 0")
+        if not dist.is_main:
+            copy_into(target, sent)
+        del sent
+
+
+HOST = torch.device("cpu")
 UNTILED = 2**62  # activations.seq_tile that no row reaches: a checkpointed block runs whole
 
 

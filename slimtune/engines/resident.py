@@ -43,10 +43,7 @@ class ResidentEngine(Engine):
         self.sharded, self.method = cfg.dist.strategy == "fsdp" and dist.active, cfg.method
         # fsdp: the root unit every forward runs through (sharding.StepRoot), None otherwise.
         self.offloaded = self.sharded and cfg.dist.offload == "cpu"  # shards, gradients, AdamW in host RAM
-        if self.sharded:  # a 4-bit base's codes and scales as parameters FSDP shards, a row per block
-            quant.hold_as_rows(stack.model)
-        self.root = sharding.shard_model(stack, device, dist, sharding.precision_policy(cfg.dist, precision),
-                                         self.offloaded) if self.sharded else None
+        self.root = self._shard(stack, cfg, device, precision, dist) if self.sharded else None
         if cfg.dist.strategy == "fsdp" and not dist.active and not _fake(stack):
             print(unsharded_note(cfg.dist.offload))
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
@@ -67,6 +64,16 @@ class ResidentEngine(Engine):
         self._reading = None  # the meter reading of the step in progress
         for param in self.params:  # a gradient made in backward is counted as a gradient
             param.register_post_accumulate_grad_hook(weak_hook(self._tag_gradient))
+
+    def _shard(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist):
+        """fsdp: a 4-bit base's codes and scales made parameters FSDP shards (a row per block), every
+        weight sharded, and a rank that built its model on the meta device handed rank 0's weights."""
+        quant.hold_as_rows(stack.model)
+        whole = sharding.whole_tensors(stack.model)
+        root = sharding.shard_model(stack, device, dist, sharding.precision_policy(cfg.dist, precision),
+                                    self.offloaded)
+        sharding.fill_from_rank0(stack.model, whole, dist, device, self.offloaded)
+        return root
 
     def _moments(self) -> list[torch.Tensor]:
         return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]

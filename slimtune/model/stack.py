@@ -87,6 +87,20 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device) -> 
     return model
 
 
+def empty_model(folder: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The model config.json describes, on the meta device: every tensor its shape and dtype, no
+    weight read or allocated. An fsdp rank other than 0 starts from it and is handed its shards of
+    rank 0's loaded weights (dist/sharding.fill_from_rank0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    read_config(folder)
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 # from_pretrained loads these instead of SAFE_WEIGHTS whenever one exists (transformers.distributed).
 DISTRIBUTED_SHARD = re.compile(r"^shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors$")

@@ -109,6 +109,22 @@ def test_offloaded_shards_train_as_one_process_and_leave_the_device(jobs):
         assert 0 < steps <= 8 * len(held["shapes"]), f"rank {rank}"
 
 
+@pytest.mark.parametrize("name,world", [("from_rank0", 2), ("from_rank0", 3), ("qlora_from_rank0", 3)])
+def test_ranks_built_on_meta_train_on_the_weights_rank0_sends(jobs, name, world):
+    """As a launched job loads (assembly.load_stack): only rank 0 reads the weights, the other ranks
+    build the model on the meta device and are sent their shards (sharding.fill_from_rank0; QLoRA's
+    codes and scales among them, into host RAM under offload). The ranks train as one process on the
+    whole batch (fp64, 1e-10) and hold, rank by rank, exactly what ranks that loaded the weights
+    themselves hold."""
+    found, whole = jobs
+    plain = fsdp_cases.PLAIN[name]
+    assert_same_training(found[name, world][0], whole[plain, world], 1e-10, 1e-10, f"{name} on {world} ranks")
+    for rank, got in enumerate(found[name, world]):
+        assert got["held"] == found[plain, world][rank]["held"], f"rank {rank}"
+        assert got["losses"] == found[name, world][0]["losses"]
+        assert got["eval"][0] == pytest.approx(whole[plain, world]["eval"][0], abs=1e-10, rel=0)
+
+
 def test_qlora_recomputed_with_its_shards_in_host_ram_trains_as_one_plain_process(jobs):
     """The Answer.AI recipe's shape on gloo ranks: the 4-bit base sharded, blocks recomputed, every
     shard, gradient and AdamW moment in host RAM. It trains as one process without any of it (fp64,
