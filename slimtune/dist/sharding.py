@@ -105,42 +105,70 @@ def shard_model(stack, device: torch.device, dist: Dist, policy, offload: bool =
     return root
 
 
-def whole_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `model` by name, as they are before sharding: rank 0's loaded
-    weights (fill_from_rank0 hands them out after), another rank's meta placeholders."""
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+def ranks_await_weights(model: nn.Module, dist: Dist) -> bool:
+    """Whether any rank built its model on the meta device (assembly.load_stack: only rank 0 reads the
+    weights) and must be sent them after sharding (fill_from_rank0): a max over ranks, so every rank
+    agrees. Where every rank loaded its own weights (the tests' jobs, the planner's fake rank: its
+    fake collectives hand back its own value), none is sent."""
+    empty = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    return bool(dist.max_floats([float(empty)], "the check for ranks awaiting weights")[0])
 
 
-def fill_from_rank0(model: nn.Module, whole: dict[str, torch.Tensor], dist: Dist, device: torch.device,
-                    offload: bool) -> None:
-    """After shard_model: a rank whose model was built on the meta device (assembly.load_stack: only
-    rank 0 reads the weights) allocates its shards and buffers and is sent rank 0's `whole` tensors,
-    one at a time, keeping its shard of each. Whether any rank needs it is agreed first (a max over
-    ranks): where every rank loaded its own weights (the tests' jobs, the planner's fake rank) nothing
-    is sent. Rank 0's shards were cut from its own tensors by fully_shard."""
+def held_for_sending(model: nn.Module, dist: Dist) -> dict[str, torch.Tensor]:
+    """Rank 0's parameters and buffers by name, before sharding, as aliases of their storage on the
+    host: FSDP moves each unit to the device by swapping a parameter's data, and an alias of the
+    Parameter itself would follow it there and keep every unit's whole copy on the card."""
+    if not dist.is_main:
+        return {}
+    return {n: t.detach() for n, t in (*model.named_parameters(), *model.named_buffers())}
+
+
+def fill_from_rank0(root: nn.Module, model: nn.Module, whole: dict[str, torch.Tensor], dist: Dist,
+                    device: torch.device, offload: bool) -> None:
+    """After shard_model, when ranks_await_weights: a rank whose model was built on the meta device
+    allocates its shards and buffers and is sent rank 0's tensors (`whole`, held_for_sending) one at a
+    time, in rank 0's order, keeping its shard of each. Rank 0's shards were cut from its own tensors
+    by fully_shard. Names, shapes and parameter dtypes are compared on every rank first, and a
+    difference ends every rank alike (rather than a broadcast that pairs unlike tensors)."""
     from torch import distributed as tdist
 
-    empty = any(t.is_meta for t in whole.values())
-    if not dist.max_floats([float(empty)], "the check for ranks awaiting weights")[0]:
-        return
-    # rank 0's dtypes and shapes: a rank receives what rank 0 holds and casts it to its own (a
-    # buffer its constructor made in another dtype than rank 0's loader still gets rank 0's values)
     sent_as = dist.broadcast_object({n: (t.dtype, tuple(t.shape)) for n, t in whole.items()} if dist.is_main
                                     else None, "the weights' layout from rank 0")
-    if empty:
-        # FSDP2's deferred initialisation: shards allocated where they live (host RAM under offload),
-        # buffers where the step reads them.
-        model.to_empty(device=HOST if offload else device)
+    live = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    parameters = dict(model.named_parameters())
+    unlike = live.keys() != sent_as.keys() or any(
+        tuple(t.shape) != sent_as[n][1] or (n in parameters and t.dtype != sent_as[n][0]) for n, t in live.items())
+    if dist.max_floats([float(unlike)], "the check of the weights' layout")[0]:
+        raise RuntimeError("a rank built its model unlike rank 0's (names, shapes or dtypes differ); no weights"
+                           " were sent.")
+    if any(t.is_meta for t in live.values()):
+        # FSDP2's deferred initialisation (on the root: every unit's storage reset), shards where they
+        # live (host RAM under offload), buffers where the step reads them.
+        root.to_empty(device=HOST if offload else device)
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 setattr(module, name, buffer.to(device))
-    for name, target in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
-        dtype, shape = sent_as[name]
+        live = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, (dtype, shape) in sent_as.items():
         sent = whole[name].to(device) if dist.is_main else torch.empty(shape, dtype=dtype, device=device)
         dist.collective(lambda: tdist.broadcast(sent, src=0, group=dist.device_group), f"{name} from rank 0")
         if not dist.is_main:
-            copy_into(target, sent)
+            _keep_own_part(live[name], sent, dist)
         del sent
+
+
+def _keep_own_part(target: torch.Tensor, whole: torch.Tensor, dist: Dist) -> None:
+    """This rank's part of `whole` into `target`: a shard's rows as FSDP2 cuts them (torch.chunk on
+    dim 0, ranks past the last chunk empty), cut on the device where `whole` arrived, one copy to
+    where the shard lives; a buffer whole."""
+    with torch.no_grad():
+        if not is_sharded(target):
+            target.copy_(whole)
+            return
+        pieces = torch.chunk(whole, dist.world_size, dim=0)
+        local = target.to_local()
+        if dist.rank < len(pieces):
+            local.copy_(pieces[dist.rank])
 
 
 HOST = torch.device("cpu")

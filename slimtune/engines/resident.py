@@ -69,10 +69,12 @@ class ResidentEngine(Engine):
         """fsdp: a 4-bit base's codes and scales made parameters FSDP shards (a row per block), every
         weight sharded, and a rank that built its model on the meta device handed rank 0's weights."""
         quant.hold_as_rows(stack.model)
-        whole = sharding.whole_tensors(stack.model)
+        awaited = sharding.ranks_await_weights(stack.model, dist)
+        whole = sharding.held_for_sending(stack.model, dist) if awaited else {}
         root = sharding.shard_model(stack, device, dist, sharding.precision_policy(cfg.dist, precision),
                                     self.offloaded)
-        sharding.fill_from_rank0(stack.model, whole, dist, device, self.offloaded)
+        if awaited:
+            sharding.fill_from_rank0(root, stack.model, whole, dist, device, self.offloaded)
         return root
 
     def _moments(self) -> list[torch.Tensor]:
