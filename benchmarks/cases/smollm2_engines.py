@@ -67,6 +67,11 @@ ROWS = {
     "lsp_d512": {"engine": "lsp", "lsp": {"d": 512}},
     "lsp_d128": {"engine": "lsp", "lsp": {"d": 128}},
     "resident_seed1": {"engine": "resident", "train": {"seed": 1}},  # the spread a seed (data order) makes
+    # the learning rate: chunk updates each tensor on 1/8 of the steps; does a higher rate make up for it,
+    # and does resident gain as much (docs: "chunk and the learning rate")
+    "chunk_n8_lr3x": {"engine": "chunk", "chunk": {"n_chunks": 8}, "train": {"lr": 1.5e-4}},
+    "chunk_n8_lr8x": {"engine": "chunk", "chunk": {"n_chunks": 8}, "train": {"lr": 4e-4}},
+    "resident_lr3x": {"engine": "resident", "train": {"lr": 1.5e-4}},  # whether resident gains as much
 }
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
