@@ -133,6 +133,21 @@ def test_only_a_one_layer_tail_may_be_cut_and_the_slices_cover_every_token():
             assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
+def test_a_shard_count_pinned_by_min_and_max_is_the_one_planned():
+    """roundpipe's replans keep the first cut's tail shard count (token shards change the order of the
+    head's sums): min_tail_shards = max_tail_shards = k plans exactly k shards, whatever count the
+    free choice would make; the free choice itself is one of those."""
+    costs = [LayerCost(0.1, 0.2, 1), *[LayerCost(1, 2, 10)] * 4, LayerCost(3, 6, 5)]  # a heavy head
+    free = plan_stages(costs, workers=3, max_tail_shards=3)
+    for k in (1, 2, 3):
+        pinned = plan_stages(costs, workers=3, max_tail_shards=k, min_tail_shards=k)
+        assert pinned.tail.shards == k
+        if k == free.tail.shards:
+            assert pinned == free
+    with pytest.raises(ValueError, match="min_tail_shards"):
+        plan_stages(costs, workers=3, max_tail_shards=2, min_tail_shards=3)
+
+
 def test_a_hand_planned_model():
     # embedding, two blocks, LM head; T = 9 (the head), and no range sum lies in (9, 9.9]
     costs = [LayerCost(0.1, 0.2, 1), LayerCost(1, 2, 10), LayerCost(1, 2, 10), LayerCost(3, 6, 5)]

@@ -108,6 +108,10 @@ class RoundPipeEngine(Engine):
             [u.binding.weight_bytes for u in self.units], [u.binding.grad_bytes > 0 for u in self.units]))
         self.fake = fake
         self.partition: Partition = self._plan()
+        # Replans keep this first cut's tail shard count: token shards change the order of the head's
+        # sums (1 ulp), while any stage cut gives the same bits, so a replan from measured times may
+        # move the cut but not the count, and the results do not depend on how fast anything ran.
+        self.tail_shard_count = self.partition.tail.shards
         self.cursor = 0
         self.step_count = 0
         self.meter = memory.meter_for(self.device, cfg.train.measure_memory)  # the run's kind (train prints it)
@@ -138,8 +142,10 @@ class RoundPipeEngine(Engine):
             free = min(torch.cuda.mem_get_info(d)[0] for d in self.devices)
             cap = int(self.section.memory_fraction * free / 2)
         shards = min(self.section.tail_shards or len(self.workers), self.max_tokens)
+        kept = getattr(self, "tail_shard_count", None)  # a replan: the first cut's count (see __init__)
         try:
-            return plan_stages(self.layer_times.costs(), len(self.workers), memory_cap=cap, max_tail_shards=shards)
+            return plan_stages(self.layer_times.costs(), len(self.workers), memory_cap=cap,
+                               max_tail_shards=kept or shards, min_tail_shards=kept or 1)
         except ValueError as err:
             raise UserError(f"engine=roundpipe cannot cut the model into stages: {err}") from None
 

@@ -195,10 +195,13 @@ def _head_sharded(spans: _Spans, shards: int) -> list[LayerCost]:
     return [*spans.costs[:-1], LayerCost(whole / shards, 0.0, last.memory)]
 
 
-def _shard_counts(spans: _Spans, max_tail_shards: int) -> range:
-    if max_tail_shards < 1:
-        raise ValueError(f"max_tail_shards must be at least 1, got {max_tail_shards}.")
-    return range(1, (max_tail_shards if spans.layers > 1 else 1) + 1)
+def _shard_counts(spans: _Spans, max_tail_shards: int, min_tail_shards: int = 1) -> range:
+    if not 1 <= min_tail_shards <= max_tail_shards:
+        raise ValueError(f"min_tail_shards and max_tail_shards must satisfy 1 <= min <= max, got {min_tail_shards}"
+                         f" and {max_tail_shards}.")
+    if spans.layers <= 1:  # a one-layer model has no head alone to cut
+        return range(1, 2)
+    return range(min_tail_shards, max_tail_shards + 1)
 
 
 def plan_stages(
@@ -208,14 +211,15 @@ def plan_stages(
     min_stages: int | None = None,
     threshold: float = 1.1,
     max_tail_shards: int = 1,
+    min_tail_shards: int = 1,
 ) -> Partition:
     """The partition minimising max(#stages, min_stages) * W over the candidate widths and tail
-    shard counts up to max_tail_shards (module docstring). Raises ValueError if a single layer
-    exceeds memory_cap."""
+    shard counts from min_tail_shards to max_tail_shards (module docstring; both equal: that count
+    only). Raises ValueError if a single layer exceeds memory_cap."""
     spans, floor = _Spans(costs), _floor(workers, min_stages, threshold)
     _check_memory(spans.costs, memory_cap)
     best: tuple[tuple[float, int, float], Partition] | None = None
-    for shards in _shard_counts(spans, max_tail_shards):
+    for shards in _shard_counts(spans, max_tail_shards, min_tail_shards):
         view = spans if shards == 1 else _Spans(_head_sharded(spans, shards))
         for bound in _candidates(view, threshold):  # never empty: T itself is a single-layer sum
             partition = _greedy(spans, bound, memory_cap, shards)

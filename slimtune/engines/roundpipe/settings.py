@@ -33,7 +33,8 @@ class RoundPipeConfig:
              " gradients stay under half of it (CUDA only).")
     replan: bool = setting(
         True, "engine=roundpipe: cut the stages again after each step from the measured per-layer times (EMA);"
-              " false: keep the first cut (from the layers' bytes). Results do not depend on the cut.")
+              " false: keep the first cut (from the layers' bytes). A replan keeps the first cut's tail shard count,"
+              " so results do not depend on the cut or on how fast anything ran.")
     tail_shards: int = setting(
         0, "engine=roundpipe: at most this many jobs the LM head + loss may be cut into by tokens, each a"
            " slice of every micro-batch (0: up to the workers; 1: never). A large vocabulary's head is several"
