@@ -24,6 +24,7 @@ from torch import nn
 from slimtune import engines
 from slimtune.model import lora, quant
 from slimtune.config import RunConfig
+from slimtune.dist import sharding
 from slimtune.dist.ranks import SINGLE, Dist
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
@@ -74,7 +75,7 @@ def kept_on_host(cfg: RunConfig, dist: Dist = SINGLE) -> bool:
     from there. An fsdp rank never holds the whole model on its card (Llama-3.1-8B's fp32 masters are
     32 GB, a 70B base's 4-bit codes 37 GiB): FSDP2's fully_shard moves one unit at a time to the
     device, cuts it and keeps the rank's shard (in host RAM again under dist.offload=cpu)."""
-    return engines.get(cfg.engine).model_on_host or (cfg.dist.strategy == "fsdp" and dist.active)
+    return engines.get(cfg.engine).model_on_host or sharding.sharded_run(cfg, dist)
 
 
 def load_device(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE) -> torch.device:
@@ -88,7 +89,7 @@ def load_stack(cfg: RunConfig, device: torch.device, precision: str, dist: Dist 
     only rank 0 reads the weights; the others build the model on the meta device and are handed their
     shards (sharding.fill_from_rank0), so a machine of 8 ranks holds one loaded copy, not 8."""
     dtype = run_weight_dtype(cfg, precision)
-    if cfg.dist.strategy == "fsdp" and dist.active and not dist.is_main:
+    if sharding.sharded_run(cfg, dist) and not dist.is_main:
         return Stack(empty_model(cfg.model, dtype))
     return Stack(load_model(cfg.model, dtype, load_device(cfg, device, dist)))
 

@@ -34,6 +34,11 @@ from slimtune.dist.ranks import Dist
 from slimtune.errors import UserError
 
 
+def sharded_run(cfg, dist: Dist) -> bool:
+    """dist.strategy=fsdp across several ranks: the model is sharded (in one process nothing is)."""
+    return cfg.dist.strategy == "fsdp" and dist.active
+
+
 def gather_dtype(param_dtype: str, precision: str) -> torch.dtype | None:
     """The dtype FSDP gathers (and the step computes with) the weights in; None: their own dtype.
     bf16 only under precision=bf16: elsewhere nothing casts the activations to meet bf16 weights."""

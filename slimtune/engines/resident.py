@@ -40,11 +40,11 @@ class ResidentEngine(Engine):
         if cfg.dist.strategy == "fsdp":  # one process too: the planner's one-device step for an fsdp plan
             self.activations_cfg = sharding.whole_blocks(cfg.activations)
         self.store_dir = Path(cfg.output_dir) / "activations"  # checkpoint=disk without activations.disk_dir
-        self.sharded, self.method = cfg.dist.strategy == "fsdp" and dist.active, cfg.method
+        self.sharded, self.method = sharding.sharded_run(cfg, dist), cfg.method
         # fsdp: the root unit every forward runs through (sharding.StepRoot), None otherwise.
         self.offloaded = self.sharded and cfg.dist.offload == "cpu"  # shards, gradients, AdamW in host RAM
         self.root = self._shard(stack, cfg, device, precision, dist) if self.sharded else None
-        if cfg.dist.strategy == "fsdp" and not dist.active and not _fake(stack):
+        if cfg.dist.strategy == "fsdp" and not dist.active and not stack.fake:
             print(unsharded_note(cfg.dist.offload))
         self.named = [(n, p) for n, p in stack.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
@@ -220,14 +220,6 @@ def unsharded_note(offload: str) -> str:
     ignored = "; dist.offload=cpu does nothing here" if offload == "cpu" else ""
     return ("dist.strategy=fsdp in one process: nothing is sharded, the model trains whole on one device"
             f"{ignored} (start several ranks with slimtune train --nproc N or torchrun).")
-
-
-def _fake(stack: Stack) -> bool:
-    """The planner's model: fake tensors, no run to speak to."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    first = next(stack.model.parameters(), None)
-    return first is not None and is_fake(first)
 
 
 def step_time(model_config, cfg: RunConfig, counts: speed.StepCounts, gpu, batch_size: int,

@@ -373,6 +373,13 @@ class Stack:
 
     # Read through the model each time: quantization replaces the embedding and head modules.
     @property
+    def fake(self) -> bool:
+        """The planner's model: fake tensors (its estimate's step), no run to speak to or time."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        return any(is_fake(p) for p in self.model.parameters())
+
+    @property
     def embed(self) -> nn.Module:
         return self.model.model.embed_tokens
 

@@ -152,7 +152,7 @@ class ChunkEngine(Engine):
         self.stack, self.device, self.precision, self.dist = stack, device, precision, dist
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.store_dir = Path(cfg.output_dir) / "activations"
-        self.fake = any(is_fake(p) for p in stack.model.parameters())
+        self.fake = stack.fake
         self.slices = sliced.install(stack.model, axis_of(stack.model))  # name -> ActiveSlice
         self.state = ChunkState({n: s.param for n, s in self.slices.items()},
                                 {n: s.axis for n, s in self.slices.items()}, cfg, device, self.fake,

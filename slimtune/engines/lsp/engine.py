@@ -145,7 +145,7 @@ class LspEngine(Engine):
         self.train_cfg, self.loss_cfg, self.activations_cfg = cfg.train, cfg.loss, cfg.activations
         self.lsp = cfg.section("lsp")
         self.store_dir = Path(cfg.output_dir) / "activations"
-        self.fake = any(is_fake(p) for p in stack.model.parameters())
+        self.fake = stack.fake
         self.generator = torch.Generator().manual_seed(cfg.train.seed)  # projector draws (host: any device alike)
         # The stochastic rounding of bf16 folds (projected_linear.fold); none under fake tensors.
         self.rounding = None if self.fake else torch.Generator(device=device).manual_seed(cfg.train.seed)

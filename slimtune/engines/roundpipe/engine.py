@@ -42,7 +42,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from slimtune.device import memory, runtime
 from slimtune.config import RunConfig
@@ -96,7 +95,7 @@ class RoundPipeEngine(Engine):
                                    cfg.train, None))
         self.embedding = None if stack.tied else HostUnit("embedding", [stack.embed], self.device, None, cfg.train, None)
         self.table_unit = self._find_table_unit()  # its rows are gathered on the host
-        fake = any(is_fake(p) for p in stack.model.parameters())
+        fake = stack.fake
         self.workers = [Worker(i, d, stack.model, inline=fake) for i, d in enumerate(self.devices)]
         # The host threads wait on the workers' copy events; each is given this run's first card.
         self.host = runtime.HostWorker(inline=fake, device=self.device)  # gradient additions (sync: the AdamW)
