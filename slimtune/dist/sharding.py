@@ -119,13 +119,18 @@ def ranks_await_weights(model: nn.Module, dist: Dist) -> bool:
     return bool(dist.max_floats([float(empty)], "the check for ranks awaiting weights")[0])
 
 
+def _tensors_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `model`, by name, in module order (the same on every rank)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
 def held_for_sending(model: nn.Module, dist: Dist) -> dict[str, torch.Tensor]:
     """Rank 0's parameters and buffers by name, before sharding, as aliases of their storage on the
     host: FSDP moves each unit to the device by swapping a parameter's data, and an alias of the
     Parameter itself would follow it there and keep every unit's whole copy on the card."""
     if not dist.is_main:
         return {}
-    return {n: t.detach() for n, t in (*model.named_parameters(), *model.named_buffers())}
+    return {n: t.detach() for n, t in _tensors_by_name(model).items()}
 
 
 def fill_from_rank0(root: nn.Module, model: nn.Module, whole: dict[str, torch.Tensor], dist: Dist,
@@ -139,8 +144,7 @@ def fill_from_rank0(root: nn.Module, model: nn.Module, whole: dict[str, torch.Te
 
     sent_as = dist.broadcast_object({n: (t.dtype, tuple(t.shape)) for n, t in whole.items()} if dist.is_main
                                     else None, "the weights' layout from rank 0")
-    live = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    parameters = dict(model.named_parameters())
+    live, parameters = _tensors_by_name(model), dict(model.named_parameters())
     unlike = live.keys() != sent_as.keys() or any(
         tuple(t.shape) != sent_as[n][1] or (n in parameters and t.dtype != sent_as[n][0]) for n, t in live.items())
     if dist.max_floats([float(unlike)], "the check of the weights' layout")[0]:
@@ -153,7 +157,7 @@ def fill_from_rank0(root: nn.Module, model: nn.Module, whole: dict[str, torch.Te
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 setattr(module, name, buffer.to(device))
-        live = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        live = _tensors_by_name(model)
     for name, (dtype, shape) in sent_as.items():
         sent = whole[name].to(device) if dist.is_main else torch.empty(shape, dtype=dtype, device=device)
         dist.collective(lambda: tdist.broadcast(sent, src=0, group=dist.device_group), f"{name} from rank 0")

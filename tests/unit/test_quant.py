@@ -142,6 +142,20 @@ def test_row_gather_equals_rows_of_the_dense_weight(scheme, cols):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape", [(37, 40), (3, 42), (128, 64)])  # 1,480 and 126 weights: nf4's last block partial
+def test_held_as_rows_a_weight_dequantizes_and_gathers_rows_as_before(scheme, shape):
+    """Under fsdp (QuantWeight.hold_as_rows) the codes and scales are uint8 parameters a row per block
+    (nf4's partial last block padded), and every kernel reads the same values as from the buffers."""
+    torch.manual_seed(2)
+    qw = quant.quantize_weight(torch.randn(*shape), QuantConfig(scheme=scheme, group_size=16))
+    dense, index = qw.dequantize(), torch.tensor([0, shape[0] - 1, 1])
+    qw.hold_as_rows()
+    assert {n for n, _ in qw.named_parameters()} == {"codes", "scales"} and not list(qw.buffers())
+    assert qw.codes.dtype == qw.scales.dtype == torch.uint8 and qw.codes.shape[0] == qw.scales.shape[0]
+    assert torch.equal(qw.dequantize(), dense) and torch.equal(qw.rows(index), dense[index])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("shape", [(OUT, IN), (3, 43), (128, 64)])
 def test_meta_weight_gets_the_buffers_a_real_weight_gets(scheme, shape):
     cfg = QuantConfig(scheme=scheme, group_size=32)
