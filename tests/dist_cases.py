@@ -18,7 +18,7 @@ from slimtune import assembly, train
 from slimtune.dist import ranks as distributed  # noqa: E402
 from slimtune.engines import settings  # noqa: E402
 from slimtune.engines.chunk.engine import ChunkConfig  # noqa: E402
-from slimtune.config import DistConfig, TrainConfig  # noqa: E402
+from slimtune.config import ActivationsConfig, DistConfig, TrainConfig  # noqa: E402
 from slimtune.engines.lsp.engine import LspConfig  # noqa: E402
 from slimtune.engines.slide.engine import SlideConfig  # noqa: E402
 from slimtune.engines.roundpipe.settings import RoundPipeConfig  # noqa: E402
@@ -34,10 +34,15 @@ EPS = {"fp64": 1e-8, "fp32": 1e-6}
 STEPS = 2
 TRAIN = dict(steps=STEPS, batch_size=2, lr=1e-2, weight_decay=0.1, warmup_steps=1, schedule="cosine",
              max_grad_norm=0.5)
+TILED = ActivationsConfig(checkpoint="recompute", seq_tile=4)
 # name -> (RunConfig fields, model settings[, training settings over TRAIN])
 CASES = {
     "resident": (dict(engine="resident", method="full"), {}),
     "resident_lora": (dict(engine="resident", method="lora"), {}),
+    # Checkpointed blocks run in tiles of 4 of the 12 tokens: each block's gradients arrive in three
+    # parts per backward, and a bucket must wait for the last (grad_buckets.py).
+    "resident_tiled": (dict(engine="resident", method="full", activations=TILED), {}),
+    "resident_lora_tiled": (dict(engine="resident", method="lora", activations=TILED), {}),
     "resident_fsdp": (dict(engine="resident", method="full", dist=DistConfig(strategy="fsdp")),
                       {"tie_word_embeddings": True}),
     "slide": (dict(engine="slide", method="full", sections={"slide": SlideConfig()}), {"tie_word_embeddings": True}),

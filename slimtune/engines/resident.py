@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from slimtune.step import block_stores
+from slimtune.step import activations, block_stores
 from slimtune.device import memory, speed
 from slimtune.dist import sharding
 from slimtune.store.checkpoint import EngineState
@@ -58,7 +58,8 @@ class ResidentEngine(Engine):
         if self.offloaded:
             sharding.mark_offloaded([*stack.model.parameters(), *self._moments()])
         # ddp: sums launched during the last backward (the planner's Counting dist counts instead).
-        self.buckets = GradientBuckets(dist, self.params) if dist.active and not self.sharded else None
+        ddp = dist.active and not self.sharded
+        self.buckets = GradientBuckets(dist, self.params, _blocks_of(stack)) if ddp else None
         self.step_count = 0  # optimizer steps taken: the learning-rate schedule's position
         self.meter = memory.meter_for(device, cfg.train.measure_memory)
         self._reading = None  # the meter reading of the step in progress
@@ -88,6 +89,14 @@ class ResidentEngine(Engine):
         if self.buckets is not None:
             self.buckets.ready(param)
 
+    def _in_tiles(self, batch: Batch) -> bool:
+        """Whether the blocks may run in tiles on `batch` (each block's gradients then come in parts):
+        whenever they are checkpointed with a tile shorter than the rows (activations.run_blocks may
+        still run them whole; a bucket then waits one block longer, never too little)."""
+        seq = batch.input_ids.shape[1]
+        cfg = self.activations_cfg
+        return cfg.checkpoint != "none" and activations.tile_tokens(self.stack, seq, cfg, batch.segmented) < seq
+
     def _resident_tensors(self):
         yield from ((p, "weights") for p in self.stack.model.parameters())
         yield from ((b, "weights") for b in self.stack.model.buffers())  # 4-bit codes live in buffers
@@ -114,7 +123,7 @@ class ResidentEngine(Engine):
                 for k, batch in enumerate(micro_batches):
                     out = self._loss(batch.to(self.device), reading, store=store)
                     if self.buckets is not None and k == len(micro_batches) - 1:
-                        self.buckets.arm()
+                        self.buckets.arm(in_parts=self._in_tiles(batch))
                     (out.loss_sum / total).backward()
                     # The exact loss is what is logged: a subset objective is only a lower bound of it.
                     exact_sum, excluded_sum = exact_sum + out.exact_sum, excluded_sum + out.excluded_mass_sum
@@ -213,6 +222,12 @@ class ResidentEngine(Engine):
                     if source is not held[moment]:
                         sharding.copy_into(held[moment], source)
         self.step_count = state.step
+
+
+def _blocks_of(stack: Stack) -> dict[int, int]:
+    """id(tensor) -> its block, for the blocks' trained tensors: under ddp a tiled block's tensors
+    get their gradients in parts, whole once backward leaves the block (grad_buckets.py)."""
+    return {id(p): index for index, block in enumerate(stack.blocks) for p in block.parameters() if p.requires_grad}
 
 
 def unsharded_note(offload: str) -> str:

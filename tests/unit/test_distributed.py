@@ -175,3 +175,57 @@ def test_gradient_buckets_launch_in_bucket_order_as_they_fill(monkeypatch):
         assert buckets._flights == []
     finally:
         tdist.destroy_process_group()
+
+
+def test_gradient_buckets_wait_for_the_last_part_of_a_tiled_blocks_gradients(monkeypatch):
+    """A block run in tiles adds into each of its tensors' gradients once per tile: a bucket of them
+    goes out only once backward has left the block (what it sends then is the whole gradient), while
+    an ungrouped tensor's, and any tensor's when the blocks run whole, goes out at its hook."""
+    import torch.distributed as tdist
+
+    from slimtune.dist.grad_buckets import GradientBuckets
+
+    monkeypatch.setattr(distributed, "BUCKET_BYTES", 16)
+    tdist.init_process_group("gloo", rank=0, world_size=1, store=tdist.HashStore())
+    try:
+        embed, wq, wk, norm = params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(4)]  # a bucket each
+        dist = distributed.Dist(device_group=tdist.group.WORLD)
+        buckets = GradientBuckets(dist, params, groups={id(wq): 0, id(wk): 0})
+
+        def part(p):  # autograd adds one tile's part, then the hook fires
+            p.grad = torch.ones(4) if p.grad is None else p.grad + 1
+            buckets.ready(p)
+
+        buckets.arm(in_parts=True)
+        part(norm)  # ungrouped: whole at once
+        assert len(buckets._flights) == 1
+        for _ in range(3):  # three tiles
+            part(wk)
+            part(wq)
+        assert len(buckets._flights) == 1  # wk's bucket waits: a later tile might add more
+        part(embed)  # backward has left the block
+        assert [f[0][0] for f in buckets._flights] == [norm.grad, wk.grad, wq.grad, embed.grad]
+        buckets.finish()
+        assert [p.grad.tolist() for p in params] == [[1.0] * 4, [3.0] * 4, [3.0] * 4, [1.0] * 4]
+
+        for p in params:
+            p.grad = None
+        buckets.arm(in_parts=False)  # whole blocks: each gradient goes at its one hook, as before
+        part(norm)
+        part(wk)
+        assert [f[0][0] for f in buckets._flights] == [norm.grad, wk.grad]
+        buckets.finish()
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_resident_counts_its_blocks_in_parts_only_where_they_may_run_in_tiles():
+    from slimtune import assembly
+    from slimtune.config import ActivationsConfig
+    from test_slide import batches, model_of
+
+    model = model_of(2)
+    tiled = engine_config(activations=ActivationsConfig(checkpoint="recompute", seq_tile=4))
+    for cfg, seq, expected in ((tiled, 12, True), (tiled, 4, False), (engine_config(), 12, False)):
+        engine = assembly.assemble(cfg, assembly.stack_of(model, cfg, dist_cases.CPU, "fp64"), dist_cases.CPU, "fp64")
+        assert engine._in_tiles(batches(model.config.vocab_size, 0, micro=1, seq=seq)[0]) is expected, (cfg, seq)
