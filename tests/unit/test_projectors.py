@@ -219,6 +219,17 @@ def test_the_fit_gradient_in_closed_form_equals_autograd_of_the_error_identity()
     assert float(pj.fast_squared_residual(g, *fit.pair()) / total) == pytest.approx(float(loss.detach()), abs=1e-12)
 
 
+def test_the_fit_reads_b_d_transpose_at_the_nonzeros_as_the_dense_product_does():
+    """_rows_dot (D's rows gathered at each row's non-zeros) against the dense b D^T read at them, float64,
+    b row-major and D a transposed view (the input side's D^T), r = 3 of d = 8."""
+    p = pair(seed=12)[1]
+    g = torch.Generator().manual_seed(13)
+    b, d_c = torch.randn(40, 8, generator=g, dtype=F64), torch.randn(8, 8, generator=g, dtype=F64)
+    for matrix in (d_c, d_c.t()):
+        expected = torch.gather(b @ matrix.t(), 1, p.pos)
+        torch.testing.assert_close(pj._rows_dot(b, matrix, p.pos), expected, atol=1e-13, rtol=0)
+
+
 def test_the_fit_stops_when_the_held_out_error_stops_falling_and_keeps_its_best_values():
     """Held out: a gradient of the same structure, and pure noise. Each stops before the 400 steps
     offered, where two readings in a row fell by less than 0.1% below the best before them, keeps the
