@@ -128,8 +128,8 @@ def replayed(key, fn) -> None:
     replay table, and later calls with that key allocate the transient peak it measured and drop it
     in one op, which is all the meter sees of fn; elsewhere (a real run, or no meter) fn() just runs.
     For calls that leave memory as they found it (they write into tensors that exist) and hold a
-    transient that `key` decides: a later tile of a tiled block's forward, which every block of a
-    step and both steps of the estimate by depth repeat (step/seq_tiles.py)."""
+    transient that `key` decides: a later tile of a tiled block's forward or backward, which every
+    block of a step and both steps of the estimate by depth repeat (step/seq_tiles.py)."""
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     meter = mode.meter if isinstance(mode, MeteredFakeMode) else None
     if meter is None or meter.host_allocations:
@@ -138,6 +138,14 @@ def replayed(key, fn) -> None:
         torch.empty(mode.replays[key], dtype=torch.uint8, device=meter.device_type)  # made and dropped at once
     else:
         mode.replays[key] = _transient(meter, fn)
+
+
+def note_tiled_block() -> None:
+    """A block ran in tiles of tokens (step/seq_tiles.py): the planner's estimate (a MeteredFakeMode)
+    records it, so the planner knows a shorter tile would weigh less without estimating one."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if isinstance(mode, MeteredFakeMode):
+        mode.tiled_blocks = True
 
 
 def is_host_resident(tensor: torch.Tensor) -> bool:
@@ -359,6 +367,7 @@ class MeteredFakeMode(FakeTensorMode):
         super().__init__(*args, **kwargs)
         self.meter: LiveBytesMeter | None = None
         self.replays = {} if replays is None else replays
+        self.tiled_blocks = False  # a block of the step ran in tiles of tokens (note_tiled_block)
         self.entries = 0  # times entered and not left: `with mode` nested
         self.metered_entries = -1  # the entries at which the meter attached
         self._inside = 0  # > 0 while the fake mode runs an op: what it dispatches then is its own

@@ -65,6 +65,8 @@ class ResidentEngine(Engine):
         self._reading = None  # the meter reading of the step in progress
         for param in self.params:  # a gradient made in backward is counted as a gradient
             param.register_post_accumulate_grad_hook(weak_hook(self._tag_gradient))
+        # the hook tags a gradient (again for each part: harmless) and ddp's buckets wait for a block's end
+        stack.gradients_accumulate_plainly = True
 
     def _shard(self, stack: Stack, cfg: RunConfig, device: torch.device, precision: str, dist: Dist):
         """fsdp: a 4-bit base's codes and scales made parameters FSDP shards (a row per block), every

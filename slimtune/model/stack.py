@@ -370,6 +370,11 @@ class Stack:
         self.model = model
         self.config = model.config
         self.stages: list[str] = ["loaded"]
+        # Set by an engine whose every parameter gradient a block's backward makes is added in place
+        # into a tensor that exists after the block's first part (no hook counts the parts, no sink
+        # sends them): the planner's estimate may then replay a tiled block's later backward tiles
+        # (step/seq_tiles.py) instead of running them.
+        self.gradients_accumulate_plainly = False
 
     # Read through the model each time: quantization replaces the embedding and head modules.
     @property

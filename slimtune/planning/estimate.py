@@ -41,6 +41,9 @@ class Estimate:
     # Bytes a rank's engine sums across ranks per step under data parallelism (counted on the fake
     # step's real code path: distributed.Counting): the gradient payload of every all-reduce.
     allreduce_bytes: int = 0
+    # Whether a block of the step ran in tiles of tokens (activations.seq_tile): a shorter tile would
+    # then weigh less at this length (the planner's --max-seq takes the shortest).
+    tiled_blocks: bool = False
 
     def counts(self) -> StepCounts:
         """What the time model needs of it."""
@@ -142,6 +145,7 @@ def _fake_step(config, cfg: RunConfig, real_batch: Batch, segments: bool, replay
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         total_params=sum(p.numel() for p in model.parameters()),
         allreduce_bytes=counting.take_reduced_bytes() // STEPS,
+        tiled_blocks=mode.tiled_blocks,
     )
     return found, (engine.meter.last_reading.segments if segments else None)
 
@@ -205,7 +209,8 @@ def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tu
     return Estimate(device_peak_bytes=peak, breakdown=breakdown, host_bytes=line("host_bytes"),
                     disk_bytes=line("disk_bytes"), host_link_bytes=line("host_link_bytes"),
                     trainable_params=line("trainable_params"), total_params=line("total_params"),
-                    allreduce_bytes=line("allreduce_bytes"))
+                    allreduce_bytes=line("allreduce_bytes"),
+                    tiled_blocks=shallow[0].tiled_blocks or deep[0].tiled_blocks)
 
 
 def _segment_fits(low: dict, high: dict, probes: tuple[int, int], margin: int) -> list | None:

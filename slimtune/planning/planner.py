@@ -222,15 +222,15 @@ def _tiled_to_fit(model_config, base: RunConfig, plan: dict, machine: Machine, b
 def _longest_with_tile(model_config, cfg: RunConfig, machine: Machine, batch_size: int, known: int,
                        limit: int) -> tuple[int, int | None]:
     """The longest sequence of the plan, and the tile it was found with: the plan's own, or where it
-    leaves the tile to the auto rule and its blocks are tiled (at one length, tiles of MIN_TILE tokens
-    weigh less than one whole tile), tile_choice.MIN_TILE: the tile that fits the longest."""
+    leaves the tile to the auto rule and its blocks run in tiles (its estimate with tiles of
+    tile_choice.MIN_TILE tokens says a block did), MIN_TILE: the tile that fits the longest."""
     limit = limit or getattr(model_config, "max_position_embeddings", None) or 2**20
     at = min(tile_choice.probe_length(known), limit)
     # else no row is long enough to tile, or (fsdp) blocks run whole: sharding.whole_blocks
     if not cfg.activations.tile and at > tile_choice.MIN_TILE and cfg.dist.strategy != "fsdp":
-        tiled, whole = (_run_config(cfg, {"activations.seq_tile": tile}) for tile in (tile_choice.MIN_TILE, at))
-        peaks = {per_device_estimate(model_config, c, machine, batch_size, at).device_peak_bytes for c in (tiled, whole)}
-        if len(peaks) == 2:
+        tiled = _run_config(cfg, {"activations.seq_tile": tile_choice.MIN_TILE})
+        # at the plan's own length the auto rule's tile is often MIN_TILE: the plan's row, from the cache
+        if per_device_estimate(model_config, tiled, machine, batch_size, at).tiled_blocks:
             return longest_fitting_seq(model_config, tiled, machine, batch_size, known, limit=limit), tile_choice.MIN_TILE
     return longest_fitting_seq(model_config, cfg, machine, batch_size, known, limit=limit), cfg.activations.tile or None
 

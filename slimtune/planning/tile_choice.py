@@ -8,8 +8,8 @@ intermediates, and the last no longer grow with the length. The planner offers T
 (MIN_TILE, the auto rule's own floor) gives the longest sequence.
 
 Whether a plan's blocks are tiled at all is its engine's business (resident tiles checkpointed blocks,
-slide every block it recomputes); the planner asks the estimate: the same length with one tile and
-with MIN_TILE-token tiles.
+slide every block it recomputes); the planner asks the estimate with MIN_TILE-token tiles whether a
+block ran in tiles (Estimate.tiled_blocks).
 """
 
 from __future__ import annotations
@@ -36,5 +36,5 @@ def largest_fitting(seq_len: int, fits: Callable[[int], bool]) -> int | None:
 
 
 def probe_length(known: int) -> int:
-    """A length at which tiles of MIN_TILE tokens and one whole tile differ where blocks are tiled."""
+    """A length at which a tiled block runs in several MIN_TILE-token tiles (so its estimate says so)."""
     return max(known, 4 * MIN_TILE)

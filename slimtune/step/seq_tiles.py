@@ -32,6 +32,7 @@ before the recompute, plus the tile's start. The recompute then draws the same m
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
@@ -46,6 +47,7 @@ from slimtune.model.stack import BlockInputs, Stack
 def forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, tile: int) -> torch.Tensor:
     """Block `index` on x (B, T, D) without grad, tile by tile; returns its output (B, T, D)."""
     block = _Block(stack, index, x, inputs, tile)
+    memory.note_tiled_block()
     out = None
     for start in memory.representative(block.starts, x):
         if out is not None:  # K, V and the output exist: the tile writes into them and keeps nothing
@@ -86,9 +88,16 @@ def backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor, inpu
     if x.requires_grad:
         reuse = grad_owned and grad.dtype == x.dtype and grad.shape == x.shape and grad.is_contiguous()
         grad_x = grad if reuse else torch.empty_like(x)
-    for start in memory.representative(block.starts[::-1], x):
+    for count, start in enumerate(memory.representative(block.starts[::-1], x)):
         with block.tile_rng(start):
-            _tile_backward(block, start, grad[:, start : start + tile], grad_k, grad_v, grad_x)
+            run = functools.partial(_tile_backward, block, start, grad[:, start : start + tile], grad_k, grad_v, grad_x)
+            # The first tile gives the parameters their gradients (and autocast its casts of them, kept
+            # until the backward ends): it keeps memory. Later ones add into what exists, as a later
+            # forward tile writes into K, V and the output: replayable where nothing counts the parts.
+            if count == 0 or not stack.gradients_accumulate_plainly:
+                run()
+            else:
+                memory.replayed(block.tile_key("backward", start) + (grad_x is not None, grad.dtype), run)
     if grad_x is not None:
         x.grad = grad_x if x.grad is None else x.grad + grad_x
 

@@ -1,4 +1,5 @@
-"""The planner's estimate replays a tiled block's later forward tiles (memory.replayed: one op that
+"""The planner's estimate replays a tiled block's later forward tiles, and where the engine's gradients
+add in place (Stack.gradients_accumulate_plainly) its later backward tiles (memory.replayed: one op that
 allocates the transient measured for the same tile of an earlier block, or of the other depth of the
 estimate by depth) instead of running them. The oracle: the same estimate with every tile run."""
 
@@ -31,5 +32,26 @@ def test_replayed_tiles_estimate_as_run_tiles(method, plan, tmp_path, monkeypatc
     monkeypatch.setattr(memory, "replayed", lambda key, fn: (calls.append(key), real(key, fn)))
     replayed = _estimate(method, plan, tmp_path)
     assert len(calls) > len(set(calls))  # tiles were replayed, not only measured
+    assert {key[0] for key in calls} == {"forward", "recompute_kv", "backward"}
+    assert replayed.tiled_blocks
     monkeypatch.setattr(memory, "replayed", lambda key, fn: fn())
     assert replayed == _estimate(method, plan, tmp_path)
+
+
+def test_an_engine_whose_gradients_leave_in_parts_runs_every_backward_tile(tmp_path, monkeypatch):
+    """chunk's sliced ops add each part of a gradient into a side buffer or send it down the link
+    (its bytes are counted): its backward tiles are all run."""
+    calls = []
+    real = memory.replayed
+    monkeypatch.setattr(memory, "replayed", lambda key, fn: (calls.append(key), real(key, fn)))
+    plan = {"engine": "chunk", "precision": "fp32", "activations.checkpoint": "recompute"}
+    replayed = _estimate("full", plan, tmp_path)
+    assert calls and "backward" not in {key[0] for key in calls}
+    monkeypatch.setattr(memory, "replayed", lambda key, fn: fn())
+    assert replayed == _estimate("full", plan, tmp_path)
+
+
+def test_the_estimate_says_whether_a_block_ran_in_tiles(tmp_path):
+    plan = {"engine": "resident", "precision": "fp32"}
+    assert not _estimate("full", plan, tmp_path).tiled_blocks  # no checkpoints: blocks run whole
+    assert _estimate("full", {**plan, "activations.checkpoint": "recompute"}, tmp_path).tiled_blocks
