@@ -183,10 +183,29 @@ def reproject_moments(m: torch.Tensor, v: torch.Tensor, old: tuple[SparseProject
     return left @ m @ right, left.pow(2) @ v @ right.pow(2)
 
 
-class Transposed:
-    """P^T (d x n) of a projector, as the CSR structure its fixed positions give: a product P^T @ M
-    (M: n x m, contiguous) costs n r m. Only the values change between products (a fit's steps), so
-    the structure is made once and each product permutes the current values into it."""
+class _Csr:
+    """A projector (or its transpose) as the CSR structure its fixed positions give: only the values change
+    between products (a fit's steps), so the structure is made once and each product permutes the current
+    values into it (`order`). A product with a dense M costs n r M.shape[1]."""
+
+    order: torch.Tensor
+    columns: torch.Tensor
+    rows: torch.Tensor
+    shape: tuple[int, int]
+
+    def times(self, val: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """This matrix @ m for the projector's values `val` (n, r)."""
+        values = val.flatten()[self.order].to(m.dtype)
+        if is_fake(m):  # fake tensors run no sparse product (the planner's estimate): its result is its memory
+            return m.new_empty(self.shape[0], m.shape[1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product is exact
+            sparse = torch.sparse_csr_tensor(self.rows, self.columns, values, self.shape, check_invariants=False)
+        return sparse @ m
+
+
+class Transposed(_Csr):
+    """P^T (d x n): P^T @ M (M: n x m, contiguous)."""
 
     def __init__(self, pos: torch.Tensor, d: int):
         n, r = pos.shape
@@ -199,15 +218,17 @@ class Transposed:
         self.rows[1:] = counts.cumsum(0)  # (not bincount: fake tensors cannot run it)
         self.shape = (d, n)
 
-    def times(self, val: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        """P^T @ m for the projector's values `val` (n, r): (d, m.shape[1])."""
-        values = val.flatten()[self.order].to(m.dtype)
-        if is_fake(m):  # fake tensors run no sparse product (the planner's estimate): its result is its memory
-            return m.new_empty(self.shape[0], m.shape[1])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product is exact
-            sparse = torch.sparse_csr_tensor(self.rows, self.columns, values, self.shape, check_invariants=False)
-        return sparse @ m
+
+class Rows(_Csr):
+    """P (n x d) itself: P @ M (M: d x m, contiguous), r non-zeros a row, each row's columns in order."""
+
+    def __init__(self, pos: torch.Tensor, d: int):
+        n, r = pos.shape
+        within = torch.argsort(pos, dim=1)
+        self.order = (torch.arange(n, device=pos.device).unsqueeze(1) * r + within).flatten()
+        self.columns = torch.gather(pos, 1, within).flatten()
+        self.rows = torch.arange(0, n * r + 1, r, device=pos.device)
+        self.shape = (n, d)
 
 
 def compressed(g: torch.Tensor, left: Transposed, right: Transposed, val_o: torch.Tensor,
@@ -255,6 +276,11 @@ class ValueFit:
         self.values = [_start(p, generator, fresh, warm) for p in (p_o, p_i)]
         self.best = [v.clone() for v in self.values]  # made now: a fit step holds the same memory every time
         self.left, self.right = Transposed(self.pos_o, self.d), Transposed(self.pos_i, self.d)
+        self.rows_o, self.rows_i = Rows(self.pos_o, self.d), Rows(self.pos_i, self.d)
+        # Which products go through the non-zeros (_sparse_is_cheaper), fixed by the shapes: each Gram
+        # product P^T (P M) (2 n r d), and each side's P X (n r d, gradient's docstring).
+        self.sparse_gram = [_sparse_is_cheaper(2 * p.n * p.r, self.d) for p in (p_o, p_i)]
+        self.sparse_rows = [_sparse_is_cheaper(p.n * p.r, self.d) for p in (p_o, p_i)]
         self.steps = steps
         self.iterations = 0  # Adam steps taken over all gradients (early stops make it less than offered)
         self.held_out_error: float | None = None  # e(H) of the values kept, on the last held-out gradient
@@ -291,11 +317,11 @@ class ValueFit:
             del gt
 
     def error_sq(self, g: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
-        """e(G)^2 of the current values (no autograd)."""
+        """e(G)^2 of the current values (no autograd): <C, A_o C A_i> as <A_o C, C A_i>."""
         total = g.pow(2).sum() if total is None else total
         c = compressed(g, self.left, self.right, *self.values)
-        a_o, a_i = (_gram(pos, v, self.d) for pos, v in zip((self.pos_o, self.pos_i), self.values))
-        return (total - 2 * c.pow(2).sum() + (c * (a_o @ c @ a_i)).sum()) / total
+        y, x, _ = self._gram_products(c)
+        return (total - 2 * c.pow(2).sum() + (y * x).sum()) / total
 
     def step(self, g: torch.Tensor, gt: torch.Tensor, total: torch.Tensor) -> None:
         """One Adam step on e(G)^2, its gradient in closed form (module docstring)."""
@@ -304,21 +330,61 @@ class ValueFit:
         self.iterations += 1
 
     def gradient(self, g: torch.Tensor, gt: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """e(G)^2 (returned) and its gradient in the values (into each value tensor's .grad)."""
+        """e(G)^2 (returned) and its gradient in the values (into each value tensor's .grad). With X = C A_i,
+        Y = A_o C and M = A_o C A_i, the module docstring's gradient at non-zero (k, s) of P_o, p = pos_o[k, s],
+        is (2 / |G|^2) (<b[k], (M - 2 C)[p]> + (P_o X C^T)[k, p]) with b = G P_i, and of P_i likewise with
+        G^T P_o, M^T, C^T and Y^T (_at_nonzeros). Where P_o X (n_o x d) is cheap through the non-zeros it
+        also gives M = P_o^T (P_o X): then no d x d x d product is left but X and Y, each through the
+        non-zeros where that is cheaper (_sparse_is_cheaper)."""
         val_o, val_i = self.values
-        # Row-major copies: _at_nonzeros reads each row of b and bo against rows of D (and c needs b so)
+        # Row-major copies: _rows_dot reads each row of b and bo against gathered rows (and c needs b so)
         b = self.right.times(val_i, gt).t().contiguous()  # G P_i (n_o, d)
         bo = self.left.times(val_o, g).t().contiguous()  # G^T P_o (n_i, d)
-        c = self.left.times(val_o, b)  # P_o^T G P_i (d, d)
-        a_o, a_i = _gram(self.pos_o, val_o, self.d), _gram(self.pos_i, val_i, self.d)
-        a_o_c, c_a_i = a_o @ c, c @ a_i
-        m = a_o_c @ a_i
+        c = self.left.times(val_o, b)  # C = P_o^T G P_i (d, d)
+        y, x, a_o = self._gram_products(c)
+        f_o = self.rows_o.times(val_o, x) if self.sparse_rows[0] else None  # P_o X (n_o, d)
+        if f_o is not None:
+            m = self.left.times(val_o, f_o)
+        else:
+            m = (_gram(self.pos_o, val_o, self.d) if a_o is None else a_o) @ x
         loss = (total - 2 * c.pow(2).sum() + (c * m).sum()) / total
-        d_c = (2 * m - 4 * c) / total  # dL/dC
-        e_o, e_i = c_a_i @ c.t() * (2 / total), c.t() @ a_o_c * (2 / total)  # symmetric (d, d)
-        val_o.grad.copy_(_at_nonzeros(b, d_c, self.pos_o, val_o, e_o))
-        val_i.grad.copy_(_at_nonzeros(bo, d_c.t().contiguous(), self.pos_i, val_i, e_i))
+        yt = y.t().contiguous()  # C^T A_o
+        f_i = self.rows_i.times(val_i, yt) if self.sparse_rows[1] else None  # P_i Y^T (n_i, d)
+        grad_o = _at_nonzeros(b, m, c, x, f_o, self.pos_o, val_o)
+        grad_i = _at_nonzeros(bo, m.t().contiguous(), c.t().contiguous(), yt, f_i, self.pos_i, val_i)
+        val_o.grad.copy_(grad_o.mul_(2 / total))
+        val_i.grad.copy_(grad_i.mul_(2 / total))
         return loss
+
+    def _gram_products(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Y = A_o C and X = C A_i (d x d) for the current values, each as P^T (P M) through the non-zeros
+        (2 n r d) or with the dense Gram (d^3), as sparse_gram says; and A_o when it was made."""
+        val_o, val_i = self.values
+        a_o = None
+        if self.sparse_gram[0]:
+            y = self.left.times(val_o, self.rows_o.times(val_o, c))
+        else:
+            a_o = _gram(self.pos_o, val_o, self.d)
+            y = a_o @ c
+        if self.sparse_gram[1]:  # X^T = A_i C^T
+            x = self.right.times(val_i, self.rows_i.times(val_i, c.t().contiguous())).t().contiguous()
+        else:
+            x = c @ _gram(self.pos_i, val_i, self.d)
+        return y, x, a_o
+
+
+# A dense d x d product runs near the core's peak; a CSR product through a projector's n r non-zeros runs
+# at about an eighth of that rate a multiply-add (MKL, one thread, d = 256: 0.33 ms for d^3 against
+# 0.10 ms for n r d at n = 576, 0.24 ms at n = 1536). So the non-zeros win when their multiply-adds are
+# under an eighth of the dense ones: never at d = 64 (the d^3 products take 7 us there), at d = 256 for
+# SmolLM2's 576-wide sides and not its 1536-wide ones.
+SPARSE_RATE_FACTOR = 8
+
+
+def _sparse_is_cheaper(nonzero_products_per_column: int, d: int) -> bool:
+    """True when `nonzero_products_per_column` * d multiply-adds through CSR products cost less than a
+    dense d x d x d product (SPARSE_RATE_FACTOR)."""
+    return nonzero_products_per_column * SPARSE_RATE_FACTOR < d * d
 
 
 def _start(p: SparseProjector, generator: torch.Generator, fresh: bool, warm: bool) -> torch.Tensor:
@@ -336,16 +402,22 @@ def _gram(pos: torch.Tensor, val: torch.Tensor, d: int) -> torch.Tensor:
     return cross_gram(p, p)
 
 
-def _at_nonzeros(b: torch.Tensor, d_c: torch.Tensor, pos: torch.Tensor, val: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """(b D^T + P E)[k, pos[k, s]] for P's non-zeros: <b[k], D[pos[k, s]]> + sum_t val[k, t] E[pos[k, t], pos[k, s]]."""
+def _at_nonzeros(b: torch.Tensor, m: torch.Tensor, c: torch.Tensor, x: torch.Tensor, px: torch.Tensor | None,
+                 pos: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+    """(b (M - 2 C)^T + P X C^T)[k, pos[k, s]] at P's non-zeros (n, r). With px = P X given, the second term
+    is <px[k], C[p]> (n r d; px is consumed); without, X C^T is made (d^3) and read at each row's r x r
+    position pairs: sum_t val[k, t] (X C^T)[pos[k, t], p]."""
+    if px is not None:
+        return _rows_dot(b, m, pos).add_(_rows_dot(px.sub_(b, alpha=2), c, pos))
+    e = x @ c.t()
     through_gram = torch.bmm(val.unsqueeze(1), e[pos.unsqueeze(2), pos.unsqueeze(1)]).squeeze(1)
-    return _rows_dot(b, d_c, pos).add_(through_gram)
+    return _rows_dot(b, m - 2 * c, pos).add_(through_gram)
 
 
 def _rows_dot(b: torch.Tensor, d_c: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """<b[k], D[pos[k, s]]> (n, r): D's rows gathered at the non-zeros, n r d multiply-adds, not the n d d of
-    the dense b D^T read at the non-zeros (at d = 256, n = 1536: 0.5 ms against 2-3 ms, one thread). In
-    place: a fresh (n, r, d) product would cost page faults each step (3.5 ms at n = 576, measured)."""
+    """<b[k], D[pos[k, s]]> (n, r) for D (d, d): D's rows gathered at the non-zeros, n r d multiply-adds, not
+    the n d d of the dense b D^T read at the non-zeros (at d = 256, n = 1536: 0.5 ms against 2-3 ms, one
+    thread). In place: a fresh (n, r, d) product would cost page faults each step (3.5 ms at n = 576, measured)."""
     n, r = pos.shape
     return d_c.index_select(0, pos.flatten()).view(n, r, -1).mul_(b.unsqueeze(1)).sum(-1)
 

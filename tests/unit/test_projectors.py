@@ -201,10 +201,24 @@ def test_the_sparse_transposed_product_equals_the_dense_one():
     torch.testing.assert_close(pj.Transposed(p.pos, p.d).times(p.val, m), p.dense().T @ m, atol=1e-12, rtol=0)
 
 
-def test_the_fit_gradient_in_closed_form_equals_autograd_of_the_error_identity():
+def test_the_sparse_row_product_equals_the_dense_one():
+    p = pair(seed=11)[1]
+    m = torch.randn(8, 7, dtype=F64)
+    torch.testing.assert_close(pj.Rows(p.pos, p.d).times(p.val, m), p.dense() @ m, atol=1e-12, rtol=0)
+
+
+ROUTES = [((False, False), (False, False)), ((True, True), (True, True)), ((True, False), (False, True)),
+          ((False, True), (True, False))]
+
+
+@pytest.mark.parametrize("sparse_gram, sparse_rows", ROUTES)
+def test_the_fit_gradient_in_closed_form_equals_autograd_of_the_error_identity(sparse_gram, sparse_rows):
     """ValueFit.gradient (two sparse products over G and d x d algebra) against autograd through
-    squared_residual / |G|^2, float64, both projectors' values."""
+    squared_residual / |G|^2, float64, both projectors' values; every route the shapes can choose (each
+    side's Gram products dense or through the non-zeros, each side's P X read through the non-zeros or
+    the d x d X C^T read at the position pairs), whatever these small shapes would choose."""
     fit = pj.ValueFit(*pair(seed=9), lr=0.05, steps=1, generator=torch.Generator().manual_seed(10))
+    fit.sparse_gram, fit.sparse_rows = list(sparse_gram), list(sparse_rows)
     g = gradient_set(1, seed=3)[0]
     values = [v.detach().clone().requires_grad_() for v in fit.values]
     total = g.pow(2).sum()
