@@ -74,8 +74,9 @@ def representative(steps: Sequence, like: torch.Tensor, alike_from: int = 1, las
     and dropped); 1 (default): the first step may leave something the later ones reuse (an
     accumulator made on first use). Callers are loops over token chunks and weight tiles; the
     estimate is tested equal to a real run's meter on shapes where each of them has many steps.
-    last_alike: the last step is no smaller than the others (every step the same shape: the r terms
-    of a sparse product), so steps 0..alike_from alone show the peak."""
+    last_alike: the last step holds no more than step alike_from (every step the same shape: the r
+    terms of a sparse product; or the last the least: a tiled block's backward ends at tile 0, which
+    attends to the fewest keys), so steps 0..alike_from alone show the peak."""
     if not is_fake(like):
         return steps
     if last_alike:

@@ -44,6 +44,10 @@ class Estimate:
     # Whether a block of the step ran in tiles of tokens (activations.seq_tile): a shorter tile would
     # then weigh less at this length (the planner's --max-seq takes the shortest).
     tiled_blocks: bool = False
+    # The estimate by depth's peak of each class of segment at the full depth (its largest is the
+    # device peak), by label; None where the step ran at full depth. Each grows with the length along
+    # its own line where the peak, their largest, turns from one to another (--max-seq solves each).
+    segment_peaks: dict[str, int] | None = None
 
     def counts(self) -> StepCounts:
         """What the time model needs of it."""
@@ -200,7 +204,8 @@ def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tu
     if fits is None:
         return None
     depth = config.num_hidden_layers
-    peak, breakdown = max((f(depth, i) for f, spans in fits for i in spans(depth)), key=lambda v: v[0])
+    at_depth_d = {f"{key} {end}": f(depth, i) for key, f, spans in fits for end, i in enumerate(spans(depth))}
+    peak, breakdown = max(at_depth_d.values(), key=lambda v: v[0])
 
     def line(field: str) -> int:
         low, high = getattr(shallow[0], field), getattr(deep[0], field)
@@ -210,11 +215,12 @@ def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tu
                     disk_bytes=line("disk_bytes"), host_link_bytes=line("host_link_bytes"),
                     trainable_params=line("trainable_params"), total_params=line("total_params"),
                     allreduce_bytes=line("allreduce_bytes"),
-                    tiled_blocks=shallow[0].tiled_blocks or deep[0].tiled_blocks)
+                    tiled_blocks=shallow[0].tiled_blocks or deep[0].tiled_blocks,
+                    segment_peaks={label: value[0] for label, value in at_depth_d.items()})
 
 
 def _segment_fits(low: dict, high: dict, probes: tuple[int, int], margin: int) -> list | None:
-    """[(f(D, i) -> (peak, breakdown), spans(D) -> the i to evaluate)] for every class of segment."""
+    """[(class, f(D, i) -> (peak, breakdown), spans(D) -> the i to evaluate)] for every class of segment."""
     low_classes, high_classes = _classes(low, probes[0], margin), _classes(high, probes[1], margin)
     if set(low_classes) != set(high_classes):
         return None
@@ -222,11 +228,11 @@ def _segment_fits(low: dict, high: dict, probes: tuple[int, int], margin: int) -
     for key, at_low in low_classes.items():
         at_high = high_classes[key]
         if key[1] != "between":
-            fits.append((_line(at_low[None], at_high[None], probes[0]), lambda depth: [None]))
+            fits.append((key, _line(at_low[None], at_high[None], probes[0]), lambda depth: [None]))
             continue
         if set(at_low) != {margin} or set(at_high) != {margin, margin + 1}:
             return None
-        fits.append((_plane(at_low[margin], at_high[margin], at_high[margin + 1], probes[0], margin),
+        fits.append((key, _plane(at_low[margin], at_high[margin], at_high[margin + 1], probes[0], margin),
                      lambda depth: [margin, depth - margin - 1]))
     return fits
 

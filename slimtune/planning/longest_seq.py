@@ -4,11 +4,13 @@ A step's device peak, host RAM and disk grow with the sequence length T. Where e
 tiles of tokens, each of them is affine in T between tile boundaries (whole K and V, the block's
 input and output, the checkpoints: T times a width; one tile's intermediates: a constant), as each
 is affine in the depth (estimate._by_depth). So two lengths' estimates give a line per resource, and
-the line's crossing with the machine's limit is the answer. Where the step is not affine (an
-untiled block, a (T, T) mask, a chunk count that steps) the line is a guess: the answer is always
-confirmed by the estimate at it (fits) and at one token more (does not), and a guess that misses is
-followed by another through the two nearest lengths (a secant, or Newton's step where the two are one
-token apart), and by bisection after a few. `longest_by_bisection` is the plain way, kept as the
+the line's crossing with the machine's limit is the answer. Each guess is the estimate at the floor
+of a crossing, strictly inside the bracket of what is known to fit and what is known not to; the next
+curve runs through it. Where the curve was right the next guess is one token more, which does not fit:
+the answer is confirmed by the estimate at it (fits) and at one token more (does not). Where the
+step is not affine (an untiled block, a (T, T) mask, a chunk count that steps) the line is a guess,
+followed by another through the latest lengths (a parabola where every resource's is convex, a
+secant, or Newton's step where the two are one token apart), and by bisection after a few. `longest_by_bisection` is the plain way, kept as the
 tests' oracle; both return a length that fits with one token more not fitting, or the model's limit.
 
 `needs(seq)` is the one question asked: {resource: (needed, available)} for a step of `seq` tokens
@@ -23,8 +25,9 @@ from typing import Callable
 
 Needs = Callable[[int], dict]
 
-# Guesses from the probes' curves before the search falls back to bisection of what is left.
-GUESSES = 6
+# Guesses from the probes' curves before the search falls back to bisection of what is left (the
+# confirmation one token beyond the answer is one of them).
+GUESSES = 12
 
 
 class _Probes:
@@ -52,15 +55,15 @@ class _Probes:
 
 def longest_by_length(needs: Needs, known: int, limit: int, tile: int = 1) -> int:
     """The longest sequence up to `limit` whose step fits: two probes (`known`, and twice or half it,
-    multiples of `tile` where the blocks are tiled), then guesses from the probes' curves, each
-    confirmed by the estimate at it and at one token more. After GUESSES that miss (a step in the
-    estimate, or stairs), bisection of what the bracket leaves."""
+    multiples of `tile` where the blocks are tiled), then guesses from the curves through the latest
+    lengths, each strictly inside the bracket, until one fits and one token more does not. After
+    GUESSES (a step in the estimate, or stairs), bisection of what the bracket leaves."""
     probes = _Probes(needs)
     first = min(limit, max(1, known))
     second = min(limit, _multiple(2 * first, tile)) if probes.fits(first) else max(1, _multiple(first // 2, tile))
     if not probes.settled(limit) and second != first:
         probes.fits(second)
-    guesses = [first, second]  # the curves go through these, not through a confirmation one token off
+    guesses = [first, second]
     for _ in range(GUESSES):
         if probes.settled(limit):
             break
@@ -68,25 +71,12 @@ def longest_by_length(needs: Needs, known: int, limit: int, tile: int = 1) -> in
         if guess is None:
             break
         guesses.append(guess)
-        _confirm(probes, guess, limit)
+        probes.fits(guess)
     return _bisect(probes, limit)
 
 
 def _multiple(seq: int, tile: int) -> int:
     return max(tile, seq // tile * tile)
-
-
-def _width(probes: _Probes, limit: int) -> int:
-    return (limit + 1 if probes.high is None else probes.high) - probes.low
-
-
-def _confirm(probes: _Probes, guess: int, limit: int) -> None:
-    """The estimate at the guess, and the one next to it on the side the answer lies."""
-    if probes.fits(guess):
-        if guess < limit:
-            probes.fits(guess + 1)
-    elif guess - 1 > probes.low:
-        probes.fits(guess - 1)
 
 
 def _guess(probes: _Probes, guesses: list[int], limit: int) -> int | None:
@@ -125,6 +115,8 @@ def _solve(probes: _Probes, lengths: list[int], crossing):
     when every resource fits and none rises."""
     found = []
     for what in probes.seen[lengths[-1]]:
+        if any(what not in probes.seen[seq] for seq in lengths):
+            continue  # a part of the need some lengths do not have (a segment): no curve
         overs = [probes.seen[seq][what][0] - probes.seen[seq][what][1] for seq in lengths]
         point = crossing(lengths, overs)
         if point is None:
@@ -136,12 +128,15 @@ def _solve(probes: _Probes, lengths: list[int], crossing):
 
 def _line_crossing(lengths: list[int], overs: list[int]):
     """Where the line through two (length, need - have) points reaches 0, exactly (fractions of
-    bytes): the largest length that fits on it. A falling or flat line: _NOTHING_GROWS if it fits,
-    None if it is over (it never comes back)."""
+    bytes): the largest length that fits on it. A falling or flat line: _NOTHING_GROWS if it fits;
+    flat and over, 0 (no length fits it: a part of the need the length does not change, the
+    weights); falling and over, None (a curve that says nothing of where it fits)."""
     (a, b), (over_a, over_b) = lengths, overs
     slope = Fraction(over_b - over_a, b - a)
     if slope <= 0:
-        return _NOTHING_GROWS if over_b <= 0 else None
+        if over_b <= 0:
+            return _NOTHING_GROWS
+        return Fraction(0) if slope == 0 else None
     return a - over_a / slope
 
 

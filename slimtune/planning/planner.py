@@ -261,11 +261,23 @@ def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_si
     ranks = machine.ranks(cfg.engine)
 
     def needs(seq: int) -> dict[str, tuple[int, int]]:
-        return machine.needs(per_device_estimate(model_config, cfg, machine, batch_size, seq), ranks)
+        return _needs_by_segment(machine, per_device_estimate(model_config, cfg, machine, batch_size, seq), ranks)
 
     if not by_length:
         return longest_seq.longest_by_bisection(needs, known, limit)
     return longest_seq.longest_by_length(needs, known, limit)
+
+
+def _needs_by_segment(machine: Machine, found: estimate.Estimate, ranks: int) -> dict[str, tuple[int, int]]:
+    """machine.needs, with the device's need split into each segment's peak where the estimate by
+    depth gives them: the step fits exactly when the largest fits, and each grows with the length along
+    its own line, where the peak turns from one segment to another as the length grows."""
+    needs = machine.needs(found, ranks)
+    if found.segment_peaks:
+        need, have = needs.pop("device")
+        overhead = need - found.device_peak_bytes
+        needs.update({f"device: {label}": (peak + overhead, have) for label, peak in found.segment_peaks.items()})
+    return needs
 
 
 # Below this many block-widths (layers x hidden) plans are estimated faster than a worker process starts.

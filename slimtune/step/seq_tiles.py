@@ -88,13 +88,16 @@ def backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor, inpu
     if x.requires_grad:
         reuse = grad_owned and grad.dtype == x.dtype and grad.shape == x.shape and grad.is_contiguous()
         grad_x = grad if reuse else torch.empty_like(x)
-    for count, start in enumerate(memory.representative(block.starts[::-1], x)):
+    plain = stack.gradients_accumulate_plainly
+    # Under fake tensors: where nothing counts the parts, not tile 0 either (it attends to the fewest
+    # keys: its peak is no higher than the tile after it, and it writes into what exists).
+    for count, start in enumerate(memory.representative(block.starts[::-1], x, last_alike=plain)):
         with block.tile_rng(start):
             run = functools.partial(_tile_backward, block, start, grad[:, start : start + tile], grad_k, grad_v, grad_x)
             # The first tile gives the parameters their gradients (and autocast its casts of them, kept
             # until the backward ends): it keeps memory. Later ones add into what exists, as a later
             # forward tile writes into K, V and the output: replayable where nothing counts the parts.
-            if count == 0 or not stack.gradients_accumulate_plainly:
+            if count == 0 or not plain:
                 run()
             else:
                 memory.replayed(block.tile_key("backward", start) + (grad_x is not None, grad.dtype), run)

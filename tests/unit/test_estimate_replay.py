@@ -11,7 +11,7 @@ from slimtune.engines import settings
 from slimtune.planning import estimate
 
 PLANS = [("lora", {"engine": "resident", "precision": "bf16", "quant.scheme": "nf4", "activations.checkpoint": "disk"}),
-         ("lora", {"engine": "slide", "precision": "bf16", "quant.scheme": "nf4"}),
+         ("lora", {"engine": "slide", "precision": "bf16", "quant.scheme": "nf4", "slide.head_tile_mb": 0.002}),
          ("full", {"engine": "resident", "precision": "fp32", "activations.checkpoint": "recompute"}),
          ("full", {"engine": "slide", "precision": "bf16", "activations.checkpoint": "host"})]
 # (lsp's estimate is held to the meter with tiled blocks in test_estimate.py; it takes 40 s here)
@@ -32,7 +32,8 @@ def test_replayed_tiles_estimate_as_run_tiles(method, plan, tmp_path, monkeypatc
     monkeypatch.setattr(memory, "replayed", lambda key, fn: (calls.append(key), real(key, fn)))
     replayed = _estimate(method, plan, tmp_path)
     assert len(calls) > len(set(calls))  # tiles were replayed, not only measured
-    assert {key[0] for key in calls} == {"forward", "recompute_kv", "backward"}
+    assert {"forward", "recompute_kv", "backward"} <= {key[0] for key in calls}
+    assert plan["engine"] != "slide" or "streamed_ce" in {key[0] for key in calls}  # the head's vocabulary tiles
     assert replayed.tiled_blocks
     monkeypatch.setattr(memory, "replayed", lambda key, fn: fn())
     assert replayed == _estimate(method, plan, tmp_path)

@@ -17,6 +17,7 @@ the norm's whole-sequence temporaries (fp32 inside an RMSNorm) ever exist.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterator
 
 import torch
@@ -90,18 +91,32 @@ def _streamed_ce(x: _Normed, targets, tiles, chunk, scale, sink):
     for start, stop, w in tiles():
         w = w.to(dtype)  # (tile, D)
         grad_w = torch.zeros_like(w) if sink is not None else None
-        for first in memory.representative(range(0, x.shape[0], chunk), x.x):
-            rows = slice(first, first + chunk)
-            x_c = x.rows(rows, dtype)
-            g = (x_c @ w.T).sub_(lse[rows, None]).exp_()  # softmax on this tile: (c, tile)
-            _subtract_target(g, safe[rows], start, stop)
-            g.mul_(weight_of_row[rows, None])
-            grad_x[rows].addmm_(g, w)
-            if grad_w is not None:
-                grad_w.addmm_(g.T, x_c)
+        memory.replayed(_tile_key("gradient", w, x, chunk, grad_w is not None),
+                        functools.partial(_tile_gradient, x, w, start, stop, lse, safe, weight_of_row, chunk, grad_x, grad_w))
         if sink is not None:
             sink(start, stop, grad_w)
     return loss, x.gradient(grad_x, chunk)
+
+
+def _tile_gradient(x: _Normed, w, start, stop, lse, safe, weight_of_row, chunk, grad_x, grad_w) -> None:
+    """One vocabulary tile's share of the rows' gradient (into grad_x) and of its own (into grad_w)."""
+    for first in memory.representative(range(0, x.shape[0], chunk), x.x):
+        rows = slice(first, first + chunk)
+        x_c = x.rows(rows, w.dtype)
+        g = (x_c @ w.T).sub_(lse[rows, None]).exp_()  # softmax on this tile: (c, tile)
+        _subtract_target(g, safe[rows], start, stop)
+        g.mul_(weight_of_row[rows, None])
+        grad_x[rows].addmm_(g, w)
+        if grad_w is not None:
+            grad_w.addmm_(g.T, x_c)
+
+
+def _tile_key(part: str, w: torch.Tensor, x: _Normed, chunk: int, *more) -> tuple:
+    """What decides the transient of one vocabulary tile's pass over the rows (memory.replayed: the
+    planner's estimate runs each key once; each tile writes into what exists, a shorter last one is
+    its own key)."""
+    return ("streamed_ce", part, tuple(w.shape), w.dtype, tuple(x.shape), x.x.dtype, x.norm is not None, x.autocast,
+            chunk, *more)
 
 
 def _log_sum_exp(x: _Normed, safe: torch.Tensor, tiles: Tiles, chunk: int, dtype: torch.dtype):
@@ -112,16 +127,22 @@ def _log_sum_exp(x: _Normed, safe: torch.Tensor, tiles: Tiles, chunk: int, dtype
     target_logit = torch.zeros(n, dtype=dtype, device=x.device)
     for start, stop, w in tiles():
         w = w.to(dtype)
-        for first in memory.representative(range(0, n, chunk), x.x):
-            rows = slice(first, first + chunk)
-            z = x.rows(rows, dtype) @ w.T  # (c, tile)
-            new_max = torch.maximum(running_max[rows], z.amax(dim=1))
-            running_sum[rows] = running_sum[rows] * (running_max[rows] - new_max).exp() + (z - new_max[:, None]).exp().sum(1)
-            running_max[rows] = new_max
-            inside = (safe[rows] >= start) & (safe[rows] < stop)
-            picked = z.gather(1, (safe[rows] - start).clamp(0, stop - start - 1)[:, None]).squeeze(1)
-            target_logit[rows] = torch.where(inside, picked, target_logit[rows])
+        memory.replayed(_tile_key("logits", w, x, chunk),
+                        functools.partial(_tile_logits, x, w, start, stop, safe, chunk, running_max, running_sum, target_logit))
     return running_max + running_sum.log(), target_logit
+
+
+def _tile_logits(x: _Normed, w, start, stop, safe, chunk, running_max, running_sum, target_logit) -> None:
+    """One vocabulary tile's logits folded into the rows' running log-sum-exp and target logits."""
+    for first in memory.representative(range(0, x.shape[0], chunk), x.x):
+        rows = slice(first, first + chunk)
+        z = x.rows(rows, w.dtype) @ w.T  # (c, tile)
+        new_max = torch.maximum(running_max[rows], z.amax(dim=1))
+        running_sum[rows] = running_sum[rows] * (running_max[rows] - new_max).exp() + (z - new_max[:, None]).exp().sum(1)
+        running_max[rows] = new_max
+        inside = (safe[rows] >= start) & (safe[rows] < stop)
+        picked = z.gather(1, (safe[rows] - start).clamp(0, stop - start - 1)[:, None]).squeeze(1)
+        target_logit[rows] = torch.where(inside, picked, target_logit[rows])
 
 
 def _subtract_target(g: torch.Tensor, safe: torch.Tensor, start: int, stop: int) -> None:
