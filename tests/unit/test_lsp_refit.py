@@ -156,3 +156,35 @@ def test_a_warm_refit_starts_from_the_current_values_and_the_first_fit_from_fres
     changed = len(engine.modules) - extras["lsp_refit_kept"]
     assert changed > 0 and len(counter.passes) == 3 and counter.passes[2][0] == changed
     assert all(b is not None and math.isfinite(b) for b in engine.learning.baseline)
+
+
+def test_a_done_fit_stops_its_matrix_probing_and_every_fit_ends_as_it_would_have():
+    """The first fit over a sample of four batches, where fits stop at different batches: with a done
+    fit's matrix taken out of probe mode for the rest of the pass, no fit is handed a gradient after it
+    is done (the reference pass, keeping every matrix probing, hands some), and every projector and
+    baseline equals the reference's bit for bit (float64)."""
+    def first_fit(stop_probing) -> tuple[list, list, list]:
+        handed_when_done = []
+
+        class Counted(pj.ValueFit):
+            def observe(self, g, held_out=None):
+                handed_when_done.append(self.done)
+                super().observe(g, held_out)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(learning.projectors, "ValueFit", Counted)
+            patch.setattr(learning, "_stop_probing", stop_probing)
+            model = model_of()
+            cfg = run_cfg(LspConfig(d=8, r=3, fit_iterations=80, check_samples=2), measure_memory=False)
+            engine = LspEngine(Stack(model), cfg, CPU, "fp64")
+            engine.use_sample(batches(model.config.vocab_size, 50, micro=4))
+            engine.learning.check(engine.sample, engine._probe_pass)
+        values = [(m.p_o.val.clone(), m.p_i.val.clone()) for m in engine.modules]
+        probing = [(m.probe, m.z.requires_grad) for m in engine.modules]
+        assert all(p is None and wants for p, wants in probing)  # the pass restored every matrix
+        return values, list(engine.learning.baseline), handed_when_done
+
+    reference = first_fit(lambda module: None)
+    stopped = first_fit(learning._stop_probing)
+    assert any(reference[2]) and not any(stopped[2])
+    assert same([list(v) for v in stopped[0]], [list(v) for v in reference[0]]) and stopped[1] == reference[1]

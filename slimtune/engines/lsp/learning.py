@@ -204,7 +204,11 @@ class ProjectorLearning:
             key = (tuple(fit_on.shape), None if held_out is None else tuple(held_out.shape), module.d, module.p_o.r,
                    fit_on.dtype)
             replay.run(key, fit_on, fits[index].observe, fit_on, held_out)
-            bar.update(1)
+            if fits[index].done:  # its later gradients would be passed over: not made at all
+                _stop_probing(module)
+                bar.update(len(batches) - seen[index] + 1)  # this batch and the ones it no longer needs
+            else:
+                bar.update(1)
 
         try:
             # Once every fit has stopped (held-out error no longer falling) the sample's other batches are not run.
@@ -236,6 +240,15 @@ class ProjectorLearning:
             views.exp_avg.copy_(moments[0])
             views.exp_avg_sq.copy_(moments[1])
         module.p_o, module.p_i = new
+
+
+def _stop_probing(module: ProjectedLinear) -> None:
+    """The rest of the pass runs `module` as a frozen linear: no gradient halves (two matmuls of the weight's
+    size a batch), no saved input, no dZ; and where every matrix below it is done too, or not observed,
+    autograd no longer runs the backward down there at all (nothing below requires grad: the engine's pass
+    freezes every other parameter). The pass restores probe mode and Z's requires_grad when it ends."""
+    module.probe = None
+    module.z.requires_grad_(False)
 
 
 def _bar(total: int, what: str, enabled: bool):
