@@ -124,21 +124,34 @@ def _transient(meter: LiveBytesMeter, fn, *args) -> int:
     return peak
 
 
-def replayed(key, fn) -> None:
+def replayed(key, fn, leaves: Sequence[torch.Tensor] = ()) -> None:
     """In the planner's estimate (a MeteredFakeMode that meters), fn() runs once per key of its
     replay table, and later calls with that key allocate the transient peak it measured and drop it
     in one op, which is all the meter sees of fn; elsewhere (a real run, or no meter) fn() just runs.
     For calls that leave memory as they found it (they write into tensors that exist) and hold a
     transient that `key` decides: a later tile of a tiled block's forward or backward, which every
-    block of a step and both steps of the estimate by depth repeat (step/seq_tiles.py)."""
+    block of a step and both steps of the estimate by depth repeat (step/seq_tiles.py).
+    `leaves`: tensors fn may give their first gradient (a block's parameters, in the first tile of its
+    backward), by position. Where fn keeps exactly those gradients' bytes, a replay first gives the
+    same positions' tensors a gradient of zeros through autograd (their hooks run, as they did for
+    fn's) and then allocates the rest of the peak; where fn keeps anything else, it always runs."""
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     meter = mode.meter if isinstance(mode, MeteredFakeMode) else None
-    if meter is None or meter.host_allocations:
+    if meter is None or meter.host_allocations or mode.replays.get(key, 0) is None:
         fn()
     elif key in mode.replays:
-        torch.empty(mode.replays[key], dtype=torch.uint8, device=meter.device_type)  # made and dropped at once
+        peak, made, kept = mode.replays[key]
+        if made:
+            torch.autograd.backward([leaves[i] for i in made], [torch.zeros_like(leaves[i]) for i in made])
+        torch.empty(peak - kept, dtype=torch.uint8, device=meter.device_type)  # made and dropped at once
     else:
-        mode.replays[key] = _transient(meter, fn)
+        without = [t.grad is None for t in leaves]
+        start = meter.current
+        peak = _transient(meter, fn)
+        made = tuple(i for i, t in enumerate(leaves) if without[i] and t.grad is not None)
+        kept = meter.current - start
+        made_bytes = sum(leaves[i].grad.untyped_storage().nbytes() for i in made)
+        mode.replays[key] = (peak, made, kept) if kept == made_bytes else None
 
 
 def note_tiled_block() -> None:

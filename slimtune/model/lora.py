@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from slimtune.config import LoraConfig
@@ -44,7 +45,15 @@ class LoRALinear(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        a, b = self.lora_A.weight, self.lora_B.weight
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind) and a.dtype != torch.get_autocast_dtype(kind):
+            # Cast here, as autocast would: autocast's own cast of a weight (a leaf that trains) stays
+            # in its cache until the autocast region ends, so a checkpointed backward, one region over
+            # every block, would keep each block's cast adapters to its end. Same values, same gradients.
+            cast = torch.get_autocast_dtype(kind)
+            a, b = a.to(cast), b.to(cast)
+        return self.base(x) + F.linear(F.linear(self.dropout(x), a), b) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
         """(out, in): the dense update this adapter adds to the base weight."""

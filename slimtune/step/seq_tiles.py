@@ -89,18 +89,19 @@ def backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor, inpu
         reuse = grad_owned and grad.dtype == x.dtype and grad.shape == x.shape and grad.is_contiguous()
         grad_x = grad if reuse else torch.empty_like(x)
     plain = stack.gradients_accumulate_plainly
+    trained = [p for p in block.layer.parameters() if p.requires_grad]
     # Under fake tensors: where nothing counts the parts, not tile 0 either (it attends to the fewest
     # keys: its peak is no higher than the tile after it, and it writes into what exists).
-    for count, start in enumerate(memory.representative(block.starts[::-1], x, last_alike=plain)):
+    for start in memory.representative(block.starts[::-1], x, last_alike=plain):
         with block.tile_rng(start):
             run = functools.partial(_tile_backward, block, start, grad[:, start : start + tile], grad_k, grad_v, grad_x)
-            # The first tile gives the parameters their gradients (and autocast its casts of them, kept
-            # until the backward ends): it keeps memory. Later ones add into what exists, as a later
-            # forward tile writes into K, V and the output: replayable where nothing counts the parts.
-            if count == 0 or not plain:
+            if not plain:
                 run()
-            else:
-                memory.replayed(block.tile_key("backward", start) + (grad_x is not None, grad.dtype), run)
+                continue
+            # The first tile gives the parameters their gradients (the replay makes them too: `leaves`),
+            # later ones add into them in place, as a later forward tile writes into K, V and the output.
+            made = tuple(p.grad is None for p in trained)
+            memory.replayed(block.tile_key("backward", start) + (grad_x is not None, grad.dtype, made), run, trained)
     if grad_x is not None:
         x.grad = grad_x if x.grad is None else x.grad + grad_x
 

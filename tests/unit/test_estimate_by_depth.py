@@ -52,8 +52,8 @@ def test_the_estimate_by_depth_equals_the_full_depth_step(shape, method, plan):
 
 
 def test_the_peak_may_move_to_another_segment_as_the_stack_deepens():
-    """LoRA with recompute on a tiny vocabulary: in the shallow steps the loss holds the peak, at 24
-    blocks the first block's backward does (its adapters' gradients and moments grow with depth)."""
+    """LoRA with recompute on a tiny vocabulary: at 3 blocks the loss holds the peak, at 24 a block's
+    backward does (the adapters' gradients made by then grow with depth faster than the checkpoints)."""
     cfg = run_config("lora", {"engine": "resident", "precision": "bf16", "activations.checkpoint": "recompute"})
     batch = estimate.synthetic_batch(1, 48, 300)
 
@@ -61,7 +61,7 @@ def test_the_peak_may_move_to_another_segment_as_the_stack_deepens():
         _, segments = estimate._step(tiny_config(num_hidden_layers=depth), cfg, batch, segments=True)
         return max(segments.items(), key=lambda item: item[1][0])[0]
 
-    assert peak_segment(3)[0] == peak_segment(4)[0] == "loss" and peak_segment(24)[:2] == ("backward", 0)
+    assert peak_segment(3)[0] == "loss" and peak_segment(24)[0] == "backward"
     deep = tiny_config(num_hidden_layers=24)
     assert estimate.estimate(deep, cfg, 1, 48).device_peak_bytes == \
         estimate.estimate(deep, cfg, 1, 48, by_depth=False).device_peak_bytes

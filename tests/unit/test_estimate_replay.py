@@ -29,13 +29,13 @@ def _estimate(method, plan, tmp_path):
 def test_replayed_tiles_estimate_as_run_tiles(method, plan, tmp_path, monkeypatch):
     calls = []
     real = memory.replayed
-    monkeypatch.setattr(memory, "replayed", lambda key, fn: (calls.append(key), real(key, fn)))
+    monkeypatch.setattr(memory, "replayed", lambda key, fn, *leaves: (calls.append(key), real(key, fn, *leaves)))
     replayed = _estimate(method, plan, tmp_path)
     assert len(calls) > len(set(calls))  # tiles were replayed, not only measured
     assert {"forward", "recompute_kv", "backward"} <= {key[0] for key in calls}
     assert plan["engine"] != "slide" or "streamed_ce" in {key[0] for key in calls}  # the head's vocabulary tiles
     assert replayed.tiled_blocks
-    monkeypatch.setattr(memory, "replayed", lambda key, fn: fn())
+    monkeypatch.setattr(memory, "replayed", lambda key, fn, *leaves: fn())
     assert replayed == _estimate(method, plan, tmp_path)
 
 
@@ -44,11 +44,11 @@ def test_an_engine_whose_gradients_leave_in_parts_runs_every_backward_tile(tmp_p
     (its bytes are counted): its backward tiles are all run."""
     calls = []
     real = memory.replayed
-    monkeypatch.setattr(memory, "replayed", lambda key, fn: (calls.append(key), real(key, fn)))
+    monkeypatch.setattr(memory, "replayed", lambda key, fn, *leaves: (calls.append(key), real(key, fn, *leaves)))
     plan = {"engine": "chunk", "precision": "fp32", "activations.checkpoint": "recompute"}
     replayed = _estimate("full", plan, tmp_path)
     assert calls and "backward" not in {key[0] for key in calls}
-    monkeypatch.setattr(memory, "replayed", lambda key, fn: fn())
+    monkeypatch.setattr(memory, "replayed", lambda key, fn, *leaves: fn())
     assert replayed == _estimate("full", plan, tmp_path)
 
 
