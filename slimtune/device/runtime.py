@@ -162,8 +162,14 @@ def nbytes_of(shape, dtype: torch.dtype) -> int:
 
 
 def view_bytes(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A `dtype` tensor of `shape` over bytes [offset, ...) of a uint8 buffer."""
-    return buffer[offset : offset + nbytes_of(shape, dtype)].view(dtype).view(shape)
+    """A `dtype` tensor of `shape` over bytes [offset, ...) of a uint8 buffer whose size and `offset`
+    are multiples of dtype's size (slots and staging buffers are SLOT_ALIGN-aligned): two ops, not
+    three (a unit binds every tensor's weight and gradient views each time it comes up)."""
+    strides, step = [], 1
+    for size in reversed(shape):  # contiguous
+        strides.insert(0, step)
+        step *= size
+    return buffer.view(dtype).as_strided(shape, strides, offset // dtype.itemsize)
 
 
 @dataclass
