@@ -10,8 +10,9 @@ curve runs through it. Where the curve was right the next guess is one token mor
 the answer is confirmed by the estimate at it (fits) and at one token more (does not). Where the
 step is not affine (an untiled block, a (T, T) mask, a chunk count that steps) the line is a guess,
 followed by another through the latest lengths (a parabola where every resource's is convex, a
-secant, or Newton's step where the two are one token apart), and by bisection after a few. `longest_by_bisection` is the plain way, kept as the
-tests' oracle; both return a length that fits with one token more not fitting, or the model's limit.
+secant, or Newton's step where the two are one token apart), and by bisection after a few.
+`longest_by_bisection` is the plain way, kept as the tests' oracle; both return a length that fits
+with one token more not fitting, or the model's limit.
 
 `needs(seq)` is the one question asked: {resource: (needed, available)} for a step of `seq` tokens
 (planner.Machine.shortfalls without the filter), so this file knows no estimate and no machine.

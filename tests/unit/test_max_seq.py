@@ -45,6 +45,22 @@ def test_an_affine_need_is_solved_in_three_asks_beyond_the_known_length():
     assert asked.lengths[-2:] == [12345, 12346]
 
 
+@pytest.mark.quick
+def test_a_need_in_parts_is_solved_part_by_part():
+    """The device's need as the planner gives it: each segment's peak apart. The largest is the loss's
+    at short lengths and a block's backward at long ones; each part is a line, their largest is not."""
+    have = 1000 + 3 * 20000 + 2
+
+    def parts(t: int) -> dict:
+        return {"device: loss": (5000 + t, have), "device: backward": (1000 + 3 * t, have)}
+
+    asked = []
+    answer = longest_seq.longest_by_length(lambda t: (asked.append(t), parts(t))[1], 64, 10**6)
+    assert answer == 20000 and asked == [64, 128, 20000, 20001]
+    whole = Asked(lambda t: max(need for need, _ in parts(t).values()), have)
+    assert longest_seq.longest_by_length(whole, 64, 10**6) == 20000 and len(whole.lengths) > 4
+
+
 @pytest.mark.parametrize("need", [
     lambda t: 5000 + 3 * t + (700 if t > 4000 else 0),  # a step between the probes and the answer
     lambda t: 100 + 2 * t + t * t // 50,  # a quadratic term (a (T, T) mask)
