@@ -337,9 +337,8 @@ class ValueFit:
         also gives M = P_o^T (P_o X): then no d x d x d product is left but X and Y, each through the
         non-zeros where that is cheaper (_sparse_is_cheaper)."""
         val_o, val_i = self.values
-        # Row-major copies: _rows_dot reads each row of b and bo against gathered rows (and c needs b so)
-        b = self.right.times(val_i, gt).t().contiguous()  # G P_i (n_o, d)
-        bo = self.left.times(val_o, g).t().contiguous()  # G^T P_o (n_i, d)
+        b = self.right.times(val_i, gt).t().contiguous()  # G P_i (n_o, d), row-major (c and the gathers read it so)
+        bo = self.left.times(val_o, g).t()  # G^T P_o (n_i, d)
         c = self.left.times(val_o, b)  # C = P_o^T G P_i (d, d)
         y, x, a_o = self._gram_products(c)
         f_o = self.rows_o.times(val_o, x) if self.sparse_rows[0] else None  # P_o X (n_o, d)
@@ -348,10 +347,9 @@ class ValueFit:
         else:
             m = (_gram(self.pos_o, val_o, self.d) if a_o is None else a_o) @ x
         loss = (total - 2 * c.pow(2).sum() + (c * m).sum()) / total
-        yt = y.t().contiguous()  # C^T A_o
-        f_i = self.rows_i.times(val_i, yt) if self.sparse_rows[1] else None  # P_i Y^T (n_i, d)
+        f_i = self.rows_i.times(val_i, y.t().contiguous()) if self.sparse_rows[1] else None  # P_i Y^T (n_i, d)
         grad_o = _at_nonzeros(b, m, c, x, f_o, self.pos_o, val_o)
-        grad_i = _at_nonzeros(bo, m.t().contiguous(), c.t().contiguous(), yt, f_i, self.pos_i, val_i)
+        grad_i = _at_nonzeros(bo, m.t(), c.t(), y.t(), f_i, self.pos_i, val_i)
         val_o.grad.copy_(grad_o.mul_(2 / total))
         val_i.grad.copy_(grad_i.mul_(2 / total))
         return loss
@@ -404,14 +402,16 @@ def _gram(pos: torch.Tensor, val: torch.Tensor, d: int) -> torch.Tensor:
 
 def _at_nonzeros(b: torch.Tensor, m: torch.Tensor, c: torch.Tensor, x: torch.Tensor, px: torch.Tensor | None,
                  pos: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
-    """(b (M - 2 C)^T + P X C^T)[k, pos[k, s]] at P's non-zeros (n, r). With px = P X given, the second term
-    is <px[k], C[p]> (n r d; px is consumed); without, X C^T is made (d^3) and read at each row's r x r
-    position pairs: sum_t val[k, t] (X C^T)[pos[k, t], p]."""
-    if px is not None:
-        return _rows_dot(b, m, pos).add_(_rows_dot(px.sub_(b, alpha=2), c, pos))
+    """(b (M - 2 C)^T + P X C^T)[k, pos[k, s]] at P's non-zeros (n, r). With px = P X given (the large-d
+    route), everything is read through the non-zeros: <b[k], M[p]> + <px[k] - 2 b[k], C[p]> (n r d; px is
+    consumed). Without (small d, where the d x d products take microseconds), the step's old arithmetic:
+    the dense b (M - 2 C)^T and X C^T, read at the non-zeros and at each row's r x r position pairs."""
+    if px is not None:  # the gathers read rows: row-major copies of what arrives as transposed views
+        b = b.contiguous()
+        return _rows_dot(b, m.contiguous(), pos).add_(_rows_dot(px.sub_(b, alpha=2), c.contiguous(), pos))
     e = x @ c.t()
     through_gram = torch.bmm(val.unsqueeze(1), e[pos.unsqueeze(2), pos.unsqueeze(1)]).squeeze(1)
-    return _rows_dot(b, m - 2 * c, pos).add_(through_gram)
+    return torch.gather(b @ (m - 2 * c).t(), 1, pos).add_(through_gram)
 
 
 def _rows_dot(b: torch.Tensor, d_c: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
