@@ -325,12 +325,14 @@ class ValueFit:
 
     def step(self, g: torch.Tensor, gt: torch.Tensor, total: torch.Tensor) -> None:
         """One Adam step on e(G)^2, its gradient in closed form (module docstring)."""
-        self.gradient(g, gt, total)
+        self.gradient(g, gt, total, with_loss=False)
         self.optimizer.step()
         self.iterations += 1
 
-    def gradient(self, g: torch.Tensor, gt: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """e(G)^2 (returned) and its gradient in the values (into each value tensor's .grad). With X = C A_i,
+    def gradient(self, g: torch.Tensor, gt: torch.Tensor, total: torch.Tensor,
+                 with_loss: bool = True) -> torch.Tensor | None:
+        """e(G)^2 (returned, unless with_loss is False: a step reads only the gradient, and the held-out
+        readings are what stop a fit) and its gradient in the values (into each value tensor's .grad). With X = C A_i,
         Y = A_o C and M = A_o C A_i, the module docstring's gradient at non-zero (k, s) of P_o, p = pos_o[k, s],
         is (2 / |G|^2) (<b[k], (M - 2 C)[p]> + (P_o X C^T)[k, p]) with b = G P_i, and of P_i likewise with
         G^T P_o, M^T, C^T and Y^T (_at_nonzeros). Where P_o X (n_o x d) is cheap through the non-zeros it
@@ -346,7 +348,7 @@ class ValueFit:
             m = self.left.times(val_o, f_o)
         else:
             m = (_gram(self.pos_o, val_o, self.d) if a_o is None else a_o) @ x
-        loss = (total - 2 * c.pow(2).sum() + (c * m).sum()) / total
+        loss = (total - 2 * c.pow(2).sum() + (c * m).sum()) / total if with_loss else None
         f_i = self.rows_i.times(val_i, y.t().contiguous()) if self.sparse_rows[1] else None  # P_i Y^T (n_i, d)
         grad_o = _at_nonzeros(b, m, c, x, f_o, self.pos_o, val_o)
         grad_i = _at_nonzeros(bo, m.t(), c.t(), y.t(), f_i, self.pos_i, val_i)
