@@ -204,8 +204,8 @@ def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tu
     if fits is None:
         return None
     depth = config.num_hidden_layers
-    at_depth_d = {f"{key} {end}": f(depth, i) for key, f, spans in fits for end, i in enumerate(spans(depth))}
-    peak, breakdown = max(at_depth_d.values(), key=lambda v: v[0])
+    by_segment = {f"{key} {end}": f(depth, i) for key, f, spans in fits for end, i in enumerate(spans(depth))}
+    peak, breakdown = max(by_segment.values(), key=lambda v: v[0])
 
     def line(field: str) -> int:
         low, high = getattr(shallow[0], field), getattr(deep[0], field)
@@ -216,7 +216,7 @@ def _by_depth(config, cfg: RunConfig, real_batch: Batch, margin: int, probes: tu
                     trainable_params=line("trainable_params"), total_params=line("total_params"),
                     allreduce_bytes=line("allreduce_bytes"),
                     tiled_blocks=shallow[0].tiled_blocks or deep[0].tiled_blocks,
-                    segment_peaks={label: value[0] for label, value in at_depth_d.items()})
+                    segment_peaks={label: value[0] for label, value in by_segment.items()})
 
 
 def _segment_fits(low: dict, high: dict, probes: tuple[int, int], margin: int) -> list | None:

@@ -56,3 +56,34 @@ def test_the_estimate_says_whether_a_block_ran_in_tiles(tmp_path):
     plan = {"engine": "resident", "precision": "fp32"}
     assert not _estimate("full", plan, tmp_path).tiled_blocks  # no checkpoints: blocks run whole
     assert _estimate("full", {**plan, "activations.checkpoint": "recompute"}, tmp_path).tiled_blocks
+
+
+def test_a_replayed_call_makes_the_same_gradients_and_one_that_keeps_more_always_runs():
+    """memory.replayed's leaves on their own: a call that only gives leaves their first gradient is
+    replayed (the gradients made again, through autograd), one that keeps anything else runs each time."""
+    import torch
+
+    mode = memory.MeteredFakeMode(allow_non_fake_inputs=True)
+    runs, kept = [], []
+    with mode, memory.LiveBytesMeter() as meter:
+        first, second = (torch.ones(4, 4, requires_grad=True) for _ in range(2))
+
+        def grads(w):
+            runs.append("grads")
+            (w * 2).sum().backward()
+
+        memory.replayed("grads", lambda: grads(first), [first])
+        before = meter.current
+        memory.replayed("grads", lambda: grads(second), [second])
+        assert runs == ["grads"] and second.grad is not None and second.grad.shape == (4, 4)
+        assert meter.current - before == 64  # the gradient's bytes, as the call kept them
+
+        def keeps_more(w):
+            runs.append("more")
+            (w * 3).sum().backward()
+            kept.append(torch.ones(8))
+
+        third, fourth = (torch.ones(4, 4, requires_grad=True) for _ in range(2))
+        memory.replayed("more", lambda: keeps_more(third), [third])
+        memory.replayed("more", lambda: keeps_more(fourth), [fourth])
+        assert runs.count("more") == 2
