@@ -140,7 +140,7 @@ def _fit_step_ms(n_o: int, n_i: int, d: int, r: int, steps: int = 20, repeats: i
         fit.observe(grad)  # no held-out gradient: every step runs
         best = min(best, (time.perf_counter() - began) / steps)
     with _OpCount() as step_ops:
-        fit.step(grad, grad.t().contiguous(), grad.pow(2).sum())
+        fit.step(fit.prepared(grad))
     with _OpCount() as reading_ops:
         fit.error_sq(grad)
     return best * 1e3, step_ops.ops, reading_ops.ops

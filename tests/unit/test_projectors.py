@@ -95,8 +95,8 @@ def test_compressed_gradient_and_input_gradient_equal_dense_autograd():
 
 
 def test_probe_mode_hands_the_full_gradient_of_the_effective_weight_in_two_halves_of_its_rows():
-    """The halves are the gradients of rows [0, 4) and [4, 9) (the fit holds one out); they sum to the
-    dense gradient."""
+    """The halves are the gradients of rows [0, 4) and [4, 9) (the fit holds one out), each as its
+    factors dY, X of those rows; they sum to the dense gradient."""
     module = projected(bias=False)
     seen = []
     module.probe = seen.append
@@ -105,7 +105,8 @@ def test_probe_mode_hands_the_full_gradient_of_the_effective_weight_in_two_halve
     (module(x).sin().sum()).backward()
     torch.nn.functional.linear(x, dense_w).sin().sum().backward()
     assert len(seen) == 1
-    first, second = seen[0]
+    first, second = (half.dense() for half in seen[0])
+    assert seen[0][0].rows == 4 and seen[0][1].rows == 5
     torch.testing.assert_close(first + second, dense_w.grad, atol=1e-12, rtol=0)
     rows = torch.autograd.grad(torch.nn.functional.linear(x[:4], dense_w).sin().sum(), dense_w)[0]
     torch.testing.assert_close(first, rows, atol=1e-12, rtol=0)
@@ -259,7 +260,7 @@ def test_the_fit_stops_when_the_held_out_error_stops_falling_and_keeps_its_best_
         reading = pj._HeldOut.stalled
 
         def recorded(self, k, reading=reading, readings=readings):
-            readings.append(float(self.fit.error_sq(self.h)))
+            readings.append(float(self.h.error_sq()))
             return reading(self, k)
 
         pj._HeldOut.stalled = recorded

@@ -24,11 +24,14 @@ subspace with the spec's formulas; the step counts go on; its error is measured 
 examples as its new baseline.
 
 The fit's ops run off the device meter after the first of each matrix shape (memory.TransientReplay:
-its peak is counted once per shape and stands for the rest); a progress bar counts the matrices.
+its peak is counted once per shape and stands for the rest); a progress bar counts the matrices. The
+gradients arrive as their factors dY, X and the fit works on them where that is quicker (optim/
+factored_gradient.py); the first fit's passes skip the Z correction, which is zero before step 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -42,7 +45,10 @@ from slimtune.optim import projectors
 from slimtune.optim.host_adam import HostAdam
 from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
-Halves = tuple[torch.Tensor, torch.Tensor | None]  # a batch's gradient in two halves of its rows
+# A batch's gradient in two halves of its rows, each as its factors dY, X (projected_linear.py) or, once
+# summed over a tiled block's parts, as the product dY^T X.
+Gradient = torch.Tensor | projectors.Factors
+Halves = tuple[Gradient, Gradient | None]
 
 
 class Collector:
@@ -64,15 +70,21 @@ class Collector:
         if index not in self.in_parts:
             self.observers[index](halves)
         elif index in self.parts:
-            self.parts[index] = _sum_halves(self.parts[index], halves)
+            self.parts[index] = _sum_halves(self.parts[index], _formed(halves))
         else:
-            self.parts[index] = halves
+            self.parts[index] = _formed(halves)
 
     def finish(self) -> None:
         while self.parts:
             index = next(iter(self.parts))
             self.observers[index](self.parts.pop(index))
         self.block = None
+
+
+def _formed(halves: Halves) -> Halves:
+    """The halves as products dY^T X: a tiled block's parts are summed as they come, as before the factors
+    (a part's factors are views of its tile's tensors; keeping them would keep every tile's rows)."""
+    return tuple(h.dense() if isinstance(h, projectors.Factors) else h for h in halves)
 
 
 def _sum_halves(into: Halves, more: Halves) -> Halves:
@@ -86,8 +98,8 @@ def _sum_halves(into: Halves, more: Halves) -> Halves:
 
 
 def whole(halves: Halves) -> torch.Tensor:
-    """The batch's whole gradient (in place into the first half)."""
-    first, second = halves
+    """The batch's whole gradient dY^T X (in place into the first half, when it was formed already)."""
+    first, second = _formed(halves)
     return first if second is None else first.add_(second)
 
 
@@ -109,6 +121,10 @@ class ProjectorLearning:
     def check(self, batches: list, probe_pass: Callable) -> dict:
         """Fit (first time) or check and refit the drifted; `probe_pass(batches, {matrix: observe(halves)})`
         runs the model. Returns the figures for the log."""
+        with _zero_corrections(self.modules, not self.fitted and (self.fake or _all_zero(self.modules))):
+            return self._check(batches, probe_pass)
+
+    def _check(self, batches: list, probe_pass: Callable) -> dict:
         began = time.perf_counter()
         extras, chosen, errors = {}, list(range(len(self.modules))), None
         checked = self.check_batches(batches)
@@ -200,10 +216,10 @@ class ProjectorLearning:
         def observe(index: int, halves: Halves) -> None:
             fit_on, held_out = halves if seen[index] % 2 == 0 or halves[1] is None else halves[::-1]
             seen[index] += 1
-            module = self.modules[index]
-            key = (tuple(fit_on.shape), None if held_out is None else tuple(held_out.shape), module.d, module.p_o.r,
-                   fit_on.dtype)
-            replay.run(key, fit_on, fits[index].observe, fit_on, held_out)
+            module, given = self.modules[index], _tensors(fit_on) + _tensors(held_out)
+            key = (tuple(tuple(t.shape) for t in given), module.d, module.p_o.r, given[0].dtype)
+            # The given tensors exist already (the meter tracks them): not the fit's transient.
+            replay.run(key, given[0], lambda *_: fits[index].observe(fit_on, held_out), *given)
             if fits[index].done:  # its later gradients would be passed over: not made at all
                 _stop_probing(module)
                 bar.update(len(batches) - seen[index] + 1)  # this batch and the ones it no longer needs
@@ -242,9 +258,33 @@ class ProjectorLearning:
         module.p_o, module.p_i = new
 
 
+@contextlib.contextmanager
+def _zero_corrections(modules: list[ProjectedLinear], zero: bool):
+    """The first fit runs before any update has reached Z: its passes skip each matrix's correction
+    (ProjectedLinear.z_is_zero), a flag the fake pass takes alike (it cannot read Z). Folds keep Z zero."""
+    for module in modules:
+        module.z_is_zero = zero
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.z_is_zero = False
+
+
+def _all_zero(modules: list[ProjectedLinear]) -> bool:
+    """Z is zero in every matrix: true before step 1 (Z starts at zero, and a checkpoint is written with Z
+    folded); checked, not assumed, where values exist."""
+    return all(not bool(module.z.detach().any()) for module in modules)
+
+
+def _tensors(gradient: Gradient | None) -> tuple[torch.Tensor, ...]:
+    if gradient is None:
+        return ()
+    return gradient.tensors() if isinstance(gradient, projectors.Factors) else (gradient,)
+
+
 def _stop_probing(module: ProjectedLinear) -> None:
-    """The rest of the pass runs `module` as a frozen linear: no gradient halves (two matmuls of the weight's
-    size a batch), no saved input, no dZ; and where every matrix below it is done too, or not observed,
+    """The rest of the pass runs `module` as a frozen linear: no gradient halves, no saved input, no dZ; and where every matrix below it is done too, or not observed,
     autograd no longer runs the backward down there at all (nothing below requires grad: the engine's pass
     freezes every other parameter). The pass restores probe mode and Z's requires_grad when it ends."""
     module.probe = None

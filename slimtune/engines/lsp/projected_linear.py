@@ -32,7 +32,8 @@ it at 1 with Z at 0.
 A module in `probe` mode (the projector check and fit) also keeps X and hands the full gradient
 dY^T X of its effective weight to `probe` in backward, one matrix at a time, as two halves: that of
 the first half of the rows (tokens, example-major: the first half of the batch's examples) and that of
-the rest, so the fit can hold out examples it does not fit on (learning.py).
+the rest, so the fit can hold out examples it does not fit on (learning.py). Each half comes as its
+factors (dY and X of its rows, factored_gradient.Factors), not their n_o x n_i product.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from slimtune.optim.factored_gradient import Factors
 from slimtune.optim.projectors import SparseProjector, decompress
 
 
@@ -63,6 +65,10 @@ class ProjectedLinear(nn.Linear):
         self.scale = 1.0  # s: W's share of the effective weight s W + P_o Z P_i^T (weight decay)
         self.probe: Callable[[torch.Tensor], None] | None = None
         self.before_forward: Callable[[int], None] | None = None  # the engine applies a pending update
+        # Set while the engine knows Z is all zeros (lsp's first fit, before any update): the forward then
+        # makes no U = X P_i and no correction, the backward no V Z. A flag, not a test of Z: the planner's
+        # fake pass, which has no values, must take the same ops as the real one.
+        self.z_is_zero = False
 
     @property
     def d(self) -> int:
@@ -119,33 +125,45 @@ class _ProjectedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, z, module: ProjectedLinear):
+        probing, zero = module.probe is not None, module.z_is_zero
         with torch.autocast(x.device.type, enabled=False):
             ctx.x_dtype = x.dtype
             x = x.to(weight.dtype)
-            u = module.p_i.right(x.to(z.dtype))  # (..., d) in fp32: G_c is made from it
-            correction = module.p_o.right_t((u @ z.t()).to(weight.dtype))
-            y = _scaled_sum(F.linear(x, weight), module.scale, correction)
+            u = None  # (..., d) in fp32, G_c is made from it: not needed while Z is zero, unless for dZ
+            if not zero or (z.requires_grad and not probing):
+                u = module.p_i.right(x.to(z.dtype))
+            if zero:  # the correction (U Z^T) P_o^T is zero: not made
+                y = F.linear(x, weight)
+                y = y if module.scale == 1.0 else y.mul_(module.scale)
+            else:  # the correction first: its products' terms are gone before X W^T exists
+                correction = module.p_o.right_t((u @ z.t()).to(weight.dtype))
+                y = _scaled_sum(F.linear(x, weight), module.scale, correction)
             if bias is not None:
                 y.add_(bias.to(weight.dtype))
-        ctx.module, ctx.scale, ctx.probing = module, module.scale, module.probe is not None
-        ctx.save_for_backward(u, weight, z, x if ctx.probing else None)
+        ctx.module, ctx.scale, ctx.probing, ctx.zero = module, module.scale, probing, zero
+        ctx.save_for_backward(u, weight, z, x if probing else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         u, weight, z, x = ctx.saved_tensors
         module = ctx.module
+        wants_dz = not ctx.probing and ctx.needs_input_grad[3]
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.to(weight.dtype)
-            v = module.p_o.right(dy.to(z.dtype))  # (..., d) in fp32
+            v = module.p_o.right(dy.to(z.dtype)) if wants_dz or not ctx.zero else None  # (..., d) in fp32
             dx = db = dz = None
             if ctx.needs_input_grad[0]:
-                dx = _scaled_sum(dy @ weight, ctx.scale, module.p_i.right_t((v @ z).to(dy.dtype))).to(ctx.x_dtype)
+                product = dy @ weight
+                if ctx.zero:
+                    dx = (product if ctx.scale == 1.0 else product.mul_(ctx.scale)).to(ctx.x_dtype)
+                else:
+                    dx = _scaled_sum(product, ctx.scale, module.p_i.right_t((v @ z).to(dy.dtype))).to(ctx.x_dtype)
             if ctx.needs_input_grad[2]:
                 db = dy.flatten(0, -2).sum(0).to(module.bias.dtype)
             if ctx.probing:
                 module.probe(_gradient_halves(dy, x, z.dtype))
-            elif ctx.needs_input_grad[3]:
+            elif wants_dz:
                 dz = v.flatten(0, -2).t() @ u.flatten(0, -2)
         return dx, None, db, dz, None
 
@@ -157,10 +175,12 @@ def _scaled_sum(product: torch.Tensor, scale: float, correction: torch.Tensor) -
     return correction.add_(product, alpha=scale)
 
 
-def _gradient_halves(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dY^T X of the first half of the rows and of the rest (None when there is one row), in `dtype`."""
-    dy, x = dy.flatten(0, -2), x.flatten(0, -2)
+def _gradient_halves(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> tuple[Factors, Factors | None]:
+    """dY^T X of the first half of the rows and of the rest (None when there is one row), as their
+    factors in `dtype` (views when dY and X are in it already): the fit works on the factors where that
+    is cheaper, and never pays the two n_o x n_i x t products otherwise (optim/factored_gradient.py)."""
+    dy, x = dy.flatten(0, -2).to(dtype), x.flatten(0, -2).to(dtype)
     half = dy.shape[0] // 2
     if half == 0:
-        return dy.t().to(dtype) @ x.to(dtype), None
-    return (dy[:half].t().to(dtype) @ x[:half].to(dtype), dy[half:].t().to(dtype) @ x[half:].to(dtype))
+        return Factors(dy, x), None
+    return Factors(dy[:half], x[:half]), Factors(dy[half:], x[half:])
