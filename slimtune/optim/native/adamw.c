@@ -656,6 +656,44 @@ static inline void code_interleaved(const Coded *c, const Segments *s, __m512i o
     if (_mm512_testn_epi32_mask(near, near)) code_settled(c, s, order, begin, x, scale, is_signed);
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+/* gcc schedules instructions before allocating registers only when asked (off by default on x86, for the
+   register pressure). Its pressure-aware scheduler, on the fused loop only (code_both and split_blocks,
+   into which the helpers above are inlined), orders it so that more of its long chains run side by side: 5% less time in
+   cache here (the other loops gained nothing). The same instructions in another order: no arithmetic
+   changes (-ffp-contract=off holds, nothing is reassociated). */
+#pragma GCC push_options
+#pragma GCC optimize("schedule-insns", "sched-pressure")
+#define FAST_OPTIONS_PUSHED 1
+#endif
+/* code_interleaved on a block's m (signed map) and v (unsigned) at once: one loop, two independent streams
+   of lookups for the core to overlap (1.5% less time than one moment after the other). A block with an inf
+   or a NaN in either moment codes each on its own. */
+static inline void code_both(const Coded *cm, const Coded *cv, const Segments *sm, const Segments *sv, __m512i order,
+                             __m512i order2, int64_t begin, const float *restrict m, const float *restrict v,
+                             __m512i m_largest, __m512i v_largest) {
+    const float m_inverse = scale_of(cm, begin, m_largest), v_inverse = scale_of(cv, begin, v_largest);
+    if (m_inverse == 0.0f || v_inverse == 0.0f) {
+        code_interleaved(cm, sm, order, order2, begin, m, m_largest, 1);
+        code_interleaved(cv, sv, order, order2, begin, v, v_largest, 0);
+        return;
+    }
+    const __m512 m_scale = _mm512_set1_ps(m_inverse), v_scale = _mm512_set1_ps(v_inverse);
+    const __m512i mirror = _mm512_set1_epi32((2 * cm->fast->zero << FIXED) + (1 << FIXED) - 1);
+    __m512i m_near = _mm512_set1_epi32(-1), v_near = _mm512_set1_epi32(-1);
+    for (int j = 0; j < BLOCK; j += 64) {
+        __m512i m_codes[4], v_codes[4];
+        for (int q = 0; q < 4; q++) {
+            m_codes[q] = fixed16(sm, _mm512_loadu_ps(m + j + 16 * q), m_scale, mirror, &m_near, 1);
+            v_codes[q] = fixed16(sv, _mm512_loadu_ps(v + j + 16 * q), v_scale, mirror, &v_near, 0);
+        }
+        store_codes64(cm->codes + begin + j, order2, m_codes);
+        store_codes64(cv->codes + begin + j, order2, v_codes);
+    }
+    if (_mm512_testn_epi32_mask(m_near, m_near)) code_settled(cm, sm, order, begin, m, m_scale, 1);
+    if (_mm512_testn_epi32_mask(v_near, v_near)) code_settled(cv, sv, order, begin, v, v_scale, 0);
+}
+
 /* Whole blocks of the split layout with a bf16 gradient and 8-bit moments, from `at` while they end
    by `end` and before the scalar tail, in one pass each: the block's moments decoded 64 at a time
    into registers, updated with its numbers, kept in the cache while their absmax is found, then
@@ -696,8 +734,7 @@ static inline __attribute__((always_inline)) int64_t split_blocks_of(const Run *
                 v_largest = abs_max(v_largest, v[q]);
             }
         }
-        code_interleaved(cm, &sm, codes_in_order, codes_in_order2, at, m_new, m_largest, 1);
-        code_interleaved(cv, &sv, codes_in_order, codes_in_order2, at, v_new, v_largest, 0);
+        code_both(cm, cv, &sm, &sv, codes_in_order, codes_in_order2, at, m_new, v_new, m_largest, v_largest);
     }
     return at;
 }
@@ -716,6 +753,9 @@ static int64_t split_blocks(const Run *r, const Hyper *h, int64_t at, int64_t en
         default: return split_blocks_of(r, h, at, end, 7);
     }
 }
+#ifdef FAST_OPTIONS_PUSHED
+#pragma GCC pop_options
+#endif
 #else
 #define HAVE_FAST 0
 static void fast_decode(const Coded *c, int64_t begin, float *restrict out) { (void)c, (void)begin, (void)out; }
