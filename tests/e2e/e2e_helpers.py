@@ -1,6 +1,10 @@
 """End-to-end helpers: a tiny model folder with a small arithmetic dataset, and the CLI as a user runs it."""
 
+import contextlib
+import gc
+import io
 import json
+import os
 import random
 import subprocess
 import sys
@@ -50,6 +54,30 @@ def slimtune(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedP
     return proc
 
 
+def slimtune_here(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """The CLI run in this process (`cli.main`, from `cwd`, its output caught), answered as `slimtune`
+    answers: for a run whose process is not what a test checks (a straight run to compare with, a run
+    stopped at a checkpoint to resume in a fresh process). A CLI process starts torch, transformers and
+    datasets (~4 s of CPU); this one has them."""
+    from slimtune import cli
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as stop:  # argparse's refusals
+                code = stop.code if isinstance(stop.code, int) else 1
+        gc.collect()  # the run's scratch files go, as at a process's end (weakref.finalize; relative paths: in cwd)
+    finally:
+        os.chdir(here)
+    proc = subprocess.CompletedProcess(["slimtune", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"slimtune {' '.join(args)} failed ({code}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
 def records(run_dir: Path) -> list[dict]:
     """A run's metrics.jsonl, one dict a step."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -69,10 +97,12 @@ def assert_trains_and_resumes_exactly(workdir: Path, args: list[str], steps: int
     checkpoint at stop_at). The habit every engine's e2e test keeps: the run trained (its last loss
     under its first) and exported a model that loads in transformers and differs from the base in
     exactly the tensors `trained` names; the resumed run says where it resumed, logs the straight run's
-    losses bit for bit and exports the same model tensor for tensor."""
-    first = slimtune("train", "run.yaml", *args, f"train.steps={steps}", "output_dir=straight", cwd=workdir)
+    losses bit for bit and exports the same model tensor for tensor. The straight and the stopped runs
+    run in this process (slimtune_here); the resumed one in a process of its own, as a user resumes, so
+    nothing the stopped run left in memory can carry it."""
+    first = slimtune_here("train", "run.yaml", *args, f"train.steps={steps}", "output_dir=straight", cwd=workdir)
     again = [*args, *resumed_args, "output_dir=resumed"]
-    slimtune("train", "run.yaml", *again, f"train.steps={stop_at}", cwd=workdir)
+    slimtune_here("train", "run.yaml", *again, f"train.steps={stop_at}", cwd=workdir)
     out = slimtune("train", "run.yaml", *again, f"train.steps={steps}", cwd=workdir)
     assert f"resumed from {stop_at}" in out.stdout
     straight, resumed = records(workdir / "straight"), records(workdir / "resumed")

@@ -20,8 +20,9 @@ def test_chunk_trains_resumes_mid_sweep_exactly_and_exports_a_loadable_model(wor
     assert all(r["host_link_bytes"] > 0 for r in straight)
     # the embedding's gradient goes down as its tokens' rows on the host path, as its whole slice from the device
     assert [r["host_link_bytes"] for r in resumed] != [r["host_link_bytes"] for r in straight]
-    assert not list((workdir / "straight").rglob("*.bin"))  # the state files go with the run
-    assert not (workdir / "straight" / "chunk-state").exists()  # and the folder the run made for them
+    for run in ("straight", "resumed"):  # ended in this process (collected) and in its own (at exit)
+        assert not list((workdir / run).rglob("*.bin")), run  # the state files go with the run
+        assert not (workdir / run / "chunk-state").exists(), run  # and the folder the run made for them
 
 
 def test_chunk_refuses_lora_in_one_sentence(workdir):
