@@ -94,8 +94,9 @@ def training_run(data: Path, root: Path, steps: int) -> dict:
             "share_of_training_time": checked / total,
             "share_without_first_fit": (checked - first) / (total - first) if total > first else None,
             "median_plain_step_s": statistics.median(plain),
-            "checks": [{k: r.get(k) for k in ("step", "lsp_check_s", "lsp_refit", "lsp_refit_kept", "lsp_fit_steps",
-                                               "lsp_fit_error_mean", "lsp_error_mean", "lsp_error_max", "step_s")}
+            "checks": [{k: r.get(k) for k in ("step", "lsp_check_s", "lsp_check_cpu_s", "lsp_refit", "lsp_refit_kept",
+                                               "lsp_fit_steps", "lsp_fit_error_mean", "lsp_error_mean", "lsp_error_max",
+                                               "step_s")}
                        for r in checks],
             "loss_first_last": [steps_done[0]["loss"], steps_done[-1]["loss"]]}
 
@@ -109,7 +110,8 @@ def fit_with_progress(data: Path, root: Path) -> dict:
         wall = time.perf_counter() - began
     record = [json.loads(line) for line in (root / "progress" / "metrics.jsonl").read_text().splitlines() if line][0]
     bar = [line.strip() for line in captured.getvalue().replace("\r", "\n").splitlines() if "lsp: fitting" in line]
-    return {"first_fit_s": record["lsp_check_s"], "step_s": record["step_s"], "run_wall_s": wall,
+    return {"first_fit_s": record["lsp_check_s"], "first_fit_cpu_s": record.get("lsp_check_cpu_s"),
+            "step_s": record["step_s"], "run_wall_s": wall,
             "refit": record["lsp_refit"], "fit_steps": record["lsp_fit_steps"],
             "fit_error_mean": record.get("lsp_fit_error_mean"), "bar_lines": list(dict.fromkeys(bar))[:4],
             "load_1min": os.getloadavg()[0]}

@@ -58,7 +58,8 @@ def first_fit(skip: bool):
         forward = ProjectedLinear.forward
         patch.setattr(ProjectedLinear, "forward", lambda self, x: flags.append(self.z_is_zero) or forward(self, x))
         model = model_of()
-        engine = LspEngine(Stack(model), run_cfg(LspConfig(d=8, r=3, fit_iterations=16, check_samples=2), measure_memory=False), CPU, "fp64")
+        cfg = run_cfg(LspConfig(d=8, r=3, fit_iterations=16, check_samples=2), measure_memory=False)
+        engine = LspEngine(Stack(model), cfg, CPU, "fp64")
         engine.use_sample(batches(model.config.vocab_size, 50, micro=4))
         extras = engine.learning.check(engine.sample, engine._probe_pass)
     values = [(m.p_o.val.clone(), m.p_i.val.clone(), m.weight.clone()) for m in engine.modules]
