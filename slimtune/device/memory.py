@@ -154,6 +154,37 @@ def replayed(key, fn, leaves: Sequence[torch.Tensor] = ()) -> None:
         mode.replays[key] = (peak, made, kept) if kept == made_bytes else None
 
 
+def replayed_making(key, fn) -> tuple[torch.Tensor, ...]:
+    """replayed() for a call that makes tensors and keeps them: fn() returns them (a tiled block's first
+    tile: the block's output, whole K and V, which the later tiles write into). A replay makes empty
+    tensors of the same shapes, strides and dtypes (under fake tensors no value is computed), then
+    allocates the rest of the measured peak above them and drops it. Where fn keeps bytes other than
+    the whole storages of what it returns, it always runs."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    meter = mode.meter if isinstance(mode, MeteredFakeMode) else None
+    if meter is None or meter.host_allocations or mode.replays.get(key, 0) is None:
+        return fn()
+    if key in mode.replays:
+        peak, specs = mode.replays[key]
+        made = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                     for shape, stride, dtype, device in specs)
+        torch.empty(peak - sum(_storage_bytes(t) for t in made), dtype=torch.uint8, device=meter.device_type)
+        return made
+    start, result = meter.current, []
+    peak = _transient(meter, lambda: result.extend(fn()))
+    whole = all(t.storage_offset() == 0 and _storage_bytes(t) == t.numel() * t.element_size() for t in result)
+    distinct = len({_key(t.untyped_storage()) for t in result}) == len(result)
+    kept = meter.current - start
+    specs = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in result)
+    fits = whole and distinct and kept == sum(_storage_bytes(t) for t in result)
+    mode.replays[key] = (peak, specs) if fits else None
+    return tuple(result)
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
 def note_tiled_block() -> None:
     """A block ran in tiles of tokens (step/seq_tiles.py): the planner's estimate (a MeteredFakeMode)
     records it, so the planner knows a shorter tile would weigh less without estimating one."""

@@ -54,21 +54,24 @@ class _Probes:
         return self.low >= limit or (self.high is not None and self.high - self.low <= 1)
 
 
-def longest_by_length(needs: Needs, known: int, limit: int, tile: int = 1) -> int:
-    """The longest sequence up to `limit` whose step fits: two probes (`known`, and twice or half it,
-    multiples of `tile` where the blocks are tiled), then guesses from the curves through the latest
-    lengths, each strictly inside the bracket, until one fits and one token more does not. After
-    GUESSES (a step in the estimate, or stairs), bisection of what the bracket leaves."""
+def longest_by_length(needs: Needs, known: int, limit: int, tile: int = 1, affine: bool = False) -> int:
+    """The longest sequence up to `limit` whose step fits: two probes (`known`, and twice it, a multiple
+    of `tile` where the blocks are tiled; where `known` does not fit, one token: if that does not fit
+    either, nothing does), then guesses from the curves through the latest lengths, each strictly inside
+    the bracket, until one fits and one token more does not. After GUESSES (a step in the estimate, or
+    stairs), bisection of what the bracket leaves. `affine`: the blocks run in tiles, so each part of
+    the need is a line, or the larger of two lines (a tile's attention, which grows with the keys, and
+    its MLP, which does not): the line through the latest two is tried before the parabola."""
     probes = _Probes(needs)
     first = min(limit, max(1, known))
-    second = min(limit, _multiple(2 * first, tile)) if probes.fits(first) else max(1, _multiple(first // 2, tile))
+    second = min(limit, _multiple(2 * first, tile)) if probes.fits(first) else 1
     if not probes.settled(limit) and second != first:
         probes.fits(second)
     guesses = [first, second]
     for _ in range(GUESSES):
         if probes.settled(limit):
             break
-        guess = _guess(probes, guesses, limit)
+        guess = _guess(probes, guesses, limit, affine)
         if guess is None:
             break
         guesses.append(guess)
@@ -80,18 +83,19 @@ def _multiple(seq: int, tile: int) -> int:
     return max(tile, seq // tile * tile)
 
 
-def _guess(probes: _Probes, guesses: list[int], limit: int) -> int | None:
+def _guess(probes: _Probes, guesses: list[int], limit: int, affine: bool = False) -> int | None:
     """The next length to try, strictly inside the bracket: where a curve through the latest
     guesses first reaches a limit. Curves in turn, the first with an answer inside: a parabola
     through the latest three where every resource's is convex (a (T, T) term, or tiles that grow
-    with T); the line through the latest two (affine: blocks in tiles of a fixed size); the line
-    through the bracket's ends (regula falsi)."""
+    with T); the line through the latest two (affine: blocks in tiles of a fixed size; first where
+    `affine`: a parabola through a bend of two lines misses); the line through the bracket's ends
+    (regula falsi)."""
     top = limit if probes.high is None else probes.high - 1
     if top <= probes.low:
         return None
     latest = sorted(set(guesses[-3:]))
     curves = [(latest, _parabola_crossing)] if len(latest) == 3 else []
-    curves.append((sorted(set(guesses[-2:])), _line_crossing))
+    curves.insert(0 if affine else len(curves), (sorted(set(guesses[-2:])), _line_crossing))
     if probes.low > 0 and probes.high is not None:
         curves.append(([probes.low, probes.high], _line_crossing))
     for lengths, crossing in curves:

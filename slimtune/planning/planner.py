@@ -265,7 +265,8 @@ def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_si
 
     if not by_length:
         return longest_seq.longest_by_bisection(needs, known, limit)
-    return longest_seq.longest_by_length(needs, known, limit)
+    tiled = per_device_estimate(model_config, cfg, machine, batch_size, min(known, limit)).tiled_blocks
+    return longest_seq.longest_by_length(needs, known, limit, tile=cfg.activations.tile or 1, affine=tiled)
 
 
 def _needs_by_segment(machine: Machine, found: estimate.Estimate, ranks: int) -> dict[str, tuple[int, int]]:

@@ -6,7 +6,8 @@ can run on a tile of tokens. Attention needs the keys and values of every earlie
 computed once for the whole sequence, tile by tile, and kept whole (B, Hkv, T, hd): with grouped-query
 attention a fraction of the hidden size. Each query tile then attends to its key prefix [k0, end of
 tile) in one SDPA call, causal with the tile's offset. So a block holds its input, its output, K and V
-and one tile's intermediates, not T x every intermediate.
+and one tile's intermediates, not T x every intermediate. Where the tile does not divide the sequence,
+the first tile is the short one (tile_starts).
 
 Forward (no grad): one pass in token order; tile i writes its keys and values, attends, and runs the
 MLP half; causality means it needs no later key.
@@ -53,24 +54,32 @@ def forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, tile
         if out is not None:  # K, V and the output exist: the tile writes into them and keeps nothing
             memory.replayed(block.tile_key("forward", start), lambda: _forward_tile(block, start, out))
             continue
-        y, n = _forward_tile(block, start)
-        out = y.new_empty(x.shape[:2] + y.shape[2:])
-        out[:, start : start + tile] = y
-        del y, n
+        # the first tile makes them: alike for every block of the step (and both depths of an estimate)
+        out, block.k_all, block.v_all = memory.replayed_making(block.tile_key("first forward", start),
+                                                               lambda: _first_forward_tile(block, start))
     return out
+
+
+def _first_forward_tile(block: "_Block", start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first tile of the forward, which makes the block's output and whole K and V: all three."""
+    y, n = _forward_tile(block, start)
+    out = y.new_empty(block.x.shape[:2] + y.shape[2:])
+    out[:, start : block.stop(start)] = y
+    del y, n
+    return out, block.k_all, block.v_all
 
 
 def _forward_tile(block: "_Block", start: int, out: torch.Tensor | None = None):
     """One tile of the forward: its keys and values into K and V, and its output into `out`; without
     `out`, the output and the tile's normed input are returned (both live while `out` is made)."""
     with block.tile_rng(start), torch.no_grad():
-        xi = block.x[:, start : start + block.tile]
+        xi = block.x[:, start : block.stop(start)]
         n = block.layer.input_layernorm(xi)
         block.write_kv(start, *block.kv(n, start))
         y = block.rest(xi, block.q(n, start), block.keys(start), block.values(start), start)
     if out is None:
         return y, n
-    out[:, start : start + block.tile] = y
+    out[:, start : block.stop(start)] = y
     return None
 
 
@@ -94,7 +103,7 @@ def backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor, inpu
     # keys: its peak is no higher than the tile after it, and it writes into what exists).
     for start in memory.representative(block.starts[::-1], x, last_alike=plain):
         with block.tile_rng(start):
-            run = functools.partial(_tile_backward, block, start, grad[:, start : start + tile], grad_k, grad_v, grad_x)
+            run = functools.partial(_tile_backward, block, start, grad[:, start : block.stop(start)], grad_k, grad_v, grad_x)
             if not plain:
                 run()
                 continue
@@ -153,11 +162,12 @@ class _Block:
         self.attn = self.layer.self_attn
         self.family = sys.modules[type(self.attn).__module__]  # rotate_half: the family's own rotary math
         self.seq = x.shape[1]
-        self.starts = list(range(0, self.seq, tile))
+        self.starts = tile_starts(self.seq, tile)
+        self._stops = dict(zip(self.starts, [*self.starts[1:], self.seq]))
         sliding = stack.layer_type(index) == "sliding_attention"
         self.window = stack.config.sliding_window if sliding else None
         self.segments = segments(inputs)
-        self.firsts = first_keys(tile, self.seq, self.window)
+        self.firsts = dict(zip(self.starts, first_keys(self.starts, self.window)))
         self.k_all = self.v_all = None  # (B, Hkv, T, hd), made by the first tile's keys
         self.seed = _dropout_seed(self.layer, x)
 
@@ -206,33 +216,40 @@ class _Block:
     def recompute_kv(self) -> None:
         """K and V of the whole sequence without grad, tile by tile (the backward's first pass)."""
         for start in memory.representative(self.starts, self.x, alike_from=0):
-            if self.k_all is None:
-                self._recompute_kv_tile(start)
+            if self.k_all is None:  # the first tile makes K and V, alike for every block
+                self.k_all, self.v_all = memory.replayed_making(self.tile_key("first recompute_kv", start),
+                                                                lambda: self._recompute_kv_tile(start))
             else:  # K and V exist: the tile writes into them and keeps nothing
                 memory.replayed(self.tile_key("recompute_kv", start), lambda: self._recompute_kv_tile(start))
 
-    def _recompute_kv_tile(self, start: int) -> None:
+    def _recompute_kv_tile(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One tile's keys and values into K and V (made by the first tile); returns K and V."""
         with self.tile_rng(start), torch.no_grad():
-            n = self.layer.input_layernorm(self.x[:, start : start + self.tile])
+            n = self.layer.input_layernorm(self.x[:, start : self.stop(start)])
             self.write_kv(start, *self.kv(n, start))
+        return self.k_all, self.v_all
 
     def tile_key(self, part: str, start: int) -> tuple:
         """What decides the transient bytes of a tile of `part` (memory.replayed): the tile's queries and
         key prefix, its mask, the block's tensors and the step's dtypes; not the block's index."""
-        stop = min(start + self.tile, self.seq)
+        stop = self.stop(start)
         first = self.first_key(start)
         cast = torch.is_autocast_enabled(self.x.device.type) and torch.get_autocast_dtype(self.x.device.type)
         return (part, stop - start, stop - first, start - first, self.window, self.segments is None,
                 tuple(self.x.shape), self.x.dtype, cast, self.layer.training, _signature(self.layer))
 
+    def stop(self, start: int) -> int:
+        """Where the tile that begins at `start` ends."""
+        return self._stops[start]
+
     def first_key(self, start: int) -> int:
-        return self.firsts[start // self.tile]
+        return self.firsts[start]
 
     def keys(self, start: int) -> torch.Tensor:
-        return self.k_all[:, :, self.first_key(start) : start + self.tile]
+        return self.k_all[:, :, self.first_key(start) : self.stop(start)]
 
     def values(self, start: int) -> torch.Tensor:
-        return self.v_all[:, :, self.first_key(start) : start + self.tile]
+        return self.v_all[:, :, self.first_key(start) : self.stop(start)]
 
     # ------------------------------------------------------------ masks and dropout
 
@@ -289,12 +306,22 @@ def segments(inputs: BlockInputs) -> torch.Tensor | None:
     return inputs.derived["segments"]
 
 
-def first_keys(tile: int, seq: int, window: int | None) -> list[int]:
+def tile_starts(seq: int, tile: int) -> list[int]:
+    """Where each tile of a sequence of `seq` tokens begins. Where `tile` does not divide `seq` the
+    first tile is the short one (seq % tile tokens): every later tile is whole, so the tiles that attend
+    to the most keys, the last ones, are alike at every length, and a step's bytes grow with the length
+    along one line (the planner's --max-seq solves it) with no jump where a short last tile would begin
+    and a different tile hold the peak. The first tile attends to the fewest keys: no peak is there."""
+    short = seq % tile
+    return [0, *range(short, seq, tile)] if short else list(range(0, seq, tile))
+
+
+def first_keys(starts: list[int], window: int | None) -> list[int]:
     """Per tile, the first key any of its queries may see: 0, or where a sliding window reaches. Not
     where a packed row's example starts: that would read values, and a tile's bytes would then
     depend on the data, which the planner's fake tensors cannot know (activations.tile_tokens
     shortens tiles of packed rows instead)."""
-    return [0 if window is None else max(0, start - window + 1) for start in range(0, seq, tile)]
+    return [0 if window is None else max(0, start - window + 1) for start in starts]
 
 
 # ---------------------------------------------------------------- dropout seeds

@@ -27,16 +27,24 @@ def _estimate(method, plan, tmp_path):
 
 @pytest.mark.parametrize("method, plan", PLANS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
 def test_replayed_tiles_estimate_as_run_tiles(method, plan, tmp_path, monkeypatch):
-    calls = []
-    real = memory.replayed
+    calls, making = [], []
+    real, real_making = memory.replayed, memory.replayed_making
     monkeypatch.setattr(memory, "replayed", lambda key, fn, *leaves: (calls.append(key), real(key, fn, *leaves)))
+    monkeypatch.setattr(memory, "replayed_making", lambda key, fn: (making.append(key), real_making(key, fn))[1])
     replayed = _estimate(method, plan, tmp_path)
     assert len(calls) > len(set(calls))  # tiles were replayed, not only measured
+    assert len(making) > len(set(making))  # and first tiles, which make a block's output, K and V
     assert {"forward", "recompute_kv", "backward"} <= {key[0] for key in calls}
+    assert {"first forward", "first recompute_kv"} == {key[0] for key in making}
     assert plan["engine"] != "slide" or "streamed_ce" in {key[0] for key in calls}  # the head's vocabulary tiles
     assert replayed.tiled_blocks
-    monkeypatch.setattr(memory, "replayed", lambda key, fn, *leaves: fn())
+    _run_every_tile(monkeypatch)
     assert replayed == _estimate(method, plan, tmp_path)
+
+
+def _run_every_tile(monkeypatch):
+    monkeypatch.setattr(memory, "replayed", lambda key, fn, *leaves: fn())
+    monkeypatch.setattr(memory, "replayed_making", lambda key, fn: tuple(fn()))
 
 
 def test_an_engine_whose_gradients_leave_in_parts_runs_every_backward_tile(tmp_path, monkeypatch):
@@ -48,7 +56,7 @@ def test_an_engine_whose_gradients_leave_in_parts_runs_every_backward_tile(tmp_p
     plan = {"engine": "chunk", "precision": "fp32", "activations.checkpoint": "recompute"}
     replayed = _estimate("full", plan, tmp_path)
     assert calls and "backward" not in {key[0] for key in calls}
-    monkeypatch.setattr(memory, "replayed", lambda key, fn, *leaves: fn())
+    _run_every_tile(monkeypatch)
     assert replayed == _estimate("full", plan, tmp_path)
 
 
@@ -86,4 +94,37 @@ def test_a_replayed_call_makes_the_same_gradients_and_one_that_keeps_more_always
         third, fourth = (torch.ones(4, 4, requires_grad=True) for _ in range(2))
         memory.replayed("more", lambda: keeps_more(third), [third])
         memory.replayed("more", lambda: keeps_more(fourth), [fourth])
+        assert runs.count("more") == 2
+
+
+def test_a_replayed_call_that_makes_tensors_makes_alike_ones_and_one_that_keeps_more_always_runs():
+    """memory.replayed_making on its own: a replay gives tensors of the shapes, strides and dtypes the
+    call made, the same bytes kept and the same peak; a call that keeps more than it returns runs each time."""
+    import torch
+
+    mode = memory.MeteredFakeMode(allow_non_fake_inputs=True)
+    runs, kept = [], []
+
+    def makes():
+        runs.append("makes")
+        scratch = torch.ones(1000)  # a transient of 4,000 bytes above what is kept
+        out = torch.empty(10, 3, dtype=torch.bfloat16).t()  # a view of a whole storage, made here
+        return out, scratch[:5].clone()
+
+    with mode, memory.LiveBytesMeter() as meter:
+        first = memory.replayed_making("makes", makes)
+        before, meter.peak = meter.current, 0
+        second = memory.replayed_making("makes", makes)
+        assert runs == ["makes"]
+        assert [(t.shape, t.stride(), t.dtype) for t in second] == [(t.shape, t.stride(), t.dtype) for t in first]
+        assert meter.current - before == 60 + 20  # what the call kept
+        assert meter.peak - before == 60 + 4000 + 20  # and its peak: the scratch with the first made
+
+        def keeps_more():
+            runs.append("more")
+            kept.append(torch.ones(8))
+            return (torch.ones(2),)
+
+        memory.replayed_making("more", keeps_more)
+        memory.replayed_making("more", keeps_more)
         assert runs.count("more") == 2

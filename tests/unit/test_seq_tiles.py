@@ -22,7 +22,7 @@ from slimtune.model.stack import Stack
 from slimtune.step import activations, block_stores, seq_tiles
 
 CPU = torch.device("cpu")
-SEQ, TILE = 23, 5  # tiles of 5, 5, 5, 5 and 3 tokens: the last query tile ends the sequence
+SEQ, TILE = 23, 5  # tiles of 3, 5, 5, 5 and 5 tokens (the short one first): the last query tile ends the sequence
 FAMILIES = {
     "llama": ("llama", {}),
     "qwen2-bias-tied": ("qwen2", {"tie_word_embeddings": True}),
@@ -165,7 +165,7 @@ def tiled_reference(stack: Stack, packed: bool, seed: int):
         ks, vs, outs = [], [], []
         for start in block.starts:
             with block.tile_rng(start):
-                xi = hidden[:, start : start + TILE]
+                xi = hidden[:, start : block.stop(start)]
                 n = block.layer.input_layernorm(xi)
                 k, v = block.kv(n, start)
                 ks.append(k), vs.append(v)
@@ -321,3 +321,10 @@ def test_roundpipe_forward_jobs_and_layer_backward_in_tiles_train_like_resident(
     for name, value in expected[2].items():
         torch.testing.assert_close(found[2][name], value, atol=1e-10, rtol=0, msg=name)
     assert tiled_calls["forward"] > 0 and tiled_calls["backward"] > 0
+
+
+@pytest.mark.quick
+def test_the_short_tile_comes_first_so_every_later_tile_is_whole():
+    assert seq_tiles.tile_starts(23, 5) == [0, 3, 8, 13, 18]
+    assert seq_tiles.tile_starts(20, 5) == [0, 5, 10, 15]
+    assert seq_tiles.tile_starts(3, 5) == [0]
