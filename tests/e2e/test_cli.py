@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_helpers import assert_trains_and_resumes_exactly, every_tensor, make_workdir, slimtune
+from e2e_helpers import assert_trains_and_resumes_exactly, every_tensor, make_workdir, slimtune, slimtune_here
 from e2e_helpers import workdir  # noqa: F401  (a fixture)
 
 # One xdist worker runs this module (scripts/test.sh: --dist loadgroup), so its module fixture
@@ -51,7 +51,7 @@ def test_train_writes_result_metrics_plot_and_checkpoints(lora_run):
 def test_full_finetune_writes_a_loadable_model(workdir):
     from transformers import AutoModelForCausalLM
 
-    slimtune("train", "run.yaml", "method=full", "train.steps=2", "--no-progress", cwd=workdir)
+    slimtune_here("train", "run.yaml", "method=full", "train.steps=2", "--no-progress", cwd=workdir)
     model = AutoModelForCausalLM.from_pretrained(str(workdir / "out" / "model"), local_files_only=True)
     assert model.config.model_type == "llama"
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e_helpers import slimtune, workdir  # noqa: F401  (workdir is a fixture)
+from e2e_helpers import slimtune, slimtune_here, workdir  # noqa: F401  (workdir is a fixture)
 
 FULL = ["method=full", "train.schedule=constant", "train.lr=0.003", "train.warmup_steps=0", "train.eval_every=0",
         "--no-progress", "dist.timeout_s=20"]
@@ -167,8 +167,8 @@ def test_qlora_sharded_by_fsdp_resumes_and_trains_as_one_process(workdir):
     assert (workdir / "two" / "checkpoints" / "step-00000002" / "sharded" / ".metadata").is_file()
     out = slimtune("train", "run.yaml", *fsdp, "train.steps=3", "output_dir=two", cwd=workdir)
     assert "resumed from" in out.stdout
-    # one process on both ranks' micro-batches: each rank trains train.batch_size rows a step
-    slimtune("train", "run.yaml", *qlora, "train.steps=3", "train.grad_accum=2", "output_dir=one", cwd=workdir)
+    # one process on both ranks' micro-batches (each rank trains train.batch_size rows a step): in this one
+    slimtune_here("train", "run.yaml", *qlora, "train.steps=3", "train.grad_accum=2", "output_dir=one", cwd=workdir)
     two, one = (load_file(str(workdir / run / "adapter" / "adapter_model.safetensors")) for run in ("two", "one"))
     assert two.keys() == one.keys() and all("lora_" in key for key in two)
     for key in one:
