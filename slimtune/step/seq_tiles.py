@@ -50,7 +50,9 @@ def forward(stack: Stack, index: int, x: torch.Tensor, inputs: BlockInputs, tile
     block = _Block(stack, index, x, inputs, tile)
     memory.note_tiled_block()
     out = None
-    for start in memory.representative(block.starts, x):
+    # Under fake tensors: the first tile (it makes the output, K and V) and the last (the most keys: the
+    # largest transient of the tiles that write into what exists).
+    for start in memory.representative(block.starts, x, alike_from=0):
         if out is not None:  # K, V and the output exist: the tile writes into them and keeps nothing
             memory.replayed(block.tile_key("forward", start), lambda: _forward_tile(block, start, out))
             continue
