@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from slimtune.config import LoraConfig
 from slimtune.errors import UserError
@@ -38,9 +39,11 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **factory)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **factory)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        # PEFT's default init: A Kaiming-uniform, B zero, so the adapter starts as a no-op.
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
+        # PEFT's default init: A Kaiming-uniform, B zero, so the adapter starts as a no-op. (The planner's
+        # fake tensors hold no values: their in-place init allocates nothing and is skipped.)
+        if not is_fake(self.lora_A.weight):
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B.weight)
         for p in self.base.parameters():
             p.requires_grad_(False)
 
