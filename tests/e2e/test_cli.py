@@ -27,9 +27,10 @@ def losses(run_dir):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, tokenizer) -> tuple[Path, str]:
     """run.yaml as it is (LoRA, 8 steps, a checkpoint every 2, eval every 4) trained once into out/,
-    with what the run printed: the tests below read it, and one that writes copies it first."""
+    with what the run printed: the tests below read it, and one that writes copies it first. Trained in
+    this process (the kill test's killed and resumed runs are processes of their own)."""
     folder = make_workdir(tmp_path_factory.mktemp("lora-run"), tokenizer)
-    return folder, slimtune("train", "run.yaml", "--no-progress", cwd=folder).stdout
+    return folder, slimtune_here("train", "run.yaml", "--no-progress", cwd=folder).stdout
 
 
 def test_train_writes_result_metrics_plot_and_checkpoints(lora_run):

@@ -1,11 +1,13 @@
-"""What `slimtune train` accepts on its command line and in its data, through the CLI as a user runs it."""
+"""What `slimtune train` accepts on its command line and in its data, through the CLI as a user runs it: a
+process of its own where its whole stderr is checked (one sentence, no traceback), else cli.main in this
+process with the same arguments."""
 
 import json
 import subprocess
 import sys
 
 from conftest import write_jsonl
-from e2e_helpers import slimtune, workdir  # noqa: F401  (workdir is a fixture)
+from e2e_helpers import slimtune, slimtune_here, workdir  # noqa: F401  (workdir is a fixture)
 
 
 def assert_one_sentence_and_nothing_written(proc, needle: str, out_dir) -> None:
@@ -17,7 +19,7 @@ def assert_one_sentence_and_nothing_written(proc, needle: str, out_dir) -> None:
 
 
 def test_overrides_may_come_before_and_after_flags(workdir):
-    slimtune("train", "run.yaml", "output_dir=late", "--no-progress", "train.steps=2", cwd=workdir)
+    slimtune_here("train", "run.yaml", "output_dir=late", "--no-progress", "train.steps=2", cwd=workdir)
     steps = [json.loads(line)["step"] for line in (workdir / "late" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert "steps: 2" in (workdir / "late" / "config.yaml").read_text()
@@ -33,7 +35,7 @@ def test_bad_input_after_flags_still_ends_in_one_sentence(workdir):
 
 
 def test_train_help_still_works(workdir):
-    proc = slimtune("train", "--help", cwd=workdir)
+    proc = slimtune_here("train", "--help", cwd=workdir)
     assert proc.stdout.startswith("usage: slimtune train") and "override any of them as key=value" in proc.stdout
 
 
