@@ -15,10 +15,10 @@ function renamed, a setting dropped) is a wrong turn. What is checked:
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
+import io
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -131,11 +131,15 @@ def _members(cls: ast.ClassDef) -> set[str]:
 
 @functools.cache
 def settings() -> frozenset[str]:
-    """Every setting key, as `slimtune train --help` lists them."""
-    done = subprocess.run([sys.executable, "-m", "slimtune", "train", "--help"], capture_output=True, text=True,
-                          cwd=ROOT)
-    assert done.returncode == 0, f"slimtune train --help failed:\n{done.stderr}"
-    listed = done.stdout.partition("Settings")[2]
+    """Every setting key, as `slimtune train --help` lists them (cli.main in this process: a process of
+    its own would only start torch again)."""
+    from slimtune import cli
+
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), pytest.raises(SystemExit) as done:
+        cli.main(["train", "--help"])
+    assert done.value.code == 0, f"slimtune train --help exited {done.value.code}"
+    listed = shown.getvalue().partition("Settings")[2]
     return frozenset(re.findall(r"^  ([a-z_][\w.]*)\s", listed, re.M))
 
 
