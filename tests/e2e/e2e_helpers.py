@@ -57,8 +57,8 @@ def slimtune(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedP
 def slimtune_here(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     """The CLI run in this process (`cli.main`, from `cwd`, its output caught), answered as `slimtune`
     answers: for a run whose process is not what a test checks (a straight run to compare with, a run
-    stopped at a checkpoint to resume in a fresh process). A CLI process starts torch, transformers and
-    datasets (~4 s of CPU); this one has them."""
+    stopped at a checkpoint to resume in a fresh process). A CLI process of a tiny run takes ~6 CPU-s,
+    most of it starting torch, transformers and datasets, which this one has."""
     from slimtune import cli
 
     out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
