@@ -56,15 +56,19 @@ class _Probes:
 
 def longest_by_length(needs: Needs, known: int, limit: int, tile: int = 1, affine: bool = False) -> int:
     """The longest sequence up to `limit` whose step fits: two probes (`known`, and twice it, a multiple
-    of `tile` where the blocks are tiled; where `known` does not fit, one token: if that does not fit
+    of `tile`, or the limit where `affine`; where `known` does not fit, one token: if that does not fit
     either, nothing does), then guesses from the curves through the latest lengths, each strictly inside
     the bracket, until one fits and one token more does not. After GUESSES (a step in the estimate, or
     stairs), bisection of what the bracket leaves. `affine`: the blocks run in tiles, so each part of
     the need is a line, or the larger of two lines (a tile's attention, which grows with the keys, and
-    its MLP, which does not): the line through the latest two is tried before the parabola."""
+    its MLP, which does not): the second probe is the limit itself, and the line through the latest two
+    is tried before the parabola."""
     probes = _Probes(needs)
     first = min(limit, max(1, known))
-    second = min(limit, _multiple(2 * first, tile)) if probes.fits(first) else 1
+    # Lines (tiled blocks): the second probe at the limit, which settles a plan that fits all the way
+    # at once, and past the bend of a block's attention and MLP parts gives a line through it.
+    longer = limit if affine else min(limit, _multiple(2 * first, tile))
+    second = longer if probes.fits(first) else 1
     if not probes.settled(limit) and second != first:
         probes.fits(second)
     guesses = [first, second]

@@ -80,6 +80,30 @@ def test_the_resource_that_binds_first_decides_and_the_limit_caps():
     assert found == oracle == 5000 and 5001 not in asked.lengths
 
 
+@pytest.mark.quick
+def test_tiled_blocks_probe_the_limit_and_follow_the_line_past_the_bend():
+    """affine (blocks in tiles): a block's peak is the larger of its MLP's part (fixed) and its
+    attention's (grows with the keys): a line through the known length and the limit, then lines
+    through the latest two; a plan that fits all the way is settled by its second ask."""
+    def bend(t):
+        return max(10**6 + 40 * t, 4 * 10**5 + 46 * t)  # attention's part takes over at 100,000 tokens
+
+    have = bend(150_000) + 7
+    asked = Asked(bend, have)
+    found = longest_seq.longest_by_length(asked, 2048, 2**20, tile=256, affine=True)
+    assert found == longest_seq.longest_by_bisection(Asked(bend, have), 2048, 2**20) == 150_000
+    assert asked.lengths[:2] == [2048, 2**20] and len(asked.lengths) <= 5
+    everywhere = Asked(bend, bend(2**20))
+    assert longest_seq.longest_by_length(everywhere, 2048, 2**20, tile=256, affine=True) == 2**20
+    assert everywhere.lengths == [2048, 2**20]
+
+
+@pytest.mark.quick
+def test_a_plan_over_at_the_known_length_is_asked_at_one_token_next():
+    asked = Asked(lambda t: 10**6 + t, 10**5)
+    assert longest_seq.longest_by_length(asked, 2048, 10**6) == 0 and asked.lengths == [2048, 1]
+
+
 def test_nothing_fits_and_a_too_long_known_length():
     found, oracle, _ = both(lambda t: 10**6 + t, 10**5)
     assert found == oracle == 0
