@@ -4,8 +4,8 @@ itself (optim/factored_gradient.py), and how well factored_is_cheaper's fitted t
 Each of SmolLM2-135M's four matrix shapes (576 x 576, 192 x 576, 1536 x 576, 576 x 1536) at d 64, 128,
 256, 512 and t 32, 64, 128, 192, 256, 384 rows (r 4, fp32, random factors): one ValueFit step timed each
 way (the best of 3 runs of 10 steps) on one torch thread, and a held-out reading each way. Then the two
-linear time models of factored_gradient.py are fitted again to these timings by least squares, and the
-committed constants are scored: how many of the 96 shape pairs they send the slower way, and the time
+linear time models of factored_gradient.py are fitted again to these timings by least squares (in
+relative error), and the committed constants are scored: how many of the 96 shape pairs they send the slower way, and the time
 that costs.
 
     OMP_NUM_THREADS=1 python benchmarks/run.py lsp_first_fit_routes    # ~3 minutes
@@ -55,11 +55,14 @@ def _features(row: dict) -> tuple[list[float], list[float]]:
 
 
 def _refit(rows: list[dict]) -> dict:
-    """Least-squares ns coefficients of both time models on these timings (factored_gradient's form)."""
+    """Least-squares ns coefficients of both time models on these timings, in relative error (each timing
+    weighs alike whatever its size), as factored_gradient's constants were fitted."""
     a = np.array([_features(r)[0] for r in rows]) * 1e-6
     b = np.array([_features(r)[1] for r in rows]) * 1e-6
-    fac = np.linalg.lstsq(a, np.array([r["step_ms_factored"] for r in rows]), rcond=None)[0]
-    formed = np.linalg.lstsq(b, np.array([r["step_ms_formed"] for r in rows]), rcond=None)[0]
+    y_fac = np.array([r["step_ms_factored"] for r in rows])
+    y_formed = np.array([r["step_ms_formed"] for r in rows])
+    fac = np.linalg.lstsq(a / y_fac[:, None], np.ones(len(rows)), rcond=None)[0]
+    formed = np.linalg.lstsq(b / y_formed[:, None], np.ones(len(rows)), rcond=None)[0]
     return {"factored_ns": fac.tolist(), "formed_ns": formed.tolist()}
 
 

@@ -50,13 +50,13 @@ class Factors:
         return self.dy, self.x
 
 
-# A step's time each way on one CPU thread, fitted by least squares to 96 timed steps of both (SmolLM2's four
-# matrix shapes, d 64 to 512, t 32 to 384, r 4; benchmarks/docs/lsp_fit.md), in nanoseconds: from the
-# factors, per t^2 d, per (n_o + n_i) r t and per step; from G, per n_o n_i r, per Gram-sized product
-# (the cheaper of d^3 and 16 n r d, summed over the sides) and per step. It picks the faster way in 89 of
-# the 96, and the other 7 were within 30% of each other.
-FACTORED_NS = (0.236, 2.25, 346_000.0)
-FORMED_NS = (0.342, 0.167, 1_151_000.0)
+# A step's time each way on one CPU thread, fitted by least squares in relative error to 96 timed steps of
+# both (SmolLM2's four matrix shapes, d 64 to 512, t 32 to 384, r 4; case lsp_first_fit_routes, load ~1),
+# in nanoseconds: from the factors, per t^2 d, per (n_o + n_i) r t and per step; from G, per n_o n_i r,
+# per Gram-sized product (the cheaper of d^3 and 16 n r d, summed over the sides) and per step. On a fresh
+# run of the case it sent 6 of the 96 the slower way, none more than 25% slower than the other.
+FACTORED_NS = (0.224, 0.982, 448_000.0)
+FORMED_NS = (0.764, 0.146, 259_000.0)
 
 
 def factored_is_cheaper(t: int, n_o: int, n_i: int, d: int, r: int) -> bool:
