@@ -135,11 +135,12 @@ def replayed(key, fn, leaves: Sequence[torch.Tensor] = ()) -> None:
     backward), by position. Where fn keeps exactly those gradients' bytes, a replay first gives the
     same positions' tensors a gradient of zeros through autograd (their hooks run, as they did for
     fn's) and then allocates the rest of the peak; where fn keeps anything else, it always runs."""
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    meter = mode.meter if isinstance(mode, MeteredFakeMode) else None
-    if meter is None or meter.host_allocations or mode.replays.get(key, 0) is None:
+    mode = _replaying_mode(key)
+    if mode is None:
         fn()
-    elif key in mode.replays:
+        return
+    meter = mode.meter
+    if key in mode.replays:
         peak, made, kept = mode.replays[key]
         if made:
             torch.autograd.backward([leaves[i] for i in made], [torch.zeros_like(leaves[i]) for i in made])
@@ -160,10 +161,10 @@ def replayed_making(key, fn) -> tuple[torch.Tensor, ...]:
     tensors of the same shapes, strides and dtypes (under fake tensors no value is computed), then
     allocates the rest of the measured peak above them and drops it. Where fn keeps bytes other than
     the whole storages of what it returns, it always runs."""
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    meter = mode.meter if isinstance(mode, MeteredFakeMode) else None
-    if meter is None or meter.host_allocations or mode.replays.get(key, 0) is None:
+    mode = _replaying_mode(key)
+    if mode is None:
         return fn()
+    meter = mode.meter
     if key in mode.replays:
         peak, specs = mode.replays[key]
         made = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -179,6 +180,16 @@ def replayed_making(key, fn) -> tuple[torch.Tensor, ...]:
     fits = whole and distinct and kept == sum(_storage_bytes(t) for t in result)
     mode.replays[key] = (peak, specs) if fits else None
     return tuple(result)
+
+
+def _replaying_mode(key) -> "MeteredFakeMode | None":
+    """The planner's metering fake mode, where a call of `key` may be measured or replayed; None in a
+    real run, with no meter, while host allocations are counted, or where `key` must always run."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    meter = mode.meter if isinstance(mode, MeteredFakeMode) else None
+    if meter is None or meter.host_allocations or mode.replays.get(key, 0) is None:
+        return None
+    return mode
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
