@@ -502,23 +502,8 @@ static inline __m512i packed_order(void) {
     return _mm512_loadu_si512(order);
 }
 
-/* The word permutes split32 puts its results in order with. */
+/* The word permutes master32 puts its results in order with. */
 typedef struct { __m512i high_words, low_words, packed; } Orders;
-
-/* adamw() on 16 numbers in registers (the vector formula for v), the same operations in the same
-   order; p the master, g the gradient (unclipped); returns the new master and the new moments in
-   *m and *v. */
-static inline __attribute__((always_inline)) __m512 adamw16(const Constants *k, const int kind, __m512 p, __m512 g,
-                                                            __m512 *m, __m512 *v) {
-    if (kind & CLIPS) g = _mm512_mul_ps(g, k->clip);  /* (x * 1.0f is x, NaNs' payloads included: skipped at 1) */
-    if (kind & DECAYS) p = _mm512_mul_ps(p, k->decay);
-    const __m512 m1 = _mm512_fmadd_ps(k->coeff, _mm512_sub_ps(g, *m), kind & SMALL ? *m : g);
-    const __m512 v1 = _mm512_fmadd_ps(_mm512_mul_ps(k->one_minus_beta2, g), g, _mm512_mul_ps(*v, k->beta2));
-    const __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v1), k->bias2_sqrt), k->eps);
-    *m = m1;
-    *v = v1;
-    return _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k->step_size, m1), denominator));
-}
 
 /* narrow()'s bf16 weight of 16 masters, as its bits shifted up 16 (0xFFFF for a NaN). */
 static inline __m512i top_half(__m512i u) {
@@ -560,30 +545,6 @@ static inline __attribute__((always_inline)) void narrow32_bf16(const Orders *o,
 #else
 #define NARROW32 narrow32
 #endif
-
-/* 32 numbers of the split layout with a bf16 gradient: combine(), widen(), adamw(), narrow() and
-   residual_of() on registers. m and v: the moments, interleaved, updated in place. */
-static inline __attribute__((always_inline)) void split32(const Constants *k, const int kind, const Orders *o,
-                                                           uint16_t *weight, int16_t *residual, uint16_t *shadow,
-                                                           uint16_t *grad, const int empty_grad, __m512 m[2],
-                                                           __m512 v[2]) {
-    const __m512i w = _mm512_loadu_si512(weight), low = _mm512_loadu_si512(residual), g = _mm512_loadu_si512(grad);
-    const __m512i zero = _mm512_setzero_si512();
-    if (empty_grad) _mm512_storeu_si512(grad, zero);
-    /* (weight << 16) + the residual sign-extended: the weight less one where the residual is negative,
-       above the residual's 16 bits */
-    const __m512i above = _mm512_add_epi16(w, _mm512_srai_epi16(low, 15));
-    const __m512i masters[2] = {_mm512_unpacklo_epi16(low, above), _mm512_unpackhi_epi16(low, above)};
-    const __m512i grads[2] = {_mm512_unpacklo_epi16(zero, g), _mm512_unpackhi_epi16(zero, g)};
-    __m512i u[2], weights, residuals;
-    for (int h = 0; h < 2; h++)
-        u[h] = _mm512_castps_si512(adamw16(k, kind, _mm512_castsi512_ps(masters[h]), _mm512_castsi512_ps(grads[h]),
-                                           &m[h], &v[h]));
-    NARROW32(o, u, &weights, &residuals);
-    _mm512_storeu_si512(weight, weights);
-    if (shadow) _mm512_storeu_si512(shadow, weights);
-    _mm512_storeu_si512(residual, residuals);
-}
 
 /* 64 codes (interleaved registers of int32 codes c) stored in order. */
 static inline void store_codes64(uint8_t *codes, __m512i order, const __m512i c[4]) {
@@ -658,7 +619,7 @@ static inline void code_interleaved(const Coded *c, const Segments *s, __m512i o
 
 #if defined(__GNUC__) && !defined(__clang__)
 /* gcc schedules instructions before allocating registers only when asked (off by default on x86, for the
-   register pressure). Its pressure-aware scheduler, on the fused loop only (code_both and split_blocks,
+   register pressure). Its pressure-aware scheduler, on the fused loop only (split_blocks,
    into which the helpers above are inlined), orders it so that more of its long chains run side by side: 5% less time in
    cache here (the other loops gained nothing). The same instructions in another order: no arithmetic
    changes (-ffp-contract=off holds, nothing is reassociated). */
@@ -666,38 +627,68 @@ static inline void code_interleaved(const Coded *c, const Segments *s, __m512i o
 #pragma GCC optimize("schedule-insns", "sched-pressure")
 #define FAST_OPTIONS_PUSHED 1
 #endif
-/* code_interleaved on a block's m (signed map) and v (unsigned) at once: one loop, two independent streams
-   of lookups for the core to overlap (1.5% less time than one moment after the other). A block with an inf
-   or a NaN in either moment codes each on its own. */
-static inline void code_both(const Coded *cm, const Coded *cv, const Segments *sm, const Segments *sv, __m512i order,
-                             __m512i order2, int64_t begin, const float *restrict m, const float *restrict v,
-                             __m512i m_largest, __m512i v_largest) {
-    const float m_inverse = scale_of(cm, begin, m_largest), v_inverse = scale_of(cv, begin, v_largest);
-    if (m_inverse == 0.0f || v_inverse == 0.0f) {
-        code_interleaved(cm, sm, order, order2, begin, m, m_largest, 1);
-        code_interleaved(cv, sv, order, order2, begin, v, v_largest, 0);
-        return;
-    }
-    const __m512 m_scale = _mm512_set1_ps(m_inverse), v_scale = _mm512_set1_ps(v_inverse);
-    const __m512i mirror = _mm512_set1_epi32((2 * cm->fast->zero << FIXED) + (1 << FIXED) - 1);
-    __m512i m_near = _mm512_set1_epi32(-1), v_near = _mm512_set1_epi32(-1);
+/* The first half of a block: its moments decoded 64 at a time into registers and updated with its
+   gradient (adamw16's m and v lines), stored (interleaved) in m_new and v_new, and their |x| maxima. */
+static inline __attribute__((always_inline)) void moments_of_block(const Constants *k, const int kind, const Coded *cm,
+                                                                    const Coded *cv, __m512i decode_order,
+                                                                    uint16_t *grad, const int empty_grad, int64_t at,
+                                                                    float *restrict m_new, float *restrict v_new,
+                                                                    __m512i *m_largest, __m512i *v_largest) {
+    const __m512 m_scale = _mm512_set1_ps(cm->absmax[at / BLOCK]), v_scale = _mm512_set1_ps(cv->absmax[at / BLOCK]);
+    const __m512i zero = _mm512_setzero_si512();
     for (int j = 0; j < BLOCK; j += 64) {
-        __m512i m_codes[4], v_codes[4];
-        for (int q = 0; q < 4; q++) {
-            m_codes[q] = fixed16(sm, _mm512_loadu_ps(m + j + 16 * q), m_scale, mirror, &m_near, 1);
-            v_codes[q] = fixed16(sv, _mm512_loadu_ps(v + j + 16 * q), v_scale, mirror, &v_near, 0);
+        __m512 m[4], v[4];
+        decode64_into(cm->fast, decode_order, cm->codes + at + j, m_scale, m);
+        decode64_into(cv->fast, decode_order, cv->codes + at + j, v_scale, v);
+        for (int q = 0; q < 4; q += 2) {
+            uint16_t *const gp = grad + at + j + 16 * q;
+            const __m512i g = _mm512_loadu_si512(gp);
+            if (empty_grad) _mm512_storeu_si512(gp, zero);
+            __m512 grads[2] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, g)),
+                               _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, g))};
+            for (int h = 0; h < 2; h++) {
+                __m512 gh = grads[h], *mh = &m[q + h], *vh = &v[q + h];
+                if (kind & CLIPS) gh = _mm512_mul_ps(gh, k->clip);
+                *mh = _mm512_fmadd_ps(k->coeff, _mm512_sub_ps(gh, *mh), kind & SMALL ? *mh : gh);
+                *vh = _mm512_fmadd_ps(_mm512_mul_ps(k->one_minus_beta2, gh), gh, _mm512_mul_ps(*vh, k->beta2));
+            }
         }
-        store_codes64(cm->codes + begin + j, order2, m_codes);
-        store_codes64(cv->codes + begin + j, order2, v_codes);
+        for (int q = 0; q < 4; q++) {
+            _mm512_storeu_ps(m_new + j + 16 * q, m[q]);
+            _mm512_storeu_ps(v_new + j + 16 * q, v[q]);
+            *m_largest = abs_max(*m_largest, m[q]);
+            *v_largest = abs_max(*v_largest, v[q]);
+        }
     }
-    if (_mm512_testn_epi32_mask(m_near, m_near)) code_settled(cm, sm, order, begin, m, m_scale, 1);
-    if (_mm512_testn_epi32_mask(v_near, v_near)) code_settled(cv, sv, order, begin, v, v_scale, 0);
+}
+
+/* adamw16's master update on 32 numbers of the split layout from their new moments m1 and v1
+   (interleaved), combine() before and narrow() after, stored. */
+static inline __attribute__((always_inline)) void master32(const Constants *k, const int kind, const Orders *o,
+                                                            uint16_t *weight, int16_t *residual, uint16_t *shadow,
+                                                            const float *m1, const float *v1) {
+    const __m512i w = _mm512_loadu_si512(weight), low = _mm512_loadu_si512(residual);
+    const __m512i above = _mm512_add_epi16(w, _mm512_srai_epi16(low, 15));
+    const __m512i masters[2] = {_mm512_unpacklo_epi16(low, above), _mm512_unpackhi_epi16(low, above)};
+    __m512i u[2], weights, residuals;
+    for (int h = 0; h < 2; h++) {
+        __m512 p = _mm512_castsi512_ps(masters[h]);
+        const __m512 m = _mm512_loadu_ps(m1 + 16 * h), v = _mm512_loadu_ps(v1 + 16 * h);
+        if (kind & DECAYS) p = _mm512_mul_ps(p, k->decay);
+        const __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), k->bias2_sqrt), k->eps);
+        u[h] = _mm512_castps_si512(_mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k->step_size, m), denominator)));
+    }
+    NARROW32(o, u, &weights, &residuals);
+    _mm512_storeu_si512(weight, weights);
+    if (shadow) _mm512_storeu_si512(shadow, weights);
+    _mm512_storeu_si512(residual, residuals);
 }
 
 /* Whole blocks of the split layout with a bf16 gradient and 8-bit moments, from `at` while they end
-   by `end` and before the scalar tail, in one pass each: the block's moments decoded 64 at a time
-   into registers, updated with its numbers, kept in the cache while their absmax is found, then
-   coded. Returns where it stopped. */
+   by `end` and before the scalar tail, in two passes over each block while it is in the L1: the new
+   moments first (decoded, updated, their absmax), then the masters' update and the moments' coding
+   side by side (both read only the new moments, so the core overlaps the divider's chain with the
+   coding's lookups). Returns where it stopped. */
 static inline __attribute__((always_inline)) int64_t split_blocks_of(const Run *r, const Hyper *h, int64_t at,
                                                                       int64_t end, const int kind) {
     const float coeff = kind & SMALL ? h->lerp_weight : h->lerp_weight - 1.0f;
@@ -711,30 +702,40 @@ static inline __attribute__((always_inline)) int64_t split_blocks_of(const Run *
     const Orders orders = {word_order(1), word_order(0), packed_order()};
     uint16_t *const weight = r->weight, *const shadow = r->shadow, *const grad = (uint16_t *)r->grad;
     int16_t *const residual = r->residual;
-    const int empty_grad = r->empty_grad;
+    const __m512i mirror = _mm512_set1_epi32((2 * cm->fast->zero << FIXED) + (1 << FIXED) - 1);
     const int64_t stop = end < r->vector_end ? end : r->vector_end;
     float m_new[BLOCK], v_new[BLOCK];  /* interleaved */
     if (cm->fast->zero == 0 || cv->fast->zero != 0) return at;  /* m on the signed map, v on the unsigned one */
     for (; at + BLOCK <= stop; at += BLOCK) {
-        const __m512 m_scale = _mm512_set1_ps(cm->absmax[at / BLOCK]), v_scale = _mm512_set1_ps(cv->absmax[at / BLOCK]);
         __m512i m_largest = _mm512_setzero_si512(), v_largest = _mm512_setzero_si512();
+        moments_of_block(&k, kind, cm, cv, decode_order, grad, r->empty_grad, at, m_new, v_new, &m_largest,
+                         &v_largest);
+        const float m_inverse = scale_of(cm, at, m_largest), v_inverse = scale_of(cv, at, v_largest);
+        const int finite = m_inverse != 0.0f && v_inverse != 0.0f;
+        const __m512 m_scale = _mm512_set1_ps(m_inverse), v_scale = _mm512_set1_ps(v_inverse);
+        __m512i m_near = _mm512_set1_epi32(-1), v_near = _mm512_set1_epi32(-1);
         for (int j = 0; j < BLOCK; j += 64) {
-            __m512 m[4], v[4];
-            decode64_into(cm->fast, decode_order, cm->codes + at + j, m_scale, m);
-            decode64_into(cv->fast, decode_order, cv->codes + at + j, v_scale, v);
             for (int q = 0; q < 4; q += 2) {
                 const int64_t i = at + j + 16 * q;
-                split32(&k, kind, &orders, weight + i, residual + i, shadow ? shadow + i : NULL, grad + i,
-                        empty_grad, m + q, v + q);
+                master32(&k, kind, &orders, weight + i, residual + i, shadow ? shadow + i : NULL, m_new + j + 16 * q,
+                         v_new + j + 16 * q);
             }
+            if (!finite) continue;
+            __m512i m_codes[4], v_codes[4];
             for (int q = 0; q < 4; q++) {
-                _mm512_storeu_ps(m_new + j + 16 * q, m[q]);
-                _mm512_storeu_ps(v_new + j + 16 * q, v[q]);
-                m_largest = abs_max(m_largest, m[q]);
-                v_largest = abs_max(v_largest, v[q]);
+                m_codes[q] = fixed16(&sm, _mm512_loadu_ps(m_new + j + 16 * q), m_scale, mirror, &m_near, 1);
+                v_codes[q] = fixed16(&sv, _mm512_loadu_ps(v_new + j + 16 * q), v_scale, mirror, &v_near, 0);
             }
+            store_codes64(cm->codes + at + j, codes_in_order2, m_codes);
+            store_codes64(cv->codes + at + j, codes_in_order2, v_codes);
         }
-        code_both(cm, cv, &sm, &sv, codes_in_order, codes_in_order2, at, m_new, v_new, m_largest, v_largest);
+        if (!finite) {  /* an inf or NaN in a moment: each coded on its own (code_interleaved's own path) */
+            code_interleaved(cm, &sm, codes_in_order, codes_in_order2, at, m_new, m_largest, 1);
+            code_interleaved(cv, &sv, codes_in_order, codes_in_order2, at, v_new, v_largest, 0);
+            continue;
+        }
+        if (_mm512_testn_epi32_mask(m_near, m_near)) code_settled(cm, &sm, codes_in_order, at, m_new, m_scale, 1);
+        if (_mm512_testn_epi32_mask(v_near, v_near)) code_settled(cv, &sv, codes_in_order, at, v_new, v_scale, 0);
     }
     return at;
 }
