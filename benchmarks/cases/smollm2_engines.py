@@ -61,7 +61,8 @@ MAX_NEW_TOKENS = 16  # " a-b-c-d-e-f" and the end of text fit with room
 GOAL_POINTS = 5.0
 ROWS = {
     "resident": {"engine": "resident"},
-    "chunk_n8": {"engine": "chunk", "chunk": {"n_chunks": 8}},
+    "chunk_n8": {"engine": "chunk", "chunk": {"n_chunks": 8}},  # at its defaults: lr x sqrt(8) since chunk.lr_scale
+    "chunk_n8_lr_scale1": {"engine": "chunk", "chunk": {"n_chunks": 8, "lr_scale": 1.0}},  # the rate as given
     "lsp_d64": {"engine": "lsp", "lsp": {"d": 64}},  # the default before this case (run as lsp at defaults)
     "lsp_d256": {"engine": "lsp", "lsp": {"d": 256}},  # the default since (sizing.py: half the hidden size)
     "lsp_d512": {"engine": "lsp", "lsp": {"d": 512}},
@@ -69,8 +70,8 @@ ROWS = {
     "resident_seed1": {"engine": "resident", "train": {"seed": 1}},  # the spread a seed (data order) makes
     # the learning rate: chunk updates each tensor on 1/8 of the steps; does a higher rate make up for it,
     # and does resident gain as much (docs: "chunk and the learning rate")
-    "chunk_n8_lr3x": {"engine": "chunk", "chunk": {"n_chunks": 8}, "train": {"lr": 1.5e-4}},
-    "chunk_n8_lr8x": {"engine": "chunk", "chunk": {"n_chunks": 8}, "train": {"lr": 4e-4}},
+    "chunk_n8_lr3x": {"engine": "chunk", "chunk": {"n_chunks": 8, "lr_scale": 1.0}, "train": {"lr": 1.5e-4}},
+    "chunk_n8_lr8x": {"engine": "chunk", "chunk": {"n_chunks": 8, "lr_scale": 1.0}, "train": {"lr": 4e-4}},
     "resident_lr3x": {"engine": "resident", "train": {"lr": 1.5e-4}},  # whether resident gains as much
 }
 RESULTS = Path(__file__).resolve().parents[1] / "results"

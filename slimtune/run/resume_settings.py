@@ -101,6 +101,7 @@ RULES: dict[str, Rule] = {
     "chunk.order": applied("the chunks are visited in the new order from the current sweep's position on, so until"
                            " the sweep ends some may come twice and others not at all"),
     "chunk.lr_schedule": safe(),
+    "chunk.lr_scale": safe(),
     "chunk.state": safe(),
     "chunk.state_dir": safe(),
     "chunk.gradients": safe(),

@@ -79,6 +79,7 @@ CASES = [
     # step 3 begins a sweep either way: the same chunk, at its own lr (both together would hold step 1's)
     ("chunk", {"chunk.switch_every": 2, "chunk.state": "disk", "chunk.state_dir": "elsewhere"}, SAME),
     ("chunk", {"chunk.lr_schedule": "per_sweep"}, SAME),
+    ("chunk", {"chunk.lr_scale": 0.5}, DIFFERS),  # sqrt(2) -> 0.5: the resumed step's rate
     ("chunk", {"chunk.order": "random", "chunk.gradients": "host"}, None),
     ("chunk", {"chunk.n_chunks": 4}, None),
     ("roundpipe", {"roundpipe.grain": "layer", "roundpipe.memory_fraction": 0.5, "roundpipe.replan": False,

@@ -167,10 +167,15 @@ def plain_adamw(model, steps, cfg) -> None:
         opt.step()
 
 
+def expected_lr_scale(cfg, n_chunks: int) -> float:
+    """chunk.lr_scale as set, or sqrt(N) where it is 0 (the default)."""
+    return cfg.section("chunk").lr_scale or math.sqrt(n_chunks)
+
+
 def masked_adamw(model, steps, cfg, order, chunks, switch_every=1):
     """The dense reference for N > 1: full autograd gradients; for the active chunk, a torch AdamW
     of its own over a copy of each of its pieces (its own moments and step), clipped by the chunk's
-    norm, then the pieces written back into the weights."""
+    norm, at the run's lr times chunk.lr_scale, then the pieces written back into the weights."""
     named = dict(model.named_parameters())
     pieces = {k: [nn.Parameter(named[p.name].detach().narrow(p.axis, p.start, p.stop - p.start).clone())
                   for p in chunks[k]] for k in range(len(chunks))}
@@ -188,7 +193,7 @@ def masked_adamw(model, steps, cfg, order, chunks, switch_every=1):
         sweep = len(chunks) * switch_every
         lr_step = s // sweep * sweep if cfg.section("chunk").lr_schedule == "per_sweep" else s
         for group in optimizers[k].param_groups:
-            group["lr"] = rules.lr_at(cfg.train, lr_step)
+            group["lr"] = rules.lr_at(cfg.train, lr_step) * expected_lr_scale(cfg, len(chunks))
         optimizers[k].step()
         with torch.no_grad():
             for p, q in zip(chunks[k], pieces[k]):
@@ -209,6 +214,19 @@ def assert_weights_close(engine: ChunkEngine, reference: nn.Module, tol=1e-10):
             torch.testing.assert_close(got[name], param.detach(), rtol=tol, atol=tol, msg=name)
 
 
+def test_the_learning_rate_is_scaled_by_sqrt_n_unless_set_and_said_at_the_start():
+    """The default scale is sqrt(N) (1 for one chunk, so N = 1 stays plain AdamW); a set scale is used as
+    given; the scale multiplies the schedule's rate at every step; the start line says it."""
+    for n, lr_scale, expected in ((1, 0.0, 1.0), (4, 0.0, 2.0), (8, 0.0, math.sqrt(8)), (4, 1.0, 1.0), (4, 0.3, 0.3)):
+        engine = engine_of(model_of(layers=2), run_cfg(ChunkConfig(n_chunks=n, lr_scale=lr_scale)))
+        assert engine.state.lr_scale == expected
+        cfg = engine.state.train_cfg
+        assert [engine.state.lr(s) for s in range(5)] == [rules.lr_at(cfg, s) * expected for s in range(5)]
+        assert f"lr x{expected:.3g}" in engine.state.describe()
+    with pytest.raises(UserError, match="chunk.lr_scale"):
+        ChunkConfig(lr_scale=-1.0).validate()
+
+
 def test_one_chunk_equals_torch_adamw_over_twenty_steps():
     model = model_of(layers=2)
     reference = reference_of(model)
@@ -224,6 +242,8 @@ def test_one_chunk_equals_torch_adamw_over_twenty_steps():
     pytest.param(ChunkConfig(n_chunks=4, switch_every=2, lr_schedule="per_sweep"), id="switch-every-2-per-sweep"),
     pytest.param(ChunkConfig(n_chunks=5, order="random"), id="random"),
     pytest.param(ChunkConfig(n_chunks=3, gradients="host"), id="gradients-on-host"),
+    pytest.param(ChunkConfig(n_chunks=4, lr_scale=1.0), id="lr-scale-1: train.lr as given"),
+    pytest.param(ChunkConfig(n_chunks=3, order="round_robin", switch_every=1, lr_scale=2.5), id="lr-scale-2.5"),
 ])
 def test_several_chunks_equal_a_dense_masked_adamw_with_state_per_tensor_and_chunk(chunk):
     model = model_of(layers=2)

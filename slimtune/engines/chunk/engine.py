@@ -34,6 +34,9 @@ the device, which is what the device budget of this engine is for.
 
 Learning rate: per_step follows the run's schedule step by step; per_sweep holds each sweep at the
 lr of its first step, on the same total-step schedule (the reference stretched it by N: pitfall 8).
+Either is multiplied by chunk.lr_scale, sqrt(N) unless set: a tensor is updated on 1/N of the steps,
+and at train.lr chunk trained far short of resident at equal steps, while about sqrt(N) times the rate
+brought it level (benchmarks/docs/smollm2_engines.md). N = 1 is plain AdamW at train.lr.
 
 The backward stops at the active chunk (chunk/reach.py): the embedding and the blocks below the
 lowest block holding one of the chunk's tensors run without autograd (no activation kept, no
@@ -93,6 +96,9 @@ class ChunkConfig:
     lr_schedule: Literal["per_step", "per_sweep"] = setting(
         "per_step", "chunk working set: the lr schedule advances every step, or is held over each sweep at its first"
                     " step's value (the same total-step schedule).")
+    lr_scale: float = setting(0.0, "chunk working set: the learning rate of the chunks' AdamW is train.lr's schedule times"
+                                   " this. 0: sqrt(n_chunks), since each tensor is updated on 1/n_chunks of the steps"
+                                   " (benchmarks/docs/smollm2_engines.md; printed at the start); 1: train.lr as given.")
     state: Literal["ram", "disk"] = setting(
         "ram", "chunk working set: fp32 masters and AdamW moments of every chunk in host RAM, or in memory-mapped"
                " files (12 B a number off the RAM).")
@@ -106,6 +112,8 @@ class ChunkConfig:
     def validate(self) -> None:
         if self.n_chunks < 0:
             raise UserError(f"chunk.n_chunks must be a count, or 0 for the planner to choose, got {self.n_chunks}.")
+        if self.lr_scale < 0:
+            raise UserError(f"chunk.lr_scale must be a positive factor, or 0 for sqrt(chunk.n_chunks), got {self.lr_scale}.")
         if self.switch_every < 0:
             raise UserError(f"chunk.switch_every must be a count of steps, or 0 to derive it from the run, got"
                             f" {self.switch_every}.")

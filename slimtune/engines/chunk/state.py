@@ -16,6 +16,7 @@ host copy).
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Callable
@@ -76,6 +77,12 @@ def derived_switch_every(steps: int, n_chunks: int) -> int:
     return max(1, min(MOST_STEPS_ON_A_CHUNK, steps // (VISITS * n_chunks)))
 
 
+def derived_lr_scale(n_chunks: int) -> float:
+    """chunk.lr_scale=0: sqrt(N). Each tensor is updated on 1/N of the steps; on SmolLM2-135M at N = 8 the
+    rate that trained chunk level with resident was about 3x resident's (benchmarks/docs/smollm2_engines.md)."""
+    return math.sqrt(n_chunks)
+
+
 def open_settings(cfg: RunConfig) -> list[dict]:
     """chunk.n_chunks=0: the fewest chunks that fit are wanted (each tensor updated most often)."""
     if cfg.section("chunk").n_chunks:
@@ -131,6 +138,7 @@ class ChunkState:
         self.streams = {s.name: s for s in streams}
         self.chunks = partition(streams, self.section.n_chunks)
         self.switch_every = self.section.switch_every or derived_switch_every(self.train_cfg.steps, len(self.chunks))
+        self.lr_scale = self.section.lr_scale or derived_lr_scale(len(self.chunks))
         self.fake = fake
         self.state_dir = self._state_dir(cfg)
         self.adams, self.members = self._optimizers()
@@ -195,7 +203,9 @@ class ChunkState:
         why = "chunk.switch_every" if self.section.switch_every else (
             f"derived from train.steps={self.train_cfg.steps}: every chunk visited {VISITS} times, at most"
             f" {MOST_STEPS_ON_A_CHUNK} steps a visit; chunk.switch_every sets it")
-        return f"chunk: {len(self.chunks)} chunks in {order}, {self.switch_every} steps on each ({why})"
+        scale = "chunk.lr_scale" if self.section.lr_scale else f"sqrt of {len(self.chunks)} chunks; chunk.lr_scale sets it"
+        return (f"chunk: {len(self.chunks)} chunks in {order}, {self.switch_every} steps on each ({why});"
+                f" lr x{self.lr_scale:.3g} ({scale})")
 
     # ------------------------------------------------------------ which chunk, which lr
 
@@ -237,11 +247,12 @@ class ChunkState:
             self.position, self.sweep = 0, self.sweep + 1
 
     def lr(self, step: int) -> float:
-        """per_step: the run's schedule at `step`; per_sweep: held at the sweep's first step's value."""
+        """per_step: the run's schedule at `step`; per_sweep: held at the sweep's first step's value;
+        either times lr_scale."""
         if self.section.lr_schedule == "per_sweep":
             sweep_steps = len(self.chunks) * self.switch_every
-            return rules.lr_at(self.train_cfg, step // sweep_steps * sweep_steps)
-        return rules.lr_at(self.train_cfg, step)
+            step = step // sweep_steps * sweep_steps
+        return rules.lr_at(self.train_cfg, step) * self.lr_scale
 
     # ------------------------------------------------------------ the update
 
