@@ -64,7 +64,7 @@ def quality_jobs(quick: bool) -> list[tuple[str, dict, int, int]]:
         ("chunk N=16 defaults, 1600 steps", _chunk(16, long), long, long_every),
         ("chunk N=16 defaults, 300 steps", _chunk(16, short), short, short_every),
         ("chunk N=4 round_robin switch_every=1 (old defaults), 300 steps",
-         _chunk(4, switch_every=1, order="round_robin"), short, short_every),
+         _chunk(4, switch_every=1, order="round_robin", lr_scale=1.0), short, short_every),
         ("chunk N=4 defaults, 300 steps in one fit", _chunk(4), short, short),
         ("resident full, 300 steps, seed 1", _seeded(_resident(), 1), short, short_every),
         ("chunk N=4 defaults, 300 steps, seed 1", _seeded(_chunk(4, short), 1), short, short_every),
@@ -75,12 +75,21 @@ def _seeded(variant: dict, seed: int) -> dict:
     return {**variant, "train": {**variant["train"], "seed": seed}}
 
 
+def _run_jobs(jobs: list, workers: int) -> list[dict]:
+    spawn = multiprocessing.get_context("spawn")  # fresh interpreters: no torch state forked
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(workers, spawn, torch.set_num_threads, (1,)) as pool:
+        futures = [pool.submit(time_to_accuracy, *job, Path(tmp)) for job in sorted(jobs, key=lambda j: -j[2])]
+        return [f.result() for f in futures]
+
+
 def part1(quick: bool) -> dict:
     jobs = quality_jobs(quick)
-    spawn = multiprocessing.get_context("spawn")  # fresh interpreters: no torch state forked
-    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(WORKERS, spawn, torch.set_num_threads, (1,)) as pool:
-        futures = [pool.submit(time_to_accuracy, *job, Path(tmp)) for job in sorted(jobs, key=lambda j: -j[2])]
-        runs = sorted((f.result() for f in futures), key=lambda r: [j[0] for j in jobs].index(r["run"]))
+    return scored(jobs, _run_jobs(jobs, WORKERS))
+
+
+def scored(jobs: list, runs: list[dict]) -> dict:
+    """Part 1's figures from its runs: best and final accuracy of each, and the goals."""
+    runs = sorted(runs, key=lambda r: [j[0] for j in jobs].index(r["run"]))
     best = {r["run"]: max(p["accuracy"] for p in r["curve"]) for r in runs}
     final = {r["run"]: r["curve"][-1]["accuracy"] for r in runs}
     goals = {}
@@ -221,8 +230,37 @@ def part3(quick: bool) -> list[dict]:
 GIB = 2**30
 
 
+def rerun_chunk_quality(path: Path, why: str, workers: int = 1) -> None:
+    """Part 1's chunk runs again (resident's kept: nothing of its run changed), into the result file at
+    `path`; the runs they replace are kept under quality["replaced"], with `why`."""
+    import datetime
+    import json
+    import subprocess
+    result = json.loads(path.read_text())
+    jobs = quality_jobs(quick=False)
+    again = [job for job in jobs if job[0].startswith("chunk") and "old defaults" not in job[0]]
+    kept = [r for r in result["quality"]["runs"] if r["run"] not in {job[0] for job in again}]
+    fresh = _run_jobs(again, workers)
+    replaced = [r for r in result["quality"]["runs"] if r not in kept]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    quality = scored(jobs, kept + fresh)
+    quality["replaced"] = {"why": why, "runs": replaced, "previous": result["quality"].get("replaced")}
+    quality["rerun"] = {"runs": [job[0] for job in again], "commit": head,
+                        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")}
+    result["quality"] = quality
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def run(quick: bool) -> dict:
     began = time.perf_counter()
     result = {"step_time": part2(quick), "quality": part1(quick), "estimate_8b": part3(quick)}
     result["seconds"] = time.perf_counter() - began
     return result
+
+
+if __name__ == "__main__":
+    # python benchmarks/cases/chunk_defaults.py rerun-chunk RESULT.json "why": part 1's chunk runs again
+    import sys
+    if len(sys.argv) != 4 or sys.argv[1] != "rerun-chunk":
+        sys.exit('usage: chunk_defaults.py rerun-chunk RESULT.json "why they run again"')
+    rerun_chunk_quality(Path(sys.argv[2]), sys.argv[3])
