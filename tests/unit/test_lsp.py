@@ -565,6 +565,9 @@ def test_the_drift_rule_and_the_absolute_rule_on_given_errors():
     drift.baseline = [0.5, 0.6, 0.3, 0.9]
     assert drift.drifted([0.54, 0.67, 0.2, 0.99]) == [1]  # 0.67 > 0.66; 0.99 is not > 0.99
     assert rule(0.55, 0.1).drifted([0.54, 0.67, 0.2, 0.99]) == [1, 3]
+    default = learning.ProjectorLearning([None] * 3, [], LspConfig(), None, None, False)
+    default.baseline = [0.5, 0.5, 0.5]
+    assert default.drifted([0.59, 0.61, 0.4]) == [1]  # the default margin, 20%: 18% is within it, 22% past it
 
 
 def test_the_fit_shows_its_progress_in_matrices_and_batches(monkeypatch):

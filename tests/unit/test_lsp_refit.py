@@ -106,8 +106,9 @@ def test_a_refit_that_cannot_improve_leaves_the_matrix_exactly_as_it_was():
     """alpha tiny: every matrix is chosen at the check after two training steps (Z and the moments are
     not zero); lsp.fit_lr 10 overshoots, so every fit keeps its start. The whole state is bit-identical
     to before the check (a fold would change W, a moment transfer the moments, a fresh start the
-    projectors), the check runs two passes (measure, refit: no re-measure), the refit's ends after its
-    first batch of three, and each baseline is the check's own reading."""
+    projectors), the check runs two passes (measure on the first of the sample's three batches, refit on
+    the other two: no re-measure), the refit's ends after its first batch, and each baseline is the
+    check's own reading."""
     model = model_of()
     cfg = run_cfg(LspConfig(d=8, r=3, check_every=2, alpha=1e-9, fit_iterations=60, fit_lr=10.0, check_samples=2), measure_memory=False)
     engine = LspEngine(Stack(model), cfg, CPU, "fp64")
@@ -120,7 +121,7 @@ def test_a_refit_that_cannot_improve_leaves_the_matrix_exactly_as_it_was():
     extras = engine.learning.check(engine.sample, counter)
     assert extras["lsp_refit"] == extras["lsp_refit_kept"] == len(engine.modules)
     assert same(engine_state(engine), before)
-    assert counter.passes == [(len(engine.modules), 1, 1), (len(engine.modules), 1, 3)]
+    assert counter.passes == [(len(engine.modules), 1, 1), (len(engine.modules), 1, 2)]
     measured = learning.ProjectorLearning.measure(engine.learning, engine.learning.check_batches(engine.sample),
                                                   engine._probe_pass)
     assert engine.learning.baseline == measured  # the same examples, projectors and weights: the same numbers
@@ -188,3 +189,52 @@ def test_a_done_fit_stops_its_matrix_probing_and_every_fit_ends_as_it_would_have
     stopped = first_fit(learning._stop_probing)
     assert any(reference[2]) and not any(stopped[2])
     assert same([list(v) for v in stopped[0]], [list(v) for v in reference[0]]) and stopped[1] == reference[1]
+
+
+class BatchRecorder:
+    """The engine's probe passes, each as the positions in the sample of the batches it was offered."""
+
+    def __init__(self, engine: LspEngine):
+        self.offered, self.engine, self.probe = [], engine, engine._probe_pass
+        engine._probe_pass = self
+
+    def __call__(self, batches_, observers, finished=None):
+        self.offered.append([next(k for k, b in enumerate(self.engine.sample) if b is given) for given in batches_])
+        return self.probe(batches_, observers, finished)
+
+
+def test_the_fits_learn_only_on_the_batches_after_the_check_examples():
+    """Every baseline and every check read e(G) on examples no fit learned on: with lsp.check_samples
+    the first batch's rows, the first fit is offered the sample's other two batches and its baseline is
+    read on the first; a check (alpha tiny: every matrix refit) measures on the first, fits on the
+    other two and measures the changed matrices on the first again. A sample with nothing beyond the
+    check examples is fit whole."""
+    model = model_of()
+    cfg = run_cfg(LspConfig(d=8, r=3, check_every=2, alpha=1e-9, fit_iterations=20, check_samples=2),
+                  measure_memory=False)
+    engine = LspEngine(Stack(model), cfg, CPU, "fp64")
+    engine.use_sample(batches(model.config.vocab_size, 50, micro=3))
+    recorder = BatchRecorder(engine)
+    engine.step(batches(model.config.vocab_size, 0))
+    assert recorder.offered == [[1, 2], [0]]
+    engine.step(batches(model.config.vocab_size, 1))
+    recorder.offered.clear()
+    engine.step(batches(model.config.vocab_size, 2))  # the check at step count 2
+    assert recorder.offered == [[0], [1, 2], [0]]
+    whole = LspEngine(Stack(model_of()), cfg, CPU, "fp64")
+    whole.use_sample(batches(model.config.vocab_size, 50, micro=1))
+    recorder = BatchRecorder(whole)
+    whole.step(batches(model.config.vocab_size, 0))
+    assert recorder.offered == [[0], [0]]
+
+
+def test_a_baseline_read_after_the_fit_on_unseen_examples_equals_a_fresh_measure_there():
+    """The first fit's baselines are e(G) of the new projectors on the check batch, which the fit never
+    saw: measured again by hand on that batch alone they are the same numbers (float64)."""
+    model = model_of()
+    cfg = run_cfg(LspConfig(d=8, r=3, check_every=0, fit_iterations=20, check_samples=2), measure_memory=False)
+    engine = LspEngine(Stack(model), cfg, CPU, "fp64")
+    sample = batches(model.config.vocab_size, 50, micro=3)
+    engine.use_sample(sample)
+    engine.learning.check(engine.sample, engine._probe_pass)
+    assert engine.learning.baseline == engine.learning.measure(sample[:1], engine._probe_pass)

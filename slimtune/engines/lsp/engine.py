@@ -79,12 +79,13 @@ class LspConfig:
     alpha: float = setting(-1.0, "engine=lsp: if set (> 0), a check refits every matrix whose projectors' relative"
                                  " error e(G) on the fit sample exceeds it (the spec's absolute rule) instead of"
                                  " the drift rule (lsp.drift); -1: unset.")
-    drift: float = setting(0.1, "engine=lsp: a check refits a matrix whose e(G) on the fit sample has grown past its"
-                                " e(G) just after its last fit by this fraction (0.1: 10%).")
+    drift: float = setting(0.2, "engine=lsp: a check refits a matrix whose e(G) on the check examples has grown past"
+                                " its e(G) just after its last fit by this fraction (0.2: 20%).")
     fit_samples: int = setting(64, "engine=lsp: examples drawn once from the training data and held out of"
                                    " training, whose gradients the projectors are checked and fit on.")
-    check_samples: int = setting(16, "engine=lsp: the fit sample's first examples that every check (and the"
-                                     " error after each fit) measures e(G) on.")
+    check_samples: int = setting(8, "engine=lsp: the fit sample's first examples that every check (and the"
+                                    " error after each fit) measures e(G) on; the fits learn on the sample's other"
+                                    " batches.")
     fit_iterations: int = setting(100, "engine=lsp: the most Adam steps of one fit, spread over the fit sample's"
                                        " batches; each batch's stop early once the error on its held-out half stops"
                                        " falling.")

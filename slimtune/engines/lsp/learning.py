@@ -4,10 +4,12 @@ the full gradients of a fixed sample, and the matrices whose projectors have dri
 
 Drift. The sample is fixed, so a matrix's checked error changes only as training moves the weights
 (and their gradients) away from where its projectors were fit. Right after each fit the error is
-measured on the sample's first lsp.check_samples examples (`baseline`); a check measures on the same
-examples and refits a matrix when its error has grown past that by the relative margin lsp.drift. A fixed threshold does not do this: learned projectors sit at e(G)
-0.6 to 1.0 on real models, above any threshold low enough to matter, so every check refit every
-matrix for no gain. lsp.alpha, if set, is the spec's absolute rule instead: refit above it.
+measured on the sample's first lsp.check_samples examples (`baseline`), which no fit learns on (the fits
+take the sample's other batches: `fit_batches`); a check measures on the same examples and refits a
+matrix when its error has grown past that by the relative margin lsp.drift. A fixed threshold does not
+do this: learned projectors sit at e(G) 0.6 to 1.0 on real models, above any threshold low enough to
+matter, so every check refit every matrix for no gain. lsp.alpha, if set, is the spec's absolute rule
+instead: refit above it.
 
 Both run on a probe pass (the engine's: forward and backward over the sample with the observed
 ProjectedLinears in probe mode, each batch's full gradient handed over in backward, in two halves
@@ -135,7 +137,7 @@ class ProjectorLearning:
             extras = {"lsp_error_mean": sum(finite) / len(finite) if finite else float("nan"),
                       "lsp_error_max": max(finite, default=float("nan"))}
         if chosen:
-            extras["lsp_fit_steps"], changed = self.refit(batches, chosen, probe_pass)
+            extras["lsp_fit_steps"], changed = self.refit(self.fit_batches(batches, checked), chosen, probe_pass)
             extras["lsp_refit_kept"] = len(chosen) - len(changed)
             self._new_baselines(chosen, changed, errors if self.fitted else None, checked, probe_pass)
             finite = [self.baseline[i] for i in chosen if self.baseline[i] is not None]
@@ -170,6 +172,15 @@ class ProjectorLearning:
             taken.append(batch)
             rows += batch.input_ids.shape[0]
         return taken
+
+    @staticmethod
+    def fit_batches(batches: list, checked: list) -> list:
+        """The batches a fit learns on: the sample's batches after the check examples, so that every baseline
+        and every check reads e(G) on examples no fit has seen. Measured where the fit had trained, a
+        baseline carries the fit's own advantage on those examples, which fades as the weights move and
+        reads as drift (benchmarks/docs/lsp_fit.md, run 5). A sample with no batch beyond the check
+        examples (the planner's estimate on the step's own batches; tiny samples) is fit whole, as before."""
+        return batches[len(checked):] or batches
 
     def drifted(self, errors: list[float]) -> list[int]:
         """The matrices to refit: above lsp.alpha when it is set; otherwise those whose error grew past
