@@ -409,8 +409,12 @@ def test_chunk_on_slide_equals_chunk_on_resident(tied, chunk):
         assert math.isclose(a.loss, b.loss, rel_tol=1e-10) and math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-9)
     want, got = resident.trainable_state(), slide.trainable_state()
     assert want.keys() == got.keys()
+    # The two engines' fp64 sums differ in the last bits (BLAS order); AdamW's 1/(sqrt(v) + eps) turns
+    # that into up to ~1e-10 on an element whose gradient is tiny, more at chunk's scaled rate (lr x
+    # sqrt(3) here): 2.1e-10 under MKL_CBWR=COMPATIBLE (the suite's), 1e-12 without; 3.6e-14 at lr x1.
+    # 1e-9, as a bug is 1e-3 away.
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11, msg=name)
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-9, msg=name)
 
 
 def test_chunk_on_slide_holds_the_weights_and_one_chunks_gradients_on_the_host_and_resumes_exactly(tmp_path):
