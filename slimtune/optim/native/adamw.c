@@ -628,7 +628,7 @@ static inline void code_interleaved(const Coded *c, const Segments *s, __m512i o
 #define FAST_OPTIONS_PUSHED 1
 #endif
 /* The first half of a block: its moments decoded 64 at a time into registers and updated with its
-   gradient (adamw16's m and v lines), stored (interleaved) in m_new and v_new, and their |x| maxima. */
+   gradient (adamw()'s m and v lines, torch's vector formula for v), stored (interleaved) in m_new and v_new, and their |x| maxima. */
 static inline __attribute__((always_inline)) void moments_of_block(const Constants *k, const int kind, const Coded *cm,
                                                                     const Coded *cv, __m512i decode_order,
                                                                     uint16_t *grad, const int empty_grad, int64_t at,
@@ -662,7 +662,7 @@ static inline __attribute__((always_inline)) void moments_of_block(const Constan
     }
 }
 
-/* adamw16's master update on 32 numbers of the split layout from their new moments m1 and v1
+/* adamw()'s master update on 32 numbers of the split layout from their new moments m1 and v1
    (interleaved), combine() before and narrow() after, stored. */
 static inline __attribute__((always_inline)) void master32(const Constants *k, const int kind, const Orders *o,
                                                             uint16_t *weight, int16_t *residual, uint16_t *shadow,
