@@ -14,7 +14,7 @@ instead: refit above it.
 Both run on a probe pass (the engine's: forward and backward over the sample with the observed
 ProjectedLinears in probe mode, each batch's full gradient handed over in backward, in two halves
 of its rows, and dropped, one matrix at a time). A fit learns the values on the fixed positions with
-Adam: on each batch, up to fit_iterations / batches steps on one half's gradient while the other
+Adam: on each batch, up to fit_iterations // batches steps (at least one) on one half's gradient while the other
 half (examples the fit has not seen) is the held-out gradient whose error stops the fit once it
 stops falling (projectors.ValueFit); the halves swap roles from batch to batch, and the pass ends
 after the batch where the last fit stopped. The first fit starts from fresh values; a refit starts
@@ -218,7 +218,7 @@ class ProjectorLearning:
         after it (warm). A matrix whose values changed folds Z into W, then its moments move into the new
         subspace; one whose fit kept its values exactly (no held-out reading beat the start) is left as it
         is. Returns the fit's Adam steps, summed over the matrices, and the matrices that changed."""
-        steps = max(1, -(-self.settings.fit_iterations // len(batches)))
+        steps = max(1, self.settings.fit_iterations // len(batches))  # lsp.fit_iterations is the most a fit takes
         fits = {i: projectors.ValueFit(self.modules[i].p_o, self.modules[i].p_i, self.settings.fit_lr, steps,
                                        self.generator, fresh=not self.fake, warm=self.fitted) for i in chosen}
         seen = dict.fromkeys(chosen, 0)
