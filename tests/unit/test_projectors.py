@@ -54,6 +54,24 @@ def test_products_equal_dense_ones():
     assert torch.allclose(pj.decompress(c, p_o, p_i), p_o.dense() @ c @ p_i.dense().T, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype,csr,atol", [(F64, True, 1e-12), (torch.float32, True, 1e-5), (torch.bfloat16, False, 0.1)])
+@pytest.mark.parametrize("rows", [0, 1, 15])
+def test_the_csr_and_term_routes_equal_the_dense_products(dtype, csr, atol, rows):
+    """CPU fp32/fp64 take one CSR product read from pos as it is, each row's columns unsorted; bf16 (no CPU
+    sparse product) the index terms. Both equal the dense products, for any number of rows."""
+    p = pj.SparseProjector.random(300, 24, 4, torch.Generator().manual_seed(5), F64, CPU)
+    assert bool((p.pos[:, 1:] < p.pos[:, :-1]).any())  # unsorted rows exist: the CSR route must not need them sorted
+    x, a = torch.randn(rows, 2, 300, dtype=F64), torch.randn(rows, 2, 24, dtype=F64)
+    low = pj.SparseProjector(p.pos, p.val.to(dtype), p.d)
+    assert pj._through_csr(x.to(dtype)) is csr
+    right, right_t = low.right(x.to(dtype)), low.right_t(a.to(dtype))
+    assert right.shape == (rows, 2, 24) and right_t.shape == (rows, 2, 300) and right.dtype == right_t.dtype == dtype
+    dense = p.val.to(dtype).to(F64)
+    expected = torch.zeros(300, 24, dtype=F64).scatter(1, p.pos, dense)
+    assert torch.allclose(right.to(F64), x.to(dtype).to(F64) @ expected, atol=atol, rtol=atol)
+    assert torch.allclose(right_t.to(F64), a.to(dtype).to(F64) @ expected.T, atol=atol, rtol=atol)
+
+
 def test_the_d_by_d_error_identity_equals_the_dense_error():
     p_o, p_i = pair()
     grad = torch.randn(24, 5, dtype=F64) @ torch.randn(5, 40, dtype=F64)
