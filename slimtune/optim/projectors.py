@@ -117,28 +117,28 @@ def _through_csr(x: torch.Tensor) -> bool:
     """The products go through one MKL sparse product on the CPU in fp32 and fp64: 2-4.7 times quicker than the
     r index_select / index_add terms at SmolLM2's shapes (d 256, 256 rows, one thread: a @ P^T 0.74 against
     3.46 ms at n = 1536, x @ P 1.48 against 1.97; benchmarks/docs/lsp_fit.md). The CPU has no bf16 sparse
-    product, and no other device has been measured: those keep the terms."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+    product, and no other device has been measured: those keep the terms. So does the planner's fake step
+    (fake CPU tensors standing for a GPU run): it counts the terms' transient, as a GPU run holds it, and
+    a CPU run, which holds only the result, never needs more than the plan says."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not is_fake(x)
 
 
 def _csr_product(x: torch.Tensor, pos: torch.Tensor, val: torch.Tensor, d: int, transposed: bool) -> torch.Tensor:
     """x @ P ((..., n) -> (..., d)) or, `transposed`, x @ P^T ((..., d) -> (..., n)) with P as a CSR matrix
     read straight from (pos, val): row k's r non-zeros are its CSR row in pos's order (MKL needs no sorted
     columns; the products equal the dense ones, tested), so nothing is made but the row offsets and the
-    result. x @ P^T is computed as P x^T written into the result's transpose: row-major, no copy.
-    Under fake tensors (the planner's estimate) the same tensors are made and no product is run."""
+    result. x @ P^T is computed as P x^T written into the result's transpose: row-major, no copy."""
     n, r = pos.shape
     rows = x.reshape(-1, x.shape[-1])
     out = rows.new_empty(rows.shape[0], n if transposed else d)
     offsets = torch.arange(0, n * r + 1, r, device=x.device)
-    if not is_fake(x):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product is exact
-            p = torch.sparse_csr_tensor(offsets, pos.reshape(-1), val.reshape(-1), (n, d), check_invariants=False)
-        if transposed:
-            torch.mm(p, rows.t(), out=out.t())
-        else:
-            torch.mm(rows, p, out=out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product is exact
+        p = torch.sparse_csr_tensor(offsets, pos.reshape(-1), val.reshape(-1), (n, d), check_invariants=False)
+    if transposed:
+        torch.mm(p, rows.t(), out=out.t())
+    else:
+        torch.mm(rows, p, out=out)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -72,6 +72,17 @@ def test_the_csr_and_term_routes_equal_the_dense_products(dtype, csr, atol, rows
     assert torch.allclose(right_t.to(F64), a.to(dtype).to(F64) @ expected.T, atol=atol, rtol=atol)
 
 
+def test_the_planners_fake_step_takes_the_term_route():
+    """Fake CPU tensors stand for a GPU run in the planner: they take the GPU's route (its transient counted)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 300)
+        assert not pj._through_csr(x)
+        p = pj.SparseProjector(torch.zeros(300, 4, dtype=torch.long), torch.empty(300, 4), 24)
+        assert p.right(x).shape == (4, 24) and p.right_t(torch.empty(4, 24)).shape == (4, 300)
+
+
 def test_the_d_by_d_error_identity_equals_the_dense_error():
     p_o, p_i = pair()
     grad = torch.randn(24, 5, dtype=F64) @ torch.randn(5, 40, dtype=F64)
