@@ -67,6 +67,10 @@ ROWS = {
     "lsp_d256": {"engine": "lsp", "lsp": {"d": 256}},  # the default since (sizing.py: half the hidden size)
     "lsp_d512": {"engine": "lsp", "lsp": {"d": 512}},
     "lsp_d128": {"engine": "lsp", "lsp": {"d": 128}},
+    # lsp at d = 256 with half the fit sample (32 examples: one check batch and three fit batches, against
+    # seven): a quicker fit (issue 32's 10% share); it holds 32 fewer examples out of training, so its data
+    # order is not the other rows' (same_order checks the default sample only).
+    "lsp_d256_fs32": {"engine": "lsp", "lsp": {"d": 256, "fit_samples": 32}},
     "resident_seed1": {"engine": "resident", "train": {"seed": 1}},  # the spread a seed (data order) makes
     # the learning rate: chunk updates each tensor on 1/8 of the steps; does a higher rate make up for it,
     # and does resident gain as much (docs: "chunk and the learning rate")
