@@ -123,6 +123,13 @@ def _through_csr(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not is_fake(x)
 
 
+def _csr_matrix(offsets: torch.Tensor, columns: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A sparse CSR tensor of these parts, unchecked (the positions make them valid)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the products are exact
+        return torch.sparse_csr_tensor(offsets, columns, values, shape, check_invariants=False)
+
+
 def _csr_product(x: torch.Tensor, pos: torch.Tensor, val: torch.Tensor, d: int, transposed: bool) -> torch.Tensor:
     """x @ P ((..., n) -> (..., d)) or, `transposed`, x @ P^T ((..., d) -> (..., n)) with P as a CSR matrix
     read straight from (pos, val): row k's r non-zeros are its CSR row in pos's order (MKL needs no sorted
@@ -132,9 +139,7 @@ def _csr_product(x: torch.Tensor, pos: torch.Tensor, val: torch.Tensor, d: int, 
     rows = x.reshape(-1, x.shape[-1])
     out = rows.new_empty(rows.shape[0], n if transposed else d)
     offsets = torch.arange(0, n * r + 1, r, device=x.device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product is exact
-        p = torch.sparse_csr_tensor(offsets, pos.reshape(-1), val.reshape(-1), (n, d), check_invariants=False)
+    p = _csr_matrix(offsets, pos.reshape(-1), val.reshape(-1), (n, d))
     if transposed:
         torch.mm(p, rows.t(), out=out.t())
     else:
@@ -236,10 +241,7 @@ class _Csr:
         values = val.flatten()[self.order].to(m.dtype)
         if is_fake(m):  # fake tensors run no sparse product (the planner's estimate): its result is its memory
             return m.new_empty(self.shape[0], m.shape[1])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product is exact
-            sparse = torch.sparse_csr_tensor(self.rows, self.columns, values, self.shape, check_invariants=False)
-        return sparse @ m
+        return _csr_matrix(self.rows, self.columns, values, self.shape) @ m
 
 
 class Transposed(_Csr):
@@ -279,10 +281,8 @@ class Rows(_Csr):
         if is_fake(a):
             values = a.new_empty(count)
         else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product is exact
-                pattern = torch.sparse_csr_tensor(self.rows, self.columns, zeros, self.shape, check_invariants=False)
-                values = torch.sparse.sampled_addmm(pattern, a, b.t(), beta=0.0).values()
+            pattern = _csr_matrix(self.rows, self.columns, zeros, self.shape)
+            values = torch.sparse.sampled_addmm(pattern, a, b.t(), beta=0.0).values()
         return values[self.inverse].view(n, count // n)
 
 
