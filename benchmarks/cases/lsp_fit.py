@@ -8,7 +8,7 @@ fit + checks, share of training time at defaults: <= 10%".
 The run: SmolLM2-135M-Instruct (scripts/make_smollm2.py, cached), engine=lsp, method=full,
 precision=fp32 (this CPU's fast dtype), every lsp setting at its default (d derived from the shapes:
 256 for this model since b42a597, half the hidden size; 64 in the committed runs of this case; r 4;
-fit sample 64 examples held out of training; at most 100 fit steps a matrix, stopped early on
+fit sample of 32 examples held out of training (64 until run 6); at most 100 fit steps a matrix, stopped early on
 held-out rows; a check every 100 steps on the sample's first 8 examples, which the fits do not learn on;
 refit on drift, lsp.drift 0.2; before run 5: 16 examples the fits also learned on, and 0.1), batch 8 x
 32 tokens, lr 5e-5, a constant rate after 10 warm-up steps, train.steps steps (401: the fit before

@@ -56,20 +56,21 @@ from lsp_fit import word_task
 
 STEPS, QUICK_STEPS = 200, 2
 HELDOUT, QUICK_HELDOUT = 200, 20
-FIT_SAMPLES = 64  # lsp.fit_samples' default: the examples lsp holds out of training
+FIT_SAMPLES = 64  # the examples the lsp rows by d hold out of training (lsp.fit_samples' default until 2026-12-06)
 MAX_NEW_TOKENS = 16  # " a-b-c-d-e-f" and the end of text fit with room
 GOAL_POINTS = 5.0
 ROWS = {
     "resident": {"engine": "resident"},
     "chunk_n8": {"engine": "chunk", "chunk": {"n_chunks": 8}},  # at its defaults: lr x sqrt(8) since chunk.lr_scale
     "chunk_n8_lr_scale1": {"engine": "chunk", "chunk": {"n_chunks": 8, "lr_scale": 1.0}},  # the rate as given
-    "lsp_d64": {"engine": "lsp", "lsp": {"d": 64}},  # the default before this case (run as lsp at defaults)
-    "lsp_d256": {"engine": "lsp", "lsp": {"d": 256}},  # the default since (sizing.py: half the hidden size)
-    "lsp_d512": {"engine": "lsp", "lsp": {"d": 512}},
-    "lsp_d128": {"engine": "lsp", "lsp": {"d": 128}},
-    # lsp at d = 256 with half the fit sample (32 examples: one check batch and three fit batches, against
-    # seven): a quicker fit (issue 32's 10% share); it holds 32 fewer examples out of training, so its data
-    # order is not the other rows' (same_order checks the default sample only).
+    # The lsp rows by d ran with lsp.fit_samples 64, its default then: every engine saw the same batches.
+    "lsp_d64": {"engine": "lsp", "lsp": {"d": 64, "fit_samples": FIT_SAMPLES}},  # the default before this case
+    "lsp_d256": {"engine": "lsp", "lsp": {"d": 256, "fit_samples": FIT_SAMPLES}},  # d's default since (sizing.py)
+    "lsp_d512": {"engine": "lsp", "lsp": {"d": 512, "fit_samples": FIT_SAMPLES}},
+    "lsp_d128": {"engine": "lsp", "lsp": {"d": 128, "fit_samples": FIT_SAMPLES}},
+    # lsp at its defaults since 2026-12-06 (d = 256, lsp.fit_samples 32: one check batch and three fit batches,
+    # against seven): a quicker fit (issue 32's 10% share). It holds 32 fewer examples out of training, so
+    # its data order is not the other rows' (same_order checks the rows above).
     "lsp_d256_fs32": {"engine": "lsp", "lsp": {"d": 256, "fit_samples": 32}},
     "resident_seed1": {"engine": "resident", "train": {"seed": 1}},  # the spread a seed (data order) makes
     # the learning rate: chunk updates each tensor on 1/8 of the steps; does a higher rate make up for it,

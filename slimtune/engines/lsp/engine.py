@@ -81,8 +81,9 @@ class LspConfig:
                                  " the drift rule (lsp.drift); -1: unset.")
     drift: float = setting(0.2, "engine=lsp: a check refits a matrix whose e(G) on the check examples has grown past"
                                 " its e(G) just after its last fit by this fraction (0.2: 20%).")
-    fit_samples: int = setting(64, "engine=lsp: examples drawn once from the training data and held out of"
-                                   " training, whose gradients the projectors are checked and fit on.")
+    fit_samples: int = setting(32, "engine=lsp: examples drawn once from the training data and held out of"
+                                   " training, whose gradients the projectors are checked and fit on (the first"
+                                   " lsp.check_samples for the checks, the rest for the fits).")
     check_samples: int = setting(8, "engine=lsp: the fit sample's first examples that every check (and the"
                                     " error after each fit) measures e(G) on; the fits learn on the sample's other"
                                     " batches.")
