@@ -72,6 +72,9 @@ ROWS = {
     # against seven): a quicker fit (issue 32's 10% share). It holds 32 fewer examples out of training, so
     # its data order is not the other rows' (same_order checks the rows above).
     "lsp_d256_fs32": {"engine": "lsp", "lsp": {"d": 256, "fit_samples": 32}},
+    # the two fit samples again at another seed (data order and fit sample drawn anew): against resident_seed1
+    "lsp_d256_seed1": {"engine": "lsp", "lsp": {"d": 256, "fit_samples": FIT_SAMPLES}, "train": {"seed": 1}},
+    "lsp_d256_fs32_seed1": {"engine": "lsp", "lsp": {"d": 256, "fit_samples": 32}, "train": {"seed": 1}},
     "resident_seed1": {"engine": "resident", "train": {"seed": 1}},  # the spread a seed (data order) makes
     # the learning rate: chunk updates each tensor on 1/8 of the steps; does a higher rate make up for it,
     # and does resident gain as much (docs: "chunk and the learning rate")
