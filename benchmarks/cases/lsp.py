@@ -32,7 +32,7 @@ from _accuracy import time_to_accuracy
 from slimtune import config, demo
 from slimtune.data import dataset as data
 from slimtune.model.stack import load_model, load_tokenizer
-from slimtune.optim import projectors
+from slimtune.optim import projectors, value_fit
 
 GIB = 2**30
 SEQ = 1024
@@ -89,7 +89,7 @@ def quality(grads: dict, shapes: dict, d: int, r: int, methods: tuple[str, ...],
                 pair = [projectors.SparseProjector.random(n, dd, min(r, dd), g, torch.float32, torch.device("cpu"))
                         for n in (n_o, n_i)]
                 if method == "learned":
-                    fitter = projectors.ValueFit(*pair, lr=0.05, steps=-(-100 // len(train_set)), generator=g)
+                    fitter = value_fit.ValueFit(*pair, lr=0.05, steps=-(-100 // len(train_set)), generator=g)
                     for grad in train_set:
                         fitter.observe(grad)
                     pair = fitter.pair()

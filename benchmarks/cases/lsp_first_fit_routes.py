@@ -21,6 +21,7 @@ import torch
 
 from slimtune.optim import factored_gradient as fg
 from slimtune.optim import projectors as pj
+from slimtune.optim import value_fit as vf
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
 DS, TS, R = (64, 128, 256, 512), (32, 64, 128, 192, 256, 384), 4
@@ -39,8 +40,8 @@ def _best_ms(fn, calls: int = 10, repeats: int = 3) -> float:
 def _timed(n_o: int, n_i: int, d: int, t: int, g: torch.Generator) -> dict:
     pair = [pj.SparseProjector.random(n, d, R, g, torch.float32, torch.device("cpu")) for n in (n_o, n_i)]
     factors = fg.Factors(torch.randn(t, n_o, generator=g), torch.randn(t, n_i, generator=g))
-    fit = pj.ValueFit(*pair, lr=0.05, steps=1, generator=g)
-    factored, formed = fg.FactoredGradient(factors, fit), pj._DenseGradient(factors.dense(), fit)
+    fit = vf.ValueFit(*pair, lr=0.05, steps=1, generator=g)
+    factored, formed = fg.FactoredGradient(factors, fit), vf._DenseGradient([factors.dense()], fit, (0,))
     return {"n_o": n_o, "n_i": n_i, "d": d, "t": t,
             "step_ms_factored": _best_ms(lambda: fit.step(factored)),
             "step_ms_formed": _best_ms(lambda: fit.step(formed)),

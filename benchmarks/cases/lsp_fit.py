@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from slimtune import train
 from slimtune.engines import settings as run_settings
-from slimtune.optim import projectors
+from slimtune.optim import projectors, value_fit
 from _smollm2 import smollm2_folder  # benchmarks/cases/ is on the path (run.py)
 
 STEPS, QUICK_STEPS = 401, 3
@@ -141,7 +141,7 @@ def _fit_step_ms(n_o: int, n_i: int, d: int, r: int, steps: int = 20, repeats: i
     pair = [projectors.SparseProjector.random(n, d, r, g, torch.float32, torch.device("cpu")) for n in (n_o, n_i)]
     best = float("inf")
     for _ in range(repeats):
-        fit = projectors.ValueFit(*pair, lr=0.05, steps=steps, generator=g)
+        fit = value_fit.ValueFit(*pair, lr=0.05, steps=steps, generator=g)
         began = time.perf_counter()
         fit.observe(grad)  # no held-out gradient: every step runs
         best = min(best, (time.perf_counter() - began) / steps)

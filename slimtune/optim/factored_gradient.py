@@ -77,53 +77,77 @@ def rows_dot(b: torch.Tensor, d_c: torch.Tensor, pos: torch.Tensor) -> torch.Ten
 
 
 class FactoredGradient:
-    """One gradient's factors, made ready for a fit's steps and readings (module docstring): dY^T and
-    X^T row-major (the sparse products read them so) and |G|^2. `fit` is the ValueFit (its values, its
-    positions and their CSR structures)."""
+    """Gradients' factors, made ready for a fit's steps and readings (module docstring), for the fit's
+    members `which` (value_fit.py: one matrix, or several of one shape, stacked): dY^T and X^T row-major
+    ((k, n_o, t), (k, n_i, t): the sparse products read them so) and |G|^2 (k,). `fit` is the ValueFit
+    (its values, its positions and their CSR structures)."""
 
-    def __init__(self, g: Factors, fit):
-        self.fit = fit
-        self.dyt, self.xt = g.dy.t().contiguous(), g.x.t().contiguous()  # (n_o, t), (n_i, t)
-        self.total = ((g.dy @ g.dy.t()) * (g.x @ g.x.t())).sum()  # |G|^2 = <dY dY^T, X X^T>
+    def __init__(self, gradients: Factors | list[Factors], fit, which: tuple[int, ...] = (0,)):
+        gradients = [gradients] if isinstance(gradients, Factors) else gradients
+        self.fit, self.which = fit, which
+        self.dyt, self.xt = _stacked([g.dy.t() for g in gradients]), _stacked([g.x.t() for g in gradients])
+        dy, x = _stacked([g.dy for g in gradients]), _stacked([g.x for g in gradients])
+        self.total = ((dy @ dy.mT) * (x @ x.mT)).sum((1, 2))  # |G|^2 = <dY dY^T, X X^T>
         self.like = self.dyt
 
+    def select(self, which: tuple[int, ...]) -> FactoredGradient:
+        """The same for some of its members (`which`, a subsequence of self.which)."""
+        rows = [self.which.index(b) for b in which]
+        chosen = object.__new__(FactoredGradient)
+        chosen.fit, chosen.which, chosen.like = self.fit, which, self.like
+        take = (lambda t: t[rows[0]:rows[0] + 1]) if len(rows) == 1 else (lambda t: t[rows])
+        chosen.dyt, chosen.xt, chosen.total = take(self.dyt), take(self.xt), take(self.total)
+        return chosen
+
     def _sides(self):
-        """For each side, its projected rows (d, t) (V^T, U^T), the same back through P (n, t) (P_o V^T,
-        P_i U^T) and the Gram's (d, t) (A_o V^T, A_i U^T)."""
+        """For each side, its projected rows (k, d, t) (V^T, U^T), the same back through P (k, n, t)
+        (P_o V^T, P_i U^T) and the Gram's (k, d, t) (A_o V^T, A_i U^T)."""
         fit = self.fit
-        val_o, val_i = fit.values
-        vt, ut = fit.left.times(val_o, self.dyt), fit.right.times(val_i, self.xt)
-        qo, qi = fit.rows_o.times(val_o, vt), fit.rows_i.times(val_i, ut)
-        return (vt, qo, fit.left.times(val_o, qo)), (ut, qi, fit.right.times(val_i, qi))
+        s, (val_o, val_i) = fit.stack(self.which), fit.current(self.which)
+        vt, ut = s.times(s.left, val_o, self.dyt), s.times(s.right, val_i, self.xt)
+        qo, qi = s.times(s.rows_o, val_o, vt), s.times(s.rows_i, val_i, ut)
+        return (vt, qo, s.times(s.left, val_o, qo)), (ut, qi, s.times(s.right, val_i, qi))
 
     @staticmethod
     def _grams(side) -> torch.Tensor:
-        """[K, K'] (t, 2t) of one side: its rows' Gram with themselves and with the Gram-multiplied rows."""
+        """[K, K'] (k, t, 2t) of one side: its rows' Gram with themselves and with the Gram-multiplied rows."""
         rows_t, _, gram_t = side
-        return rows_t.t() @ torch.cat([rows_t, gram_t], 1)
+        return rows_t.mT @ torch.cat([rows_t, gram_t], 2)
 
     def error_sq(self) -> torch.Tensor:
-        """e(G)^2 of the fit's current values."""
+        """e(G)^2 (k,) of the fit's current values."""
         (v, k_v), (u, k_u) = [(side, self._grams(side)) for side in self._sides()]
-        t = k_v.shape[0]
-        return (self.total - 2 * (k_v[:, :t] * k_u[:, :t]).sum() + (k_v[:, t:] * k_u[:, t:]).sum()) / self.total
+        t = k_v.shape[1]
+        return (self.total - 2 * (k_v[:, :, :t] * k_u[:, :, :t]).sum((1, 2))
+                + (k_v[:, :, t:] * k_u[:, :, t:]).sum((1, 2))) / self.total
 
     def gradient(self) -> None:
-        """e(G)^2's gradient in the values, into each value tensor's .grad (module docstring)."""
-        fit = self.fit
+        """e(G)^2's gradient in the values, into each member's .grad (module docstring)."""
+        fit, which = self.fit, self.which
+        s = fit.stack(which)
         o_side, i_side = self._sides()
         k_v, k_u = self._grams(o_side), self._grams(i_side)
-        grad_o = fit.rows_o.sampled(torch.cat([self.dyt, o_side[1]], 1), _right_side(o_side, k_u))
-        grad_i = fit.rows_i.sampled(torch.cat([self.xt, i_side[1]], 1), _right_side(i_side, k_v))
-        fit.values[0].grad.copy_(grad_o.mul_(2 / self.total))
-        fit.values[1].grad.copy_(grad_i.mul_(2 / self.total))
+        grad_o = s.rows_o.sampled(_flat(torch.cat([self.dyt, o_side[1]], 2)), _flat(_right_side(o_side, k_u)))
+        grad_i = s.rows_i.sampled(_flat(torch.cat([self.xt, i_side[1]], 2)), _flat(_right_side(i_side, k_v)))
+        fit.store_gradient(0, which, grad_o, self.total)
+        fit.store_gradient(1, which, grad_i, self.total)
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The members' tensors as one row-major (k, ...) stack (one member's as a view of it, where row-major)."""
+    return tensors[0].contiguous().unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _flat(stacked: torch.Tensor) -> torch.Tensor:
+    """(k, rows, m) as the (k rows, m) the block-diagonal sparse products read."""
+    return stacked.reshape(-1, stacked.shape[-1])
 
 
 def _right_side(side, k_other: torch.Tensor) -> torch.Tensor:
-    """[E^T, F^T] (d, 2t) for one side, from the other side's [K, K']: E^T = W'^T K' - 2 W^T K and
+    """[E^T, F^T] (k, d, 2t) for one side, from the other side's [K, K']: E^T = W'^T K' - 2 W^T K and
     F^T = W^T K', with W^T, W'^T this side's projected rows and their Gram's (K symmetric)."""
     rows_t, _, gram_t = side
-    t = k_other.shape[0]
-    both = rows_t @ k_other  # [W^T K, W^T K'] (d, 2t): the second half is F^T
-    both[:, :t].mul_(-2).addmm_(gram_t, k_other[:, t:])
+    t = k_other.shape[1]
+    both = rows_t @ k_other  # [W^T K, W^T K'] (k, d, 2t): the second half is F^T
+    both[:, :, :t].mul_(-2).baddbmm_(gram_t, k_other[:, :, t:])
     return both

@@ -18,7 +18,7 @@ from slimtune.engines.lsp import learning
 from slimtune.engines.lsp.engine import LspConfig, LspEngine
 from slimtune.engines.lsp.projected_linear import ProjectedLinear
 from slimtune.model.stack import Stack
-from slimtune.optim import projectors as pj
+from slimtune.optim import value_fit as vf
 from slimtune.planning import estimate
 
 CPU = torch.device("cpu")
@@ -79,7 +79,7 @@ def test_the_first_fits_peak_estimated_equals_the_meter(tmp_path, tokenizer, mon
     """The check's pass peak (engine.check_peak) of the fake step (the planner's estimate) against the real
     step's on the CPU meter, with the corrections skipped and the fit from the factors (or from the
     formed gradients, whichever the monkeypatched cost model says)."""
-    monkeypatch.setattr(pj, "factored_is_cheaper", lambda *shape: factored)
+    monkeypatch.setattr(vf, "factored_is_cheaper", lambda *shape: factored)
     folder = save_tiny_model(tmp_path, tokenizer)
     cfg = settings.load(None, ["engine=lsp", "method=full", "precision=fp32"],
                         base={"model": str(folder), "data": "x.jsonl", "train": {"batch_size": 2},

@@ -16,6 +16,7 @@ from slimtune.engines.lsp import learning
 from slimtune.engines.lsp.engine import LspConfig, LspEngine
 from slimtune.model.stack import Stack
 from slimtune.optim import projectors as pj
+from slimtune.optim import value_fit as vf
 
 CPU = torch.device("cpu")
 F64 = torch.float64
@@ -30,14 +31,14 @@ def test_a_warm_fit_starts_from_the_pairs_values_and_never_ends_worse_on_its_hel
     the warm fit's values start as copies of the pair's (the pair untouched), and the values it ends
     with are no worse on the held-out gradient than the start; from the poor start it improves."""
     train, held = gradient_set(1, seed=1)[0], gradient_set(1, seed=2)[0]
-    learned = pj.ValueFit(*pair(seed=5), lr=0.05, steps=60, generator=torch.Generator().manual_seed(6))
+    learned = vf.ValueFit(*pair(seed=5), lr=0.05, steps=60, generator=torch.Generator().manual_seed(6))
     for grad in gradient_set(4, seed=3):
         learned.observe(grad)
     for start in (learned.pair(), pair(seed=7)):
         kept = [p.val.clone() for p in start]
-        fit = pj.ValueFit(*start, lr=0.05, steps=60, generator=torch.Generator().manual_seed(8), warm=True)
+        fit = vf.ValueFit(*start, lr=0.05, steps=60, generator=torch.Generator().manual_seed(8), warm=True)
         assert all(torch.equal(v, p.val) and v.data_ptr() != p.val.data_ptr() for v, p in zip(fit.values, start))
-        fresh = pj.ValueFit(*start, lr=0.05, steps=60, generator=torch.Generator().manual_seed(8))
+        fresh = vf.ValueFit(*start, lr=0.05, steps=60, generator=torch.Generator().manual_seed(8))
         assert not torch.equal(fresh.values[0], start[0].val)  # what warm=False would start from
         fit.observe(train, held)
         assert all(torch.equal(p.val, k) for p, k in zip(start, kept))
@@ -50,7 +51,7 @@ def test_a_warm_fit_that_cannot_beat_its_start_stops_at_its_first_readings_and_k
     fit is done after two of them (CHECK_EVERY * 2 steps, not the 100 offered) and its values are the
     start's, bit for bit, though its steps moved them."""
     start = pair(seed=5)
-    fit = pj.ValueFit(*start, lr=10.0, steps=100, generator=torch.Generator().manual_seed(8), warm=True)
+    fit = vf.ValueFit(*start, lr=10.0, steps=100, generator=torch.Generator().manual_seed(8), warm=True)
     moved = []
     step = fit.step
 
@@ -61,7 +62,7 @@ def test_a_warm_fit_that_cannot_beat_its_start_stops_at_its_first_readings_and_k
     fit.step = recorded
     train, held = gradient_set(1, seed=1)[0], gradient_set(1, seed=2)[0]
     fit.observe(train, held)
-    assert fit.done and fit.iterations == 2 * pj.ValueFit.CHECK_EVERY and all(moved)
+    assert fit.done and fit.iterations == 2 * vf.ValueFit.CHECK_EVERY and all(moved)
     assert all(torch.equal(v, p.val) for v, p in zip(fit.values, start))
     assert fit.held_out_error == pytest.approx(held_out_error(start, held), rel=1e-9)
 
@@ -131,14 +132,15 @@ def test_a_warm_refit_starts_from_the_current_values_and_the_first_fit_from_fres
     """Every fit's starting values, recorded: the first fit's differ from the engine's initial random
     projectors; at the check after two steps every refit starts from the values the first fit left.
     The refits that changed their values are folded and measured again (three passes)."""
-    starts = []
+    by_positions = {}  # a matrix's starting values, by its positions tensor (a fit may hold several matrices)
 
-    class Recorded(pj.ValueFit):
+    class Recorded(vf.ValueFit):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            starts.append([v.clone() for v in self.values])
+            for member, values in enumerate(self.params):
+                by_positions[id(self.given[0][member])] = [v.clone() for v in values]
 
-    monkeypatch.setattr(learning.projectors, "ValueFit", Recorded)
+    monkeypatch.setattr(learning.value_fit, "ValueFit", Recorded)
     model = model_of()
     cfg = run_cfg(LspConfig(d=8, r=3, check_every=2, alpha=1e-9, fit_iterations=20), measure_memory=False)
     engine = LspEngine(Stack(model), cfg, CPU, "fp64")
@@ -146,13 +148,15 @@ def test_a_warm_refit_starts_from_the_current_values_and_the_first_fit_from_fres
     initial = [(m.p_o.val.clone(), m.p_i.val.clone()) for m in engine.modules]
     engine.step(batches(model.config.vocab_size, 0))
     first = [(m.p_o.val.clone(), m.p_i.val.clone()) for m in engine.modules]
-    assert len(starts) == len(engine.modules)
+    starts = [by_positions[id(m.p_o.pos)] for m in engine.modules]
+    assert len(by_positions) == len(engine.modules)
     assert not any(torch.equal(s[0], o) or torch.equal(s[1], i) for s, (o, i) in zip(starts, initial))
-    starts.clear()
+    by_positions.clear()
     engine.step(batches(model.config.vocab_size, 1))
     counter = PassCounter(engine)
     extras = engine.learning.check(engine.sample, counter)
-    assert len(starts) == len(engine.modules)
+    starts = [by_positions[id(m.p_o.pos)] for m in engine.modules]
+    assert len(by_positions) == len(engine.modules)
     assert all(torch.equal(s[0], o) and torch.equal(s[1], i) for s, (o, i) in zip(starts, first))
     changed = len(engine.modules) - extras["lsp_refit_kept"]
     assert changed > 0 and len(counter.passes) == 3 and counter.passes[2][0] == changed
@@ -167,13 +171,13 @@ def test_a_done_fit_stops_its_matrix_probing_and_every_fit_ends_as_it_would_have
     def first_fit(stop_probing) -> tuple[list, list, list]:
         handed_when_done = []
 
-        class Counted(pj.ValueFit):
-            def observe(self, g, held_out=None):
-                handed_when_done.append(self.done)
-                super().observe(g, held_out)
+        class Counted(vf.ValueFit):
+            def observe_all(self, given):
+                handed_when_done.extend(self.stopped[member] for member in given)
+                super().observe_all(given)
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(learning.projectors, "ValueFit", Counted)
+            patch.setattr(learning.value_fit, "ValueFit", Counted)
             patch.setattr(learning, "_stop_probing", stop_probing)
             model = model_of()
             cfg = run_cfg(LspConfig(d=8, r=3, fit_iterations=80, check_samples=2), measure_memory=False)
@@ -238,3 +242,32 @@ def test_a_baseline_read_after_the_fit_on_unseen_examples_equals_a_fresh_measure
     engine.use_sample(sample)
     engine.learning.check(engine.sample, engine._probe_pass)
     assert engine.learning.baseline == engine.learning.measure(sample[:1], engine._probe_pass)
+
+
+def test_a_blocks_matrices_of_one_shape_fit_together_as_each_would_alone():
+    """Issue 32 item 3: the engine fits a block's matrices of one shape in one ValueFit (q and o, k and v,
+    gate and up). The first fit and the refits at a later check end bit for bit where fitting every matrix
+    on its own ends (float64): projectors, baselines, Adam steps, the matrices kept; and they were grouped."""
+    def run(alone: bool):
+        sizes = []
+        with pytest.MonkeyPatch.context() as patch:
+            grouped = learning.ProjectorLearning.groups
+            patch.setattr(learning.ProjectorLearning, "groups",
+                          lambda self, chosen: sizes.append([len(g) for g in grouped(self, chosen)]) or
+                          ([[i] for i in chosen] if alone else grouped(self, chosen)))
+            model = model_of()
+            cfg = run_cfg(LspConfig(d=8, r=3, check_every=2, drift=0.0, fit_iterations=40, check_samples=2),
+                          measure_memory=False)
+            engine = LspEngine(Stack(model), cfg, CPU, "fp64")
+            engine.use_sample(batches(model.config.vocab_size, 50, micro=4))
+            logs = [engine.step(batches(model.config.vocab_size, s)) for s in range(4)]
+        values = [(m.p_o.val.clone(), m.p_i.val.clone()) for m in engine.modules]
+        fitted = [{k: v for k, v in log.extras.items() if k.startswith("lsp_") and not k.endswith("_s")}
+                  for log in logs]
+        return values, list(engine.learning.baseline), fitted, sizes
+
+    together, alone = run(alone=False), run(alone=True)
+    assert any(size > 1 for sizes in together[3] for size in sizes)  # grouped, at the first fit and the refits
+    assert len(together[3]) >= 2 and together[2][0]["lsp_fit_steps"] > 0
+    assert all(torch.equal(a, b) for mine, theirs in zip(together[0], alone[0]) for a, b in zip(mine, theirs))
+    assert together[1] == alone[1] and together[2] == alone[2]

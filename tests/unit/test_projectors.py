@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from slimtune.optim import projectors as pj
+from slimtune.optim import value_fit as vf
 from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
 F64 = torch.float64
@@ -181,7 +182,7 @@ def gradient_set(count, seed):
 def test_fitting_lowers_the_held_out_error_below_random_projectors():
     random_pair = pair(seed=5)
     train, held_out = gradient_set(8, seed=1), gradient_set(8, seed=2)
-    fit = pj.ValueFit(*random_pair, lr=0.05, steps=25, generator=torch.Generator().manual_seed(6))
+    fit = vf.ValueFit(*random_pair, lr=0.05, steps=25, generator=torch.Generator().manual_seed(6))
     for grad in train:
         fit.observe(grad)
     learned = fit.pair()
@@ -194,7 +195,7 @@ def test_fitting_lowers_the_held_out_error_below_random_projectors():
 
 
 def test_a_non_finite_gradient_leaves_the_fit_as_it_was():
-    fit = pj.ValueFit(*pair(seed=7), lr=0.05, steps=3, generator=torch.Generator().manual_seed(8))
+    fit = vf.ValueFit(*pair(seed=7), lr=0.05, steps=3, generator=torch.Generator().manual_seed(8))
     start = [v.detach().clone() for v in fit.values]
     bad = torch.randn(24, 40, dtype=F64)
     bad[0, 0] = float("nan")
@@ -247,7 +248,7 @@ def test_the_fit_gradient_in_closed_form_equals_autograd_of_the_error_identity(s
     squared_residual / |G|^2, float64, both projectors' values; every route the shapes can choose (each
     side's Gram products dense or through the non-zeros, each side's P X read through the non-zeros or
     the d x d X C^T read at the position pairs), whatever these small shapes would choose."""
-    fit = pj.ValueFit(*pair(seed=9), lr=0.05, steps=1, generator=torch.Generator().manual_seed(10))
+    fit = vf.ValueFit(*pair(seed=9), lr=0.05, steps=1, generator=torch.Generator().manual_seed(10))
     fit.sparse_gram, fit.sparse_rows = list(sparse_gram), list(sparse_rows)
     g = gradient_set(1, seed=3)[0]
     values = [v.detach().clone().requires_grad_() for v in fit.values]
@@ -271,7 +272,7 @@ def test_the_fit_reads_b_d_transpose_at_the_nonzeros_as_the_dense_product_does()
     b, d_c = torch.randn(40, 8, generator=g, dtype=F64), torch.randn(8, 8, generator=g, dtype=F64)
     for matrix in (d_c, d_c.t()):
         expected = torch.gather(b @ matrix.t(), 1, p.pos)
-        torch.testing.assert_close(pj._rows_dot(b, matrix, p.pos), expected, atol=1e-13, rtol=0)
+        torch.testing.assert_close(vf._rows_dot(b, matrix, p.pos), expected, atol=1e-13, rtol=0)
 
 
 def test_the_fit_stops_when_the_held_out_error_stops_falling_and_keeps_its_best_values():
@@ -284,30 +285,30 @@ def test_the_fit_stops_when_the_held_out_error_stops_falling_and_keeps_its_best_
     noise = torch.randn(24, 40, generator=torch.Generator().manual_seed(4), dtype=F64)
     taken = {}
     for name, held_out in (("like", like), ("noise", noise)):
-        fit = pj.ValueFit(*pair(seed=5), lr=0.05, steps=400, generator=torch.Generator().manual_seed(6))
+        fit = vf.ValueFit(*pair(seed=5), lr=0.05, steps=400, generator=torch.Generator().manual_seed(6))
         readings = []
-        reading = pj._HeldOut.stalled
+        reading = vf._HeldOut.stalled
 
-        def recorded(self, k, reading=reading, readings=readings):
+        def recorded(self, reading=reading, readings=readings):
             readings.append(float(self.h.error_sq()))
-            return reading(self, k)
+            return reading(self)
 
-        pj._HeldOut.stalled = recorded
+        vf._HeldOut.stalled = recorded
         try:
             fit.observe(train, held_out)
         finally:
-            pj._HeldOut.stalled = reading
+            vf._HeldOut.stalled = reading
         taken[name] = fit.iterations
-        assert fit.iterations < 400 and fit.iterations == pj.ValueFit.CHECK_EVERY * (len(readings) - 1)
-        assert min(readings[-2:]) >= min(readings[:-2]) * (1 - pj.ValueFit.FALLING)  # why it stopped
+        assert fit.iterations < 400 and fit.iterations == vf.ValueFit.CHECK_EVERY * (len(readings) - 1)
+        assert min(readings[-2:]) >= min(readings[:-2]) * (1 - vf.ValueFit.FALLING)  # why it stopped
         if name == "like":  # it fell first
-            assert min(readings[:-2]) < readings[0] * (1 - 10 * pj.ValueFit.FALLING)
+            assert min(readings[:-2]) < readings[0] * (1 - 10 * vf.ValueFit.FALLING)
         assert fit.held_out_error ** 2 == pytest.approx(min(readings), rel=1e-9)
         assert float(fit.error_sq(held_out)) == pytest.approx(min(readings), rel=1e-9)
         done = fit.iterations
         fit.observe(train, held_out)  # done: later gradients take no steps
         assert fit.done and fit.iterations == done
     assert taken["noise"] < taken["like"]
-    plain = pj.ValueFit(*pair(seed=5), lr=0.05, steps=400, generator=torch.Generator().manual_seed(6))
+    plain = vf.ValueFit(*pair(seed=5), lr=0.05, steps=400, generator=torch.Generator().manual_seed(6))
     plain.observe(train)
     assert plain.iterations == 400

@@ -11,6 +11,7 @@ from test_projectors import pair
 from slimtune.engines.lsp import learning
 from slimtune.optim import factored_gradient as fg
 from slimtune.optim import projectors as pj
+from slimtune.optim import value_fit as vf
 
 F64 = torch.float64
 
@@ -26,7 +27,7 @@ def factors(t: int, seed: int, n_o: int = 24, n_i: int = 40, rank: int = 3) -> f
 
 @pytest.mark.parametrize("t", [5, 13], ids=["t<d", "t>d"])
 def test_the_factored_error_and_gradient_equal_autograd_of_the_identity_on_the_formed_gradient(t):
-    fit = pj.ValueFit(*pair(seed=9), lr=0.05, steps=1, generator=torch.Generator().manual_seed(10))
+    fit = vf.ValueFit(*pair(seed=9), lr=0.05, steps=1, generator=torch.Generator().manual_seed(10))
     given = factors(t, seed=3)
     g = given.dense()
     values = [v.detach().clone().requires_grad_() for v in fit.values]
@@ -48,17 +49,17 @@ def test_a_fit_from_the_factors_ends_where_the_fit_from_the_formed_gradient_ends
     """Three gradients with held-out halves, 60 steps each offered: the same Adam steps taken (the early
     stop reads the same held-out errors), values equal to float64 rounding. The fit from the factors
     takes the way the shapes say (monkeypatched both ways); formed, it works on dY^T X as given G."""
-    monkeypatch.setattr(pj, "factored_is_cheaper", lambda *shape: factored)
-    fits = [pj.ValueFit(*pair(seed=5), lr=0.05, steps=60, generator=torch.Generator().manual_seed(6))
+    monkeypatch.setattr(vf, "factored_is_cheaper", lambda *shape: factored)
+    fits = [vf.ValueFit(*pair(seed=5), lr=0.05, steps=60, generator=torch.Generator().manual_seed(6))
             for _ in range(2)]
     chosen = []
-    prepared = fits[0].prepared
-    fits[0].prepared = lambda g: chosen.append(type(prepared(g))) or prepared(g)
+    prepared = fits[0].prepare_all
+    fits[0].prepare_all = lambda g, which: chosen.append(type(prepared(g, which))) or prepared(g, which)
     for seed in range(3):
         train, held = factors(6, seed=10 + seed), factors(6, seed=20 + seed)
         fits[0].observe(train, held)
         fits[1].observe(train.dense(), held.dense())
-    assert set(chosen) == {fg.FactoredGradient if factored else pj._DenseGradient}
+    assert set(chosen) == {fg.FactoredGradient if factored else vf._DenseGradient}
     assert fits[0].iterations == fits[1].iterations and 0 < fits[0].iterations < 180
     for mine, theirs in zip(fits[0].values, fits[1].values):
         torch.testing.assert_close(mine, theirs, atol=1e-10, rtol=0)
@@ -66,7 +67,7 @@ def test_a_fit_from_the_factors_ends_where_the_fit_from_the_formed_gradient_ends
 
 
 def test_a_non_finite_factor_leaves_the_fit_as_it_was():
-    fit = pj.ValueFit(*pair(seed=7), lr=0.05, steps=3, generator=torch.Generator().manual_seed(8))
+    fit = vf.ValueFit(*pair(seed=7), lr=0.05, steps=3, generator=torch.Generator().manual_seed(8))
     start = [v.detach().clone() for v in fit.values]
     bad = factors(6, seed=1)
     bad.dy[2, 3] = float("inf")

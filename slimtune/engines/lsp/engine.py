@@ -165,7 +165,7 @@ class LspEngine(Engine):
                                                   lsp_schedule.Clock(device), dist, cfg.train.weight_decay)
         self.step_count = 0
         self.learning = learning.ProjectorLearning(self.modules, self.adams, self.lsp, self.generator,
-                                                       self.rounding, self.fake)
+                                                       self.rounding, self.fake, blocks)
         self.sample: list[Batch] | None = None
         self.check_peak: tuple[int, dict] | None = None  # the projector pass's device peak, once measured
         self.meter = memory.meter_for(device, cfg.train.measure_memory)

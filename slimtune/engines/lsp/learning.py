@@ -16,7 +16,7 @@ ProjectedLinears in probe mode, each batch's full gradient handed over in backwa
 of its rows, and dropped, one matrix at a time). A fit learns the values on the fixed positions with
 Adam: on each batch, up to fit_iterations // batches steps (at least one) on one half's gradient while the other
 half (examples the fit has not seen) is the held-out gradient whose error stops the fit once it
-stops falling (projectors.ValueFit); the halves swap roles from batch to batch, and the pass ends
+stops falling (value_fit.ValueFit); the halves swap roles from batch to batch, and the pass ends
 after the batch where the last fit stopped. The first fit starts from fresh values; a refit starts
 warm, from the matrix's current values, which are its first held-out reading: a refit that cannot
 beat them stops after that batch's first readings and keeps them bit for bit, and the matrix is left
@@ -24,6 +24,11 @@ exactly as it was (no fold, no moment transfer, no re-measure). A matrix whose v
 Z into W (the old subspace's update goes into the weight) and its AdamW moments move into the new
 subspace with the spec's formulas; the step counts go on; its error is measured again on the check
 examples as its new baseline.
+
+A block's matrices of one shape (q and o, k and v, gate and up) are fit together, in one ValueFit that
+stacks them (optim/value_fit.py): each ends bit for bit where its own fit would, and one product (and one
+fused Adam call) serves the members where there was one a matrix. A member's gradient waits for the
+others' within the block's backward (`refit`); a member that stops early is dropped from the stack.
 
 The fit's ops run off the device meter after the first of each matrix shape (memory.TransientReplay:
 its peak is counted once per shape and stands for the rest); a progress bar counts the matrices. The
@@ -43,13 +48,14 @@ from collections.abc import Callable
 import torch
 
 from slimtune.device import memory
-from slimtune.optim import projectors
+from slimtune.optim import projectors, value_fit
+from slimtune.optim.factored_gradient import Factors
 from slimtune.optim.host_adam import HostAdam
 from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
 # A batch's gradient in two halves of its rows, each as its factors dY, X (projected_linear.py) or, once
 # summed over a tiled block's parts, as the product dY^T X.
-Gradient = torch.Tensor | projectors.Factors
+Gradient = torch.Tensor | Factors
 Halves = tuple[Gradient, Gradient | None]
 
 
@@ -86,7 +92,7 @@ class Collector:
 def _formed(halves: Halves) -> Halves:
     """The halves as products dY^T X: a tiled block's parts are summed as they come, as before the factors
     (a part's factors are views of its tile's tensors; keeping them would keep every tile's rows)."""
-    return tuple(h.dense() if isinstance(h, projectors.Factors) else h for h in halves)
+    return tuple(h.dense() if isinstance(h, Factors) else h for h in halves)
 
 
 def _sum_halves(into: Halves, more: Halves) -> Halves:
@@ -107,10 +113,12 @@ def whole(halves: Halves) -> torch.Tensor:
 
 class ProjectorLearning:
     def __init__(self, modules: list[ProjectedLinear], adams: list[HostAdam], settings, generator: torch.Generator,
-                 rounding: torch.Generator | None, fake: bool):
+                 rounding: torch.Generator | None, fake: bool, blocks: list[int] | None = None):
         """`settings`: the lsp section; `generator`: the draws of fresh values; `rounding`: the folds'
-        stochastic rounding; `fake`: fake tensors (no values: nothing is measured or drawn)."""
+        stochastic rounding; `fake`: fake tensors (no values: nothing is measured or drawn); `blocks`: each
+        matrix's block (a block's matrices of one shape are fit together), or None: each fit alone."""
         self.modules, self.adams, self.settings = modules, adams, settings
+        self.blocks = blocks if blocks is not None else list(range(len(modules)))
         self.generator, self.rounding, self.fake = generator, rounding, fake
         self.fitted = False  # projectors learned (before step 1, or loaded from a checkpoint)
         self.baseline: list[float | None] = [None] * len(modules)  # e(G) on the sample just after each fit
@@ -219,8 +227,15 @@ class ProjectorLearning:
         subspace; one whose fit kept its values exactly (no held-out reading beat the start) is left as it
         is. Returns the fit's Adam steps, summed over the matrices, and the matrices that changed."""
         steps = max(1, self.settings.fit_iterations // len(batches))  # lsp.fit_iterations is the most a fit takes
-        fits = {i: projectors.ValueFit(self.modules[i].p_o, self.modules[i].p_i, self.settings.fit_lr, steps,
-                                       self.generator, fresh=not self.fake, warm=self.fitted) for i in chosen}
+        # Starting values drawn matrix by matrix, as when every matrix was fit on its own.
+        starts = {i: value_fit.start(self.modules[i].p_o, self.modules[i].p_i, self.generator, fresh=not self.fake,
+                                     warm=self.fitted) for i in chosen}
+        fits: dict[int, tuple[value_fit.ValueFit, int]] = {}  # matrix -> its fit and its place among the members
+        for group in self.groups(chosen):
+            fit = value_fit.ValueFit([self.modules[i].p_o for i in group], [self.modules[i].p_i for i in group],
+                                     self.settings.fit_lr, steps, self.generator, starts=[starts[i] for i in group])
+            fits.update((i, (fit, member)) for member, i in enumerate(group))
+        waiting: dict[int, dict[int, tuple[int, Gradient, Gradient | None]]] = {id(f): {} for f, _ in fits.values()}
         seen = dict.fromkeys(chosen, 0)
         replay = memory.TransientReplay()  # the fit's peak counted once per shape, the rest off the meter
         bar = _bar(len(chosen) * len(batches), f"lsp: fitting {len(chosen)} matrices' projectors",
@@ -229,33 +244,57 @@ class ProjectorLearning:
         def observe(index: int, halves: Halves) -> None:
             fit_on, held_out = halves if seen[index] % 2 == 0 or halves[1] is None else halves[::-1]
             seen[index] += 1
-            module, given = self.modules[index], _tensors(fit_on) + _tensors(held_out)
-            key = (tuple(tuple(t.shape) for t in given), module.d, module.p_o.r, given[0].dtype)
+            fit, member = fits[index]
+            arrived = waiting[id(fit)]
+            arrived[member] = (index, fit_on, held_out)
+            if len(arrived) < fit.members - sum(fit.stopped):
+                return  # the other members' gradients of this batch come later in this block's backward
+            given = {b: (f, h) for b, (_, f, h) in sorted(arrived.items())}
+            matrices = {b: i for b, (i, _, _) in arrived.items()}
+            arrived.clear()
+            tensors = tuple(t for f, h in given.values() for t in _tensors(f) + _tensors(h))
+            module = self.modules[index]
+            key = (tuple(tuple(t.shape) for t in tensors), module.d, module.p_o.r, tensors[0].dtype)
             # The given tensors exist already (the meter tracks them): not the fit's transient.
-            replay.run(key, given[0], lambda *_: fits[index].observe(fit_on, held_out), *given)
-            if fits[index].done:  # its later gradients would be passed over: not made at all
-                _stop_probing(module)
-                bar.update(len(batches) - seen[index] + 1)  # this batch and the ones it no longer needs
-            else:
-                bar.update(1)
+            replay.run(key, tensors[0], lambda *_: fit.observe_all(given), *tensors)
+            for b, i in matrices.items():
+                if fit.stopped[b]:  # its later gradients would be passed over: not made at all
+                    _stop_probing(self.modules[i])
+                    bar.update(len(batches) - seen[i] + 1)  # this batch and the ones it no longer needs
+                else:
+                    bar.update(1)
 
         try:
             # Once every fit has stopped (held-out error no longer falling) the sample's other batches are not run.
             probe_pass(batches, {i: functools.partial(observe, i) for i in fits},
-                       lambda: not self.fake and all(fit.done for fit in fits.values()))
+                       lambda: not self.fake and all(fit.done for fit, _ in fits.values()))
         finally:
             bar.close()
-        changed = [i for i, fit in fits.items() if not self._kept(i, fit)]
+        if any(waiting.values()):
+            raise RuntimeError("lsp: a projector fit waited for a gradient its block never produced")
+        changed = [i for i, (fit, member) in fits.items() if not self._kept(i, fit, member)]
         for index in changed:
-            self._adopt(index, fits[index].pair())
-        return sum(fit.iterations for fit in fits.values()), changed
+            fit, member = fits[index]
+            self._adopt(index, fit.pair(member))
+        iterations = sum(fit.iterations for fit in {id(f): f for f, _ in fits.values()}.values())
+        return iterations, changed
 
-    def _kept(self, index: int, fit: projectors.ValueFit) -> bool:
+    def groups(self, chosen: list[int]) -> list[list[int]]:
+        """The chosen matrices in fits: those of one block and one shape (its q and o, k and v, gate and up)
+        together, in the order of their first matrix. Their gradients arrive in the same backward of the
+        block, so a member waits at most for the rest of that block's backward for the others."""
+        together: dict[tuple, list[int]] = {}
+        for index in chosen:
+            module = self.modules[index]
+            shape = (module.p_o.n, module.p_i.n, module.d, module.p_o.r, module.p_o.val.dtype, module.p_o.val.device)
+            together.setdefault((self.blocks[index], shape), []).append(index)
+        return list(together.values())
+
+    def _kept(self, index: int, fit: value_fit.ValueFit, member: int) -> bool:
         """The warm fit of matrix `index` ended on its starting values, bit for bit (never under fake
         tensors: the planner's estimate counts the adoption's memory)."""
-        module = self.modules[index]
-        return (not self.fake and self.fitted and torch.equal(fit.values[0], module.p_o.val)
-                and torch.equal(fit.values[1], module.p_i.val))
+        module, (o, i) = self.modules[index], fit.params[member]
+        return (not self.fake and self.fitted and torch.equal(o, module.p_o.val) and torch.equal(i, module.p_i.val))
 
     def _adopt(self, index: int, new: tuple[projectors.SparseProjector, projectors.SparseProjector]) -> None:
         """Matrix `index` takes the new projectors: Z (and the decay's scale) into W, moments moved."""
@@ -293,7 +332,7 @@ def _all_zero(modules: list[ProjectedLinear]) -> bool:
 def _tensors(gradient: Gradient | None) -> tuple[torch.Tensor, ...]:
     if gradient is None:
         return ()
-    return gradient.tensors() if isinstance(gradient, projectors.Factors) else (gradient,)
+    return gradient.tensors() if isinstance(gradient, Factors) else (gradient,)
 
 
 def _stop_probing(module: ProjectedLinear) -> None:
