@@ -36,29 +36,28 @@ Gradient = torch.Tensor | Factors
 
 
 class Stack:
-    """The positions of some members of a fit (`which`, indices into its members), stacked for batched
-    products: `pos_o`/`pos_i` ((k n, r)) are each row's columns within its member's d, `at_o`/`at_i` the
-    same shifted by b d (the rows of a (k d, m) stack they read), and the CSR structures of the
-    block-diagonal P^T and P. With one member these are exactly that member's own."""
+    """The positions of some members of a fit (`which`), stacked for batched products: `pos_o`/`pos_i`
+    ((k n, r)) are each row's columns within its member's d, `at_o`/`at_i` the same shifted by b d (the rows
+    of a (k d, m) stack they read), and the CSR structures of the block-diagonal P^T and P. With one member
+    these are exactly that member's own (its positions tensors, unshifted, uncopied)."""
 
-    def __init__(self, pos_o: torch.Tensor, pos_i: torch.Tensor, d: int, which: tuple[int, ...]):
-        k, r = len(which), pos_o.shape[-1]
+    def __init__(self, given: tuple[list[torch.Tensor], list[torch.Tensor]], d: int, which: tuple[int, ...]):
+        outs, ins = ([side[b] for b in which] for side in given)
+        k = len(which)
         self.which, self.k, self.d = which, k, d
-        if k < pos_o.shape[0]:
-            pos_o, pos_i = (p[which[0]:which[0] + 1] if k == 1 else p[list(which)] for p in (pos_o, pos_i))
-        self.pos_o, self.pos_i = pos_o.reshape(-1, r), pos_i.reshape(-1, r)
-        if k == 1:  # nothing to shift: one member's own positions and structures
+        if k == 1:
+            self.pos_o, self.pos_i = outs[0], ins[0]
             self.at_o, self.at_i = self.pos_o, self.pos_i
         else:
-            shift = (torch.arange(k, device=pos_o.device) * d).view(k, 1, 1)
-            self.at_o, self.at_i = (pos_o + shift).reshape(-1, r), (pos_i + shift).reshape(-1, r)
+            self.pos_o, self.pos_i = torch.cat(outs), torch.cat(ins)
+            self.at_o = torch.cat([pos + member * d for member, pos in enumerate(outs)])
+            self.at_i = torch.cat([pos + member * d for member, pos in enumerate(ins)])
         self.left, self.right = Transposed(self.at_o, k * d), Transposed(self.at_i, k * d)
         self.rows_o, self.rows_i = Rows(self.at_o, k * d), Rows(self.at_i, k * d)
 
     def times(self, csr, val: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """The block-diagonal `csr` @ m for stacked m (k, rows, cols): (k, csr rows / k, cols)."""
-        k = self.k
-        return csr.times(val, m.reshape(-1, m.shape[-1])).view(k, -1, m.shape[-1])
+        return csr.times(val, m.reshape(-1, m.shape[-1])).view(self.k, -1, m.shape[-1])
 
 
 class ValueFit:
@@ -96,7 +95,7 @@ class ValueFit:
             starts = [start(o, i, generator, fresh, warm) for o, i in zip(outs, ins)]
         self.members, self.d = len(outs), outs[0].d
         self.given = ([p.pos for p in outs], [p.pos for p in ins])  # each member's positions, as given
-        self.positions = tuple(_stacked(side) for side in self.given)  # (B, n, r) each
+        self.r = outs[0].r
         self.stacked = [_stacked([s[side] for s in starts]) for side in (0, 1)]  # (B, n, r): member b at [b]
         self.best = [v.clone() for v in self.stacked]  # made now: a fit step holds the same memory every time
         self.grads = [torch.zeros_like(v) for v in self.stacked]
@@ -108,14 +107,12 @@ class ValueFit:
                 param.grad = self.grads[side][b]
         rules.init_adamw_state(self.optimizer)  # made now: every step then holds the same memory
         self.stepping = tuple(range(self.members))  # the members whose .grad is set (Adam steps those)
-        # The structures of all members, made now (a fit's steps then allocate only their transient: the meter
-        # counts a fit's first run and replays it for the others); those of fewer members, once some have
-        # stopped, live for the gradient they are made in (`_fewer`).
-        self.whole = Stack(*self.positions, self.d, self.stepping)
-        self._fewer: Stack | None = None
-        # Each member's own P_o^T and P_i^T, for the products with its G (_over_g).
-        self.own = ([(self.whole.left, self.whole.right)] if self.members == 1 else
-                    [(Transposed(o, self.d), Transposed(i, self.d)) for o, i in zip(*self.given)])
+        # One matrix's structures are made now, as they always were (its steps then allocate only their
+        # transient: the meter counts a fit's first run and replays it for the others). Those of several
+        # members (all, fewer once some have stopped, or each alone) are made within observe_all and live
+        # until it returns: part of the gradient's transient, and no lasting memory beyond one fit's.
+        self._stacks: dict[tuple[int, ...], Stack] = {}
+        self.single = Stack(self.given, self.d, (0,)) if self.members == 1 else None
         # Which products go through the non-zeros (_sparse_is_cheaper), fixed by the shapes: each Gram
         # product P^T (P M) (2 n r d), and each side's P X (n r d, gradient's docstring).
         self.sparse_gram = [_sparse_is_cheaper(2 * p.n * p.r, self.d) for p in (outs[0], ins[0])]
@@ -176,11 +173,11 @@ class ValueFit:
     # ------------------------------------------------------------ the members together
 
     def stack(self, which: tuple[int, ...]) -> Stack:
-        if which == self.whole.which:
-            return self.whole
-        if self._fewer is None or self._fewer.which != which:
-            self._fewer = Stack(*self.positions, self.d, which)
-        return self._fewer
+        if self.single is not None:
+            return self.single
+        if which not in self._stacks:
+            self._stacks[which] = Stack(self.given, self.d, which)
+        return self._stacks[which]
 
     def current(self, which: tuple[int, ...]) -> list[torch.Tensor]:
         """The members' current values (k, n, r) per side: the stack itself, or its rows (a view for one
@@ -224,7 +221,16 @@ class ValueFit:
             if held is not None:
                 held.finish()
             del grad
-            self._fewer = None
+            self._stacks.clear()
+
+    def stacks(self, g: Gradient) -> bool:
+        """Whether members' gradients like g are fit together (else one member at a time, each as it comes):
+        where they come as factors and the step works on them (factored_is_cheaper), a stack holds t-row
+        factors and costs next to no memory. From G itself every member's G, G^T and held-out G would be live
+        at once where one member's were (at SmolLM2's shapes 1.7-7% more device memory in the check pass,
+        by the planner), for products that are large and few, where stacking saves the least."""
+        return (self.members > 1 and isinstance(g, Factors)
+                and factored_is_cheaper(g.rows, *g.shape, self.d, self.r))
 
     def prepare_all(self, gradients: list[Gradient], which: tuple[int, ...]) -> _DenseGradient | FactoredGradient:
         """The members' gradients made ready for steps and readings, stacked: from their factors where that is
@@ -232,7 +238,7 @@ class ValueFit:
         factors if need be)."""
         if all(isinstance(g, Factors) for g in gradients):
             first = gradients[0]
-            if factored_is_cheaper(first.rows, *first.shape, self.d, self.positions[0].shape[-1]):
+            if factored_is_cheaper(first.rows, *first.shape, self.d, self.r):
                 return FactoredGradient(gradients, self, which)
         return _DenseGradient([g.dense() if isinstance(g, Factors) else g for g in gradients], self, which)
 
@@ -275,10 +281,11 @@ class ValueFit:
         product a member through its own CSR structure, not one over a stack of the G, which would copy every
         G (the largest tensors of a fit) once more; these products are large, so stacking them would save
         little dispatch anyway."""
-        own = [self.own[b][side] for b in which]
         if len(which) == 1:
-            return own[0].times(val[0], g[0]).unsqueeze(0)
-        return torch.stack([csr.times(v, m) for csr, v, m in zip(own, val, g)])
+            s = self.stack(which)
+            return (s.left if side == 0 else s.right).times(val[0], g[0]).unsqueeze(0)
+        own = [self.stack((b,)) for b in which]
+        return torch.stack([(o.left if side == 0 else o.right).times(v, m) for o, v, m in zip(own, val, g)])
 
     def stacked_gradient(self, g: list[torch.Tensor], gt: list[torch.Tensor], total: torch.Tensor, which: tuple[int, ...],
                          with_loss: bool = True) -> torch.Tensor | None:

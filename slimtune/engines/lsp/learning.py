@@ -235,6 +235,7 @@ class ProjectorLearning:
             fit = value_fit.ValueFit([self.modules[i].p_o for i in group], [self.modules[i].p_i for i in group],
                                      self.settings.fit_lr, steps, self.generator, starts=[starts[i] for i in group])
             fits.update((i, (fit, member)) for member, i in enumerate(group))
+        del starts  # (a fit of several matrices copied them into its stack)
         waiting: dict[int, dict[int, tuple[int, Gradient, Gradient | None]]] = {id(f): {} for f, _ in fits.values()}
         seen = dict.fromkeys(chosen, 0)
         replay = memory.TransientReplay()  # the fit's peak counted once per shape, the rest off the meter
@@ -247,7 +248,7 @@ class ProjectorLearning:
             fit, member = fits[index]
             arrived = waiting[id(fit)]
             arrived[member] = (index, fit_on, held_out)
-            if len(arrived) < fit.members - sum(fit.stopped):
+            if fit.stacks(fit_on) and len(arrived) < fit.members - sum(fit.stopped):
                 return  # the other members' gradients of this batch come later in this block's backward
             given = {b: (f, h) for b, (_, f, h) in sorted(arrived.items())}
             matrices = {b: i for b, (i, _, _) in arrived.items()}
