@@ -85,8 +85,8 @@ class FactoredGradient:
     def __init__(self, gradients: Factors | list[Factors], fit, which: tuple[int, ...] = (0,)):
         gradients = [gradients] if isinstance(gradients, Factors) else gradients
         self.fit, self.which = fit, which
-        self.dyt, self.xt = _stacked([g.dy.t() for g in gradients]), _stacked([g.x.t() for g in gradients])
-        dy, x = _stacked([g.dy for g in gradients]), _stacked([g.x for g in gradients])
+        self.dyt, self.xt = stacked([g.dy.t() for g in gradients]), stacked([g.x.t() for g in gradients])
+        dy, x = stacked([g.dy for g in gradients]), stacked([g.x for g in gradients])
         self.total = ((dy @ dy.mT) * (x @ x.mT)).sum((1, 2))  # |G|^2 = <dY dY^T, X X^T>
         self.like = self.dyt
 
@@ -95,8 +95,7 @@ class FactoredGradient:
         rows = [self.which.index(b) for b in which]
         chosen = object.__new__(FactoredGradient)
         chosen.fit, chosen.which, chosen.like = self.fit, which, self.like
-        take = (lambda t: t[rows[0]:rows[0] + 1]) if len(rows) == 1 else (lambda t: t[rows])
-        chosen.dyt, chosen.xt, chosen.total = take(self.dyt), take(self.xt), take(self.total)
+        chosen.dyt, chosen.xt, chosen.total = (take(t, rows) for t in (self.dyt, self.xt, self.total))
         return chosen
 
     def _sides(self):
@@ -133,9 +132,14 @@ class FactoredGradient:
         fit.store_gradient(1, which, grad_i, self.total)
 
 
-def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The members' tensors as one row-major (k, ...) stack (one member's as a view of it, where row-major)."""
+def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Members' tensors as one row-major (k, ...) stack (a single row-major one as a view of itself)."""
     return tensors[0].contiguous().unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def take(stack: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Some rows of a stack: a view for one, a copy for several."""
+    return stack[rows[0]:rows[0] + 1] if len(rows) == 1 else stack[rows]
 
 
 def _flat(stacked: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimtune.optim import rules
-from slimtune.optim.factored_gradient import FactoredGradient, Factors, factored_is_cheaper
+from slimtune.optim.factored_gradient import FactoredGradient, Factors, factored_is_cheaper, stacked, take
 from slimtune.optim.factored_gradient import rows_dot as _rows_dot
 from slimtune.optim.projectors import Rows, SparseProjector, Transposed, random_values
 
@@ -96,7 +96,7 @@ class ValueFit:
         self.members, self.d = len(outs), outs[0].d
         self.given = ([p.pos for p in outs], [p.pos for p in ins])  # each member's positions, as given
         self.r = outs[0].r
-        self.stacked = [_stacked([s[side] for s in starts]) for side in (0, 1)]  # (B, n, r): member b at [b]
+        self.stacked = [stacked([s[side] for s in starts]) for side in (0, 1)]  # (B, n, r): member b at [b]
         self.best = [v.clone() for v in self.stacked]  # made now: a fit step holds the same memory every time
         self.grads = [torch.zeros_like(v) for v in self.stacked]
         # Each member's values as views of the stack: Adam's parameters, stepped by one fused call.
@@ -395,15 +395,15 @@ class _DenseGradient:
 
     def __init__(self, gradients: list[torch.Tensor], fit: ValueFit, which: tuple[int, ...]):
         self.g, self.fit, self.which, self.like = list(gradients), fit, which, gradients[0]
-        self.total = _stacked([g.pow(2).sum() for g in self.g])
+        self.total = stacked([g.pow(2).sum() for g in self.g])
         self.gt: list[torch.Tensor] | None = None
 
     def select(self, which: tuple[int, ...]) -> _DenseGradient:
         """The same for some of its members (`which`, a subsequence of self.which)."""
-        rows = _rows_of(self.which, which)
+        rows = [self.which.index(b) for b in which]
         chosen = object.__new__(_DenseGradient)
         chosen.g, chosen.fit, chosen.which, chosen.like = [self.g[r] for r in rows], self.fit, which, self.like
-        chosen.total = _take(self.total, rows)
+        chosen.total = take(self.total, rows)
         chosen.gt = None if self.gt is None else [self.gt[r] for r in rows]
         return chosen
 
@@ -414,20 +414,6 @@ class _DenseGradient:
         if self.gt is None:  # G^T P_o and G P_i both run as P^T @ (a contiguous matrix)
             self.gt = [g.t().contiguous() for g in self.g]
         self.fit.stacked_gradient(self.g, self.gt, self.total, self.which, with_loss=False)
-
-
-def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One (B, ...) stack of the members' tensors (one member's: a view of its own)."""
-    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
-
-
-def _rows_of(held: tuple[int, ...], wanted: tuple[int, ...]) -> list[int]:
-    return [held.index(b) for b in wanted]
-
-
-def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """Rows of a stack: a view for one, a copy for several."""
-    return t[rows[0]:rows[0] + 1] if len(rows) == 1 else t[rows]
 
 
 class _HeldOut:
