@@ -82,6 +82,7 @@ def _serve(connection, warm_up: tuple[str, str, tuple]) -> None:
     # Ctrl-C reaches the whole process group: the parent answers it (and kills this worker), so
     # the worker prints no traceback of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _no_process_locks_for_bars()
     module, name, args = warm_up
     try:
         getattr(importlib.import_module(module), name)(*args)
@@ -100,6 +101,16 @@ def _serve(connection, warm_up: tuple[str, str, tuple]) -> None:
             connection.send(answer)
         except OSError:  # the parent is gone
             return
+
+
+def _no_process_locks_for_bars() -> None:
+    """tqdm guards its output with a multiprocessing lock, made at the first bar (a disabled one too, as
+    lsp's projector fit makes under fake tensors). This worker is killed, never torn down, so the resource
+    tracker would report that lock's semaphore as leaked when the command ends. It serves one call at a
+    time and prints no bar: a thread lock does (tqdm.set_lock, tqdm's own way to choose the lock)."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def start(model: str | None = None) -> None:

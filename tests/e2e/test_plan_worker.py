@@ -81,3 +81,15 @@ def test_the_command_line_with_its_early_worker_prints_the_same_plans(wide_model
         capture_output=True, text=True, timeout=300, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cli")})
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == alone
+
+
+def test_the_command_line_leaves_no_leaked_semaphore_warning(wide_model_dir, tmp_path):
+    """The worker is killed once its last answer is in. A full-method plan runs lsp's fake step there, whose
+    projector fit makes a (disabled) progress bar: tqdm's default lock is a multiprocessing lock, which
+    the resource tracker would then report as leaked when the command ends."""
+    done = subprocess.run(
+        [sys.executable, "-m", "slimtune.cli", "plan", "--model", str(wide_model_dir), "--gpu", "1GiB",
+         "--seq", "48", "--method", "full"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cli")})
+    assert done.returncode == 0, done.stderr
+    assert "lsp" in done.stdout and "leaked" not in done.stderr, done.stderr
