@@ -41,6 +41,8 @@ on the CPU the live-tensor meter. What it records:
    fine-tuning (bf16 gathers, recompute). The allocator's peak while the engine is built (the model
    loaded on the host; FSDP moves one unit at a time to the card: assembly.kept_on_host) beside the
    whole model's bytes, and step 2's peak beside the planner's fake rank (estimate with ranks=2).
+10. lsp_fit_together: one projector-fit step for both matrices of a same-shape pair, stacked against
+   two fits (Llama-3.2-1B's pairs, d = 512, 32 and 128 rows; values equal bit for bit).
 Data parallelism (torchrun, NCCL) is not checked here: ranks sharing the one lent card would measure
 contention, not data parallelism. The result says so ("data_parallel"); the CPU case data_parallel
 (gloo) records what two processes do, and the tests check every engine's sums.
@@ -500,7 +502,20 @@ SECTIONS = (("estimate_vs_device", lambda quick, out: estimate_vs_device(quick, 
             ("speed", speed), ("lsp_compressed_gradient", lambda quick, out: lsp_compressed_gradient(quick)),
             ("lsp_speed", lsp_speed), ("chunk", chunk_checks), ("roundpipe", roundpipe_checks),
             ("host_optimizer", host_optimizer),
-            ("long_context", lambda quick, out: long_context(quick, out, _helpers())), ("fsdp_rank", fsdp_rank))
+            ("long_context", lambda quick, out: long_context(quick, out, _helpers())), ("fsdp_rank", fsdp_rank),
+            ("lsp_fit_together", lambda quick, out: lsp_fit_together(quick)))
+
+
+def lsp_fit_together(quick: bool) -> dict:
+    """Issue 32 item 3 on the card: one projector-fit step for both matrices of a same-shape pair
+    (Llama-3.2-1B's q/o, k/v, gate/up at d = 512), stacked against two fits, at 32 and 128 rows: on a GPU a
+    small step is mostly launch cost, which stacking halves (the CPU case lsp_fit_together: 0.7-1.1x)."""
+    from lsp_fit_together import pair_timing  # benchmarks/cases/ is on the path (run.py)
+
+    g = torch.Generator().manual_seed(0)
+    pairs = {"q_o": (64, 64)} if quick else {"q_o": (2048, 2048), "k_v": (512, 2048), "gate_up": (8192, 2048)}
+    return {f"{name}_t{t}": pair_timing(n_o, n_i, t, g, d=16 if quick else 512, where=device())
+            for t in ((16,) if quick else (32, 128)) for name, (n_o, n_i) in pairs.items()}
 
 
 def _helpers():
