@@ -246,12 +246,16 @@ def test_a_baseline_read_after_the_fit_on_unseen_examples_equals_a_fresh_measure
 
 def test_a_blocks_matrices_of_one_shape_fit_together_as_each_would_alone():
     """Issue 32 item 3: the engine fits a block's matrices of one shape in one ValueFit (q and o, k and v,
-    gate and up). The first fit and the refits at a later check end bit for bit where fitting every matrix
-    on its own ends (float64): projectors, baselines, Adam steps, the matrices kept; and they were grouped."""
+    gate and up), stacked where the step works on the factors (taken here whatever the shapes say). The
+    first fit and the refits at a later check end bit for bit where fitting every matrix on its own ends
+    (float64): projectors, baselines, Adam steps, the matrices kept; and they were grouped and stacked."""
     def run(alone: bool):
-        sizes = []
+        sizes, handed = [], []
         with pytest.MonkeyPatch.context() as patch:
-            grouped = learning.ProjectorLearning.groups
+            grouped, observe_all = learning.ProjectorLearning.groups, vf.ValueFit.observe_all
+            patch.setattr(vf, "factored_is_cheaper", lambda *shape: True)  # the route on which members stack
+            patch.setattr(vf.ValueFit, "observe_all",
+                          lambda self, given: handed.append(len(given)) or observe_all(self, given))
             patch.setattr(learning.ProjectorLearning, "groups",
                           lambda self, chosen: sizes.append([len(g) for g in grouped(self, chosen)]) or
                           ([[i] for i in chosen] if alone else grouped(self, chosen)))
@@ -264,10 +268,45 @@ def test_a_blocks_matrices_of_one_shape_fit_together_as_each_would_alone():
         values = [(m.p_o.val.clone(), m.p_i.val.clone()) for m in engine.modules]
         fitted = [{k: v for k, v in log.extras.items() if k.startswith("lsp_") and not k.endswith("_s")}
                   for log in logs]
-        return values, list(engine.learning.baseline), fitted, sizes
+        return values, list(engine.learning.baseline), fitted, sizes, handed
 
     together, alone = run(alone=False), run(alone=True)
     assert any(size > 1 for sizes in together[3] for size in sizes)  # grouped, at the first fit and the refits
+    assert max(together[4]) == 2 and max(alone[4]) == 1  # and stacked
     assert len(together[3]) >= 2 and together[2][0]["lsp_fit_steps"] > 0
     assert all(torch.equal(a, b) for mine, theirs in zip(together[0], alone[0]) for a, b in zip(mine, theirs))
     assert together[1] == alone[1] and together[2] == alone[2]
+
+
+def test_a_member_whose_gradient_never_comes_holds_no_other_back():
+    """A block's q waits for its o (fit together); here o's gradients are never handed over (as a matrix the
+    forward passed by would give none). q is handed on alone when the backward reaches the next block or the
+    batch ends, and every matrix ends bit for bit where it ends with each matrix fit alone."""
+    def first_fit(alone: bool):
+        handed = []
+        with pytest.MonkeyPatch.context() as patch:
+            grouped, observe_all = learning.ProjectorLearning.groups, vf.ValueFit.observe_all
+            patch.setattr(vf, "factored_is_cheaper", lambda *shape: True)  # the route on which members stack
+            if alone:
+                patch.setattr(learning.ProjectorLearning, "groups", lambda self, chosen: [[i] for i in chosen])
+            patch.setattr(vf.ValueFit, "observe_all",
+                          lambda self, given: handed.append((self.members, len(given))) or observe_all(self, given))
+            model = model_of()
+            cfg = run_cfg(LspConfig(d=8, r=3, fit_iterations=40, check_samples=2), measure_memory=False)
+            engine = LspEngine(Stack(model), cfg, CPU, "fp64")
+            engine.use_sample(batches(model.config.vocab_size, 50, micro=4))
+            pairs = [g for g in grouped(engine.learning, list(range(len(engine.modules)))) if len(g) == 2]
+            dropped = pairs[0][1]  # the later of a pair in forward order: its gradient comes first in backward
+            probe = engine._probe_pass
+
+            def dropping(batches_, observers, finished=None):
+                return probe(batches_, {**observers, dropped: lambda halves: None}, finished)
+
+            engine._probe_pass = dropping
+            engine.learning.check(engine.sample, engine._probe_pass)
+        return [(m.p_o.val.clone(), m.p_i.val.clone()) for m in engine.modules], handed
+
+    together, alone = first_fit(alone=False), first_fit(alone=True)
+    assert any(members == 2 and count == 2 for members, count in together[1])  # pairs were stacked
+    assert any(members == 2 and count == 1 for members, count in together[1])  # and the one left waiting went alone
+    assert all(torch.equal(a, b) for mine, theirs in zip(together[0], alone[0]) for a, b in zip(mine, theirs))

@@ -236,43 +236,20 @@ class ProjectorLearning:
                                      self.settings.fit_lr, steps, self.generator, starts=[starts[i] for i in group])
             fits.update((i, (fit, member)) for member, i in enumerate(group))
         del starts  # (a fit of several matrices copied them into its stack)
-        waiting: dict[int, dict[int, tuple[int, Gradient, Gradient | None]]] = {id(f): {} for f, _ in fits.values()}
-        seen = dict.fromkeys(chosen, 0)
-        replay = memory.TransientReplay()  # the fit's peak counted once per shape, the rest off the meter
         bar = _bar(len(chosen) * len(batches), f"lsp: fitting {len(chosen)} matrices' projectors",
                    self.progress and not self.fake)
+        handing = _Handing(self.modules, self.blocks, fits, len(batches), bar)
 
-        def observe(index: int, halves: Halves) -> None:
-            fit_on, held_out = halves if seen[index] % 2 == 0 or halves[1] is None else halves[::-1]
-            seen[index] += 1
-            fit, member = fits[index]
-            arrived = waiting[id(fit)]
-            arrived[member] = (index, fit_on, held_out)
-            if fit.stacks(fit_on) and len(arrived) < fit.members - sum(fit.stopped):
-                return  # the other members' gradients of this batch come later in this block's backward
-            given = {b: (f, h) for b, (_, f, h) in sorted(arrived.items())}
-            matrices = {b: i for b, (i, _, _) in arrived.items()}
-            arrived.clear()
-            tensors = tuple(t for f, h in given.values() for t in _tensors(f) + _tensors(h))
-            module = self.modules[index]
-            key = (tuple(tuple(t.shape) for t in tensors), module.d, module.p_o.r, tensors[0].dtype)
-            # The given tensors exist already (the meter tracks them): not the fit's transient.
-            replay.run(key, tensors[0], lambda *_: fit.observe_all(given), *tensors)
-            for b, i in matrices.items():
-                if fit.stopped[b]:  # its later gradients would be passed over: not made at all
-                    _stop_probing(self.modules[i])
-                    bar.update(len(batches) - seen[i] + 1)  # this batch and the ones it no longer needs
-                else:
-                    bar.update(1)
+        def finished() -> bool:
+            handing.flush()  # a batch is over: no member of it is still to come
+            # Once every fit has stopped (held-out error no longer falling) the sample's other batches are not run.
+            return not self.fake and all(fit.done for fit, _ in fits.values())
 
         try:
-            # Once every fit has stopped (held-out error no longer falling) the sample's other batches are not run.
-            probe_pass(batches, {i: functools.partial(observe, i) for i in fits},
-                       lambda: not self.fake and all(fit.done for fit, _ in fits.values()))
+            probe_pass(batches, {i: functools.partial(handing.observe, i) for i in fits}, finished)
+            handing.flush()
         finally:
             bar.close()
-        if any(waiting.values()):
-            raise RuntimeError("lsp: a projector fit waited for a gradient its block never produced")
         changed = [i for i, (fit, member) in fits.items() if not self._kept(i, fit, member)]
         for index in changed:
             fit, member = fits[index]
@@ -309,6 +286,53 @@ class ProjectorLearning:
             views.exp_avg.copy_(moments[0])
             views.exp_avg_sq.copy_(moments[1])
         module.p_o, module.p_i = new
+
+
+class _Handing:
+    """A refit's gradients handed to the fits: each matrix's halves of a batch, the first and second half
+    taking turns as the one fit on, to its fit; the members of a stacked fit (a block's matrices of one
+    shape, ValueFit.stacks) wait for each other within the block's backward. Whatever waits is handed over
+    when the backward reaches another block or the batch ends (`flush`), as far as it came: a matrix whose
+    gradient never comes (one the forward passed by) holds no other back. Each handing runs under the
+    meter's replay (the fit's peak counted once per shape of what is handed); a member that stops
+    probes no more, and the bar counts the batches each matrix no longer needs."""
+
+    def __init__(self, modules: list[ProjectedLinear], blocks: list[int], fits: dict, batches: int, bar):
+        self.modules, self.blocks, self.fits, self.batches, self.bar = modules, blocks, fits, batches, bar
+        self.seen = dict.fromkeys(fits, 0)
+        self.waiting: dict[int, tuple[value_fit.ValueFit, int, dict]] = {}  # id(fit) -> (fit, block, arrived)
+        self.replay = memory.TransientReplay()
+
+    def observe(self, index: int, halves: Halves) -> None:
+        fit_on, held_out = halves if self.seen[index] % 2 == 0 or halves[1] is None else halves[::-1]
+        self.seen[index] += 1
+        self.flush(but_block=self.blocks[index])
+        fit, member = self.fits[index]
+        _, _, arrived = self.waiting.setdefault(id(fit), (fit, self.blocks[index], {}))
+        arrived[member] = (index, fit_on, held_out)
+        if fit.stacks(fit_on) and len(arrived) < fit.members - sum(fit.stopped):
+            return  # the other members' gradients of this batch come later in this block's backward
+        self._hand(id(fit))
+
+    def flush(self, but_block: int | None = None) -> None:
+        """Hand over what waits, but for the fits of `but_block`."""
+        for waiting in [key for key, (_, block, _) in self.waiting.items() if block != but_block]:
+            self._hand(waiting)
+
+    def _hand(self, waiting: int) -> None:
+        fit, _, arrived = self.waiting.pop(waiting)
+        given = {b: (f, h) for b, (_, f, h) in sorted(arrived.items())}
+        tensors = tuple(t for f, h in given.values() for t in _tensors(f) + _tensors(h))
+        module = self.modules[next(iter(arrived.values()))[0]]
+        key = (tuple(tuple(t.shape) for t in tensors), module.d, module.p_o.r, tensors[0].dtype)
+        # The given tensors exist already (the meter tracks them): not the fit's transient.
+        self.replay.run(key, tensors[0], lambda *_: fit.observe_all(given), *tensors)
+        for member, (index, _, _) in arrived.items():
+            if fit.stopped[member]:  # its later gradients would be passed over: not made at all
+                _stop_probing(self.modules[index])
+                self.bar.update(self.batches - self.seen[index] + 1)  # this batch and the ones it no longer needs
+            else:
+                self.bar.update(1)
 
 
 @contextlib.contextmanager
