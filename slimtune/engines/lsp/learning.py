@@ -27,8 +27,9 @@ examples as its new baseline.
 
 A block's matrices of one shape (q and o, k and v, gate and up) are fit together, in one ValueFit that
 stacks them (optim/value_fit.py): each ends bit for bit where its own fit would, and one product (and one
-fused Adam call) serves the members where there was one a matrix. A member's gradient waits for the
-others' within the block's backward (`refit`); a member that stops early is dropped from the stack.
+fused Adam call) serves the members where there was one a matrix. Where they stack (the step works on
+the gradients' factors), a member's gradient waits for the others' within the block's backward
+(`_Handing`); a member that stops early is dropped from the stack.
 
 The fit's ops run off the device meter after the first of each matrix shape (memory.TransientReplay:
 its peak is counted once per shape and stands for the rest); a progress bar counts the matrices. The
