@@ -36,8 +36,6 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimtune.device import memory
-from slimtune.optim import rules
-from slimtune.optim.factored_gradient import Factors
 
 
 @dataclass
