@@ -16,7 +16,7 @@ Three memory measures (specs/peak-memory-lora.md 2.5, 2.6):
   inside the same chunks (_NormedExactCE): its fp32 temporaries and the normed rows exist
   for one chunk, never for the whole sequence (at 256K tokens that was the step's peak).
 - mode=subset (training only): softmax over a per-position candidate set S_t (top-k of
-  the frozen head's logits, target forced in). L_S <= L_full, so it is never reported
+  the frozen head's logits, target forced in), the final norm inside its chunks as above. L_S <= L_full, so it is never reported
   as the loss: `exact_sum` carries the full-softmax loss and `excluded_mass_sum` the
   probability mass the training objective ignored.
 Logits are formed in at least fp32 (fp64 stays fp64), whatever the autocast context.
@@ -84,13 +84,13 @@ def causal_lm_loss(
         out = LossOutput(loss, loss.detach(), torch.zeros_like(loss.detach()))
         memory.mark_on_backward(out.loss_sum, "loss backward")
         return out
-    # subset mode and a sliced head (engine chunk) norm every row at once, as before
-    x, t = head_inputs(hidden, norm, targets, cfg, trained_positions)
-    if cfg.mode == "subset":
+    if cfg.mode == "subset":  # the final norm inside the loss's chunks too (a sliced head trains: refused)
         _refuse_trainable_head(head)
-        loss, exact, excluded = _SubsetCE.apply(x, t, source, chunk, cfg.subset_k)
+        rows, t = trained_rows(hidden, targets, cfg, trained_positions)
+        loss, exact, excluded = _SubsetCE.apply(rows, t, source, chunk, cfg.subset_k, norm, *norm.parameters())
         out = LossOutput(loss, exact, excluded)
-    else:
+    else:  # a sliced head (engine chunk) norms every row at once, as before
+        x, t = head_inputs(hidden, norm, targets, cfg, trained_positions)
         loss = _ExactCE.apply(x, source.weight, source.bias, t, chunk, source)
         out = LossOutput(loss, loss.detach(), torch.zeros_like(loss.detach()))
     # The loss's backward is a segment apart from its forward (memory.mark): what each holds grows
@@ -496,38 +496,53 @@ def _subset_chunk(z: torch.Tensor, t: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 
 class _SubsetCE(torch.autograd.Function):
-    """Summed subset-softmax loss of x against a frozen `head`. The head is not an input, so
-    nothing head-sized is saved (a quantized head dequantizes again, tile by tile, in backward);
-    forward keeps only the candidate ids and dL/dz on them, both (N, k)."""
+    """Summed subset-softmax loss against a frozen `head`, of the rows before the final norm, which runs
+    inside the token chunks as in _NormedExactCE: without grad in forward, again with grad in backward,
+    so its temporaries (fp32 inside an RMSNorm) and the normed rows exist for one chunk, never for all N
+    rows. The head is not an input, so nothing head-sized is saved (a quantized head dequantizes again,
+    tile by tile, in backward); forward keeps the rows and, (N, k) each, the candidate ids and dL/dz on
+    them."""
 
     @staticmethod
-    def forward(ctx, x, targets, head: _Head, chunk: int, k: int):
-        dtype = _logits_dtype(x, head)
+    def forward(ctx, rows, targets, head: _Head, chunk: int, k: int, norm: nn.Module, *norm_params):
+        # norm_params: passed so autograd routes their gradients
         k = min(k, head.shape[0])
-        # (N, k) each: about 12 k bytes per trained token, vocabulary-wide only if k >= V.
-        ids = targets.new_empty((x.shape[0], k))  # (N, k)
-        g_s = x.new_empty((x.shape[0], k), dtype=dtype)  # (N, k)
-        sums = [x.new_zeros((), dtype=dtype) for _ in range(3)]  # L_S, L_full, excluded mass
-        with torch.autocast(x.device.type, enabled=False):
-            for start in memory.representative(range(0, x.shape[0], chunk), x):
-                z = _logits(x[start : start + chunk].to(dtype), head, dtype)  # (c, V)
+        dtype, x_dtype = _logits_dtype(rows, head), rows.dtype  # the normed rows' own, once a chunk shows them
+        ids = g_s = None
+        sums = [rows.new_zeros((), dtype=dtype) for _ in range(3)]  # L_S, L_full, excluded mass
+        for start in memory.representative(range(0, rows.shape[0], chunk), rows):
+            with torch.no_grad():
+                x_c = norm(rows[start : start + chunk])  # (c, D): this chunk's normed rows
+            dtype, x_dtype = _logits_dtype(x_c, head), x_c.dtype
+            if ids is None:  # (N, k) each: about 12 k bytes per trained token, vocabulary-wide only if k >= V
+                ids, g_s = targets.new_empty((rows.shape[0], k)), rows.new_empty((rows.shape[0], k), dtype=dtype)
+            with torch.autocast(rows.device.type, enabled=False):
+                z = _logits(x_c.to(dtype), head, dtype)  # (c, V)
                 ids_c, g_c, *parts = _subset_chunk(z, targets[start : start + chunk], k)
-                ids[start : start + chunk], g_s[start : start + chunk] = ids_c, g_c
-                sums = [s + p for s, p in zip(sums, parts)]
-        ctx.save_for_backward(ids, g_s)
-        ctx.head, ctx.chunk, ctx.x_dtype = head, chunk, x.dtype
+            ids[start : start + chunk], g_s[start : start + chunk] = ids_c, g_c
+            sums = [s + p for s, p in zip(sums, parts)]
+        if ids is None:  # no rows at all
+            ids, g_s = targets.new_empty((0, k)), rows.new_empty((0, k), dtype=dtype)
+        ctx.save_for_backward(ids, g_s, rows)
+        ctx.head, ctx.chunk, ctx.x_dtype, ctx.norm = head, chunk, x_dtype, norm
+        ctx.autocast, ctx.wanted = _autocast_state(rows.device.type), tuple(ctx.needs_input_grad[6:])
         ctx.mark_non_differentiable(sums[1], sums[2])
         return tuple(sums)
 
     @staticmethod
     def backward(ctx, grad_out, _exact_grad, _excluded_grad):
-        ids, g_s = ctx.saved_tensors
+        ids, g_s, rows = ctx.saved_tensors
         head, ctx.head = ctx.head, None
-        grad_x = g_s.new_empty((ids.shape[0], head.shape[1]), dtype=ctx.x_dtype)  # (N, D)
+        grad_x = g_s.new_empty((ids.shape[0], head.shape[1]), dtype=ctx.x_dtype)  # (N, D): d/d(normed rows)
         with torch.autocast(grad_x.device.type, enabled=False):
             for start in memory.representative(range(0, ids.shape[0], ctx.chunk), g_s):
                 g_c = g_s[start : start + ctx.chunk] * grad_out.to(g_s.dtype)  # (c, k)
                 dense = g_c.new_zeros((g_c.shape[0], head.shape[0]))  # (c, V), transient
                 dense.scatter_(1, ids[start : start + ctx.chunk], g_c)  # ids are distinct per row
                 grad_x[start : start + ctx.chunk] = _times_weight(dense, head)
-        return grad_x, None, None, None, None
+        params = [p for p, wanted in zip(ctx.norm.parameters(), ctx.wanted) if wanted]
+        # grad_out is in grad_x already (scaled before the head's product, as before): the norm takes it as 1
+        grad_rows, trained = _norm_backward(rows, grad_x, grad_out.new_ones(()), ctx.norm, params, ctx.chunk,
+                                            ctx.autocast, ctx.needs_input_grad[0])
+        found = iter(trained)
+        return (grad_rows, None, None, None, None, None, *[next(found) if wanted else None for wanted in ctx.wanted])

@@ -135,14 +135,15 @@ def test_norm_computing_in_fp32_sees_the_scaled_gradient(norm_grad):
     _check_against_reference(hidden, norm, head, _targets("segments"), leaves, chunk_size=4, masking=True)
 
 
-def test_final_norm_runs_per_loss_chunk():
+@pytest.mark.parametrize("mode", ["exact", "subset"])
+def test_final_norm_runs_per_loss_chunk(mode):
     """The norm sees one loss chunk of rows at a time (never all N): once per chunk in forward (no
-    grad) and once again in backward (with grad, for that chunk's gradient)."""
-    hidden, norm, head = _model(13, head_grad=True)
+    grad) and once again in backward (with grad, for that chunk's gradient); in both loss modes."""
+    hidden, norm, head = _model(13, head_grad=mode == "exact")
     targets = _targets("segments")
     seen = []
     norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
-    _ours(hidden, norm, head, targets, masking=True, chunk_size=3).loss_sum.backward()
+    _ours(hidden, norm, head, targets, mode=mode, subset_k=4, masking=True, chunk_size=3).loss_sum.backward()
     n = int((targets != IGNORE_INDEX).sum())
     assert seen == 2 * [min(3, n - s) for s in range(0, n, 3)]
 
