@@ -227,19 +227,21 @@ class ValueFit:
         """Whether members' gradients like g are fit together (else one member at a time, each as it comes):
         where they come as factors and the step works on them (factored_is_cheaper), a stack holds t-row
         factors and costs next to no memory. From G itself every member's G, G^T and held-out G would be live
-        at once where one member's were (at SmolLM2's shapes 1.7-7% more device memory in the check pass,
-        by the planner), for products that are large and few, where stacking saves the least."""
-        return (self.members > 1 and isinstance(g, Factors)
-                and factored_is_cheaper(g.rows, *g.shape, self.d, self.r))
+        at once where one member's were (at SmolLM2's shapes 1.7-7% more device memory in the check pass, by
+        an ad-hoc planner run of a version that stacked them), for products that are large and few, where
+        stacking saves the least."""
+        return self.members > 1 and self._from_factors(g)
+
+    def _from_factors(self, g: Gradient) -> bool:
+        """Whether a step on g works on its factors: g comes as factors and that is cheaper by the shapes."""
+        return isinstance(g, Factors) and factored_is_cheaper(g.rows, *g.shape, self.d, self.r)
 
     def prepare_all(self, gradients: list[Gradient], which: tuple[int, ...]) -> _DenseGradient | FactoredGradient:
         """The members' gradients made ready for steps and readings, stacked: from their factors where that is
         cheaper by the shapes (factored_gradient.factored_is_cheaper), else from G itself (formed from the
         factors if need be)."""
-        if all(isinstance(g, Factors) for g in gradients):
-            first = gradients[0]
-            if factored_is_cheaper(first.rows, *first.shape, self.d, self.r):
-                return FactoredGradient(gradients, self, which)
+        if all(isinstance(g, Factors) for g in gradients) and self._from_factors(gradients[0]):
+            return FactoredGradient(gradients, self, which)
         return _DenseGradient([g.dense() if isinstance(g, Factors) else g for g in gradients], self, which)
 
     def step(self, grad: _DenseGradient | FactoredGradient) -> None:
