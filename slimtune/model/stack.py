@@ -375,6 +375,11 @@ class Stack:
         # sends them): the planner's estimate may then replay a tiled block's later backward tiles
         # (step/seq_tiles.py) instead of running them.
         self.gradients_accumulate_plainly = False
+        # Set by an engine under which only a block's parameters take gradients in its backward (no
+        # other tensor of it requires grad): a block none of whose parameters requires grad in a step
+        # then makes no gradient but its input's, and its later backward tiles may be replayed too
+        # (engine chunk: the blocks outside the active chunk). lsp's Z, not a parameter, rules it out there.
+        self.only_parameters_take_gradients = False
 
     # Read through the model each time: quantization replaces the embedding and head modules.
     @property

@@ -99,8 +99,9 @@ def backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor, inpu
     if x.requires_grad:
         reuse = grad_owned and grad.dtype == x.dtype and grad.shape == x.shape and grad.is_contiguous()
         grad_x = grad if reuse else torch.empty_like(x)
-    plain = stack.gradients_accumulate_plainly
     trained = [p for p in block.layer.parameters() if p.requires_grad]
+    # A block that makes no gradient but its input's accumulates nothing, plainly or otherwise.
+    plain = stack.gradients_accumulate_plainly or (stack.only_parameters_take_gradients and not trained)
     # Under fake tensors: where nothing counts the parts, not tile 0 either (it attends to the fewest
     # keys: its peak is no higher than the tile after it, and it writes into what exists).
     for start in memory.representative(block.starts[::-1], x, last_alike=plain):

@@ -1,5 +1,6 @@
 """The planner's estimate replays a tiled block's later forward tiles, and where the engine's gradients
-add in place (Stack.gradients_accumulate_plainly) its later backward tiles (memory.replayed: one op that
+add in place (Stack.gradients_accumulate_plainly) or the block makes none but its input's
+(Stack.only_parameters_take_gradients) its later backward tiles (memory.replayed: one op that
 allocates the transient measured for the same tile of an earlier block, or of the other depth of the
 estimate by depth) instead of running them. The oracle: the same estimate with every tile run."""
 
@@ -9,11 +10,14 @@ from conftest import tiny_config
 from slimtune.device import memory
 from slimtune.engines import settings
 from slimtune.planning import estimate
+from slimtune.step import seq_tiles
 
 PLANS = [("lora", {"engine": "resident", "precision": "bf16", "quant.scheme": "nf4", "activations.checkpoint": "disk"}),
          ("lora", {"engine": "slide", "precision": "bf16", "quant.scheme": "nf4", "slide.head_tile_mb": 0.002}),
          ("full", {"engine": "resident", "precision": "fp32", "activations.checkpoint": "recompute"}),
-         ("full", {"engine": "slide", "precision": "bf16", "activations.checkpoint": "host"})]
+         ("full", {"engine": "slide", "precision": "bf16", "activations.checkpoint": "host"}),
+         ("full", {"engine": "slide", "precision": "bf16", "activations.checkpoint": "host", "slide.working_set": "chunk",
+                   "chunk.n_chunks": 4})]
 # (lsp's estimate is held to the meter with tiled blocks in test_estimate.py; it takes 40 s here)
 
 
@@ -47,15 +51,28 @@ def _run_every_tile(monkeypatch):
     monkeypatch.setattr(memory, "replayed_making", lambda key, fn: tuple(fn()))
 
 
-def test_an_engine_whose_gradients_leave_in_parts_runs_every_backward_tile(tmp_path, monkeypatch):
-    """chunk's sliced ops add each part of a gradient into a side buffer or send it down the link
-    (its bytes are counted): its backward tiles are all run."""
-    calls = []
-    real = memory.replayed
+@pytest.mark.parametrize("gradients", ["device", "host"])
+def test_chunk_runs_every_backward_tile_of_the_blocks_holding_its_active_chunk(gradients, tmp_path, monkeypatch):
+    """chunk's sliced ops add each part of the active chunk's gradient into a side buffer or send it
+    down the link (its bytes are counted): a block holding a piece of the chunk runs every backward
+    tile. A block outside it makes only its input's gradient (none of its parameters requires grad in
+    that step), and its later tiles are replayed like any others."""
+    calls, ran = [], []
+    real, real_tile = memory.replayed, seq_tiles._tile_backward
     monkeypatch.setattr(memory, "replayed", lambda key, fn, *leaves: (calls.append(key), real(key, fn, *leaves)))
-    plan = {"engine": "chunk", "precision": "fp32", "activations.checkpoint": "recompute"}
+    monkeypatch.setattr(seq_tiles, "_tile_backward", lambda block, start, *rest: (
+        ran.append((id(block.layer), start, any(p.requires_grad for p in block.layer.parameters()))),
+        real_tile(block, start, *rest))[1])
+    plan = {"engine": "chunk", "precision": "fp32", "activations.checkpoint": "recompute", "chunk.n_chunks": 4,
+            "chunk.gradients": gradients}
     replayed = _estimate("full", plan, tmp_path)
-    assert calls and "backward" not in {key[0] for key in calls}
+    holding, outside = {}, []
+    for layer, start, trained in ran:
+        (holding.setdefault(layer, set()).add(start) if trained else outside.append(start))
+    every = set().union(*holding.values())
+    assert 0 in every and all(starts == every for starts in holding.values())  # tile 0 too, in every such block
+    assert outside and 0 not in outside  # outside: as plain, representative tiles only,
+    assert len([key for key in calls if key[0] == "backward"]) > len(outside)  # and replayed after the first
     _run_every_tile(monkeypatch)
     assert replayed == _estimate("full", plan, tmp_path)
 

@@ -162,6 +162,9 @@ class ChunkEngine(Engine):
         self.store_dir = Path(cfg.output_dir) / "activations"
         self.fake = stack.fake
         self.slices = sliced.install(stack.model, axis_of(stack.model))  # name -> ActiveSlice
+        # In a step only the active chunk's parameters require grad (reach.only_these_require_grad), and
+        # the sliced ops make gradients for nothing else: a block outside the chunk makes only its input's.
+        stack.only_parameters_take_gradients = True
         self.state = ChunkState({n: s.param for n, s in self.slices.items()},
                                 {n: s.axis for n, s in self.slices.items()}, cfg, device, self.fake,
                                 lambda name: self.slices[name].param)

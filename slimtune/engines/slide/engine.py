@@ -106,8 +106,9 @@ class SlideEngine(Engine):
                                self.working_set.sink, whole_grads=True, working=self.shared_grads,
                                direct=self.working_set.direct) for i in range(count)]
         self.edges = self._edge_units(cfg.train, weight_dtype, moments)
-        # a block's gradients add into its slot's accumulator, unless chunk's working set takes them
-        stack.gradients_accumulate_plainly = self.working_set.sink is None
+        # A block's gradients add into its slot's accumulator; chunk's working set takes them from
+        # there once the block's backward is done (HostUnit.accumulate), not a tile at a time.
+        stack.gradients_accumulate_plainly = True
         for unit in self._all_units():
             unit.dist = dist  # each unit's complete gradients are summed across ranks on the host worker
         self.worker = runtime.HostWorker(inline=any(is_fake(p) for p in stack.model.parameters()), device=device)
