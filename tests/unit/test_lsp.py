@@ -5,6 +5,7 @@ before evaluation and checkpoints; the link moves 2 x sum d^2 x 4 bytes a step a
 updates sum d^2 numbers; a refit carries the moments into the new subspace (never zeroed, step counts
 kept); resume is exact; bf16 weights keep 1,000 small updates."""
 
+import contextlib
 import copy
 import random
 import time
@@ -238,6 +239,30 @@ def test_the_projector_check_sees_whole_gradients_under_chunked_recompute():
         engine = fixed_projector_engine(copy.deepcopy(model), cfg)
         errors.append(engine.learning.measure(batches(model.config.vocab_size, 0), engine._probe_pass))
     assert errors[0] == pytest.approx(errors[1], abs=1e-10, rel=0)
+
+
+@pytest.mark.parametrize("metered", [False, True])
+def test_the_check_reads_each_matrix_error_off_its_whole_gradients(metered):
+    """measure's e(G) of every matrix over several batches, (sum of |P_o P_o^T G P_i P_i^T - G|^2 over sum of
+    |G|^2)^(1/2), against dense projectors on each batch's gradient; under a meter too, where a reading of
+    a shape met before runs off the meter (memory.TransientReplay) and must still be added."""
+    from slimtune.device import memory
+    from slimtune.engines.lsp.learning import whole
+
+    model = model_of(layers=3)
+    engine = fixed_projector_engine(model, run_cfg(LspConfig(d=8, r=3, check_every=0)))
+    sample = batches(model.config.vocab_size, 0) + batches(model.config.vocab_size, 1)
+    grads = {i: [] for i in range(len(engine.modules))}
+    for batch in sample:
+        engine._probe_pass([batch], {i: (lambda i: lambda halves: grads[i].append(whole(halves).clone()))(i)
+                                     for i in grads})
+    with memory.LiveBytesMeter() if metered else contextlib.nullcontext():
+        errors = engine.learning.measure(sample, engine._probe_pass)
+    for index, module in enumerate(engine.modules):
+        p_o, p_i = module.p_o.dense(), module.p_i.dense()
+        residual = sum((p_o @ p_o.T @ g @ p_i @ p_i.T - g).pow(2).sum() for g in grads[index])
+        energy = sum(g.pow(2).sum() for g in grads[index])
+        assert len(grads[index]) == len(sample) and errors[index] == pytest.approx(float((residual / energy).sqrt()), abs=1e-10)
 
 
 def test_the_link_moves_two_d_squared_fp32_numbers_a_matrix_a_step():

@@ -209,18 +209,20 @@ class ProjectorLearning:
     def measure(self, batches: list, probe_pass: Callable, which: list[int] | None = None) -> list[float]:
         """e(G) of the matrices' projectors (all, or `which`) over the sample's gradients (energy-weighted)."""
         which = list(range(len(self.modules))) if which is None else which
-        sums = {i: [0.0, 0.0] for i in which}
+        sums: dict[int, torch.Tensor] = {}  # per matrix: its residual and its energy, summed over the batches
+        replay = memory.TransientReplay()  # the reading's peak counted once per shape, as the fits' are
 
         def observe(index: int, halves: Halves) -> None:
             module, grad = self.modules[index], whole(halves)
-            total = grad.pow(2).sum()
-            sums[index][0] = sums[index][0] + projectors.fast_squared_residual(grad, module.p_o, module.p_i, total)
-            sums[index][1] = sums[index][1] + total
+            into = sums.setdefault(index, grad.new_zeros(2))
+            key = (tuple(grad.shape), module.d, module.p_o.r, grad.dtype)
+            replay.run(key, grad, _add_squared_residual, into, grad, module)
 
         probe_pass(batches, {i: functools.partial(observe, i) for i in which})
         if self.fake:
             return [float("nan")] * len(which)
-        return [math.sqrt(max(float(res / tot), 0.0)) if float(tot) > 0 else 0.0 for res, tot in sums.values()]
+        return [math.sqrt(max(float(res / tot), 0.0)) if float(tot) > 0 else 0.0
+                for res, tot in (sums[i] if i in sums else (0.0, 0.0) for i in which)]
 
     def refit(self, batches: list, chosen: list[int], probe_pass: Callable) -> tuple[int, list[int]]:
         """New values for the chosen matrices' projectors: fresh at the first fit, from their current values
@@ -353,6 +355,14 @@ def _all_zero(modules: list[ProjectedLinear]) -> bool:
     """Z is zero in every matrix: true before step 1 (Z starts at zero, and a checkpoint is written with Z
     folded); checked, not assumed, where values exist."""
     return all(not bool(module.z.detach().any()) for module in modules)
+
+
+def _add_squared_residual(into: torch.Tensor, grad: torch.Tensor, module: ProjectedLinear) -> None:
+    """into += (the residual of grad off the module's projectors, grad's energy), squared, in place: a
+    reading leaves the memory as it found it (memory.TransientReplay)."""
+    total = grad.pow(2).sum()
+    into[0].add_(projectors.fast_squared_residual(grad, module.p_o, module.p_i, total))
+    into[1].add_(total)
 
 
 def _tensors(gradient: Gradient | None) -> tuple[torch.Tensor, ...]:
