@@ -56,6 +56,11 @@ def _one_block(cfg: config.RunConfig) -> int:
     return 1
 
 
+def _one_pass(cfg: config.RunConfig) -> int:
+    del cfg
+    return 1
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     name: str
@@ -79,6 +84,9 @@ class EngineSpec:
     # a partition of the whole model, so two shallow probes cannot give the deep step; see
     # estimate._by_depth).
     by_depth: Callable[[config.RunConfig], bool] = _always
+    # cfg -> the passes over the model (forward and backward) its estimate's fake step makes: the
+    # planner hands out the plans with the most first, so that the longest estimates do not come last.
+    estimate_passes: Callable[[config.RunConfig], int] = _one_pass
     # (precision, method) -> the dtype the model is loaded in; None: assembly.weight_dtype's rule.
     weight_dtype: Callable | None = None
     # cfg -> settings the run left to the planner (e.g. chunk.n_chunks=0): candidate overrides, in

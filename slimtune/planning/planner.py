@@ -337,7 +337,7 @@ def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int,
     results = {i: weigh(*job) for i, job in enumerate(jobs)
                if not max_seq and is_cached(model_config, _run_config(base, job[2]), batch_size, seq_len)}
     left = [i for i in range(len(jobs)) if i not in results]
-    order = sorted(left, key=lambda i: (_at_full_depth(base, jobs[i][2]), i))
+    order = sorted(left, key=lambda i: (_expected_length(base, jobs[i][2]), i))
     small = model_config.num_hidden_layers * model_config.hidden_size < PARALLEL_FROM
     if (os.cpu_count() or 1) < 2 or len(order) < 2 or small:
         planning_worker.discard()
@@ -348,19 +348,22 @@ def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int,
     return [results[i] for i in range(len(jobs))]
 
 
-def _at_full_depth(base: RunConfig, plan: dict) -> bool:
-    """Whether the plan's estimate runs the whole stack (its engine does not extrapolate from two
-    shallow ones): those take several times longer, so they are handed out first."""
+def _expected_length(base: RunConfig, plan: dict) -> tuple[int, bool, bool]:
+    """What makes a plan's estimate long, most telling first: the passes over the model its fake step
+    makes (lsp's first step also checks its projectors), whether it runs the whole stack (its engine
+    does not extrapolate from two shallow ones), whether its blocks are recomputed. Only an order:
+    the longest are handed out first."""
     cfg = _run_config(base, plan)
-    return not engines.get(cfg.engine).by_depth(cfg)
+    spec = engines.get(cfg.engine)
+    return spec.estimate_passes(cfg), not spec.by_depth(cfg), cfg.activations.checkpoint != "none"
 
 
 def _share_with_a_worker(worker, jobs: list[tuple], order: list[int]) -> dict[int, PlanResult]:
     """Weigh jobs[i] for i in `order`: this process and the worker (fed by a thread that waits for it,
-    so it never idles) each take the next one left until none is. Engines list their plans plain to
-    elaborate, and an elaborate plan's fake step has more ops; full-depth plans are put last: taking
-    them from the end, the longest go first and the last ones, which decide when both are done, are
-    short."""
+    so it never idles) each take the next one left until none is. `order` puts the plans expected to
+    take longest last (_expected_length; within alike ones, engines list their plans plain to
+    elaborate): taking them from the end, the longest go first and the last ones, which decide when
+    both are done, are short."""
     import threading
 
     lock, results, failures = threading.Lock(), {}, []

@@ -131,3 +131,20 @@ def test_every_plan_with_a_4bit_base_pays_for_its_dequantization_in_the_modelled
         passes = 3 if plan["engine"] == "slide" or plan.get("activations.checkpoint", "none") != "none" else 2
         floor = speed.dequant_bytes(model_config, passes) / (gpu.memory_gbps * 1e9)
         assert times["nf4"] - times["none"] == pytest.approx(floor, rel=1e-9), plan
+
+
+def test_the_plans_whose_estimates_take_longest_are_handed_out_first():
+    """_weigh_all's workers take plans from the end of its order: lsp's (its first step checks the
+    projectors: three passes over the model), then those estimated at full depth, then the recomputed."""
+    base = planner.planning_config("full", 16)
+    expected = {json.dumps(p, sort_keys=True): planner._expected_length(base, p) for p in planner.applicable_plans(base)}
+
+    def length(**plan) -> tuple:
+        return expected[json.dumps(plan, sort_keys=True)]
+
+    lsp = {"engine": "lsp", "precision": "bf16"}
+    chunk = {"engine": "chunk", "precision": "bf16", "activations.checkpoint": "recompute", "chunk.n_chunks": 16,
+             "chunk.gradients": "host"}
+    resident = {"engine": "resident", "precision": "bf16"}
+    assert (length(**lsp, **{"activations.checkpoint": "recompute"}) > length(**lsp) > length(**chunk)
+            > length(**resident, **{"activations.checkpoint": "recompute"}) > length(**resident))

@@ -543,4 +543,5 @@ register(EngineSpec(
     name="lsp", summary="full fine-tuning with bf16 weights on the device; gradients leave it compressed by learned"
     " sparse projectors, AdamW runs on the host in the small space (LSP-Offload).",
     build=LspEngine, step_time=step_time, section=LspConfig, validate=validate, plans=plans,
-    weight_dtype=weight_dtype, sample_examples=lambda cfg: cfg.section("lsp").fit_samples))
+    weight_dtype=weight_dtype, sample_examples=lambda cfg: cfg.section("lsp").fit_samples,
+    estimate_passes=lambda cfg: 3))  # the first step's check: a fit's pass and a baseline's beside the step's
