@@ -105,6 +105,17 @@ class Link:
             dst.copy_(src, non_blocking=True)
             return self.stream.record_event()
 
+    def compute_mark(self) -> object:
+        """An event after everything the compute stream has issued so far (None off CUDA): the `after` of a
+        copy up that overwrites a tensor those kernels may still read (copy_up waits for nothing else)."""
+        return torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+
+    def drain(self) -> None:
+        """Wait, on the host, for every copy issued on this link so far: before the host writes the source
+        of a copy up (a non-blocking copy from pinned memory reads it when it runs, not when issued)."""
+        if self.cuda:
+            self.stream.synchronize()
+
     def zero(self, dst: torch.Tensor, after: object = None) -> object:
         """Zero a device tensor on the copy stream (ordered after its earlier copies, e.g. the
         download of the gradients it held)."""

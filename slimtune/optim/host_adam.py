@@ -269,8 +269,11 @@ class HostAdam:
         if self.split and self.fake:
             return
         if self.split:
-            shape = self.groups[k].shapes[i]
-            split_master.split(values.to(self.dtype).reshape(shape), self._weight(k, i), self.cut(k, i, self.residuals[k]))
+            shape, weight = self.groups[k].shapes[i], self._weight(k, i)
+            # values may be on the device (engine chunk's first visit reads a chunk's weights there): the
+            # split's arithmetic runs beside the host buffers it writes
+            split_master.split(values.to(device=weight.device, dtype=self.dtype).reshape(shape), weight,
+                               self.cut(k, i, self.residuals[k]))
         else:
             self.cut(k, i, self.masters[k]).copy_(values)
 

@@ -315,8 +315,8 @@ class ChunkEngine(Engine):
                 event.synchronize()
 
         def write(piece, values: torch.Tensor) -> None:
-            target = narrow(self.slices[piece.name].param.data, piece)
-            self.link.wait(self.link.copy_up(target, values))
+            target = narrow(self.slices[piece.name].param.data, piece)  # read by the step's kernels
+            self.link.wait(self.link.copy_up(target, values, after=self.link.compute_mark()))
 
         self.state.update(k, lr, 1.0 if is_fake(clip) else float(clip), write)
 

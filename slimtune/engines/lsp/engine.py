@@ -267,6 +267,12 @@ class LspEngine(Engine):
         """Every pending update applied (before evaluation, a checkpoint or a projector check)."""
         self.updates.flush()
 
+    def _flush_and_drain(self) -> None:
+        """flush(), and its uploads of Z finished as the host sees them: what follows zeroes the host
+        masters (a fold), which a copy up still in flight on CUDA would read after the write."""
+        self.flush()
+        self.link.drain()
+
     # ------------------------------------------------------------ one step
 
     def step(self, micro_batches: list[Batch], total_targets: int | None = None,
@@ -378,7 +384,7 @@ class LspEngine(Engine):
             # Each rank's own batches would fit each rank other projectors, and the ranks would part.
             raise UserError("engine=lsp under torchrun fits its projectors on a fixed sample every rank holds alike;"
                             " set lsp.fit_samples > 0 (it is 0, or the data has too few examples to hold any out).")
-        self.flush()
+        self._flush_and_drain()  # a refit folds the matrices it changes
         memory.mark("lsp check")
         self.learning.progress = self.progress and self.dist.is_main
         extras = self.learning.check(self.sample or micro_batches, self._probe_pass)
@@ -442,7 +448,7 @@ class LspEngine(Engine):
     def state_dict(self) -> EngineState:
         """Z is folded into W first, so the trained weights are plain ones; the moments in Z space,
         the projectors, the step counts and the projector RNG go in `extra`."""
-        self.flush()
+        self._flush_and_drain()
         for module in self.modules:
             module.fold(self.rounding)
         for adam in self.adams:
@@ -471,7 +477,7 @@ class LspEngine(Engine):
         have another shape (lsp.r or lsp.d changed), the projectors are fit afresh at the next step."""
         names = [self.names[id(m.weight)] for m in self.modules] + [n for n, _ in self.others]
         check_resumable(state, names, self.name, decided_by="lsp.train_other")
-        self.flush()
+        self._flush_and_drain()
         by_name = {self.names[id(m.weight)]: m.weight for m in self.modules} | dict(self.others)
         copy_named(by_name, state.trainable)
         for module, adam in zip(self.modules, self.adams):
