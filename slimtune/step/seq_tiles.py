@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.nn.attention.bias import CausalBias, causal_lower_right  # a submodule torch.nn.attention does not import
 
 from slimtune.device import memory
 from slimtune.model.stack import BlockInputs, Stack
@@ -202,6 +203,8 @@ class _Block:
         attn = self.attn
         dropout = attn.attention_dropout if attn.training else 0.0
         mask, causal = self.mask(start, q, keys)
+        if isinstance(mask, CausalBias):
+            q, keys, values = _autocast_inputs(q, keys, values)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, dropout_p=dropout,
                                              scale=attn.scaling, enable_gqa=q.shape[1] != keys.shape[1])
         h = xi + attn.o_proj(out.transpose(1, 2).reshape(*xi.shape[:2], -1))
@@ -263,8 +266,8 @@ class _Block:
         if self.segments is None and self.window is None:
             if offset == 0:
                 return None, True
-            if keys.is_cuda:
-                return torch.nn.attention.bias.causal_lower_right(queries, count), False
+            if lower_right_bias(keys):
+                return causal_lower_right(queries, count), False
             # Elsewhere a float band, built in place; a GPU attends without it (above), so no meter counts it.
             with memory.host_allocation():  # -inf above the band, 0 in it: one tensor, one pass
                 band = torch.full((queries, count), float("-inf"), dtype=q.dtype, device=keys.device).triu_(offset + 1)
@@ -280,6 +283,24 @@ class _Block:
         if self.seed is None:
             return contextlib.nullcontext()
         return _seeded(self.seed + start, self.x.device)
+
+
+def lower_right_bias(keys: torch.Tensor) -> bool:
+    """Whether a tile's plain causal band goes to SDPA as a lower-right CausalBias (CUDA: its fused
+    kernels take it, and no mask is made) rather than as a band tensor (elsewhere)."""
+    return keys.is_cuda
+
+
+def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in autocast's dtype, where autocast is on for their device: a CausalBias takes SDPA over
+    through __torch_function__ before autocast can cast, and SDPA's kernels then refuse q, k and v of
+    different dtypes (fp32 weights under bf16: q and k come out of the fp32 rotary tables, v out of a bf16
+    matmul). The same cast autocast makes for SDPA, so gradients reach the fp32 leaves as they would."""
+    kind = tensors[0].device.type
+    if not torch.is_autocast_enabled(kind):
+        return tensors
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _signature(layer: nn.Module) -> tuple:
@@ -347,6 +368,7 @@ def _dropout_seed(layer: nn.Module, x: torch.Tensor) -> int | None:
 def _seeded(seed: int, device: torch.device):
     with torch.random.fork_rng([device] if device.type == "cuda" else [], device_type=device.type):
         torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":
-            torch.cuda.manual_seed(seed)
+        if device.type == "cuda":  # the card fork_rng saved, which need not be the current one
+            card = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.default_generators[card].manual_seed(seed)
         yield

@@ -174,7 +174,9 @@ def set_process_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # The cards this machine has (a run saved on 8 may resume on 1: set_rng_state_all would index past them).
+        for index, card_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(card_state, index)
         if "cuda_own" in state:
             torch.cuda.set_rng_state(state["cuda_own"], torch.cuda.current_device())
 

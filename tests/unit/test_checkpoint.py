@@ -84,3 +84,19 @@ def test_a_checkpoint_in_an_older_format_is_refused_in_one_sentence(tmp_path):
     (folder / "meta.json").write_text(json.dumps({"step": 2, "stream": {}}))  # no "format": the old layout
     with pytest.raises(UserError, match="older format"):
         checkpoint.load(folder)
+
+
+def test_a_run_saved_on_more_cards_resumes_on_fewer(monkeypatch):
+    """The RNG state holds every card's generator of the saving machine; a machine with fewer cards
+    restores the ones it has (torch.cuda.set_rng_state_all would index past them), and its own card
+    takes the saving rank's own card's state. torch.cuda stood in for: this machine has no card."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, index: restored.append((int(state[0]), index)))
+    state = {"python": checkpoint.random.getstate(), "torch": torch.get_rng_state(),
+             "cuda": [torch.tensor([card], dtype=torch.uint8) for card in range(8)],
+             "cuda_own": torch.tensor([5], dtype=torch.uint8)}
+    checkpoint.set_process_rng_state(state)
+    assert restored == [(0, 0), (5, 0)]

@@ -113,6 +113,26 @@ def test_tiled_blocks_equal_the_untiled_model(name, method, packed, tiled_calls)
     assert tiled_calls == {"forward": blocks, "backward": blocks}
 
 
+def test_the_cuda_lower_right_bias_equals_the_band(monkeypatch):
+    """On CUDA a tile's plain causal band goes to SDPA as a lower-right CausalBias (seq_tiles.lower_right_bias),
+    forced here on the CPU, where SDPA takes it too. In float64 it equals the untiled model. Under bf16
+    autocast over fp32 weights (full fine-tuning on a GPU) q and k leave the fp32 rotary tables and v a bf16
+    matmul, and SDPA under a CausalBias refuses mixed dtypes: cast as autocast casts, it gives the band's
+    numbers."""
+    stack = stack_of("llama", {}, "full")
+    tiled = ActivationsConfig(checkpoint="recompute", seq_tile=TILE)
+    expected = step(stack, None, False)
+    monkeypatch.setattr(seq_tiles, "lower_right_bias", lambda keys: True)
+    assert max_diff(step(stack, tiled, False), expected) <= 1e-12
+    stack.model.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        biased = step(stack, tiled, False)
+        monkeypatch.setattr(seq_tiles, "lower_right_bias", lambda keys: False)
+        band = step(stack, tiled, False)
+    assert all(g.dtype == torch.float32 for g in biased[1])
+    assert max_diff(biased, band) == 0.0
+
+
 @pytest.mark.quick
 def test_the_oracle_sees_what_tiles_must_respect():
     """The untiled reference is sensitive to the window and to the packing, so equality above means
