@@ -365,6 +365,18 @@ def run_early(model, cfg, steps: int, partition=None, setup=None):
     return [r.loss for r in out], [r.grad_norm for r in out], params, out
 
 
+def test_a_step_begun_early_leaves_the_running_step_s_device_peak_alone(models, monkeypatch):
+    """A step's meters open idle (on CUDA: each card's peak statistics reset) only when no other step runs;
+    the one begun early (then=) opens them while the step before it still runs, so its peak covers both
+    and the running step's is not cut short. The CPU meter does not reset: what reaches it is checked."""
+    opened = []
+    real = RoundPipeEngine._open_meters
+    monkeypatch.setattr(RoundPipeEngine, "_open_meters", lambda self, idle: (opened.append(idle), real(self, idle))[1])
+    cfg = run_cfg(RoundPipeConfig(workers=3, micro_batches=2, optimizer="async", replan=False))
+    run_early(models["tied"], cfg, 3)
+    assert opened == [True, False, False]
+
+
 @pytest.mark.parametrize("tail_shards,tied", [(1, "tied"), (3, "untied")])
 def test_the_next_step_begun_early_fills_the_drain_and_computes_the_same(models, tail_shards, tied):
     """async: with the next step's batches given early its first jobs run while this step's last
@@ -595,3 +607,18 @@ def test_the_step_after_next_starts_before_the_whole_update_is_done(models):
     found = run_early(models["untied"], cfg, 4, setup=hold_the_head)
     assert waited == [True]
     same_run(found, straight)
+
+
+def test_the_stage_cap_is_the_smallest_free_card_memory_shared_by_the_workers_on_a_card(monkeypatch):
+    """memory_fraction of the smallest free card memory, halved (a stage and the one prefetched), split between
+    the workers sharing a card; nothing off CUDA. torch.cuda stood in for: this machine has no card."""
+    from types import SimpleNamespace
+
+    free = {0: 10 << 30, 1: 8 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[d.index], 80 << 30))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cards = [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)]
+    engine = SimpleNamespace(devices=cards, section=RoundPipeConfig(memory_fraction=0.6))
+    assert RoundPipeEngine._stage_cap(engine) == int(0.6 * (8 << 30) / 2 / 2)  # two workers on card 0
+    engine.devices = [CPU, CPU]
+    assert RoundPipeEngine._stage_cap(engine) is None

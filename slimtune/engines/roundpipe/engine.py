@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,7 @@ class RoundPipeEngine(Engine):
         self.layer_times = LayerTimes(len(self.units), costs_from_bytes(
             [u.binding.weight_bytes for u in self.units], [u.binding.grad_bytes > 0 for u in self.units]))
         self.fake = fake
+        self.stage_cap = self._stage_cap()
         self.partition: Partition = self._plan()
         # Replans keep this first cut's tail shard count: token shards change the order of the head's
         # sums (1 ulp), while any stage cut gives the same bits, so a replan from measured times may
@@ -132,18 +134,25 @@ class RoundPipeEngine(Engine):
     def _all_units(self) -> list[HostUnit]:
         return [*self.units, *([self.embedding] if self.embedding is not None else [])]
 
+    def _stage_cap(self) -> int | None:
+        """The stage memory cap (CUDA; None elsewhere): memory_fraction of the smallest free device memory,
+        halved (a worker holds its stage and the one it prefetches) and shared by the workers on one card.
+        Read once, as the engine is built: at a replan the caching allocator's own blocks would count as
+        used, and each replan would cut smaller stages than the last."""
+        if not all(d.type == "cuda" for d in self.devices):
+            return None
+        free = min(torch.cuda.mem_get_info(d)[0] for d in self.devices)
+        sharing = max(Counter(torch.device(d.type, d.index if d.index is not None else torch.cuda.current_device())
+                              for d in self.devices).values())
+        return int(self.section.memory_fraction * free / 2 / sharing)
+
     def _plan(self) -> Partition:
         """The spec's partitioner on the per-layer costs (proportional to each layer's bytes until
-        measured), the stage memory cap half of memory_fraction of the smallest free device memory
-        (CUDA)."""
-        cap = None
-        if all(d.type == "cuda" for d in self.devices):
-            free = min(torch.cuda.mem_get_info(d)[0] for d in self.devices)
-            cap = int(self.section.memory_fraction * free / 2)
+        measured), under the stage memory cap."""
         shards = min(self.section.tail_shards or len(self.workers), self.max_tokens)
         kept = getattr(self, "tail_shard_count", None)  # a replan: the first cut's count (see __init__)
         try:
-            return plan_stages(self.layer_times.costs(), len(self.workers), memory_cap=cap,
+            return plan_stages(self.layer_times.costs(), len(self.workers), memory_cap=self.stage_cap,
                                max_tail_shards=kept or shards, min_tail_shards=kept or 1)
         except ValueError as err:
             raise UserError(f"engine=roundpipe cannot cut the model into stages: {err}") from None
@@ -227,9 +236,10 @@ class RoundPipeEngine(Engine):
             saved_at=self._saved_at(), precision=self.precision, grain=self.section.grain, loss_cfg=self.loss_cfg,
             activations_cfg=self.activations_cfg, embedding_trainable=embedding_trainable, next_job={})
 
-    def _start(self, micro_batches: list[Batch], total_targets: int | None) -> "_Started":
+    def _start(self, micro_batches: list[Batch], total_targets: int | None, idle: bool = True) -> "_Started":
         """Cut the batches, take the step's jobs from the cursor, gather the embedding rows (once the
-        step's version of the table is in place) and hand the jobs to the workers."""
+        step's version of the table is in place) and hand the jobs to the workers. `idle`: no other step
+        is running (False for a step begun early, while the one before it runs)."""
         weights, next_gate = self._step_weights(), Gate(opened=False)
         self._next_gate = next_gate
         step_jobs, self.cursor = assign(self.partition, len(self.workers), self.cursor)
@@ -237,7 +247,7 @@ class RoundPipeEngine(Engine):
         ctx = self._context(pieces, step_divisor(micro_batches, total_targets), deferred, weights)
         ctx.next_job.update(_next_on_worker(step_jobs))
         self._gather_rows(ctx)  # first: under fake tensors each job runs inline as it is submitted
-        meters = self._open_meters(idle=self._ahead is None)
+        meters = self._open_meters(idle=idle)
         futures = []
         for job in step_jobs:
             worker = self.workers[job.worker]
@@ -297,7 +307,7 @@ class RoundPipeEngine(Engine):
         started = self._take_ahead(micro_batches) or self._start(micro_batches, total_targets)
         if then is not None and self.starts_ahead:
             try:
-                self._ahead = self._start(*then)
+                self._ahead = self._start(*then, idle=False)
             except BaseException:
                 self._wait_jobs(started)
                 raise

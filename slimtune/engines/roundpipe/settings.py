@@ -29,8 +29,8 @@ class RoundPipeConfig:
         "sync", "engine=roundpipe: sync: exact AdamW after each step; async: the update runs during the next step,"
                 " which sees weights one update old (not exact; see the engine's docs).")
     memory_fraction: float = setting(
-        0.6, "engine=roundpipe: share of the smallest free device memory a worker may fill: a stage's weights and"
-             " gradients stay under half of it (CUDA only).")
+        0.6, "engine=roundpipe: share of the smallest free device memory (when the engine is built) the workers on a"
+             " card may fill: a stage's weights and gradients stay under half of their part of it (CUDA only).")
     replan: bool = setting(
         True, "engine=roundpipe: cut the stages again after each step from the measured per-layer times (EMA);"
               " false: keep the first cut (from the layers' bytes). A replan keeps the first cut's tail shard count,"
