@@ -35,8 +35,11 @@ HOST = torch.device("cpu")
 
 def resolve_device(name: str, dist: Dist = SINGLE) -> torch.device:
     """The run's device; under torchrun on CUDA the rank's own card, cuda:LOCAL_RANK."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("device is 'cuda' but no CUDA device is available; use device=auto or device=cpu.")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device is '{name}' but no CUDA device is available; use device=auto or device=cpu.")
+    if name.startswith("cuda:") and torch.device(name).index >= torch.cuda.device_count():
+        raise UserError(f"device is '{name}' but this machine has {torch.cuda.device_count()} CUDA device(s),"
+                        f" numbered from 0.")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and dist.active:
@@ -48,9 +51,14 @@ def resolve_device(name: str, dist: Dist = SINGLE) -> torch.device:
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
-    """auto: bf16 autocast over fp32 weights on CUDA, plain fp32 on the CPU (bf16 is slow there)."""
+    """auto: bf16 autocast over fp32 weights on CUDA, plain fp32 on the CPU (bf16 is slow there) and on
+    a card without bf16 arithmetic of its own (before Ampere: T4, V100), where torch emulates it. A plan
+    made with no card here is made for one that has it."""
     if name == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
+        if device.type != "cuda":
+            return "fp32"
+        native = not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bf16" if native else "fp32"
     return name
 
 

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from slimtune import config, engines
 from slimtune.config import setting
@@ -220,3 +221,37 @@ def test_a_forgotten_engine_is_forgotten_by_the_settings(plugin):
     engines.unregister("plugin")
     assert refusal("plugin.momentum=0.5").startswith("unknown key 'plugin' in the settings given")
     assert "plugin" not in settings.sections() and not any("plugin" in line for line in settings.help_text())
+
+
+@pytest.mark.parametrize("name", ["cuda", "cuda:0", "cuda:3"])
+def test_a_cuda_device_this_machine_lacks_is_one_sentence(name, monkeypatch):
+    """device=cuda or cuda:N without CUDA, or cuda:N past the machine's cards (torch.cuda stood in for,
+    with one card): a sentence naming the setting, not torch's assertion from deep inside the load."""
+    from slimtune import assembly
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=f"device is '{name}' but no CUDA device is available"):
+        assembly.resolve_device(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    if name == "cuda:3":
+        with pytest.raises(UserError, match="device is 'cuda:3' but this machine has 1 CUDA device"):
+            assembly.resolve_device(name)
+    else:
+        assert assembly.resolve_device(name) == torch.device(name)
+
+
+def test_precision_auto_is_bf16_on_a_card_with_bf16_of_its_own(monkeypatch):
+    """auto: fp32 on the CPU and on a card that only emulates bf16 (T4, V100); bf16 on one that has it,
+    and for a plan made with no card here (torch.cuda stood in for)."""
+    from slimtune import assembly
+
+    cuda = torch.device("cuda")
+    assert assembly.resolve_precision("auto", torch.device("cpu")) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert assembly.resolve_precision("auto", cuda) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for native, expected in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n or including_emulation)
+        assert assembly.resolve_precision("auto", cuda) == expected
+    assert assembly.resolve_precision("fp32", cuda) == "fp32"
