@@ -297,8 +297,8 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: CUDA when present, else the CPU.")
     precision: Literal["auto", "fp32", "bf16", "fp64"] = setting(
         "auto",
-        "auto: bf16 on a CUDA card with bf16 arithmetic (Ampere on), else fp32. bf16: autocast, trained weights fp32, a frozen LoRA base stored"
-        " in bf16. fp64 is for tests.",
+        "auto: bf16 on a CUDA card with bf16 arithmetic (Ampere on), else fp32. bf16: autocast, trained weights"
+        " fp32, a frozen LoRA base stored in bf16. fp64 is for tests.",
     )
 
     def __post_init__(self) -> None:
