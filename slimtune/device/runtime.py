@@ -339,18 +339,23 @@ class SlotBinding:
         return event
 
 
+def one_thread(name: str, device: torch.device | None) -> ThreadPoolExecutor:
+    """A pool of one thread (its jobs run in submission order). `device`: a CUDA device the jobs wait on
+    (events) is made the thread's own, so a rank's thread never touches another rank's card (a new
+    thread starts on cuda:0, where it would make a context of its own)."""
+    if device is None or device.type != "cuda":
+        return ThreadPoolExecutor(1, thread_name_prefix=name)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=torch.cuda.set_device, initargs=(index,))
+
+
 class HostWorker:
     """Host work in submission order on one thread; `barrier` waits for it and re-raises errors."""
 
     def __init__(self, inline: bool = False, device: torch.device | None = None):
-        """`device`: a CUDA device the jobs wait on (events) is made the thread's own, so a rank's
-        worker never touches another rank's card (a new thread starts on cuda:0)."""
+        """`device`: the card the jobs wait on (one_thread)."""
         self.inline = inline
-        cuda = not inline and device is not None and device.type == "cuda"
-        index = (torch.cuda.current_device() if device.index is None else device.index) if cuda else None
-        self.executor = None if inline else ThreadPoolExecutor(
-            1, thread_name_prefix="slimtune-host", initializer=torch.cuda.set_device if cuda else None,
-            initargs=(index,) if cuda else ())
+        self.executor = None if inline else one_thread("slimtune-host", device)
         self.pending: list[Future] = []
 
     def submit(self, fn, *args) -> Future:

@@ -143,13 +143,7 @@ class DiskStore(HostStore):
     def __init__(self, device: torch.device | None, folder: str | Path):
         super().__init__(device)
         self.root, self.scratch, self._cleanup = Path(folder), None, None  # scratch: made on the first write
-        # In order: reads follow writes. Its thread waits on CUDA events, so it is set to this rank's card
-        # first (a new thread starts on cuda:0, where another rank would make a context of its own).
-        cuda = device is not None and device.type == "cuda"
-        index = (torch.cuda.current_device() if device.index is None else device.index) if cuda else None
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="slimtune-disk",
-                                         initializer=torch.cuda.set_device if cuda else None,
-                                         initargs=(index,) if cuda else ())
+        self.worker = runtime.one_thread("slimtune-disk", device)  # in order: reads follow writes
         self.writes: deque[Future] = deque()
 
     def _ensure_folder(self) -> Path:
