@@ -428,7 +428,10 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
     if dist.active:
         record["allreduce_bytes"] = dist.take_reduced_bytes()  # this rank's payload, the step's own sums
     if _due(step, t.eval_every, t.steps):
-        record.update(evaluate(run, run.eval_batches))
+        try:
+            record.update(evaluate(run, run.eval_batches))
+        except torch.OutOfMemoryError:
+            raise UserError(out_of_memory_advice(run, step, "evaluating after")) from None
     if _due(step, t.log_every, t.steps) or not result.applied:
         log.log(record)
     if not result.applied:
@@ -477,18 +480,25 @@ def _refuse_nonfinite(run: Run, step: int, result, skips: Skips) -> None:
         f"{option}.")
 
 
-def out_of_memory_advice(run: Run, step: int) -> str:
-    """One sentence for a step that ran out of device memory, naming a plan that fits this card."""
+def out_of_memory_advice(run: Run, step: int, when: str = "at") -> str:
+    """One sentence for a step (or the evaluation after it) that ran out of device memory, naming a plan
+    that fits this card, or saying that the run's plan is the one the planner picks."""
     cfg = run.cfg
     gpu = presets.device_profile(run.device)
     machine = _machine(cfg, gpu)
     results, chosen = planner.plan_run(cfg, presets.model_config(cfg.model), machine)
+    where = f"out of device memory {when} step {step} with engine={cfg.engine} precision={run.precision}"
     if chosen is None:
-        return f"out of device memory at step {step}, and {planner.no_fit_sentence(results, machine)}"
+        return f"{where}, and {planner.no_fit_sentence(results, machine)}"
+    peak = f"device peak {human_bytes(chosen.estimate.device_peak_bytes)} on fake tensors"
     options = " ".join(f"{k}={v}" for k, v in chosen.options.items())
-    return (f"out of device memory at step {step} with engine={cfg.engine} precision={cfg.precision}; "
-            f"a plan that fits {human_bytes(gpu.memory_bytes)}: engine={chosen.engine} {options} "
-            f"(device peak {human_bytes(chosen.estimate.device_peak_bytes)} on fake tensors), or train with plan=auto.")
+    if planner.is_the_plan(cfg, chosen):
+        return (f"{where}, the plan the planner picks for {human_bytes(gpu.memory_bytes)} ({options}, {peak}): the card "
+                f"had less free than planned (another process on it, or the allocator's fragmentation); lower "
+                f"train.batch_size or data.max_length.")
+    return (f"{where}; a plan that fits {human_bytes(gpu.memory_bytes)}: engine={chosen.engine} {options} "
+            f"({peak}), or train with plan=auto.")
+
 
 
 def _peak_text(peak: int | None) -> str:

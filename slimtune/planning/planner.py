@@ -437,6 +437,11 @@ def _smallest_need(results: list[PlanResult]) -> str:
     return f"the smallest on the device, {need.engine} {need.label}, lacks {lacks};{advice} or plan for a larger machine"
 
 
+def is_the_plan(cfg: RunConfig, result: PlanResult) -> bool:
+    """Whether the run already is `result`'s plan: its engine and options change none of cfg's settings."""
+    return _run_config(cfg, {"engine": result.engine, **result.options}) == cfg
+
+
 def apply_recommended(cfg: RunConfig, model_config, machine: Machine) -> tuple[RunConfig, PlanResult]:
     """plan=auto: the run's settings with the recommended plan's engine and options."""
     results, chosen = plan_run(cfg, model_config, machine)

@@ -105,6 +105,21 @@ def test_out_of_memory_ends_with_a_plan_that_fits(tmp_path, tiny_model_dir):
         train.fit(cfg, progress=False, run=run)
 
 
+def test_out_of_memory_in_the_evaluation_after_a_step_is_one_sentence_too(tmp_path, tiny_model_dir, monkeypatch):
+    """The evaluation after a step runs out of memory as the step can: the same advice, naming when. A run that
+    already is the planner's pick (plan=auto) is told so, with what to lower, not sent to the same plan."""
+    cfg = run_config(tmp_path, tiny_model_dir, "train.eval_every=1", "plan=auto", "gpu=1GiB")
+    run = train.build(cfg)
+
+    def exhausted(run, batches):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(train, "evaluate", exhausted)
+    with pytest.raises(UserError, match=r"out of device memory evaluating after step 1 with engine=resident "
+                                        r"precision=bf16, the plan the planner picks .*lower train.batch_size"):
+        train.fit(run.cfg, progress=False, run=run)
+
+
 def test_probe_writes_a_profile_the_planner_reads(tmp_path):
     profile = probe.run(str(tmp_path / "me.json"))
     assert profile["fp32_tflops"] > 0 and profile["memory_gbps"] > 0
@@ -148,3 +163,15 @@ def test_the_plans_whose_estimates_take_longest_are_handed_out_first():
     resident = {"engine": "resident", "precision": "bf16"}
     assert (length(**lsp, **{"activations.checkpoint": "recompute"}) > length(**lsp) > length(**chunk)
             > length(**resident, **{"activations.checkpoint": "recompute"}) > length(**resident))
+
+
+def test_a_run_is_the_plan_when_the_plan_changes_none_of_its_settings():
+    """The advice after an out-of-memory error says when the run already is the planner's pick (plan=auto)."""
+    from types import SimpleNamespace
+
+    cfg = settings.load(None, ["engine=lsp", "precision=bf16", "activations.checkpoint=recompute"],
+                        base={"model": "x", "data": "x.jsonl", "method": "full", "output_dir": "out"})
+    assert planner.is_the_plan(cfg, SimpleNamespace(engine="lsp", options={"precision": "bf16",
+                                                                         "activations.checkpoint": "recompute"}))
+    assert not planner.is_the_plan(cfg, SimpleNamespace(engine="resident", options={"precision": "bf16"}))
+    assert not planner.is_the_plan(cfg, SimpleNamespace(engine="lsp", options={"precision": "fp32"}))
