@@ -339,14 +339,19 @@ class SlotBinding:
         return event
 
 
+def card_index(device: torch.device) -> int:
+    """A CUDA device's index; an index-less one's is the current device's."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def one_thread(name: str, device: torch.device | None) -> ThreadPoolExecutor:
     """A pool of one thread (its jobs run in submission order). `device`: a CUDA device the jobs wait on
     (events) is made the thread's own, so a rank's thread never touches another rank's card (a new
     thread starts on cuda:0, where it would make a context of its own)."""
     if device is None or device.type != "cuda":
         return ThreadPoolExecutor(1, thread_name_prefix=name)
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=torch.cuda.set_device, initargs=(index,))
+    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=torch.cuda.set_device,
+                              initargs=(card_index(device),))
 
 
 class HostWorker:

@@ -42,7 +42,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.nn.attention.bias import CausalBias, causal_lower_right  # a submodule torch.nn.attention does not import
 
-from slimtune.device import memory
+from slimtune.device import memory, runtime
 from slimtune.model.stack import BlockInputs, Stack
 
 
@@ -369,6 +369,5 @@ def _seeded(seed: int, device: torch.device):
     with torch.random.fork_rng([device] if device.type == "cuda" else [], device_type=device.type):
         torch.default_generator.manual_seed(seed)
         if device.type == "cuda":  # the card fork_rng saved, which need not be the current one
-            card = device.index if device.index is not None else torch.cuda.current_device()
-            torch.cuda.default_generators[card].manual_seed(seed)
+            torch.cuda.default_generators[runtime.card_index(device)].manual_seed(seed)
         yield

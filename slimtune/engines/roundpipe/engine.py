@@ -142,8 +142,7 @@ class RoundPipeEngine(Engine):
         if not all(d.type == "cuda" for d in self.devices):
             return None
         free = min(torch.cuda.mem_get_info(d)[0] for d in self.devices)
-        sharing = max(Counter(torch.device(d.type, d.index if d.index is not None else torch.cuda.current_device())
-                              for d in self.devices).values())
+        sharing = max(Counter(runtime.card_index(d) for d in self.devices).values())
         return int(self.section.memory_fraction * free / 2 / sharing)
 
     def _plan(self) -> Partition:
