@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.nn.attention.bias import CausalBias, causal_lower_right  # a submodule torch.nn.attention does not import
 
 from slimtune.device import memory, runtime
 from slimtune.model.stack import BlockInputs, Stack
@@ -203,7 +202,7 @@ class _Block:
         attn = self.attn
         dropout = attn.attention_dropout if attn.training else 0.0
         mask, causal = self.mask(start, q, keys)
-        if isinstance(mask, CausalBias):
+        if _is_causal_bias(mask):
             q, keys, values = _autocast_inputs(q, keys, values)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, dropout_p=dropout,
                                              scale=attn.scaling, enable_gqa=q.shape[1] != keys.shape[1])
@@ -267,7 +266,7 @@ class _Block:
             if offset == 0:
                 return None, True
             if lower_right_bias(keys):
-                return causal_lower_right(queries, count), False
+                return _attention_bias().causal_lower_right(queries, count), False
             # Elsewhere a float band, built in place; a GPU attends without it (above), so no meter counts it.
             with memory.host_allocation():  # -inf above the band, 0 in it: one tensor, one pass
                 band = torch.full((queries, count), float("-inf"), dtype=q.dtype, device=keys.device).triu_(offset + 1)
@@ -289,6 +288,21 @@ def lower_right_bias(keys: torch.Tensor) -> bool:
     """Whether a tile's plain causal band goes to SDPA as a lower-right CausalBias (CUDA: its fused
     kernels take it, and no mask is made) rather than as a band tensor (elsewhere)."""
     return keys.is_cuda
+
+
+def _attention_bias():
+    """torch.nn.attention.bias, imported on first use: a submodule torch.nn.attention does not import,
+    and importing it imports torch._dynamo (about a second on two cores, in every process that imports
+    this module: the CLI, the planner's worker, training)."""
+    import torch.nn.attention.bias
+
+    return torch.nn.attention.bias
+
+
+def _is_causal_bias(mask: object) -> bool:
+    """Whether SDPA's mask is a CausalBias (none exists before _attention_bias imported its module)."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(mask, bias.CausalBias)
 
 
 def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -5,6 +5,8 @@ that imports from a layer above its own, or a cycle, would mean a layer that can
 or imported on its own."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -170,3 +172,14 @@ def test_a_module_in_no_layer_would_be_found():
 
 def test_a_cycle_would_be_found():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_run_or_plan_imports_torch_dynamo():
+    """torch._dynamo costs about a second of every process's start on two cores (the CLI, the planner's
+    worker, training), and nothing slimtune runs compiles: a module that needs a part of torch which
+    imports it (torch.nn.attention.bias did) imports it where it is used. In a fresh interpreter, as a
+    command starts."""
+    probe = ("import sys, slimtune.cli, slimtune.train, slimtune.engines, slimtune.planning.planner; "
+             "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
