@@ -202,12 +202,37 @@ class _Block:
         attn = self.attn
         dropout = attn.attention_dropout if attn.training else 0.0
         mask, causal = self.mask(start, q, keys)
-        if _is_causal_bias(mask):
-            q, keys, values = _autocast_inputs(q, keys, values)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, dropout_p=dropout,
-                                             scale=attn.scaling, enable_gqa=q.shape[1] != keys.shape[1])
+        grouped = q.shape[1] != keys.shape[1]
+        if grouped and not fused_grouped_attention(q, mask):
+            out = self.folded_attention(start, q, keys, values, mask, dropout)
+        else:
+            if _is_causal_bias(mask):
+                q, keys, values = _autocast_inputs(q, keys, values)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, dropout_p=dropout,
+                                                 scale=attn.scaling, enable_gqa=grouped)
         h = xi + attn.o_proj(out.transpose(1, 2).reshape(*xi.shape[:2], -1))
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+
+    def folded_attention(self, start: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         mask: object, dropout: float) -> torch.Tensor:
+        """Grouped-query attention where no fused kernel takes it (fused_grouped_attention): each key
+        head's query heads folded into one longer run of queries, (B, heads, t, hd) -> (B, key heads,
+        group x t, hd), under the tile's mask repeated once per query head of the group. Then SDPA sees
+        as many query heads as key heads and its memory-efficient kernel takes the explicit mask, with
+        no (B, heads, t, keys) scores held (the math kernel's) and no keys and values repeated per query
+        head (transformers' repeat_kv: 2 x heads x hd x 2 bytes a key and as much again for their
+        gradients, against group x t x 3 bytes a key for the mask and its additive form). A plain
+        causal tile (no mask, a CausalBias, or the CPU's host-resident band standing for one) gets its
+        band made here, on the device."""
+        if mask is None or _is_causal_bias(mask) or memory.is_host_resident(mask):  # a CausalBias is a Tensor
+            mask = causal_band(q.shape[2], keys.shape[2], start - self.first_key(start), None, keys.device)
+        batch, heads, queries, width = q.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        folded = F.scaled_dot_product_attention(
+            q.reshape(batch, kv_heads, group * queries, width), keys, values,
+            attn_mask=torch.cat([mask] * group, dim=-2), dropout_p=dropout, scale=self.attn.scaling)
+        return folded.reshape(batch, heads, queries, width)
 
     # ------------------------------------------------------------ whole K and V
 
@@ -288,6 +313,22 @@ def lower_right_bias(keys: torch.Tensor) -> bool:
     """Whether a tile's plain causal band goes to SDPA as a lower-right CausalBias (CUDA: its fused
     kernels take it, and no mask is made) rather than as a band tensor (elsewhere)."""
     return keys.is_cuda
+
+
+def fused_grouped_attention(q: torch.Tensor, mask: object) -> bool:
+    """Whether a CUDA card attends q against fewer key and value heads (grouped-query attention) in a
+    fused kernel. Only flash attention does: SDPA's memory-efficient and cuDNN kernels refuse
+    enable_gqa, and flash takes no explicit mask, no fp32 and no head wider than 256. Anything else
+    falls back to SDPA's math kernel, which holds the tile's (B, heads, queries, keys) scores and their
+    softmax: packed rows (their segment mask), sliding windows, fp32 runs. Those tiles fold their query
+    heads instead (_Block.folded_attention), on every device alike, so the planner's fake step and the
+    CPU meter count what a card holds. `mask`: the tile's mask as _Block.mask made it (the CPU's
+    host-resident band stands for a card's CausalBias). Cards older than Ampere have no flash kernel:
+    there grouped attention in fp16 still falls back (not handled; bf16 needs Ampere anyway)."""
+    kind = q.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
+    plain_causal = mask is None or _is_causal_bias(mask) or memory.is_host_resident(mask)
+    return plain_causal and dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
 def _attention_bias():

@@ -14,6 +14,7 @@ from torch import nn
 
 from conftest import engine_config, save_tiny_model, tiny_config
 from slimtune.config import ActivationsConfig, LoraConfig, TrainConfig
+from slimtune.device import memory
 from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.engines.resident import ResidentEngine
 from slimtune.engines.slide.engine import SlideEngine
@@ -125,12 +126,66 @@ def test_the_cuda_lower_right_bias_equals_the_band(monkeypatch):
     monkeypatch.setattr(seq_tiles, "lower_right_bias", lambda keys: True)
     assert max_diff(step(stack, tiled, False), expected) <= 1e-12
     stack.model.float()
+    # Both with their fewer key heads as they are: the band's explicit mask would otherwise repeat them
+    # (fused_grouped_attention), and another summation order is not what this compares.
+    monkeypatch.setattr(seq_tiles, "fused_grouped_attention", lambda q, mask: True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         biased = step(stack, tiled, False)
         monkeypatch.setattr(seq_tiles, "lower_right_bias", lambda keys: False)
         band = step(stack, tiled, False)
     assert all(g.dtype == torch.float32 for g in biased[1])
     assert max_diff(biased, band) == 0.0
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp64", "bf16-autocast"])
+def test_no_grouped_attention_call_a_card_would_run_in_its_math_kernel(monkeypatch, packed, autocast):
+    """SDPA on a card takes fewer key heads than query heads (enable_gqa) only in flash attention: not
+    with an explicit mask (packed rows) nor outside fp16/bf16. Every tile's call is either one flash
+    takes (plain causal, bf16) or has its query heads folded onto the key heads; the gradients stay the
+    untiled model's (fp64)."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, enable_gqa=False, **kwargs):
+        plain = attn_mask is None or memory.is_host_resident(attn_mask)  # the CPU's band: a CausalBias on a card
+        calls.append((q.shape[1], k.shape[1], v.shape[1], plain, enable_gqa))
+        return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
+
+    stack = stack_of("llama", {}, "full")  # 4 query heads, 2 key heads
+    tiled = ActivationsConfig(checkpoint="recompute", seq_tile=TILE)
+    expected = step(stack, None, packed)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    if autocast:
+        stack.model.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step(stack, tiled, packed)
+    else:
+        assert max_diff(step(stack, tiled, packed), expected) <= 1e-12
+    assert calls and all(v_heads == k_heads == 2 for _, k_heads, v_heads, _, _ in calls)
+    grouped = [(plain, gqa) for q_heads, k_heads, _, plain, gqa in calls if k_heads < q_heads]
+    assert all(plain and gqa for plain, gqa in grouped)  # what flash takes
+    assert all(q_heads == k_heads for q_heads, k_heads, _, _, gqa in calls if not gqa)  # folded
+    # Only bf16 tiles of unpacked rows (plain causal) keep their two key heads; every other tile folds.
+    assert len(grouped) == (len(calls) if autocast and not packed else 0)
+
+
+@pytest.mark.quick
+def test_which_grouped_attention_a_card_fuses():
+    q = torch.zeros(1, 4, 3, 8)
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    bias = seq_tiles._attention_bias().causal_lower_right(3, 5)
+    assert seq_tiles.fused_grouped_attention(q.bfloat16(), None)
+    assert seq_tiles.fused_grouped_attention(q.half(), bias)
+    assert not seq_tiles.fused_grouped_attention(q.bfloat16(), mask)  # an explicit mask: mem-efficient or math
+    band = memory.mark_host_resident(torch.ones(3, 5, dtype=torch.bool))  # the CPU's stand-in for a CausalBias
+    assert seq_tiles.fused_grouped_attention(q.bfloat16(), band)
+    assert not seq_tiles.fused_grouped_attention(q, None)  # fp32: flash refuses it
+    assert not seq_tiles.fused_grouped_attention(q.double(), None)
+    assert not seq_tiles.fused_grouped_attention(torch.zeros(1, 4, 3, 512, dtype=torch.bfloat16), None)  # too wide
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # SDPA casts q, k, v to bf16 first
+        assert seq_tiles.fused_grouped_attention(q, None)
+        assert not seq_tiles.fused_grouped_attention(q, mask)
 
 
 @pytest.mark.quick
