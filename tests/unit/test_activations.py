@@ -3,7 +3,9 @@ plain autograd through Stack.final_hidden (float64, LoRA dropout on), the RNG re
 dropout masks equal, the disk store round-trips exactly and leaves no file behind, the device peak
 stays flat as blocks double, and the planner's fake tensors run every store."""
 
+import copy
 import gc
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 
 from conftest import save_tiny_model, tiny_config
 from slimtune.step import activations, block_stores
+from slimtune import presets
 from slimtune.planning import estimate
 from slimtune.model import lora
 from slimtune.config import ActivationsConfig, LoraConfig
@@ -111,6 +114,17 @@ def test_seq_tile_auto_rule_and_the_former_name(model_dir):
     assert activations.tile_tokens(stack, 100, ActivationsConfig(mlp_chunk=30)) == 30  # read as seq_tile
     with pytest.raises(UserError, match="activations.mlp_chunk .* former name of activations.seq_tile"):
         ActivationsConfig(seq_tile=20, mlp_chunk=30).validate()
+
+
+def test_packed_rows_take_tiles_whose_mask_is_a_quarter_of_the_input():
+    """A packed tile's mask is (t, T) bool plus SDPA's bf16 copy, 3 bytes an element; with grouped-query
+    attention the tile folds its query heads under the mask repeated per group, 1 + 3 x group bytes."""
+    config = copy.deepcopy(presets.model_config("Llama-3.1-8B"))  # hidden 4096, 32 query heads, 8 key heads
+    auto, seq = ActivationsConfig(checkpoint="recompute"), 65536
+    assert activations.tile_tokens(SimpleNamespace(config=config), seq, auto, segmented=False) == 4682  # T / 14
+    assert activations.tile_tokens(SimpleNamespace(config=config), seq, auto, segmented=True) == 256  # D / 26 < 256
+    config.num_key_value_heads = 32
+    assert activations.tile_tokens(SimpleNamespace(config=config), seq, auto, segmented=True) == 683  # D / 6
 
 
 @pytest.mark.parametrize("store_kind", STORES)
