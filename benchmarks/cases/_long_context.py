@@ -6,7 +6,11 @@ tokens (quick, on the CPU: a narrow model at 512 and 1,024). Each length runs ti
 tile, and 1,024-token tiles) and untiled (one tile of the whole row), with the card capped by
 torch.cuda.set_per_process_memory_fraction to CAP_GIB as a smaller card would be. Recorded: the
 fake-tensor estimate of the same batch beside the allocator's peak of step 2, the median step time
-and tokens/s, and an out-of-memory where the cap is too small (untiled rows at 64K may be).
+and tokens/s, and an out-of-memory where the cap is too small (untiled rows at 64K may be). One more
+row at the first length holds two packed examples (auto tile): its tiles carry a segment mask, and with
+the model's grouped-query attention they fold their query heads (seq_tiles._Block.folded_attention); a
+measured peak near the estimate says no tile fell to SDPA's math kernel, whose scores the estimate
+does not hold.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import gc
 import statistics
 
 import torch
+
+from slimtune.data.dataset import IGNORE_INDEX, Batch
 
 CAP_GIB = 24
 LENGTHS, QUICK_LENGTHS = (32 * 1024, 64 * 1024), (512, 1024)
@@ -40,11 +46,23 @@ def long_context(quick: bool, output_dir: str, helpers) -> dict:
             batch = helpers.one_batch(config.vocab_size, seq)
             for name, tile in tilings(seq, quick).items():
                 out["rows"].append(_one(helpers, model, config, batch, seq, name, tile, output_dir))
+        seq = (QUICK_LENGTHS if quick else LENGTHS)[0]
+        out["rows"].append(_one(helpers, model, config, _packed(helpers.one_batch(config.vocab_size, seq)), seq,
+                                "auto_packed", 0, output_dir))
     finally:
         if torch.cuda.is_available():
             torch.cuda.set_per_process_memory_fraction(1.0)
     _speedups(out["rows"])
     return out
+
+
+def _packed(batch: Batch) -> Batch:
+    """The batch's row as two examples: position ids restart halfway (as the planner's synthetic rows)."""
+    half = batch.position_ids.shape[1] // 2
+    positions, targets = batch.position_ids.clone(), batch.targets.clone()
+    positions[:, half:] -= half
+    targets[:, half - 1] = IGNORE_INDEX  # no target across the examples' boundary
+    return Batch(batch.input_ids, targets, positions)
 
 
 def _cap() -> int | None:

@@ -34,7 +34,9 @@ on the CPU the live-tensor meter. What it records:
 8. long_context: blocks tiled along the sequence (_long_context.py): a Llama-3.2-1B-shaped model
    (4 blocks, LoRA, block inputs on the host) at 32K and 64K tokens on the card capped to 24 GiB
    (torch.cuda.set_per_process_memory_fraction): the estimate beside the allocator's peak, tokens/s
-   tiled (auto tile, 1,024-token tiles) against untiled, or the out-of-memory under the cap.
+   tiled (auto tile, 1,024-token tiles) against untiled, or the out-of-memory under the cap; and one
+   row of two packed examples at 32K (auto tile): grouped-query tiles under a segment mask fold their
+   query heads, and its peak beside the estimate says whether any fell to SDPA's math kernel.
 9. fsdp_rank: one rank of a 2-rank fsdp job on the one card (rank 0 under torch's fake process group:
    its collectives move nothing, its memory is real; slimtune/dist/fake_ranks.py), a Llama-3.2-1B-shaped
    model (4 blocks): QLoRA sharded (NF4, recompute), the same with dist.offload=cpu, and full
