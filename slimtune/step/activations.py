@@ -45,10 +45,11 @@ from slimtune.model.stack import BlockInputs, Stack
 
 TILE_SHARE = 4  # auto seq_tile: a tile's largest intermediate ~ 1/4 of a (T, D) block input
 # Packed rows: that is the tile's (B, 1, t, T) mask, 1 + 2 bytes an element (bool, and SDPA's bf16
-# copy) against the input's 2: t ~ D / 6. With grouped-query attention the tile folds its query heads
-# (seq_tiles._Block.folded_attention) under the mask repeated per group: 1 + 3 x group bytes an element
-# (Llama-3.1-8B, group 4: t ~ D / 26, so the shortest tile, 256).
-MASK_BYTES, INPUT_BYTES = 3, 2
+# additive copy) against the input's 2: t ~ D / 6. With grouped-query attention the tile folds its query
+# heads (seq_tiles._Block.folded_attention) under the mask repeated per group, beside the bool mask it
+# was made from: 1 + 3 x group bytes an element (Llama-3.1-8B, group 4: t ~ D / 26, so the shortest
+# tile, 256).
+MASK_BOOL_BYTES, MASK_ADDITIVE_BYTES, INPUT_BYTES = 1, 2, 2
 MIN_TILE = 256  # auto tiles stay at least this long: shorter matmuls waste the device
 SMALL_FRACTION = 8  # cache=small: an op output is small at <= 1/8 of the block input's elements
 
@@ -89,15 +90,16 @@ def tile_tokens(stack: Stack, seq: int, cfg: ActivationsConfig, segmented: bool 
     config = stack.config
     tiles = -(-TILE_SHARE * config.intermediate_size // config.hidden_size)
     if segmented:
-        mask_bytes = 1 + (MASK_BYTES - 1) * _query_group(config)
-        tiles = max(tiles, -(-TILE_SHARE * mask_bytes * seq // (INPUT_BYTES * config.hidden_size)))
+        tiles = max(tiles, -(-TILE_SHARE * _mask_bytes(config) * seq // (INPUT_BYTES * config.hidden_size)))
     return min(seq, max(-(-seq // tiles), MIN_TILE))
 
 
-def _query_group(config) -> int:
-    """Query heads per key head: 1 without grouped-query attention."""
+def _mask_bytes(config) -> int:
+    """Bytes a packed tile's mask holds per (query, key) pair (above)."""
     heads = config.num_attention_heads
-    return heads // (getattr(config, "num_key_value_heads", None) or heads)
+    group = heads // (getattr(config, "num_key_value_heads", None) or heads)
+    pair = MASK_BOOL_BYTES + MASK_ADDITIVE_BYTES
+    return pair if group == 1 else MASK_BOOL_BYTES + group * pair
 
 
 def runner(cfg: ActivationsConfig, store: BlockStore | None = None):

@@ -323,8 +323,10 @@ def fused_grouped_attention(q: torch.Tensor, mask: object) -> bool:
     softmax: packed rows (their segment mask), sliding windows, fp32 runs. Those tiles fold their query
     heads instead (_Block.folded_attention), on every device alike, so the planner's fake step and the
     CPU meter count what a card holds. `mask`: the tile's mask as _Block.mask made it (the CPU's
-    host-resident band stands for a card's CausalBias). Cards older than Ampere have no flash kernel:
-    there grouped attention in fp16 still falls back (not handled; bf16 needs Ampere anyway)."""
+    host-resident band stands for a card's CausalBias). Torch's rules as read for 2.13 on consumer and
+    Ampere cards; not covered (docs/long-context.md): cuDNN attention, preferred on Hopper and newer with
+    a recent cuDNN, which takes masked grouped attention itself (the fold then only costs the mask's
+    repeat), and pre-Ampere cards, which have no flash kernel (fp16 grouped attention still falls back)."""
     kind = q.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
     plain_causal = mask is None or _is_causal_bias(mask) or memory.is_host_resident(mask)

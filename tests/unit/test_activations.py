@@ -123,8 +123,10 @@ def test_packed_rows_take_tiles_whose_mask_is_a_quarter_of_the_input():
     auto, seq = ActivationsConfig(checkpoint="recompute"), 65536
     assert activations.tile_tokens(SimpleNamespace(config=config), seq, auto, segmented=False) == 4682  # T / 14
     assert activations.tile_tokens(SimpleNamespace(config=config), seq, auto, segmented=True) == 256  # D / 26 < 256
+    config.hidden_size = 12288  # wide enough that the rule, not the shortest tile, decides
+    assert activations.tile_tokens(SimpleNamespace(config=config), seq, auto, segmented=True) == 472  # D / 26
     config.num_key_value_heads = 32
-    assert activations.tile_tokens(SimpleNamespace(config=config), seq, auto, segmented=True) == 683  # D / 6
+    assert activations.tile_tokens(SimpleNamespace(config=config), seq, auto, segmented=True) == 2048  # D / 6
 
 
 @pytest.mark.parametrize("store_kind", STORES)

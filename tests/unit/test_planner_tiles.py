@@ -33,7 +33,8 @@ def test_a_plan_the_auto_tile_does_not_fit_takes_the_largest_tile_that_does(monk
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(planner, "CUDA_OVERHEAD_BYTES", 0)
     # The auto rule made to cut long tiles (2 a row: no mask share), so smaller ones are worth offering.
-    monkeypatch.setattr(activations, "MASK_BYTES", 0)
+    monkeypatch.setattr(activations, "MASK_BOOL_BYTES", 0)
+    monkeypatch.setattr(activations, "MASK_ADDITIVE_BYTES", 0)
     monkeypatch.setattr(activations, "TILE_SHARE", 1)
     model_config = tiny_config("llama", max_position_embeddings=2 * SEQ, num_hidden_layers=1)
     peaks = {tile: peak(model_config, TILED, tile) for tile in (0, SEQ // 2, 1024, 512, 256)}
