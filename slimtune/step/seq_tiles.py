@@ -203,9 +203,13 @@ class _Block:
         dropout = attn.attention_dropout if attn.training else 0.0
         mask, causal = self.mask(start, q, keys)
         grouped = q.shape[1] != keys.shape[1]
-        if grouped and not fused_grouped_attention(q, mask):
-            out = self.folded_attention(start, q, keys, values, mask, dropout)
+        unfused = grouped and not fused_grouped_attention(q, mask)  # a card would run its math kernel
+        if unfused and not _plain_causal(mask):
+            out = self.folded_attention(q, keys, values, mask, dropout)
         else:
+            if unfused:  # plain causal, in fp32 or with wide heads
+                keys, values = _repeated_heads(q, keys, values)
+                grouped = False
             if _is_causal_bias(mask):
                 q, keys, values = _autocast_inputs(q, keys, values)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, dropout_p=dropout,
@@ -213,19 +217,16 @@ class _Block:
         h = xi + attn.o_proj(out.transpose(1, 2).reshape(*xi.shape[:2], -1))
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
 
-    def folded_attention(self, start: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         mask: object, dropout: float) -> torch.Tensor:
-        """Grouped-query attention where no fused kernel takes it (fused_grouped_attention): each key
-        head's query heads folded into one longer run of queries, (B, heads, t, hd) -> (B, key heads,
-        group x t, hd), under the tile's mask repeated once per query head of the group. Then SDPA sees
-        as many query heads as key heads and its memory-efficient kernel takes the explicit mask, with
-        no (B, heads, t, keys) scores held (the math kernel's) and no keys and values repeated per query
-        head (transformers' repeat_kv: 2 x heads x hd x 2 bytes a key and as much again for their
-        gradients, against group x t x 3 bytes a key for the mask and its additive form). A plain
-        causal tile (no mask, a CausalBias, or the CPU's host-resident band standing for one) gets its
-        band made here, on the device."""
-        if mask is None or _is_causal_bias(mask) or memory.is_host_resident(mask):  # a CausalBias is a Tensor
-            mask = causal_band(q.shape[2], keys.shape[2], start - self.first_key(start), None, keys.device)
+    def folded_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                         dropout: float) -> torch.Tensor:
+        """Grouped-query attention under an explicit mask (packed rows, sliding windows), which no fused
+        kernel takes with fewer key heads (fused_grouped_attention): each key head's query heads folded
+        into one longer run of queries, (B, heads, t, hd) -> (B, key heads, group x t, hd), under the
+        mask repeated once per query head of the group. SDPA then sees as many query heads as key heads
+        and its memory-efficient kernel takes the mask, with no (B, heads, t, keys) scores held (the math
+        kernel's) and no keys and values repeated per query head (_repeated_heads: 2 x heads x hd x 2
+        bytes a key, as much again for their gradients, against 1 + 3 x group bytes a (query, key) pair
+        for the mask, its repeat and SDPA's additive copy: less at packed rows' short tiles)."""
         batch, heads, queries, width = q.shape
         kv_heads = keys.shape[1]
         group = heads // kv_heads
@@ -315,22 +316,37 @@ def lower_right_bias(keys: torch.Tensor) -> bool:
     return keys.is_cuda
 
 
+def _plain_causal(mask: object) -> bool:
+    """A tile's mask is the plain causal band: none (the first tile), a card's CausalBias, or the CPU's
+    host-resident band standing for one (_Block.mask)."""
+    return mask is None or _is_causal_bias(mask) or memory.is_host_resident(mask)  # a CausalBias is a Tensor
+
+
+def _repeated_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values repeated to q's heads (transformers' repeat_kv), for a plain causal tile no fused
+    kernel takes with fewer key heads (fp32, heads wider than 256): the memory-efficient kernel then
+    takes it, the causal band as its lower-right mask type, no mask in memory. At the long tiles of
+    unpacked rows this holds less than a folded mask would (its bytes grow with the tile)."""
+    group = q.shape[1] // keys.shape[1]
+    return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+
+
 def fused_grouped_attention(q: torch.Tensor, mask: object) -> bool:
     """Whether a CUDA card attends q against fewer key and value heads (grouped-query attention) in a
     fused kernel. Only flash attention does: SDPA's memory-efficient and cuDNN kernels refuse
     enable_gqa, and flash takes no explicit mask, no fp32 and no head wider than 256. Anything else
     falls back to SDPA's math kernel, which holds the tile's (B, heads, queries, keys) scores and their
-    softmax: packed rows (their segment mask), sliding windows, fp32 runs. Those tiles fold their query
-    heads instead (_Block.folded_attention), on every device alike, so the planner's fake step and the
-    CPU meter count what a card holds. `mask`: the tile's mask as _Block.mask made it (the CPU's
+    softmax: packed rows (their segment mask), sliding windows, fp32 runs. Masked tiles fold their query
+    heads instead (_Block.folded_attention), plain causal ones repeat their keys and values
+    (_repeated_heads), on every device alike, so the planner's fake step and the CPU meter count what
+    a card holds. `mask`: the tile's mask as _Block.mask made it (the CPU's
     host-resident band stands for a card's CausalBias). Torch's rules as read for 2.13 on consumer and
     Ampere cards; not covered (docs/long-context.md): cuDNN attention, preferred on Hopper and newer with
     a recent cuDNN, which takes masked grouped attention itself (the fold then only costs the mask's
     repeat), and pre-Ampere cards, which have no flash kernel (fp16 grouped attention still falls back)."""
     kind = q.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
-    plain_causal = mask is None or _is_causal_bias(mask) or memory.is_host_resident(mask)
-    return plain_causal and dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    return _plain_causal(mask) and dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
 def _attention_bias():

@@ -140,10 +140,10 @@ def test_the_cuda_lower_right_bias_equals_the_band(monkeypatch):
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp64", "bf16-autocast"])
 def test_no_grouped_attention_call_a_card_would_run_in_its_math_kernel(monkeypatch, packed, autocast):
-    """SDPA on a card takes fewer key heads than query heads (enable_gqa) only in flash attention: not
-    with an explicit mask (packed rows) nor outside fp16/bf16. Every tile's call is either one flash
-    takes (plain causal, bf16) or has its query heads folded onto the key heads; the gradients stay the
-    untiled model's (fp64)."""
+    """SDPA on a card takes fewer key heads than query heads (enable_gqa) only in flash attention: plain
+    causal tiles in fp16/bf16. Every other tile's call has as many key heads as query heads: a masked
+    tile (packed rows) folds its query heads onto the key heads, a plain causal one in fp64 repeats its
+    keys and values. The gradients stay the untiled model's (fp64)."""
     calls = []
     sdpa = F.scaled_dot_product_attention
 
@@ -162,12 +162,12 @@ def test_no_grouped_attention_call_a_card_would_run_in_its_math_kernel(monkeypat
             step(stack, tiled, packed)
     else:
         assert max_diff(step(stack, tiled, packed), expected) <= 1e-12
-    assert calls and all(v_heads == k_heads == 2 for _, k_heads, v_heads, _, _ in calls)
-    grouped = [(plain, gqa) for q_heads, k_heads, _, plain, gqa in calls if k_heads < q_heads]
-    assert all(plain and gqa for plain, gqa in grouped)  # what flash takes
-    assert all(q_heads == k_heads for q_heads, k_heads, _, _, gqa in calls if not gqa)  # folded
-    # Only bf16 tiles of unpacked rows (plain causal) keep their two key heads; every other tile folds.
-    assert len(grouped) == (len(calls) if autocast and not packed else 0)
+    assert calls and all(v_heads == k_heads for _, k_heads, v_heads, _, _ in calls)
+    flash = {(4, 2, 2, True, True)}  # plain causal, fewer key heads
+    folded = {(2, 2, 2, False, False)}  # the masked tile's query heads folded onto the key heads
+    repeated = {(4, 4, 4, True, False)}  # plain causal with its keys and values repeated
+    routes = set(calls)
+    assert routes == (folded if packed else flash if autocast else repeated), routes
 
 
 @pytest.mark.quick
