@@ -45,6 +45,10 @@ on the CPU the live-tensor meter. What it records:
    whole model's bytes, and step 2's peak beside the planner's fake rank (estimate with ranks=2).
 10. lsp_fit_together: one projector-fit step for both matrices of a same-shape pair, stacked against
    two fits (Llama-3.2-1B's pairs, d = 512, 32 and 128 rows; values equal bit for bit).
+11. sdpa_routes: the attention kernel torch's dispatcher picks (and the allocator's peak of one forward
+   and backward) for each call seq_tiles makes of a grouped-query tile (flash-shaped, folded under a
+   mask, keys and values repeated) and for the two it avoids (masked or fp32 with fewer key heads), on
+   Llama-3.1-8B's heads: whether seq_tiles.fused_grouped_attention's rules hold on the card (_sdpa_routes.py).
 Data parallelism (torchrun, NCCL) is not checked here: ranks sharing the one lent card would measure
 contention, not data parallelism. The result says so ("data_parallel"); the CPU case data_parallel
 (gloo) records what two processes do, and the tests check every engine's sums.
@@ -64,6 +68,7 @@ from slimtune.data.dataset import IGNORE_INDEX, Batch
 from slimtune.planning.estimate import estimate
 from slimtune.engines.roundpipe.stages import uniform_partition
 from _long_context import long_context  # benchmarks/cases/ is on the path (run.py)
+from _sdpa_routes import sdpa_routes
 
 GIB = 2**30
 RESIDENT_PLANS = (
@@ -505,7 +510,8 @@ SECTIONS = (("estimate_vs_device", lambda quick, out: estimate_vs_device(quick, 
             ("lsp_speed", lsp_speed), ("chunk", chunk_checks), ("roundpipe", roundpipe_checks),
             ("host_optimizer", host_optimizer),
             ("long_context", lambda quick, out: long_context(quick, out, _helpers())), ("fsdp_rank", fsdp_rank),
-            ("lsp_fit_together", lambda quick, out: lsp_fit_together(quick)))
+            ("lsp_fit_together", lambda quick, out: lsp_fit_together(quick)),
+            ("sdpa_routes", lambda quick, out: sdpa_routes(quick, device())))
 
 
 def lsp_fit_together(quick: bool) -> dict:
