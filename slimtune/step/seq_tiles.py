@@ -205,7 +205,7 @@ class _Block:
         grouped = q.shape[1] != keys.shape[1]
         unfused = grouped and not fused_grouped_attention(q, mask)  # a card would run its math kernel
         if unfused and not _plain_causal(mask):
-            out = self.folded_attention(q, keys, values, mask, dropout)
+            heads = self.folded_attention(q, keys, values, mask, dropout)
         else:
             if unfused:  # plain causal, in fp32 or with wide heads
                 keys, values = _repeated_heads(q, keys, values)
@@ -214,12 +214,13 @@ class _Block:
                 q, keys, values = _autocast_inputs(q, keys, values)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, dropout_p=dropout,
                                                  scale=attn.scaling, enable_gqa=grouped)
-        h = xi + attn.o_proj(out.transpose(1, 2).reshape(*xi.shape[:2], -1))
+            heads = out.transpose(1, 2).reshape(*xi.shape[:2], -1)
+        h = xi + attn.o_proj(heads)
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
 
     def folded_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                          dropout: float) -> torch.Tensor:
-        """Grouped-query attention under an explicit mask (packed rows, sliding windows), which no fused
+        """(B, t, heads x hd), o_proj's input: grouped-query attention under an explicit mask (packed rows, sliding windows), which no fused
         kernel takes with fewer key heads (fused_grouped_attention): each key head's query heads folded
         into one longer run of queries, (B, heads, t, hd) -> (B, key heads, group x t, hd), under the
         mask repeated once per query head of the group. SDPA then sees as many query heads as key heads
@@ -233,7 +234,9 @@ class _Block:
         folded = F.scaled_dot_product_attention(
             q.reshape(batch, kv_heads, group * queries, width), keys, values,
             attn_mask=torch.cat([mask] * group, dim=-2), dropout_p=dropout, scale=self.attn.scaling)
-        return folded.reshape(batch, heads, queries, width)
+        # (B, key heads, group x t, hd) -> (B, t, key heads, group, hd): head h = key head x group + r, as
+        # enable_gqa pairs them; one copy into o_proj's layout.
+        return folded.unflatten(2, (group, queries)).permute(0, 3, 1, 2, 4).reshape(batch, queries, heads * width)
 
     # ------------------------------------------------------------ whole K and V
 
