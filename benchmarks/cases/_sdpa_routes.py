@@ -57,7 +57,7 @@ def _route(name: str, queries: int, keys: int, device: torch.device, dtype: torc
         group = heads // kv_heads
         q, attn_mask = q.reshape(1, kv_heads, group * queries, width), torch.cat([attn_mask] * group, dim=-2)
     elif shape == "repeated":
-        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        k, v = seq_tiles._repeated_heads(q, k, v)  # noqa: SLF001
     grouped = q.shape[1] != k.shape[1]
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     if mask != "lower_right":

@@ -205,7 +205,7 @@ class _Block:
         grouped = q.shape[1] != keys.shape[1]
         unfused = grouped and not fused_grouped_attention(q, mask)  # a card would run its math kernel
         if unfused and not _plain_causal(mask):
-            heads = self.folded_attention(q, keys, values, mask, dropout)
+            attended = self.folded_attention(q, keys, values, mask, dropout)
         else:
             if unfused:  # plain causal, in fp32 or with wide heads
                 keys, values = _repeated_heads(q, keys, values)
@@ -214,16 +214,16 @@ class _Block:
                 q, keys, values = _autocast_inputs(q, keys, values)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, dropout_p=dropout,
                                                  scale=attn.scaling, enable_gqa=grouped)
-            heads = out.transpose(1, 2).reshape(*xi.shape[:2], -1)
-        h = xi + attn.o_proj(heads)
+            attended = out.transpose(1, 2).reshape(*xi.shape[:2], -1)
+        h = xi + attn.o_proj(attended)
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
 
     def folded_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                          dropout: float) -> torch.Tensor:
-        """(B, t, heads x hd), o_proj's input: grouped-query attention under an explicit mask (packed rows, sliding windows), which no fused
-        kernel takes with fewer key heads (fused_grouped_attention): each key head's query heads folded
-        into one longer run of queries, (B, heads, t, hd) -> (B, key heads, group x t, hd), under the
-        mask repeated once per query head of the group. SDPA then sees as many query heads as key heads
+        """Grouped-query attention under an explicit mask (packed rows, sliding windows), which no fused
+        kernel takes with fewer key heads (fused_grouped_attention), as o_proj's input (B, t, heads x hd):
+        each key head's query heads folded into one longer run of queries, (B, heads, t, hd) -> (B, key
+        heads, group x t, hd), under the mask repeated once per query head of the group. SDPA then sees as many query heads as key heads
         and its memory-efficient kernel takes the mask, with no (B, heads, t, keys) scores held (the math
         kernel's) and no keys and values repeated per query head (_repeated_heads: 2 x heads x hd x 2
         bytes a key, as much again for their gradients, against 1 + 3 x group bytes a (query, key) pair
@@ -342,11 +342,11 @@ def fused_grouped_attention(q: torch.Tensor, mask: object) -> bool:
     softmax: packed rows (their segment mask), sliding windows, fp32 runs. Masked tiles fold their query
     heads instead (_Block.folded_attention), plain causal ones repeat their keys and values
     (_repeated_heads), on every device alike, so the planner's fake step and the CPU meter count what
-    a card holds. `mask`: the tile's mask as _Block.mask made it (the CPU's
-    host-resident band stands for a card's CausalBias). Torch's rules as read for 2.13 on consumer and
-    Ampere cards; not covered (docs/long-context.md): cuDNN attention, preferred on Hopper and newer with
-    a recent cuDNN, which takes masked grouped attention itself (the fold then only costs the mask's
-    repeat), and pre-Ampere cards, which have no flash kernel (fp16 grouped attention still falls back)."""
+    a card holds. `mask`: the tile's mask as _Block.mask made it (the CPU's host-resident band stands
+    for a card's CausalBias). Torch's rules as read for 2.13 on consumer and Ampere cards; not covered
+    (docs/long-context.md): cuDNN attention, preferred on Hopper and newer with a recent cuDNN, which
+    takes masked grouped attention itself (the fold then only costs the mask's repeat), and pre-Ampere
+    cards, which have no flash kernel (fp16 grouped attention still falls back)."""
     kind = q.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
     return _plain_causal(mask) and dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
