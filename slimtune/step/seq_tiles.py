@@ -220,14 +220,14 @@ class _Block:
 
     def folded_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                          dropout: float) -> torch.Tensor:
-        """Grouped-query attention under an explicit mask (packed rows, sliding windows), which no fused
-        kernel takes with fewer key heads (fused_grouped_attention), as o_proj's input (B, t, heads x hd):
-        each key head's query heads folded into one longer run of queries, (B, heads, t, hd) -> (B, key
-        heads, group x t, hd), under the mask repeated once per query head of the group. SDPA then sees as many query heads as key heads
-        and its memory-efficient kernel takes the mask, with no (B, heads, t, keys) scores held (the math
-        kernel's) and no keys and values repeated per query head (_repeated_heads: 2 x heads x hd x 2
-        bytes a key, as much again for their gradients, against 1 + 3 x group bytes a (query, key) pair
-        for the mask, its repeat and SDPA's additive copy: less at packed rows' short tiles)."""
+        """Grouped-query attention under an explicit mask (packed rows, sliding windows), which no fused kernel
+        takes with fewer key heads (fused_grouped_attention), as o_proj's input (B, t, heads x hd): each key
+        head's query heads folded into one longer run of queries, (B, heads, t, hd) -> (B, key heads, group x t,
+        hd), under the mask repeated once per query head of the group. SDPA then sees as many query heads as key
+        heads and its memory-efficient kernel takes the mask, with no (B, heads, t, keys) scores held (the math
+        kernel's) and no keys and values repeated per query head (_repeated_heads: 2 x heads x hd x 2 bytes a
+        key, as much again for their gradients, against 1 + 3 x group bytes a (query, key) pair for the mask,
+        its repeat and SDPA's additive copy: less at packed rows' short tiles)."""
         batch, heads, queries, width = q.shape
         kv_heads = keys.shape[1]
         group = heads // kv_heads
