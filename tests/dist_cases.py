@@ -55,11 +55,32 @@ CASES = {
     "lsp_other": (dict(engine="lsp", method="full",
                        sections={"lsp": LspConfig(d=8, r=3, check_every=0, fit_iterations=3, train_other=True)}),
                   {}, {"weight_decay": 0.0}),
+    # A projector check before every step, with the ranks made to part in it (PARTING): every rank
+    # must leave each check with rank 0's outcome.
+    "lsp_checked": (dict(engine="lsp", method="full", sections={"lsp": LspConfig(d=8, r=3, check_every=1,
+                                                                                fit_iterations=3)}),
+                    {}, {"weight_decay": 0.0}),
     "chunk": (dict(engine="chunk", method="full", sections={"chunk": ChunkConfig(n_chunks=3)}), {}),
     "chunk_host": (dict(engine="chunk", method="full", sections={"chunk": ChunkConfig(n_chunks=3, gradients="host")}),
                    {"tie_word_embeddings": True}),
     "roundpipe": (dict(engine="roundpipe", method="full", sections={"roundpipe": RoundPipeConfig(workers=2)}), {}),
 }
+
+
+def part_rank(engine, step: int, rank: int) -> None:
+    """What a CUDA rank's own projector fit may do (its sums in another order), made to happen on the
+    CPU on ranks other than 0: before the first check this rank draws its fresh projectors from
+    another seed, so its fit differs; before the second its baselines are zero, so it refits every
+    matrix where rank 0 refits fewer."""
+    if step == 0:
+        engine.generator.manual_seed(1000 + rank)
+    else:
+        engine.learning.baseline = [0.0] * len(engine.modules)
+
+
+# Cases whose ranks other than 0 are made to part (name -> what is done to them before each step);
+# every rank saves its weights, and each must equal rank 0's.
+PARTING = {"lsp_checked": part_rank}
 
 
 def step_batches(vocab: int, step: int, count: int):
@@ -84,6 +105,8 @@ def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: 
         engine.use_sample(batches(model.config.vocab_size, 7, micro=2, rows=2))
     losses, norms = [], []
     for step in range(STEPS):
+        if name in PARTING and dist.rank > 0:
+            PARTING[name](engine, step, dist.rank)
         whole = step_batches(model.config.vocab_size, step, micro_per_rank * dist.world_size)
         total = sum(b.num_targets for b in whole)
         result = train.combine_ranks(dist, step, engine.step(dist.shard(whole), total))
@@ -109,6 +132,8 @@ def main(out: Path) -> None:
             found = run_case(name, dist, micro, precision)
             if dist.is_main:
                 torch.save({"micro": micro, "world": dist.world_size, "found": found}, out / f"{name}-{precision}.pt")
+            elif name in PARTING:
+                torch.save(found[2], out / f"{name}-{precision}-rank{dist.rank}.pt")
     # Said so that a rank dying at exit reads apart from one dying in a case.
     print(f"rank {dist.rank}: every case done", file=sys.stderr, flush=True)
     dist.close()

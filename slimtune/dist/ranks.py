@@ -126,6 +126,24 @@ class Dist:
             self._reduce(flat, group, what)
             _copy_back(flat, bucket)
 
+    def broadcast_(self, tensors: Iterable[torch.Tensor], host: bool = False, what: str = "rank 0's values") -> None:
+        """Rank 0's values of `tensors` written into every rank's (`host`: over the gloo host group, from
+        one thread only). One collective a tensor, in place: no flat copy beside them on the device (a
+        tensor not contiguous goes through a contiguous copy of itself). Every rank passes tensors of
+        the same shapes in the same order. Not counted in reduced_bytes (the step's gradient payload)."""
+        if not self.active:
+            return
+        import torch.distributed as tdist
+
+        group = self.host_group if host else self.device_group
+        for tensor in tensors:
+            if tensor is None or not tensor.numel():
+                continue
+            held = tensor if tensor.is_contiguous() else tensor.contiguous()
+            self.collective(lambda: tdist.broadcast(held, src=0, group=group), what)
+            if held is not tensor:
+                tensor.copy_(held)
+
     def start_sum(self, tensors: list[torch.Tensor], what: str) -> tuple:
         """Begin summing `tensors` (one flat copy) over the device group without waiting; `finish_sum`
         waits and writes the sums back. Launches must be in the same order on every rank."""

@@ -388,9 +388,48 @@ class LspEngine(Engine):
         memory.mark("lsp check")
         self.learning.progress = self.progress and self.dist.is_main
         extras = self.learning.check(self.sample or micro_batches, self._probe_pass)
+        self._agree_with_rank0()
         if reading.peak is not None and (self.check_peak is None or reading.peak > self.check_peak[0]):
             self.check_peak = (reading.peak, dict(reading.peak_breakdown or {}))
         return extras
+
+    def _agree_with_rank0(self) -> None:
+        """Under torchrun, every rank takes rank 0's outcome of the check it has just run too. Each rank
+        fits from the same sample, but on CUDA the sparse products' index_add_ (and attention's backward)
+        sum in varying orders, so two ranks' fits can differ in their last bits or decide differently
+        which matrices to refit or when to stop; each would then apply one summed G_c through other
+        projectors and the ranks would part. So the matrices any rank changed take rank 0's projectors,
+        weight, Z and host AdamW state, and every rank takes rank 0's baselines and the draws' states.
+        A matrix no rank changed is as it was on every rank. (Only rank 0's figures are logged.)"""
+        if not self.dist.active or self.fake:
+            return
+        mine = set(self.learning.changed)
+        flags = [1.0 if i in mine else 0.0 for i in range(len(self.modules))]
+        union = self.dist.max_floats(flags, "which matrices the projector check changed")
+        changed = [self.modules[i] for i, flag in enumerate(union) if flag]
+        with torch.no_grad():
+            self.dist.broadcast_([t for m in changed for t in (m.weight, m.z, m.p_o.pos, m.p_o.val, m.p_i.pos, m.p_i.val)],
+                                 what="rank 0's refit projectors and weights")
+            self.dist.broadcast_([t for m in changed for t in self._host_state(self.adams[m.index])], host=True,
+                                 what="rank 0's refit subspace moments")
+        shared = self.dist.broadcast_object(
+            {"baseline": self.learning.baseline, "generator": self.generator.get_state(),
+             "rounding": None if self.rounding is None else self.rounding.get_state(),
+             "scales": [m.scale for m in changed]}, "rank 0's projector check")
+        self.learning.baseline = list(shared["baseline"])
+        self.generator.set_state(shared["generator"])
+        if self.rounding is not None:
+            self.rounding.set_state(shared["rounding"])
+        for module, scale in zip(changed, shared["scales"]):
+            module.scale = scale
+
+    @staticmethod
+    def _host_state(adam: HostAdam) -> list[torch.Tensor]:
+        """A matrix's host AdamW tensors a refit writes: Z's master and the moments (fp32: lsp keeps no
+        other layout)."""
+        held = [adam.masters[0], *adam.moments[0].values()]
+        assert all(isinstance(t, torch.Tensor) for t in held), "lsp's subspace moments are fp32 tensors"
+        return held
 
     def _probe_pass(self, batches: list[Batch], observers: dict, finished=None) -> None:
         """Forward and backward over `batches` with the observed matrices in probe mode (each batch's

@@ -124,6 +124,7 @@ class ProjectorLearning:
         self.fitted = False  # projectors learned (before step 1, or loaded from a checkpoint)
         self.baseline: list[float | None] = [None] * len(modules)  # e(G) on the sample just after each fit
         self.progress = False  # show the fit's progress bar (the training loop's choice)
+        self.changed: list[int] = []  # the matrices the last check gave new projectors (folded, moments moved)
 
     def due(self, step_count: int) -> bool:
         every = self.settings.check_every
@@ -138,6 +139,7 @@ class ProjectorLearning:
     def _check(self, batches: list, probe_pass: Callable) -> dict:
         began, cpu_began = time.perf_counter(), time.process_time()
         extras, chosen, errors = {}, list(range(len(self.modules))), None
+        self.changed = []
         checked = self.check_batches(batches)
         if self.fitted:
             errors = self.measure(checked, probe_pass)
@@ -147,6 +149,7 @@ class ProjectorLearning:
                       "lsp_error_max": max(finite, default=float("nan"))}
         if chosen:
             extras["lsp_fit_steps"], changed = self.refit(self.fit_batches(batches, checked), chosen, probe_pass)
+            self.changed = changed
             extras["lsp_refit_kept"] = len(chosen) - len(changed)
             self._new_baselines(chosen, changed, errors if self.fitted else None, checked, probe_pass)
             finite = [self.baseline[i] for i in chosen if self.baseline[i] is not None]
