@@ -265,7 +265,7 @@ def fit(cfg: RunConfig, progress: bool = True, run: Run | None = None) -> tuple[
     Under torchrun (distributed.launched) every rank calls it; the summary is rank 0's to print."""
     owned = run is None and distributed.launched()
     cfg = hub.resolved(cfg)  # a Hub name becomes its snapshot folder (each machine fetches its own) before all else
-    dist = run.dist if run is not None else distributed.from_env(cfg.dist.timeout_s)
+    dist = run.dist if run is not None else distributed.from_env(cfg.dist.timeout_s, on_cuda=cfg.device != "cpu")
     fitted = _fit(cfg, progress and dist.is_main, run, dist)
     if owned:  # after a failure the group may be broken: the process ends without tearing it down (cli)
         dist.close()

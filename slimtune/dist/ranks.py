@@ -300,10 +300,11 @@ def buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return out
 
 
-def from_env(timeout_s: float) -> Dist:
+def from_env(timeout_s: float, on_cuda: bool = True) -> Dist:
     """The process group torchrun's environment describes (NCCL for CUDA tensors where CUDA is
     present, gloo for CPU tensors), or SINGLE outside torchrun. CUDA: this process's device is
-    cuda:LOCAL_RANK."""
+    cuda:LOCAL_RANK. `on_cuda` False (a run with device=cpu): no card is claimed and the job is gloo's
+    alone, even where CUDA is present (set_device would make each rank a CUDA context on its card)."""
     if not launched():
         return SINGLE
     import torch.distributed as tdist
@@ -314,7 +315,7 @@ def from_env(timeout_s: float) -> Dist:
                         "(or slimtune train --nproc N).")
     local_rank = int(os.environ["LOCAL_RANK"])
     timeout = datetime.timedelta(seconds=timeout_s)
-    cuda = torch.cuda.is_available()
+    cuda = on_cuda and torch.cuda.is_available()
     if cuda and local_rank < torch.cuda.device_count():  # else assembly.resolve_device says so (device=cuda)
         torch.cuda.set_device(local_rank)
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"

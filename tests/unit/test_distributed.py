@@ -137,6 +137,31 @@ def test_outside_torchrun_there_is_one_process(monkeypatch):
     assert distributed.from_env(10.0) is distributed.SINGLE
 
 
+@pytest.mark.parametrize("on_cuda", [True, False])
+def test_a_cpu_run_under_torchrun_claims_no_card(monkeypatch, on_cuda):
+    """On a machine with CUDA, a rank of a device=cpu run joins gloo alone and sets no CUDA device
+    (each rank would hold a CUDA context on its card); a CUDA run takes cuda:LOCAL_RANK and NCCL."""
+    import threading
+    import torch.distributed as tdist
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(distributed, "_JOINED", threading.Event())  # joining is this process's state: undone after
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(tdist, "is_initialized", lambda: False)
+    monkeypatch.setattr(tdist, "init_process_group", lambda backend, timeout: calls.append(("backend", backend)))
+    monkeypatch.setattr(tdist, "new_group", lambda backend, timeout: "host")
+    monkeypatch.setattr(tdist, "get_rank", lambda: 1)
+    monkeypatch.setattr(tdist, "get_world_size", lambda: 2)
+    dist = distributed.from_env(10.0, on_cuda=on_cuda)
+    assert dist.rank == 1 and dist.world_size == 2 and dist.host_group == "host"
+    assert calls == ([("set_device", 1), ("backend", "cpu:gloo,cuda:nccl")] if on_cuda else [("backend", "gloo")])
+
+
 def test_nproc_is_spelled_out_and_not_nested(monkeypatch, capsys):
     from slimtune import cli
 
