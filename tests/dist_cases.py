@@ -88,9 +88,11 @@ def step_batches(vocab: int, step: int, count: int):
     return batches(vocab, 1000 + step, micro=count, rows=2)
 
 
-def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: str = "fp64", lr: float | None = None):
+def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: str = "fp64", lr: float | None = None,
+             kept: dict | None = None):
     """(losses, grad norms, trained weights) after STEPS steps of `micro_per_rank` micro-batches on
-    each of dist's ranks (SINGLE: the whole step's in one process)."""
+    each of dist's ranks (SINGLE: the whole step's in one process); an lsp engine's check state into
+    `kept` when given (lsp_state)."""
     fields, model_settings, *train_settings = CASES[name]
     fields = copy.deepcopy(fields)
     train_fields = {**TRAIN, **(train_settings[0] if train_settings else {}), "grad_accum": micro_per_rank}
@@ -113,7 +115,18 @@ def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: 
         losses.append(result.loss)
         norms.append(result.grad_norm)
     weights = {k: v.detach().clone() for k, v in engine.trainable_state().items()}
+    if kept is not None:
+        kept.update(lsp_state(engine))
     return losses, norms, weights
+
+
+def lsp_state(engine) -> dict:
+    """What an lsp check leaves besides the weights: baselines, the fresh draws' state, each matrix's
+    projector values and subspace moments, and the matrices the last check changed on this rank."""
+    return {"baseline": list(engine.learning.baseline), "generator": engine.generator.get_state(),
+            "values": [t.clone() for m in engine.modules for t in (m.p_o.val, m.p_i.val)],
+            "moments": [t.clone() for a in engine.adams for t in a.moments[0].values()],
+            "changed": list(engine.learning.changed)}
 
 
 PRECISIONS = ("fp64", "fp32")
@@ -129,11 +142,12 @@ def main(out: Path) -> None:
     micro = micro_per_rank(dist.world_size)
     for precision in PRECISIONS:
         for name in CASES:
-            found = run_case(name, dist, micro, precision)
+            kept = {} if name in PARTING else None
+            found = run_case(name, dist, micro, precision, kept=kept)
             if dist.is_main:
                 torch.save({"micro": micro, "world": dist.world_size, "found": found}, out / f"{name}-{precision}.pt")
-            elif name in PARTING:
-                torch.save(found[2], out / f"{name}-{precision}-rank{dist.rank}.pt")
+            if kept is not None:
+                torch.save({"weights": found[2], **kept}, out / f"{name}-{precision}-rank{dist.rank}.pt")
     # Said so that a rank dying at exit reads apart from one dying in a case.
     print(f"rank {dist.rank}: every case done", file=sys.stderr, flush=True)
     dist.close()

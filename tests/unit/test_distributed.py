@@ -63,13 +63,28 @@ def test_ranks_train_as_one_process_on_the_whole_batch(tmp_path):
             assert weights.keys() == ref_weights.keys(), case
             for key, value in ref_weights.items():
                 torch.testing.assert_close(weights[key], value, atol=tol, rtol=0, msg=f"{case}: {key}")
-            for rank in range(1, world) if name in dist_cases.PARTING else ():
-                # made to part in its own projector fits, the rank took rank 0's outcome of each check
-                parted = torch.load(tmp_path / f"{name}-{precision}-rank{rank}.pt", weights_only=False)
-                assert all(torch.equal(parted[key], value) for key, value in weights.items()), f"{case}: rank {rank}"
+            if name in dist_cases.PARTING:
+                assert_ranks_agree(tmp_path, name, precision, world, weights)
             if precision == "fp64":
                 # The sum across ranks is what makes them agree: one rank's share alone trains other weights.
                 assert max((alone[name][k] - ref_weights[k]).abs().max().item() for k in ref_weights) > 1e-6, case
+
+
+def assert_ranks_agree(folder: Path, name: str, precision: str, world: int, weights: dict) -> None:
+    """Every rank of a PARTING case (made to part in its own projector fits) left each check with rank
+    0's outcome: its weights, projector values, subspace moments, baselines and draw state; and the
+    last check changed other matrices on rank 0 than on the others (each rank's own set: the
+    agreement took their union)."""
+    states = [torch.load(folder / f"{name}-{precision}-rank{rank}.pt", weights_only=False) for rank in range(world)]
+    first = states[0]
+    assert all(torch.equal(first["weights"][key], value) for key, value in weights.items())
+    for rank, state in enumerate(states[1:], 1):
+        case = f"{name} ({precision}) rank {rank}"
+        assert all(torch.equal(state["weights"][key], value) for key, value in weights.items()), case
+        for part in ("values", "moments"):
+            assert all(torch.equal(a, b) for a, b in zip(state[part], first[part], strict=True)), f"{case}: {part}"
+        assert state["baseline"] == first["baseline"] and torch.equal(state["generator"], first["generator"]), case
+        assert set(state["changed"]) != set(first["changed"]), case
 
 
 def test_close_frees_the_process_groups_before_the_interpreter_ends():

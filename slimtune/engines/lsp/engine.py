@@ -398,20 +398,31 @@ class LspEngine(Engine):
         fits from the same sample, but on CUDA the sparse products' index_add_ (and attention's backward)
         sum in varying orders, so two ranks' fits can differ in their last bits or decide differently
         which matrices to refit or when to stop; each would then apply one summed G_c through other
-        projectors and the ranks would part. So the matrices any rank changed take rank 0's projectors,
-        weight, Z and host AdamW state, and every rank takes rank 0's baselines and the draws' states.
-        A matrix no rank changed is as it was on every rank. (Only rank 0's figures are logged.)"""
+        projectors and the ranks would part. So the matrices any rank changed take rank 0's projector
+        values (positions are fixed when drawn: a fit never moves them), weight, Z and host AdamW state,
+        and every rank takes rank 0's baselines and the draws' states. A matrix no rank changed is as it
+        was on every rank. (Only rank 0's figures are logged; learning.changed stays each rank's own.)"""
         if not self.dist.active or self.fake:
             return
-        mine = set(self.learning.changed)
-        flags = [1.0 if i in mine else 0.0 for i in range(len(self.modules))]
-        union = self.dist.max_floats(flags, "which matrices the projector check changed")
-        changed = [self.modules[i] for i, flag in enumerate(union) if flag]
+        changed = self._changed_on_any_rank()
         with torch.no_grad():
-            self.dist.broadcast_([t for m in changed for t in (m.weight, m.z, m.p_o.pos, m.p_o.val, m.p_i.pos, m.p_i.val)],
+            self.dist.broadcast_([t for m in changed for t in (m.weight, m.z, m.p_o.val, m.p_i.val)],
                                  what="rank 0's refit projectors and weights")
             self.dist.broadcast_([t for m in changed for t in self._host_state(self.adams[m.index])], host=True,
                                  what="rank 0's refit subspace moments")
+        self._take_rank0s_check_state(changed)
+
+    def _changed_on_any_rank(self) -> list[ProjectedLinear]:
+        """The matrices this check changed on at least one rank (a flag a matrix, summed by MAX: those 8
+        bytes a matrix count in the step's allreduce_bytes)."""
+        mine = set(self.learning.changed)
+        flags = self.dist.max_floats([float(i in mine) for i in range(len(self.modules))],
+                                     "which matrices the projector check changed")
+        return [self.modules[i] for i, flag in enumerate(flags) if flag]
+
+    def _take_rank0s_check_state(self, changed: list[ProjectedLinear]) -> None:
+        """Rank 0's baselines, draw states (fresh values; bf16 folds' rounding) and the changed matrices'
+        decay scales, on every rank."""
         shared = self.dist.broadcast_object(
             {"baseline": self.learning.baseline, "generator": self.generator.get_state(),
              "rounding": None if self.rounding is None else self.rounding.get_state(),
@@ -425,10 +436,10 @@ class LspEngine(Engine):
 
     @staticmethod
     def _host_state(adam: HostAdam) -> list[torch.Tensor]:
-        """A matrix's host AdamW tensors a refit writes: Z's master and the moments (fp32: lsp keeps no
-        other layout)."""
+        """A matrix's host AdamW tensors a refit writes: Z's master and the moments (whole, in Z's dtype:
+        lsp keeps no split or 8-bit layout)."""
         held = [adam.masters[0], *adam.moments[0].values()]
-        assert all(isinstance(t, torch.Tensor) for t in held), "lsp's subspace moments are fp32 tensors"
+        assert all(isinstance(t, torch.Tensor) for t in held), "lsp's subspace moments are whole tensors"
         return held
 
     def _probe_pass(self, batches: list[Batch], observers: dict, finished=None) -> None:
