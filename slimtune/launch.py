@@ -62,13 +62,17 @@ def _failure_sentence(rank: int, nproc: int, failure, output_dir: str) -> str:
 
 def _cause(failures: dict) -> tuple[int, object]:
     """The failure that ended the job: a rank killed by a signal (not torchrun's own SIGTERM to the
-    others), else one that exited with an error (it said why), else the first torchrun saw."""
+    others), else one that exited with an error (it said why), else the first torchrun saw. Among
+    the killed, SIGABRT comes last: NCCL's watchdog aborts a rank whose peer vanished ("taking the
+    entire process down"), and torchrun's failure times are whole seconds, so the aborted survivor
+    and the rank that was killed first often tie (the lower rank, often a survivor, would be named)."""
     import signal
 
     def rank_of(item) -> tuple:
         rank, failure = item
-        killed = failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM
-        return (not killed, failure.exitcode <= 0, failure.timestamp, rank)
+        by = -failure.exitcode if failure.exitcode < 0 else 0
+        killed = by not in (0, signal.SIGTERM)
+        return (not killed, by == signal.SIGABRT, failure.exitcode <= 0, failure.timestamp, rank)
 
     return min(failures.items(), key=rank_of)
 

@@ -177,6 +177,24 @@ def test_a_cpu_run_under_torchrun_claims_no_card(monkeypatch, on_cuda):
     assert calls == ([("set_device", 1), ("backend", "cpu:gloo,cuda:nccl")] if on_cuda else [("backend", "gloo")])
 
 
+def test_a_lost_job_names_the_rank_that_was_killed_not_a_survivor_nccl_aborted():
+    """torchrun's failure times are whole seconds: a rank killed and a survivor that NCCL's watchdog
+    then aborted (SIGABRT) tie, and the lower rank, here the survivor, was named."""
+    import signal
+    from types import SimpleNamespace
+
+    from slimtune import launch
+
+    def failure(exitcode: int, timestamp: int) -> SimpleNamespace:
+        return SimpleNamespace(exitcode=exitcode, timestamp=timestamp)
+
+    killed, aborted, stopped = failure(-signal.SIGKILL, 100), failure(-signal.SIGABRT, 100), failure(-signal.SIGTERM, 99)
+    assert launch._cause({0: aborted, 1: killed, 2: stopped})[0] == 1
+    assert launch._cause({0: stopped, 1: aborted})[0] == 1  # an abort alone is the cause, not torchrun's SIGTERM
+    assert launch._cause({0: stopped, 1: failure(2, 100)})[0] == 1  # a rank that said why (exit 2)
+    assert launch._cause({0: failure(-signal.SIGKILL, 101), 1: failure(-signal.SIGKILL, 100)})[0] == 1  # the first
+
+
 def test_nproc_is_spelled_out_and_not_nested(monkeypatch, capsys):
     from slimtune import cli
 
