@@ -69,7 +69,7 @@ CASES = {
 
 def part_rank(engine, step: int, rank: int) -> None:
     """What a CUDA rank's own projector fit may do (its sums in another order), made to happen on the
-    CPU on ranks other than 0: before the first check this rank draws its fresh projectors from
+    CPU on ranks other than 0: before the first check this rank draws its fresh projector values from
     another seed, so its fit differs; before the second its baselines are zero, so it refits every
     matrix where rank 0 refits fewer."""
     if step == 0:
@@ -79,7 +79,7 @@ def part_rank(engine, step: int, rank: int) -> None:
 
 
 # Cases whose ranks other than 0 are made to part (name -> what is done to them before each step);
-# every rank saves its weights, and each must equal rank 0's.
+# every rank saves its weights and lsp_state, and each must equal rank 0's.
 PARTING = {"lsp_checked": part_rank}
 
 
