@@ -380,6 +380,11 @@ class Stack:
         # then makes no gradient but its input's, and its later backward tiles may be replayed too
         # (engine chunk: the blocks outside the active chunk). lsp's Z, not a parameter, rules it out there.
         self.only_parameters_take_gradients = False
+        # Set while an engine collects a tiled block's gradient parts outside autograd (lsp's projector
+        # check: learning.Collector): the first tile a block's backward runs hands the previous block's
+        # parts over and starts this block's, so it always runs; later tiles add in place, and may be
+        # replayed where gradients_accumulate_plainly is set too.
+        self.first_backward_tile_hands_over = False
 
     # Read through the model each time: quantization replaces the embedding and head modules.
     @property

@@ -104,10 +104,11 @@ def backward(stack: Stack, index: int, x: torch.Tensor, grad: torch.Tensor, inpu
     plain = stack.gradients_accumulate_plainly or (stack.only_parameters_take_gradients and not trained)
     # Under fake tensors: where nothing counts the parts, not tile 0 either (it attends to the fewest
     # keys: its peak is no higher than the tile after it, and it writes into what exists).
+    first = block.starts[-1]  # the first tile backward runs
     for start in memory.representative(block.starts[::-1], x, last_alike=plain):
         with block.tile_rng(start):
             run = functools.partial(_tile_backward, block, start, grad[:, start : block.stop(start)], grad_k, grad_v, grad_x)
-            if not plain:
+            if not plain or (start == first and stack.first_backward_tile_hands_over):
                 run()
                 continue
             # The first tile gives the parameters their gradients (the replay makes them too: `leaves`),
@@ -380,9 +381,12 @@ def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _signature(layer: nn.Module) -> tuple:
-    """A block's parameters and buffers by name, shape, dtype and whether they train."""
-    return tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
-                 for name, t in (*layer.named_parameters(), *layer.named_buffers()))
+    """A block's parameters and buffers by name, shape, dtype and whether they train, and the state of
+    each submodule whose ops depend on more (a `tile_signature()`: lsp's ProjectedLinear, whose
+    forward skips its correction while Z is known zero and keeps X while probed)."""
+    tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+                    for name, t in (*layer.named_parameters(), *layer.named_buffers()))
+    return tensors + tuple(m.tile_signature() for m in layer.modules() if hasattr(m, "tile_signature"))
 
 
 def causal_band(queries: int, keys: int, offset: int, window: int | None, device) -> torch.Tensor:

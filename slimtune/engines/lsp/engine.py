@@ -453,6 +453,12 @@ class LspEngine(Engine):
         tiled = self.activations_cfg.checkpoint != "none"
         in_parts = {m.index for m in self.modules} if tiled else set()
         collector = learning.Collector(self.updates.blocks, observers, in_parts)
+        # A probe pass makes no parameter or Z gradient: a tiled block's parts go to the Collector, the first
+        # tile's (which also hands the previous block's over) always run, and the later ones, added in place
+        # into it, may be replayed in the planner's estimate as a plain step's are (seq_tiles; a real run
+        # runs every tile whatever the flags say).
+        flags = self.stack.gradients_accumulate_plainly, self.stack.first_backward_tile_hands_over
+        self.stack.gradients_accumulate_plainly = self.stack.first_backward_tile_hands_over = True
         try:
             for index in observers:
                 self.modules[index].probe = functools.partial(collector.take, index)
@@ -466,6 +472,7 @@ class LspEngine(Engine):
                 if finished is not None and finished():
                     break
         finally:
+            self.stack.gradients_accumulate_plainly, self.stack.first_backward_tile_hands_over = flags
             for module in self.modules:
                 module.probe = None
             for tensor, wanted in saved:

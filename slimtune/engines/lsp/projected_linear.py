@@ -74,6 +74,11 @@ class ProjectedLinear(nn.Linear):
     def d(self) -> int:
         return self.p_o.d
 
+    def tile_signature(self) -> tuple:
+        """What besides its tensors decides this module's ops, and so a tiled block's transient bytes
+        (seq_tiles' replay key): probed or not, Z known zero or not, a decay scale to apply or not, dZ wanted or not."""
+        return self.probe is not None, self.z_is_zero, self.scale == 1.0, self.z.requires_grad
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.before_forward is not None:
             self.before_forward(self.index)
