@@ -565,29 +565,42 @@ static __attribute__((noinline)) void code_settled(const Coded *c, const Segment
     }
 }
 
-/* 16 numbers' codes as fixed-point counts (the code in bits 16-23, the fraction below; the unsigned
-   map's negative numbers 0), without settling: the lanes near a step lower *near's lanes to 0. */
-static inline __m512i fixed16(const Segments *s, __m512 x, __m512 scale, __m512i mirror, __m512i *near,
-                               const int is_signed) {
+/* fixed16's first stage: the scaled number's |bits| (floored) and the segment whose line counts it. */
+typedef struct { __m512i floored, segment; __mmask16 negative; } Scaled;
+
+static inline Scaled segment16(const Segments *s, __m512 x, __m512 scale, const int is_signed) {
+    Scaled t;
     const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, scale));
-    const __mmask16 negative = is_signed ? _mm512_movepi32_mask(bits) : 0;
-    const __m512i a = is_signed ? _mm512_mask_sub_epi32(bits, negative, bits, _mm512_set1_epi32(0x7FFFFFFF)) : bits;
-    const __m512i floored = _mm512_max_epi32(a, _mm512_set1_epi32(FLOOR_BITS));
-    __m512i binade = _mm512_srli_epi32(floored, 23);
-    const __mmask16 above = _mm512_cmpgt_epi32_mask(floored, _mm512_permutex2var_epi32(s->threshold_lo, binade,
-                                                                                        s->threshold_hi));
-    binade = _mm512_mask_add_epi32(binade, above, binade, _mm512_set1_epi32(1));
-    const __m512 slope = _mm512_permutex2var_ps(s->slope_lo, binade, s->slope_hi);
-    const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(floored), slope,
-                                        _mm512_permutex2var_ps(s->intercept_lo, binade, s->intercept_hi));
-    const __m512i fixed = line_fixed_top(s, binade, _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEAREST_INT |
-                                                                                   _MM_FROUND_NO_EXC));
+    t.negative = is_signed ? _mm512_movepi32_mask(bits) : 0;
+    const __m512i a = is_signed ? _mm512_mask_sub_epi32(bits, t.negative, bits, _mm512_set1_epi32(0x7FFFFFFF)) : bits;
+    t.floored = _mm512_max_epi32(a, _mm512_set1_epi32(FLOOR_BITS));
+    const __m512i binade = _mm512_srli_epi32(t.floored, 23);
+    const __mmask16 above = _mm512_cmpgt_epi32_mask(t.floored, _mm512_permutex2var_epi32(s->threshold_lo, binade,
+                                                                                          s->threshold_hi));
+    t.segment = _mm512_mask_add_epi32(binade, above, binade, _mm512_set1_epi32(1));  /* the next segment's line */
+    return t;
+}
+
+/* fixed16's second stage: the count on the segment's line. */
+static inline __m512i line16(const Segments *s, const Scaled t, __m512i mirror, __m512i *near, const int is_signed) {
+    const __m512 slope = _mm512_permutex2var_ps(s->slope_lo, t.segment, s->slope_hi);
+    const __m512 line = _mm512_fmadd_ps(_mm512_castsi512_ps(t.floored), slope,
+                                        _mm512_permutex2var_ps(s->intercept_lo, t.segment, s->intercept_hi));
+    const __m512i fixed = line_fixed_top(s, t.segment, _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEAREST_INT |
+                                                                                       _MM_FROUND_NO_EXC));
     *near = _mm512_min_epu32(*near, _mm512_and_si512(fixed, _mm512_set1_epi32((1 << FIXED) - 2 * UNSURE)));
     if (!is_signed) return fixed;
     /* -t: 2 zero - (zero + the count at t's next float), in bits 16-23 as well (below 0: code 0); `mirror`
        is 2 zero in bits 16-23 over a fraction of all ones */
-    const __m512i mirrored = _mm512_mask_sub_epi32(fixed, negative, mirror, fixed);
+    const __m512i mirrored = _mm512_mask_sub_epi32(fixed, t.negative, mirror, fixed);
     return _mm512_max_epi32(mirrored, _mm512_setzero_si512());
+}
+
+/* 16 numbers' codes as fixed-point counts (the code in bits 16-23, the fraction below; the unsigned
+   map's negative numbers 0), without settling: the lanes near a step lower *near's lanes to 0. */
+static inline __m512i fixed16(const Segments *s, __m512 x, __m512 scale, __m512i mirror, __m512i *near,
+                               const int is_signed) {
+    return line16(s, segment16(s, x, scale, is_signed), mirror, near, is_signed);
 }
 
 /* A block's codes from its new numbers x (interleaved) and their |x| maximum: every lane by its line,
@@ -670,21 +683,27 @@ static inline __attribute__((always_inline)) void denominators32(const Constants
                                         k->eps);
 }
 
-/* adamw()'s master update on 32 numbers of the split layout from their new m (interleaved) and their
-   denominators, combine() before and narrow() after, stored. */
-static inline __attribute__((always_inline)) void master32(const Constants *k, const int kind, const Orders *o,
-                                                            uint16_t *weight, int16_t *residual, uint16_t *shadow,
-                                                            const float *m1, const __m512 denominators[2]) {
+/* adamw()'s master update on 32 numbers of the split layout (combine() first) from their new m
+   (interleaved) and their denominators: the new fp32 masters, u. */
+static inline __attribute__((always_inline)) void new_masters32(const Constants *k, const int kind,
+                                                                 const uint16_t *weight, const int16_t *residual,
+                                                                 const float *m1, const __m512 denominators[2],
+                                                                 __m512i u[2]) {
     const __m512i w = _mm512_loadu_si512(weight), low = _mm512_loadu_si512(residual);
     const __m512i above = _mm512_add_epi16(w, _mm512_srai_epi16(low, 15));
     const __m512i masters[2] = {_mm512_unpacklo_epi16(low, above), _mm512_unpackhi_epi16(low, above)};
-    __m512i u[2], weights, residuals;
     for (int h = 0; h < 2; h++) {
         __m512 p = _mm512_castsi512_ps(masters[h]);
         const __m512 m = _mm512_loadu_ps(m1 + 16 * h);
         if (kind & DECAYS) p = _mm512_mul_ps(p, k->decay);
         u[h] = _mm512_castps_si512(_mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k->step_size, m), denominators[h])));
     }
+}
+
+/* 32 new masters u narrow()ed into their bf16 weights and residuals, stored (and the weights in the shadow). */
+static inline __attribute__((always_inline)) void store_masters32(const Orders *o, const __m512i u[2], uint16_t *weight,
+                                                                   int16_t *residual, uint16_t *shadow) {
+    __m512i weights, residuals;
     NARROW32(o, u, &weights, &residuals);
     _mm512_storeu_si512(weight, weights);
     if (shadow) _mm512_storeu_si512(shadow, weights);
@@ -721,28 +740,43 @@ static inline __attribute__((always_inline)) int64_t split_blocks_of(const Run *
         const int finite = m_inverse != 0.0f && v_inverse != 0.0f;
         const __m512 m_scale = _mm512_set1_ps(m_inverse), v_scale = _mm512_set1_ps(v_inverse);
         __m512i m_near = _mm512_set1_epi32(-1), v_near = _mm512_set1_epi32(-1);
-        /* The divider's chain one group ahead: each group's square roots and first division are
-           issued beside the previous group's second division, so fewer of the chain's instructions
-           wait in the core's queues (3% less time in cache than in the chain's own order). */
+        /* The masters' chains and the coding's are spread over the loop in stages (the square roots
+           and first division of group g + 1 issued beside group g's second division; a group's
+           rounding and stores two groups later; a vector's segment lookup beside the previous
+           vector's line): fewer of a chain's instructions wait in the core's queues for the ones
+           before them, so more of them are in flight (9% less time in the L3 than each chain in its
+           own order, benchmarks/docs/host_adam_bandwidth.md). A group is 32 numbers, 8 a block. */
         __m512 ahead[2];
+        __m512i held[BLOCK / 32][2];  /* each group's new masters, stored two groups later */
         denominators32(&k, v_new, ahead);
         for (int j = 0; j < BLOCK; j += 64) {
-            for (int q = 0; q < 4; q += 2) {
-                const int64_t i = at + j + 16 * q;
+            for (int g = j / 32; g < j / 32 + 2; g++) {
                 const __m512 denominators[2] = {ahead[0], ahead[1]};
-                if (j + 16 * q + 32 < BLOCK) denominators32(&k, v_new + j + 16 * q + 32, ahead);
-                master32(&k, kind, &orders, weight + i, residual + i, shadow ? shadow + i : NULL, m_new + j + 16 * q,
-                         denominators);
+                if (32 * g + 32 < BLOCK) denominators32(&k, v_new + 32 * g + 32, ahead);
+                new_masters32(&k, kind, weight + at + 32 * g, residual + at + 32 * g, m_new + 32 * g, denominators,
+                              held[g]);
+                if (g >= 2) store_masters32(&orders, held[g - 2], weight + at + 32 * (g - 2),
+                                            residual + at + 32 * (g - 2), shadow ? shadow + at + 32 * (g - 2) : NULL);
             }
             if (!finite) continue;
             __m512i m_codes[4], v_codes[4];
+            Scaled m_next = segment16(&sm, _mm512_loadu_ps(m_new + j), m_scale, 1);
+            Scaled v_next = segment16(&sv, _mm512_loadu_ps(v_new + j), v_scale, 0);
             for (int q = 0; q < 4; q++) {
-                m_codes[q] = fixed16(&sm, _mm512_loadu_ps(m_new + j + 16 * q), m_scale, mirror, &m_near, 1);
-                v_codes[q] = fixed16(&sv, _mm512_loadu_ps(v_new + j + 16 * q), v_scale, mirror, &v_near, 0);
+                const Scaled m_now = m_next, v_now = v_next;
+                if (q < 3) {
+                    m_next = segment16(&sm, _mm512_loadu_ps(m_new + j + 16 * q + 16), m_scale, 1);
+                    v_next = segment16(&sv, _mm512_loadu_ps(v_new + j + 16 * q + 16), v_scale, 0);
+                }
+                m_codes[q] = line16(&sm, m_now, mirror, &m_near, 1);
+                v_codes[q] = line16(&sv, v_now, mirror, &v_near, 0);
             }
             store_codes64(cm->codes + at + j, codes_in_order2, m_codes);
             store_codes64(cv->codes + at + j, codes_in_order2, v_codes);
         }
+        for (int g = BLOCK / 32 - 2; g < BLOCK / 32; g++)
+            store_masters32(&orders, held[g], weight + at + 32 * g, residual + at + 32 * g,
+                            shadow ? shadow + at + 32 * g : NULL);
         if (!finite) {  /* an inf or NaN in a moment: each coded on its own (code_interleaved's own path) */
             code_interleaved(cm, &sm, codes_in_order, codes_in_order2, at, m_new, m_largest, 1);
             code_interleaved(cv, &sv, codes_in_order, codes_in_order2, at, v_new, v_largest, 0);
