@@ -502,7 +502,7 @@ static inline __m512i packed_order(void) {
     return _mm512_loadu_si512(order);
 }
 
-/* The word permutes master32 puts its results in order with. */
+/* The word permutes store_masters32 puts its results in order with. */
 typedef struct { __m512i high_words, low_words, packed; } Orders;
 
 /* narrow()'s bf16 weight of 16 masters, as its bits shifted up 16 (0xFFFF for a NaN). */

@@ -68,7 +68,7 @@ def load(name: str, isa: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     source = HERE / name
     target = library_path(source, cc, isa)
     if not target.exists():
-        failure = _build(cc, (*FLAGS, *isa), source, target)
+        failure = compile_library(source, target, isa, cc)
         if failure:
             say_once(f"compiling {source.name} failed ({failure}): the host AdamW runs on torch's tiled path "
                      "(same results, slower).")
@@ -78,6 +78,15 @@ def load(name: str, isa: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     except OSError as error:
         say_once(f"loading {target} failed ({error}): the host AdamW runs on torch's tiled path.")
         return None
+
+
+def compile_library(source: Path, target: Path, isa: tuple[str, ...] = (), cc: str | None = None) -> str | None:
+    """source built into target with this module's flags and `isa` by `cc` (else compiler()): why it
+    failed, or None. (benchmarks/cases/adamw_kernel_ab.py builds other commits' kernels with it.)"""
+    cc = cc or compiler()
+    if cc is None:
+        return "no C compiler (cc, gcc, clang or $CC) found"
+    return _build(cc, (*FLAGS, *isa), source, target)
 
 
 def _build(cc: str, flags: tuple[str, ...], source: Path, target: Path) -> str | None:

@@ -1,0 +1,151 @@
+"""The native host AdamW's 8-bit fused loop at several commits, timed against each other (issue 30,
+item 7: the loop is compute-bound, so changes to it are judged by its arithmetic's speed).
+
+    python benchmarks/run.py adamw_kernel_ab                                   # d565b0c against HEAD
+    SLIMTUNE_AB_REVS="d565b0c 61cad2a HEAD" python benchmarks/run.py adamw_kernel_ab
+
+Each revision's slimtune/optim/native/adamw.c (read with `git show`) is built as the library is
+(native/build.py's compiler, flags and instruction sets) into a temporary folder and loaded beside the
+others; the revisions must share the working tree's Run and Hyper structs (true since 89539c8). Before
+anything is timed, each build takes one step on copies of the same tensors as the working tree's
+library and must leave the same bits in every output, or the case stops: only exact kernels are
+compared.
+
+The timing is host_adam_bandwidth's split_8bit layout (bf16 weight + residual, bf16 gradient, 8-bit
+m and v), one thread: runs of 2^14 numbers (in the L1 and L2) and 2^20 (four sets of them: mostly the
+L3), each in four allocations at different offsets (where the tensors fall moves the loop by a few
+percent), the builds alternated round by round, the best call of each. The loop is called through
+ctypes, so a figure includes the call (about 0.06 ns a number at 2^14, nothing at 2^20).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REVS_ENV = "SLIMTUNE_AB_REVS"
+DEFAULT_REVS = ("d565b0c", "HEAD")  # the loop before its chains were staged (fb06106), and now
+KERNEL = "slimtune/optim/native/adamw.c"
+SIZES = (1 << 14, 1 << 20)
+ALLOCATIONS = 4
+CALLS = {1 << 14: 1024, 1 << 20: 40}  # best of this many calls a round
+ROUNDS = 3
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+STEP = 5.0
+
+
+def run(quick: bool) -> dict:
+    from slimtune.optim.native import adamw
+
+    if adamw.library() is None or not adamw.fast_path():
+        return {"skipped": "the native loop's AVX-512 VBMI path does not run here"}
+    torch.set_num_threads(1)
+    revs = os.environ.get(REVS_ENV, " ".join(DEFAULT_REVS)).split()
+    commits = [_git("rev-parse", "--short", rev) for rev in revs]
+    with tempfile.TemporaryDirectory(prefix="adamw-ab-") as folder:
+        libraries = [_built(rev, Path(folder) / f"{index}") for index, rev in enumerate(revs)]
+        for rev, lib in zip(revs, libraries):
+            _check_exact(rev, lib, adamw.library())
+        rounds, scale = (1, 16) if quick else (ROUNDS, 1)
+        sizes = {n: _time(libraries, n, rounds, max(4, CALLS[n] // scale)) for n in SIZES}
+    result = {"revs": revs, "commits": commits, "rounds": rounds, "allocations": ALLOCATIONS,
+              "ns_per_number": {str(n): found for n, found in sizes.items()}}
+    _summarize(result)
+    return result
+
+
+def _git(*args: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _built(rev: str, folder: Path) -> ctypes.CDLL:
+    """rev's kernel built as the library is, loaded."""
+    from slimtune.optim.native import adamw, build
+
+    folder.mkdir()
+    source = folder / "adamw.c"
+    source.write_text(_git("show", f"{rev}:{KERNEL}") + "\n")
+    target = folder / "adamw.so"
+    failure = build.compile_library(source, target, adamw.isa())
+    if failure:
+        raise SystemExit(f"{rev}'s {KERNEL} did not build: {failure}")
+    lib = ctypes.CDLL(str(target))
+    lib.slimtune_adamw.argtypes = [ctypes.POINTER(adamw.Run), ctypes.POINTER(adamw.Hyper)]
+    return lib
+
+
+def _layout(n: int) -> tuple:
+    """Fresh split_8bit tensors of n numbers (HostAdam's, as host_adam_bandwidth makes them) with a
+    gradient in place, and their Run."""
+    import host_adam_bandwidth as bandwidth
+    from slimtune.optim.native import adamw
+
+    adam = bandwidth.host_adam("split_8bit", n, None)
+    tensors = {"weight": adam.shadows[0], "residual": adam.residuals[0], "grad": adam.grads[0]}
+    for name, held in adam.moments[0].items():
+        tensors.update({f"{name}_codes": held.codes, f"{name}_absmax": held.absmax})
+    tensors["grad"].copy_(torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3)
+    return adam, tensors, adamw.run_of(n, tensors, 1, False)
+
+
+def _constants():
+    from slimtune.optim import tiled_adamw
+    from slimtune.optim.native import adamw
+
+    hyper = tiled_adamw.Hyper(HYPER["lr"], HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"])
+    return adamw.constants(hyper, STEP, 1.0)
+
+
+def _check_exact(rev: str, lib: ctypes.CDLL, reference: ctypes.CDLL) -> None:
+    """Two steps of rev's build and of the working tree's library on equal tensors: the same bits,
+    every output (weights, residuals, codes, absmax)."""
+    from slimtune.optim.native import adamw
+
+    n = 1 << 14
+    _, tensors, _ = _layout(n)
+    outputs = []
+    for kernel in (lib, reference):
+        mine = {role: t.clone() for role, t in tensors.items()}
+        run = adamw.run_of(n, mine, 1, False)
+        for _ in range(2):
+            kernel.slimtune_adamw(ctypes.byref(run), ctypes.byref(_constants()))
+        outputs.append(mine)
+    differing = [role for role in tensors if not torch.equal(outputs[0][role], outputs[1][role])]
+    if differing:
+        raise SystemExit(f"{rev}'s kernel leaves other bits than the working tree's in {', '.join(differing)}: "
+                         "only exact kernels are compared.")
+
+
+def _time(libraries: list, n: int, rounds: int, calls: int) -> list[dict]:
+    """Per build: the best ns a number of each allocation, and the best of all."""
+    held, layouts = [], []
+    for index in range(ALLOCATIONS):
+        held.append(torch.empty(4096 * (index + 1) + 64 * index, dtype=torch.uint8))  # shifts what follows
+        layouts.append(_layout(n))
+    constants = _constants()
+    best = [[float("inf")] * ALLOCATIONS for _ in libraries]
+    for _ in range(rounds):
+        for a, (_, _, run) in enumerate(layouts):
+            for b, lib in enumerate(libraries):
+                call, args = lib.slimtune_adamw, (ctypes.byref(run), ctypes.byref(constants))
+                for _ in range(calls):
+                    began = time.perf_counter()
+                    call(*args)
+                    best[b][a] = min(best[b][a], time.perf_counter() - began)
+    return [{"allocations": [round(s / n * 1e9, 4) for s in row], "best": round(min(row) / n * 1e9, 4)}
+            for row in best]
+
+
+def _summarize(result: dict) -> None:
+    for n, found in result["ns_per_number"].items():
+        print(f"{int(n)} numbers:")
+        for rev, commit, row in zip(result["revs"], result["commits"], found):
+            spread = " ".join(f"{x:.3f}" for x in row["allocations"])
+            print(f"  {rev:>10} ({commit}) best {row['best']:.3f} ns a number; by allocation {spread}")
