@@ -61,8 +61,13 @@ def run(quick: bool) -> dict:
 
 
 def _git(*args: str) -> str:
+    """git's output, or the case stops with git's own sentence (a revision this clone lacks, say)."""
     root = Path(__file__).resolve().parents[2]
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"git {' '.join(args)} failed: {last}")
+    return done.stdout.strip()
 
 
 def _built(rev: str, folder: Path) -> ctypes.CDLL:
