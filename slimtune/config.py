@@ -173,6 +173,11 @@ class TrainConfig:
     moments: Literal["fp32", "8bit"] = setting(
         "fp32", "Host optimizers' AdamW moments: fp32 (8 bytes a number), or 8-bit blockwise codes as bitsandbytes'"
                 " AdamW8bit keeps them (2 bytes a number; the update is approximate, the master stays exact).")
+    host_threads: int = setting(
+        0, "Threads each host AdamW update runs on (engines slide, chunk, roundpipe, lsp; the native loop, where a C"
+           " compiler is found). 0 picks: on a GPU, the cores this process may use, shared among the machine's ranks,"
+           " less one for the thread that drives the device; on a CPU run, 1 (the step's compute uses the rest)."
+           " The same bits at any count.")
     schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "Learning-rate decay after warmup.")
     warmup_steps: int = setting(0, "Linear warmup steps from 0 to lr.")
     seed: int = setting(0, "Seed for initialisation, data order and dropout.")
@@ -197,7 +202,8 @@ class TrainConfig:
             positive(f"train.{name}", getattr(self, name))
         positive("train.lr", self.lr)
         positive("train.eps", self.eps)
-        for name in ("weight_decay", "max_grad_norm", "warmup_steps", "eval_every", "eval_batches", "save_every"):
+        for name in ("weight_decay", "max_grad_norm", "warmup_steps", "eval_every", "eval_batches", "save_every",
+                     "host_threads"):
             if getattr(self, name) < 0:
                 raise UserError(f"train.{name} must not be negative, got {getattr(self, name)}.")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

@@ -22,6 +22,7 @@ storage is marked host-resident, so the device meter leaves it out.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,19 @@ from slimtune.optim import moments8, row_grads, split_master, tiled_adamw
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_KINDS = ("fp32", "8bit")  # train.moments
+
+
+def host_threads(train, device: torch.device) -> int:
+    """The threads a host update runs on: train.host_threads, or where it is 0, on a GPU the cores
+    this process may use, shared among the machine's ranks (torchrun's LOCAL_WORLD_SIZE), less one
+    for the thread driving the device; on a CPU run 1, the step's own compute taking the rest."""
+    if train.host_threads > 0:
+        return train.host_threads
+    if device.type == "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, cores // ranks - 1)
 
 
 @dataclass(frozen=True)
@@ -117,7 +131,7 @@ class HostAdam:
                  settings: dict, shadow_dtype: torch.dtype | None = None,
                  moments_dir: runtime.ScratchFolder | Path | None = None,
                  masters_on_disk: bool = False, working: Working | None = None, layout: Layout = Layout(),
-                 weights: list[list[torch.Tensor]] | None = None):
+                 weights: list[list[torch.Tensor]] | None = None, threads: int = 1):
         """`dtype`: the masters'; `device`: the device they feed (pinning on CUDA); `settings`:
         AdamW's lr, betas, eps (rules.adamw_settings); `shadow_dtype`: a narrower dtype to upload in,
         or None; `moments_dir`: a folder for memory-mapped moments (moments_folder's, or any
@@ -127,8 +141,10 @@ class HostAdam:
         update at the same time (engine chunk's chunks), instead of buffers of its own. `weights`:
         under the split layout, per group and member, the bf16 tensors (views, strided or not) that
         are the masters' top half already: another owner's weights, not copies (slide's host weights
-        under a chunk working set)."""
+        under a chunk working set). `threads`: how many the native loop splits an update over
+        (host_threads; the same bits at any count)."""
         self.name, self.groups, self.device, self.dtype, self.layout = name, groups, device, dtype, layout
+        self.threads = threads
         self.settings = settings
         self.shadow_dtype = shadow_dtype if shadow_dtype not in (None, dtype) else None
         self.split = layout.split and self.shadow_dtype == torch.bfloat16 and dtype == torch.float32
@@ -319,7 +335,8 @@ class HostAdam:
                 grad = tiled_adamw.Scaled(grads[k], clip) if grads is not None else self._grad_form(k, clip)
                 own = grads is None and isinstance(self.grads[k], torch.Tensor)  # emptied in the same pass
                 tiled_adamw.adamw(hyper, self.steps[k], group.numel, self.dtype, self._master_form(k, shadows),
-                                  grad, *(self._moment_form(self.moments[k][m]) for m in MOMENTS), empty_grad=own)
+                                  grad, *(self._moment_form(self.moments[k][m]) for m in MOMENTS),
+                                  threads=self.threads, empty_grad=own)
             for grad in self.grads:
                 if grad is not None and (self.fake or not isinstance(grad, torch.Tensor)):
                     grad.zero_()  # a RowGrads (or the planner's step) is emptied here
@@ -345,7 +362,7 @@ class HostAdam:
                    tiled_adamw.Shifted(tiled_adamw.Coded(held), start) for held in self.moments[k].values()]
         with torch.no_grad():
             tiled_adamw.adamw(hyper, self.steps[k], stop - start, self.dtype, master,
-                              tiled_adamw.Scaled([(0, grad.reshape(-1))], clip), *moments)
+                              tiled_adamw.Scaled([(0, grad.reshape(-1))], clip), *moments, threads=self.threads)
 
     def _grad_form(self, k: int, clip: float) -> tiled_adamw.Form:
         grad = self.grads[k]

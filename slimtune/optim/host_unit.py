@@ -21,7 +21,7 @@ from slimtune.device import memory, runtime
 from slimtune.config import TrainConfig
 from slimtune.dist.ranks import SINGLE
 from slimtune.optim import rules
-from slimtune.optim.host_adam import (CODED, MOMENTS, Group, HostAdam, Layout, Working, coded_state,
+from slimtune.optim.host_adam import (CODED, MOMENTS, Group, HostAdam, Layout, Working, coded_state, host_threads,
                                       load_coded_state)
 
 
@@ -89,7 +89,8 @@ class HostUnit:
                                      accumulate=not self.direct)
         adam = HostAdam(self.name, [Group(tuple(p.shape for p in params), decay) for params, decay in groups],
                         master_dtype, self.device, rules.adamw_settings(train),
-                        shadow_dtype=device_dtype, moments_dir=moments_dir, working=self.working, layout=layout)
+                        shadow_dtype=device_dtype, moments_dir=moments_dir, working=self.working, layout=layout,
+                        threads=host_threads(train, self.device))
         adam.load_group_masters([[p.data for p in params] for params, _ in groups])
         with torch.no_grad():
             for k, (params, _) in enumerate(groups):

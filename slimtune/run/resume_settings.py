@@ -150,6 +150,7 @@ RULES: dict[str, Rule] = {
     "train.max_grad_norm": safe(),
     "train.master": safe(),  # checkpoints hold fp32 masters whichever way they rested
     "train.moments": applied("the saved moments are coded to 8 bits, or decoded to fp32, as the run resumes"),
+    "train.host_threads": safe(),  # the same bits at any count
     "train.schedule": safe(),
     "train.warmup_steps": safe(),
     "train.seed": refused("the data order, and the examples an engine holds out, are drawn from it"),

@@ -190,7 +190,8 @@ class ChunkState:
             adams.append(HostAdam(f"chunk {k}", groups, self.dtype, self.device, rules.adamw_settings(self.train_cfg),
                                   shadow_dtype=shadow, moments_dir=self.state_dir,
                                   masters_on_disk=self.state_dir is not None, working=self.working,
-                                  layout=layout, weights=shared))
+                                  layout=layout, weights=shared,
+                                  threads=host_adam.host_threads(self.train_cfg, self.device)))
             members.append([(p, g, i) for g, (group, _) in enumerate(grouped) for i, p in enumerate(group)])
         return adams, members
 

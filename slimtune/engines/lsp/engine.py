@@ -65,7 +65,7 @@ from slimtune.errors import UserError
 from slimtune.optim.host_unit import StepGuard
 from slimtune.model.stack import Stack
 from slimtune.optim import projectors, rules
-from slimtune.optim.host_adam import MOMENTS, Group, HostAdam
+from slimtune.optim.host_adam import MOMENTS, Group, HostAdam, host_threads
 from slimtune.engines.lsp.projected_linear import ProjectedLinear
 
 
@@ -231,7 +231,7 @@ class LspEngine(Engine):
     def _host_adam(self, module: ProjectedLinear, train: TrainConfig) -> HostAdam:
         # Z decays with the weight it is part of (its scale s follows: updates.py); matrices decay (rules.decays).
         adam = HostAdam(f"lsp {module.index}", [Group((module.z.shape,), train.weight_decay)], module.z.dtype, self.device,
-                        rules.adamw_settings(train))
+                        rules.adamw_settings(train), threads=host_threads(train, self.device))
         with torch.no_grad():
             adam.masters[0].zero_()
         return adam
