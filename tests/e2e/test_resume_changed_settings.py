@@ -67,7 +67,8 @@ CASES = [
     ("resident", {"train.seed": 1}, None),
     ("resident", {"data.max_length": 24}, None),
     ("slide", {"slide.working_set": "chunk"}, DIFFERS),
-    ("slide", {"slide.slots": 3, "slide.moments": "disk", "slide.moments_dir": "elsewhere"}, SAME),
+    ("slide", {"slide.slots": 3, "slide.moments": "disk", "slide.moments_dir": "elsewhere", "train.host_threads": 2},
+     SAME),
     ("slide", {"slide.head_tile_mb": 0.01}, None),
     ("slide", {"train.master": "fp32"}, SAME),  # fp32 compute: nothing to split; checkpoints hold fp32 masters
     ("slide", {"train.moments": "8bit"}, DIFFERS),
