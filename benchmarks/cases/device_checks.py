@@ -49,6 +49,9 @@ on the CPU the live-tensor meter. What it records:
    and backward) for each call seq_tiles makes of a grouped-query tile (flash-shaped, folded under a
    mask, keys and values repeated) and for the two it avoids (masked or fp32 with fewer key heads), on
    Llama-3.1-8B's heads: whether seq_tiles.fused_grouped_attention's rules hold on the card (_sdpa_routes.py).
+12. host_optimizer: slide's step with clipping on, its host updates overlapped with the next forward
+   against exposed; the host AdamW's time for one block (split master, fp32 and 8-bit moments) on one
+   thread and on train.host_threads' default there (the cores less one), the gradient drawn untimed.
 Data parallelism (torchrun, NCCL) is not checked here: ranks sharing the one lent card would measure
 contention, not data parallelism. The result says so ("data_parallel"); the CPU case data_parallel
 (gloo) records what two processes do, and the tests check every engine's sums.
