@@ -7,7 +7,7 @@ item 7: the loop is compute-bound, so changes to it are judged by its arithmetic
 Each revision's slimtune/optim/native/adamw.c (read with `git show`) is built as the library is
 (native/build.py's compiler, flags and instruction sets) into a temporary folder and loaded beside the
 others; the revisions must share the working tree's Run and Hyper structs (true since 89539c8). Before
-anything is timed, each build takes one step on copies of the same tensors as the working tree's
+anything is timed, each build takes two steps on copies of the same tensors as the working tree's
 library and must leave the same bits in every output, or the case stops: only exact kernels are
 compared.
 
@@ -122,7 +122,8 @@ def _check_exact(rev: str, lib: ctypes.CDLL, reference: ctypes.CDLL) -> None:
         for _ in range(2):
             kernel.slimtune_adamw(ctypes.byref(run), ctypes.byref(_constants()))
         outputs.append(mine)
-    differing = [role for role in tensors if not torch.equal(outputs[0][role], outputs[1][role])]
+    differing = [role for role in tensors  # bit patterns: -0.0 is not 0.0 here
+                 if not torch.equal(outputs[0][role].view(torch.uint8), outputs[1][role].view(torch.uint8))]
     if differing:
         raise SystemExit(f"{rev}'s kernel leaves other bits than the working tree's in {', '.join(differing)}: "
                          "only exact kernels are compared.")
