@@ -177,7 +177,7 @@ class TrainConfig:
         0, "Threads each host AdamW update runs on (engines slide, chunk, roundpipe, lsp; the native loop, where a C"
            " compiler is found). 0 picks: on a GPU, the cores this process may use, shared among the machine's ranks,"
            " less one for the thread that drives the device; on a CPU run, 1 (the step's compute uses the rest)."
-           " The same bits at any count.")
+           " A short update takes fewer (65,536 numbers a thread at least). The same bits at any count.")
     schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "Learning-rate decay after warmup.")
     warmup_steps: int = setting(0, "Linear warmup steps from 0 to lr.")
     seed: int = setting(0, "Seed for initialisation, data order and dropout.")

@@ -35,6 +35,9 @@ from slimtune.optim import moments8, row_grads, split_master, tiled_adamw
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_KINDS = ("fp32", "8bit")  # train.moments
+# An update's numbers per thread at least: a thread started for fewer would cost about as much to
+# start and join (tens of microseconds) as its share takes (about 1 ns a number).
+NUMBERS_A_THREAD = 1 << 16
 
 
 def host_threads(train, device: torch.device) -> int:
@@ -336,7 +339,7 @@ class HostAdam:
                 own = grads is None and isinstance(self.grads[k], torch.Tensor)  # emptied in the same pass
                 tiled_adamw.adamw(hyper, self.steps[k], group.numel, self.dtype, self._master_form(k, shadows),
                                   grad, *(self._moment_form(self.moments[k][m]) for m in MOMENTS),
-                                  threads=self.threads, empty_grad=own)
+                                  threads=self._threads_for(group.numel), empty_grad=own)
             for grad in self.grads:
                 if grad is not None and (self.fake or not isinstance(grad, torch.Tensor)):
                     grad.zero_()  # a RowGrads (or the planner's step) is emptied here
@@ -362,7 +365,12 @@ class HostAdam:
                    tiled_adamw.Shifted(tiled_adamw.Coded(held), start) for held in self.moments[k].values()]
         with torch.no_grad():
             tiled_adamw.adamw(hyper, self.steps[k], stop - start, self.dtype, master,
-                              tiled_adamw.Scaled([(0, grad.reshape(-1))], clip), *moments, threads=self.threads)
+                              tiled_adamw.Scaled([(0, grad.reshape(-1))], clip), *moments,
+                              threads=self._threads_for(stop - start))
+
+    def _threads_for(self, numel: int) -> int:
+        """The threads an update of numel numbers runs on: self.threads, fewer for a short run."""
+        return max(1, min(self.threads, numel // NUMBERS_A_THREAD))
 
     def _grad_form(self, k: int, clip: float) -> tiled_adamw.Form:
         grad = self.grads[k]

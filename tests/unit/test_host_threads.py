@@ -17,7 +17,7 @@ from slimtune.config import TrainConfig
 from slimtune.engines.chunk.engine import ChunkConfig
 from slimtune.engines.slide.engine import SlideConfig
 from slimtune.errors import UserError
-from slimtune.optim import tiled_adamw
+from slimtune.optim import host_adam, tiled_adamw
 from slimtune.optim.host_adam import host_threads
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # (a device object only: nothing runs on CUDA here)
@@ -35,6 +35,17 @@ def test_by_default_one_thread_on_a_cpu_run_and_the_free_cores_on_a_gpu(monkeypa
     assert host_threads(TrainConfig(host_threads=6), CPU) == host_threads(TrainConfig(host_threads=6), CUDA) == 6
 
 
+def test_a_short_run_takes_fewer_threads_than_asked(monkeypatch):
+    """A thread is started only for NUMBERS_A_THREAD numbers or more: one for fewer, as many as fit."""
+    asked = []
+    monkeypatch.setattr(tiled_adamw, "adamw", lambda *args, threads=1, **kwargs: asked.append(threads))
+    for numel in (100, 2 * host_adam.NUMBERS_A_THREAD, 10 * host_adam.NUMBERS_A_THREAD):
+        adam = host_adam.HostAdam("t", [host_adam.Group((torch.Size([numel]),), 0.0)], torch.float32, CPU,
+                                  {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}, threads=4)
+        adam.update(1e-3)
+    assert asked == [1, 2, 4]
+
+
 def test_a_negative_count_is_refused_in_one_sentence():
     with pytest.raises(UserError, match=r"^train.host_threads must not be negative, got -1\.$"):
         TrainConfig(host_threads=-1).validate()
@@ -42,7 +53,8 @@ def test_a_negative_count_is_refused_in_one_sentence():
 
 def lsp_case(host_threads: int):
     model, cfg = model_of(layers=2, dtype=torch.float32), run_cfg(host_threads=host_threads)
-    return fixed_projector_engine(model, cfg, precision="fp32"), batches(model.config.vocab_size, 0, cfg.train.grad_accum)
+    engine = fixed_projector_engine(model, cfg, precision="fp32")
+    return engine, batches(model.config.vocab_size, 0, cfg.train.grad_accum)
 
 
 ENGINES = {
@@ -58,6 +70,7 @@ ENGINES = {
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_every_engine_with_a_host_optimizer_updates_on_the_threads_asked_for(monkeypatch, tmp_path, engine):
+    monkeypatch.setattr(host_adam, "NUMBERS_A_THREAD", 1)  # these models' runs are short
     asked = []
     update = tiled_adamw.adamw
 
@@ -73,9 +86,10 @@ def test_every_engine_with_a_host_optimizer_updates_on_the_threads_asked_for(mon
 
 
 @pytest.mark.parametrize("moments", ["fp32", "8bit"])
-def test_slide_on_two_threads_trains_the_bits_of_one(moments):
+def test_slide_on_two_threads_trains_the_bits_of_one(monkeypatch, moments):
     """The native loop splits an update at 256-number blocks, each thread's share computed as one
     thread computes it: the same weights, moments and losses bit for bit."""
+    monkeypatch.setattr(host_adam, "NUMBERS_A_THREAD", 256)  # these models' runs are short
     model = model_of(layers=2, dtype=torch.float32)
     one, two = (slide_engine(model, "bf16", moments=moments, host_threads=t) for t in (1, 2))
     assert max(adam.groups[0].numel for adam in (u.adam for u in two._all_units() if u.adam)) >= 2 * 256
