@@ -452,6 +452,7 @@ def host_optimizer(quick: bool, output_dir: str) -> dict:
     threads = host_adam.host_threads(cfg.train, device())  # train.host_threads' default here: what slide ran on
     out["host_threads"] = threads
     for moments in ("fp32", "8bit"):
+        by_threads = out[f"host_adamw_block_s_by_threads_{moments}"] = {}
         for count in sorted({1, threads}):
             adam = host_adam.HostAdam("block", [host_adam.Group((torch.Size([block]),), 0.0)], torch.float32,
                                       device(), {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8},
@@ -463,11 +464,11 @@ def host_optimizer(quick: bool, output_dir: str) -> dict:
                 began = time.perf_counter()
                 adam.update(1e-5)
                 seconds.append(time.perf_counter() - began)
-            out[f"host_adamw_block_s_{moments}" + ("" if count == threads else "_one_thread")] = min(seconds[1:])
+            by_threads[str(count)] = min(seconds[1:])
     out["block_params"] = block
+    fp32, eight = (out[f"host_adamw_block_s_by_threads_{m}"][str(threads)] * 1e3 for m in ("fp32", "8bit"))
     print(f"host_optimizer: overlapped/exposed {out['overlapped_over_exposed']:.2f}, host AdamW a block on {threads}"
-          f" thread(s) {out['host_adamw_block_s_fp32'] * 1e3:.1f} ms (fp32 moments),"
-          f" {out['host_adamw_block_s_8bit'] * 1e3:.1f} ms (8-bit)", flush=True)
+          f" thread(s) {fp32:.1f} ms (fp32 moments), {eight:.1f} ms (8-bit)", flush=True)
     return out
 
 

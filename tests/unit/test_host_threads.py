@@ -18,6 +18,8 @@ from slimtune.engines.chunk.engine import ChunkConfig
 from slimtune.engines.slide.engine import SlideConfig
 from slimtune.errors import UserError
 from slimtune.optim import host_adam, tiled_adamw
+from slimtune.optim.native import adamw as native
+from slimtune.optim.native import build
 from slimtune.optim.host_adam import host_threads
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # (a device object only: nothing runs on CUDA here)
@@ -90,6 +92,17 @@ def test_slide_on_two_threads_trains_the_bits_of_one(monkeypatch, moments):
     """The native loop splits an update at 256-number blocks, each thread's share computed as one
     thread computes it: the same weights, moments and losses bit for bit."""
     monkeypatch.setattr(host_adam, "NUMBERS_A_THREAD", 256)  # these models' runs are short
+    monkeypatch.delenv(native.ENV, raising=False)
+    if build.compiler() is None:
+        pytest.skip("no C compiler on this machine: the torch path runs, whose threads are torch's")
+    split, native_step = [], native.step
+
+    def recorded(*args, threads: int = 1, **kwargs):
+        done = native_step(*args, threads=threads, **kwargs)
+        split.append(done and threads > 1)
+        return done
+
+    monkeypatch.setattr(native, "step", recorded)
     model = model_of(layers=2, dtype=torch.float32)
     one, two = (slide_engine(model, "bf16", moments=moments, host_threads=t) for t in (1, 2))
     assert max(adam.groups[0].numel for adam in (u.adam for u in two._all_units() if u.adam)) >= 2 * 256
@@ -98,3 +111,4 @@ def test_slide_on_two_threads_trains_the_bits_of_one(monkeypatch, moments):
         assert a.loss == b.loss and a.grad_norm == b.grad_norm, step
     mine, theirs = one.trainable_state(), two.trainable_state()
     assert all(torch.equal(mine[name], theirs[name]) for name in mine)
+    assert any(split)  # the native loop ran updates split over two threads
