@@ -93,9 +93,7 @@ def _layout(n: int) -> tuple:
     from slimtune.optim.native import adamw
 
     adam = bandwidth.host_adam("split_8bit", n, None)
-    tensors = {"weight": adam.shadows[0], "residual": adam.residuals[0], "grad": adam.grads[0]}
-    for name, held in adam.moments[0].items():
-        tensors.update({f"{name}_codes": held.codes, f"{name}_absmax": held.absmax})
+    tensors = bandwidth.native_tensors(adam)
     tensors["grad"].copy_(torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3)
     return adam, tensors, adamw.run_of(n, tensors, 1, False)
 

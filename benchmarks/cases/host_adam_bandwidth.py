@@ -196,13 +196,18 @@ def native_step(adam, threads: int) -> None:
 
     adam.steps[0].add_(1)
     hyper = tiled_adamw.Hyper(SETTINGS["lr"], *SETTINGS["betas"], SETTINGS["eps"], adam.groups[0].weight_decay)
+    assert adamw.step(hyper, float(adam.steps[0]), adam.groups[0].numel, native_tensors(adam), threads=threads)
+
+
+def native_tensors(adam) -> dict[str, torch.Tensor]:
+    """adam's first group by the native loop's roles (native.step's `tensors`)."""
     masters = ({"weight": adam.shadows[0], "residual": adam.residuals[0]} if adam.split
                else {"master": adam.masters[0], "shadow": adam.shadows[0]})
     tensors = {**masters, "grad": adam.grads[0]}
     for name, held in adam.moments[0].items():  # fp32, or moments8.Moment8's codes and absmax
         tensors.update({name: held} if isinstance(held, torch.Tensor) else
                        {f"{name}_codes": held.codes, f"{name}_absmax": held.absmax})
-    assert adamw.step(hyper, float(adam.steps[0]), adam.groups[0].numel, tensors, threads=threads)
+    return tensors
 
 
 @contextlib.contextmanager
