@@ -3,18 +3,20 @@ item 7: the loop is compute-bound, so changes to it are judged by its arithmetic
 
     python benchmarks/run.py adamw_kernel_ab                                   # d565b0c against HEAD
     SLIMTUNE_AB_REVS="d565b0c 61cad2a HEAD" python benchmarks/run.py adamw_kernel_ab
+    SLIMTUNE_AB_REVS="HEAD WORKTREE" python benchmarks/run.py adamw_kernel_ab  # an edit not yet committed
 
-Each revision's slimtune/optim/native/adamw.c (read with `git show`) is built as the library is
-(native/build.py's compiler, flags and instruction sets) into a temporary folder and loaded beside the
-others; the revisions must share the working tree's Run and Hyper structs (true since 89539c8). Before
+Each revision's slimtune/optim/native/adamw.c (read with `git show`; WORKTREE names the working
+tree's file) is built as the library is (native/build.py's compiler, flags and instruction sets) into a
+temporary folder and loaded beside the others; the revisions must share the working tree's Run and Hyper structs (true since 89539c8). Before
 anything is timed, each build takes two steps on copies of the same tensors as the working tree's
 library and must leave the same bits in every output, or the case stops: only exact kernels are
 compared.
 
 The timing is host_adam_bandwidth's split_8bit layout (bf16 weight + residual, bf16 gradient, 8-bit
-m and v), one thread: runs of 2^14 numbers (in the L1 and L2) and 2^20 (four sets of them: mostly the
-L3), each in four allocations at different offsets (where the tensors fall moves the loop by a few
-percent), the builds alternated round by round, the best call of each. The loop is called through
+m and v), one thread: runs of 2^14 numbers (in the L1 and L2), 2^20 (four sets of them: mostly the
+L3) and 2^25 (in memory, the size host_adam_bandwidth's ratio is taken at), each in four allocations
+at different offsets (where the tensors fall moves the loop by a few percent), the builds alternated
+round by round, the best call of each. The loop is called through
 ctypes, so a figure includes the call (about 0.06 ns a number at 2^14, nothing at 2^20).
 """
 
@@ -32,9 +34,10 @@ import torch
 REVS_ENV = "SLIMTUNE_AB_REVS"
 DEFAULT_REVS = ("d565b0c", "HEAD")  # the loop before its chains were staged (fb06106), and now
 KERNEL = "slimtune/optim/native/adamw.c"
-SIZES = (1 << 14, 1 << 20)
+WORKTREE = "WORKTREE"  # a revision name: the working tree's kernel, edits included
+SIZES = (1 << 14, 1 << 20, 1 << 25)
 ALLOCATIONS = 4
-CALLS = {1 << 14: 1024, 1 << 20: 40}  # best of this many calls a round
+CALLS = {1 << 14: 1024, 1 << 20: 40, 1 << 25: 3}  # best of this many calls a round
 ROUNDS = 3
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 STEP = 5.0
@@ -47,7 +50,7 @@ def run(quick: bool) -> dict:
         return {"skipped": "the native loop's AVX-512 VBMI path does not run here"}
     torch.set_num_threads(1)
     revs = os.environ.get(REVS_ENV, " ".join(DEFAULT_REVS)).split()
-    commits = [_git("rev-parse", "--short", rev) for rev in revs]
+    commits = [WORKTREE.lower() if rev == WORKTREE else _git("rev-parse", "--short", rev) for rev in revs]
     with tempfile.TemporaryDirectory(prefix="adamw-ab-") as folder:
         libraries = [_built(rev, Path(folder) / f"{index}") for index, rev in enumerate(revs)]
         for rev, lib in zip(revs, libraries):
@@ -76,7 +79,8 @@ def _built(rev: str, folder: Path) -> ctypes.CDLL:
 
     folder.mkdir()
     source = folder / "adamw.c"
-    source.write_text(_git("show", f"{rev}:{KERNEL}") + "\n")
+    root = Path(__file__).resolve().parents[2]
+    source.write_text((root / KERNEL).read_text() if rev == WORKTREE else _git("show", f"{rev}:{KERNEL}") + "\n")
     target = folder / "adamw.so"
     failure = build.compile_library(source, target, adamw.isa())
     if failure:
