@@ -4,6 +4,8 @@ and chunk.state (ram | disk), slide.working_set (all | chunk).
 
 - The split master trains slide exactly as the whole fp32 master does: 20 steps, the same losses
   and the same bf16 weights bit for bit, although split_master's tie rule moves a master by an ulp.
+  The same for slide's chunk working set, engine chunk and roundpipe's host units; each engine's
+  whole-master run is held to engine resident by its own oracle (float64), so the split one is too.
 - Every new option resumes bit for bit through a real checkpoint (the files on disk): weights,
   moments, step counts and the 8-bit codes as they rest, equal to a run that never stopped.
 - A damaged checkpoint of an 8-bit run (its codes in state.pt, its moments, its weights) is found
@@ -178,6 +180,24 @@ def roundpipe_case(precision: str, **overrides):
     return build
 
 
+@pytest.mark.parametrize("engine", ["chunk", "roundpipe"])
+def test_chunk_and_roundpipe_with_the_split_master_train_as_the_whole_master(tmp_path, engine):
+    """Engine chunk's state and roundpipe's host units under bf16: train.master=split equals the whole
+    fp32 master over six steps (two sweeps of chunk's three chunks), the losses and gradient norms bit
+    for bit, the masters within the tie rule's ulps (the same argument as slide's, above)."""
+    build = chunk_case if engine == "chunk" else roundpipe_case
+    split, whole = (build("bf16", master=m)(0, tmp_path / m) for m in ("split", "fp32"))
+    assert layouts_of(split) == (True, False) and layouts_of(whole) == (False, False)
+    rows = rows_of(split)
+    for step in range(6):
+        a, b = split.step(step_batches(step, rows)), whole.step(step_batches(step, rows))
+        assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm), step
+        masters, reference = split.trainable_state(), whole.trainable_state()
+        assert masters.keys() == reference.keys() and reference
+        for name, want in reference.items():
+            torch.testing.assert_close(masters[name], want, rtol=2**-20, atol=0, msg=name)
+
+
 RESUMED = {
     "slide-bf16-split": slide_case("bf16"),
     "slide-fp32-8bit": slide_case("fp32", moments="8bit"),
@@ -187,6 +207,7 @@ RESUMED = {
         "bf16", SlideConfig(working_set="chunk"), ChunkConfig(n_chunks=3, state="disk"), moments="8bit"),
     "chunk-bf16-8bit": chunk_case("bf16", moments="8bit"),
     "roundpipe-bf16-split": roundpipe_case("bf16"),
+    "roundpipe-bf16-8bit": roundpipe_case("bf16", moments="8bit"),
 }
 
 
@@ -322,6 +343,7 @@ ESTIMATED = {
                                                            "train.moments=8bit", "chunk.state=disk"],
     "chunk-8bit": ["engine=chunk", "precision=bf16", "chunk.n_chunks=3", "train.moments=8bit"],
     "roundpipe-split": ["engine=roundpipe", "precision=bf16", "roundpipe.replan=false"],
+    "roundpipe-8bit": ["engine=roundpipe", "precision=bf16", "roundpipe.replan=false", "train.moments=8bit"],
 }
 
 
