@@ -32,6 +32,8 @@ a pair's difference in exact match is set beside the number of prompts on which 
 disagree (a 1-point goal on 100 prompts is one prompt).
 
     python benchmarks/run.py moments8_quality      # ~70-100 minutes on 2 shared cores
+    SLIMTUNE_QUALITY_PARTS=smollm2 SLIMTUNE_QUALITY_SMOL_SEEDS="2 3 4" python benchmarks/run.py moments8_quality
+                                                   # more SmolLM2 pairs only (~13 minutes a pair)
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ DEMO_LRS, DEMO_SEEDS, DEMO_STEPS, DEMO_EVAL_EVERY = (3e-4, 1e-3), (0, 1, 2), 500
 CURVE_LR, CURVE_SEEDS, CURVE_STEPS, CURVE_EVERY = 3e-4, (0, 1), 300, 50
 SMOL_LR, SMOL_SEEDS, SMOL_STEPS, SMOL_EVAL_EVERY = 5e-5, (0, 1), 120, 40
 SMOL_TRAIN, SMOL_HELDOUT = 2000, 500
+PARTS_ENV, SMOL_SEEDS_ENV = "SLIMTUNE_QUALITY_PARTS", "SLIMTUNE_QUALITY_SMOL_SEEDS"  # a subset, for more seeds
 
 
 # ---------------------------------------------------------------- one run, scored along the way
@@ -199,7 +202,8 @@ def part_smollm2(quick: bool, root: Path) -> dict:
     if quick:
         heldout = heldout[:50]
     pairs = []
-    for seed in SMOL_SEEDS[:1] if quick else SMOL_SEEDS:
+    seeds = tuple(int(s) for s in os.environ.get(SMOL_SEEDS_ENV, "").split()) or SMOL_SEEDS
+    for seed in seeds[:1] if quick else seeds:
         base = {"model": str(smollm2_folder()), "device": "cpu", "method": "full", "engine": "slide",
                 "precision": "fp32",
                 "data": {"path": str(train_path), "eval_path": str(heldout_path), "format": "prompt_response",
@@ -216,8 +220,13 @@ def part_smollm2(quick: bool, root: Path) -> dict:
 def run(quick: bool) -> dict:
     began = time.perf_counter()
     load_before = os.getloadavg()
+    parts = {"demo": part_demo, "smollm2": part_smollm2}
+    chosen = os.environ.get(PARTS_ENV, " ".join(parts)).split()
+    unknown = sorted(set(chosen) - set(parts))
+    if unknown:
+        raise SystemExit(f"{PARTS_ENV} names {', '.join(unknown)}; the parts are {', '.join(parts)}.")
     with tempfile.TemporaryDirectory() as tmp:
-        result = {"demo": part_demo(quick, Path(tmp)), "smollm2": part_smollm2(quick, Path(tmp))}
+        result = {name: parts[name](quick, Path(tmp)) for name in chosen}
     result["goal_points"] = GOAL_POINTS
     result["load_average_before"], result["load_average_after"] = list(load_before), list(os.getloadavg())
     result["seconds"] = time.perf_counter() - began
