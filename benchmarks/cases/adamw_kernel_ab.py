@@ -7,17 +7,17 @@ item 7: the loop is compute-bound, so changes to it are judged by its arithmetic
 
 Each revision's slimtune/optim/native/adamw.c (read with `git show`; WORKTREE names the working
 tree's file) is built as the library is (native/build.py's compiler, flags and instruction sets) into a
-temporary folder and loaded beside the others; the revisions must share the working tree's Run and Hyper structs (true since 89539c8). Before
-anything is timed, each build takes two steps on copies of the same tensors as the working tree's
-library and must leave the same bits in every output, or the case stops: only exact kernels are
-compared.
+temporary folder and loaded beside the others; the revisions must share the working tree's Run and
+Hyper structs (true since 89539c8). Before anything is timed, each build takes two steps on copies of
+the same tensors as the working tree's library and must leave the same bits in every output, or the
+case stops: only exact kernels are compared.
 
 The timing is host_adam_bandwidth's split_8bit layout (bf16 weight + residual, bf16 gradient, 8-bit
 m and v), one thread: runs of 2^14 numbers (in the L1 and L2), 2^20 (four sets of them: mostly the
 L3) and 2^25 (in memory, the size host_adam_bandwidth's ratio is taken at), each in four allocations
 at different offsets (where the tensors fall moves the loop by a few percent), the builds alternated
-round by round, the best call of each. The loop is called through
-ctypes, so a figure includes the call (about 0.06 ns a number at 2^14, nothing at 2^20).
+round by round, the best call of each. The loop is called through ctypes, so a figure includes the
+call (about 0.06 ns a number at 2^14, nothing at 2^20).
 """
 
 from __future__ import annotations

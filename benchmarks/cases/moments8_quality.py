@@ -196,13 +196,22 @@ def addition_task(folder: Path) -> tuple[Path, Path, list[dict]]:
     return train_path, heldout_path, records[SMOL_TRAIN:]
 
 
+def smol_seeds() -> tuple[int, ...]:
+    """$SLIMTUNE_QUALITY_SMOL_SEEDS (whole numbers, space-separated), else SMOL_SEEDS."""
+    named = os.environ.get(SMOL_SEEDS_ENV, "").split()
+    if not all(s.isdigit() for s in named):
+        raise SystemExit(f"{SMOL_SEEDS_ENV} must be whole numbers separated by spaces, such as \"2 3 4\"; "
+                         f"it is {os.environ[SMOL_SEEDS_ENV]!r}.")
+    return tuple(int(s) for s in named) or SMOL_SEEDS
+
+
 def part_smollm2(quick: bool, root: Path) -> dict:
     steps, eval_every = (4, 2) if quick else (SMOL_STEPS, SMOL_EVAL_EVERY)
     train_path, heldout_path, heldout = addition_task(root)
     if quick:
         heldout = heldout[:50]
     pairs = []
-    seeds = tuple(int(s) for s in os.environ.get(SMOL_SEEDS_ENV, "").split()) or SMOL_SEEDS
+    seeds = smol_seeds()
     for seed in seeds[:1] if quick else seeds:
         base = {"model": str(smollm2_folder()), "device": "cpu", "method": "full", "engine": "slide",
                 "precision": "fp32",
@@ -225,6 +234,7 @@ def run(quick: bool) -> dict:
     unknown = sorted(set(chosen) - set(parts))
     if unknown:
         raise SystemExit(f"{PARTS_ENV} names {', '.join(unknown)}; the parts are {', '.join(parts)}.")
+    smol_seeds()  # a bad seed list is refused before an hour of the demo, not after
     with tempfile.TemporaryDirectory() as tmp:
         result = {name: parts[name](quick, Path(tmp)) for name in chosen}
     result["goal_points"] = GOAL_POINTS
