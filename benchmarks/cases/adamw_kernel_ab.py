@@ -33,6 +33,7 @@ import torch
 
 REVS_ENV = "SLIMTUNE_AB_REVS"
 DEFAULT_REVS = ("d565b0c", "HEAD")  # the loop before its chains were staged (fb06106), and now
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 KERNEL = "slimtune/optim/native/adamw.c"
 WORKTREE = "WORKTREE"  # a revision name: the working tree's kernel, edits included
 SIZES = (1 << 14, 1 << 20, 1 << 25)
@@ -65,8 +66,7 @@ def run(quick: bool) -> dict:
 
 def _git(*args: str) -> str:
     """git's output, or the case stops with git's own sentence (a revision this clone lacks, say)."""
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise SystemExit(f"git {' '.join(args)} failed: {last}")
@@ -79,8 +79,7 @@ def _built(rev: str, folder: Path) -> ctypes.CDLL:
 
     folder.mkdir()
     source = folder / "adamw.c"
-    root = Path(__file__).resolve().parents[2]
-    source.write_text((root / KERNEL).read_text() if rev == WORKTREE else _git("show", f"{rev}:{KERNEL}") + "\n")
+    source.write_text((ROOT / KERNEL).read_text() if rev == WORKTREE else _git("show", f"{rev}:{KERNEL}") + "\n")
     target = folder / "adamw.so"
     failure = build.compile_library(source, target, adamw.isa())
     if failure:
