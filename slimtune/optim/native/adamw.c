@@ -581,6 +581,16 @@ static inline Scaled segment16(const Segments *s, __m512 x, __m512 scale, const 
     return t;
 }
 
+/* A block's lanes near a step, tracked in one instruction a vector: the least fraction (a count's low 16
+   bits) seen in each lane, by an unsigned 16-bit min that also mins the counts' upper halves, which
+   any_near() ignores. Start from all ones. */
+static inline __m512i near_min(__m512i near, __m512i fixed) { return _mm512_min_epu16(near, fixed); }
+
+/* Whether some lane's least fraction was below 2 UNSURE / 65536 (its bits 4-15 all zero). */
+static inline int any_near(__m512i near) {
+    return _mm512_testn_epi32_mask(near, _mm512_set1_epi32((1 << FIXED) - 2 * UNSURE)) != 0;
+}
+
 /* fixed16's second stage: the count on the segment's line. */
 static inline __m512i line16(const Segments *s, const Scaled t, __m512i mirror, __m512i *near, const int is_signed) {
     const __m512 slope = _mm512_permutex2var_ps(s->slope_lo, t.segment, s->slope_hi);
@@ -588,7 +598,7 @@ static inline __m512i line16(const Segments *s, const Scaled t, __m512i mirror, 
                                         _mm512_permutex2var_ps(s->intercept_lo, t.segment, s->intercept_hi));
     const __m512i fixed = line_fixed_top(s, t.segment, _mm512_cvt_roundps_epi32(line, _MM_FROUND_TO_NEAREST_INT |
                                                                                        _MM_FROUND_NO_EXC));
-    *near = _mm512_min_epu32(*near, _mm512_and_si512(fixed, _mm512_set1_epi32((1 << FIXED) - 2 * UNSURE)));
+    *near = near_min(*near, fixed);
     if (!is_signed) return fixed;
     /* -t: 2 zero - (zero + the count at t's next float), in bits 16-23 as well (below 0: code 0); `mirror`
        is 2 zero in bits 16-23 over a fraction of all ones */
@@ -597,7 +607,7 @@ static inline __m512i line16(const Segments *s, const Scaled t, __m512i mirror, 
 }
 
 /* 16 numbers' codes as fixed-point counts (the code in bits 16-23, the fraction below; the unsigned
-   map's negative numbers 0), without settling: the lanes near a step lower *near's lanes to 0. */
+   map's negative numbers 0), without settling: the lanes near a step lower *near's fractions (near_min). */
 static inline __m512i fixed16(const Segments *s, __m512 x, __m512 scale, __m512i mirror, __m512i *near,
                                const int is_signed) {
     return line16(s, segment16(s, x, scale, is_signed), mirror, near, is_signed);
@@ -627,7 +637,7 @@ static inline void code_interleaved(const Coded *c, const Segments *s, __m512i o
                                                                   is_signed);
         store_codes64(c->codes + begin + j, order2, codes);
     }
-    if (_mm512_testn_epi32_mask(near, near)) code_settled(c, s, order, begin, x, scale, is_signed);
+    if (any_near(near)) code_settled(c, s, order, begin, x, scale, is_signed);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -782,8 +792,8 @@ static inline __attribute__((always_inline)) int64_t split_blocks_of(const Run *
             code_interleaved(cv, &sv, codes_in_order, codes_in_order2, at, v_new, v_largest, 0);
             continue;
         }
-        if (_mm512_testn_epi32_mask(m_near, m_near)) code_settled(cm, &sm, codes_in_order, at, m_new, m_scale, 1);
-        if (_mm512_testn_epi32_mask(v_near, v_near)) code_settled(cv, &sv, codes_in_order, at, v_new, v_scale, 0);
+        if (any_near(m_near)) code_settled(cm, &sm, codes_in_order, at, m_new, m_scale, 1);
+        if (any_near(v_near)) code_settled(cv, &sv, codes_in_order, at, v_new, v_scale, 0);
     }
     return at;
 }
