@@ -33,8 +33,9 @@ or whatever the int32 difference wraps to, two's complement as torch's integer k
 clamped); any bf16 NaN weight with any residual combines to a NaN, because a residual can neither
 reach the exponent bits nor empty the mantissa. Only a NaN master can make that difference overflow.
 
-Both functions work a chunk at a time over contiguous tensors, so their int32 scratch stays small and
-in the cache; the callers' tiles (tiled_adamw.TILE numbers) fit in one chunk. Strided tensors (views
+Both functions work a chunk at a time over contiguous tensors, so split's int32 scratch stays small
+and in the cache (combine needs none: bf16 -> fp32 is exact, and the residual is added to the pattern
+in place); the callers' tiles (tiled_adamw.TILE numbers) fit in one chunk. Strided tensors (views
 that are not contiguous) work too, in one piece.
 """
 
@@ -73,11 +74,9 @@ def combine(weight: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> 
     _require(weight, torch.bfloat16, "weight")
     _require(residual, torch.int16, "residual", weight.shape)
     _require(out, torch.float32, "out", weight.shape)
-    for w, r, o, scratch in _pieces(weight, residual, out):
-        scratch.copy_(w.view(torch.int16))
-        bits = o.view(torch.int32)
-        bits.copy_(r)  # sign-extended: a negative residual borrows from the top half, as it should
-        bits.add_(scratch, alpha=SHIFT)
+    for w, r, o in zip(*_flat_pieces(weight, residual, out)):
+        o.copy_(w)  # bf16 -> fp32 is exact: the weight's pattern in the top half, zeros below (NaNs too)
+        o.view(torch.int32).add_(r)  # sign-extended: a negative residual borrows from the top half, as it should
 
 
 def combined(weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -105,21 +104,24 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
+def _flat_pieces(*tensors: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Each tensor's pieces: CHUNK numbers at a time when all are contiguous and longer than that, else
+    the whole tensor (an elementwise pass needs only equal shapes; a tile takes no views this way)."""
+    numel = tensors[0].numel()
+    if numel <= CHUNK or not all(t.is_contiguous() for t in tensors):
+        return [[t] for t in tensors]
+    return [[t.view(-1)[start:start + CHUNK] for start in range(0, numel, CHUNK)] for t in tensors]
+
+
 def _pieces(*tensors: torch.Tensor):
     """(the tensors' pieces..., int32 scratch of the pieces' shape): CHUNK numbers at a time when all
     are contiguous, else the whole tensors at once."""
-    first, numel = tensors[0], tensors[0].numel()
+    first = tensors[0]
     if not all(t.is_contiguous() for t in tensors):
-        yield (*tensors, _SCRATCH.take(numel, first).view(first.shape))
+        yield (*tensors, _SCRATCH.take(first.numel(), first).view(first.shape))
         return
-    flats = [t.view(-1) for t in tensors]
-    scratch = _SCRATCH.take(min(numel, CHUNK), first)
-    if numel <= CHUNK:
-        yield (*flats, scratch)
-        return
-    for start in range(0, numel, CHUNK):
-        stop = min(start + CHUNK, numel)
-        yield (*(f[start:stop] for f in flats), scratch[: stop - start])
+    for pieces in zip(*_flat_pieces(*tensors)):
+        yield (*pieces, _SCRATCH.take(pieces[0].numel(), first))
 
 
 def _require(t: torch.Tensor, dtype: torch.dtype, name: str, shape: torch.Size | None = None) -> None:
