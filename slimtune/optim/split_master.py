@@ -121,7 +121,7 @@ def _pieces(*tensors: torch.Tensor):
         yield (*tensors, _SCRATCH.take(first.numel(), first).view(first.shape))
         return
     for pieces in zip(*_flat_pieces(*tensors)):
-        yield (*pieces, _SCRATCH.take(pieces[0].numel(), first))
+        yield (*pieces, _SCRATCH.take(pieces[0].numel(), first).view(pieces[0].shape))
 
 
 def _require(t: torch.Tensor, dtype: torch.dtype, name: str, shape: torch.Size | None = None) -> None:
