@@ -108,7 +108,8 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--nodes", type=int, default=1,
                       help="machines alike, trained together with torchrun (default 1); figures stay per device")
     plan.add_argument("--host-ram", help="the host's RAM to plan for, e.g. 64GiB (default: this machine's)")
-    plan.add_argument("--disk", help="free disk to plan for, e.g. 500GB (default: free here)")
+    plan.add_argument("--disk", help="free disk to plan for, e.g. 500GB (decimal, as disks are sold; 500GiB is"
+                      " binary; default: free here)")
     plan.add_argument("--max-seq", nargs="?", type=int, const=0, default=None, metavar="LIMIT",
                       help="also find each plan's longest sequence that fits, up to the model's positions or LIMIT"
                            " tokens (beyond them: for a run that extends its RoPE)")

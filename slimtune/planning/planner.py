@@ -58,7 +58,7 @@ class Machine:
         if nodes < 1:
             raise UserError(f"--nodes must be at least 1, got {nodes}.")
         ram = presets.memory_size(host_ram, "--host-ram") if host_ram else presets.physical_ram_bytes()
-        free = presets.memory_size(disk, "--disk") if disk else shutil.disk_usage(folder).free
+        free = presets.disk_size(disk, "--disk") if disk else shutil.disk_usage(folder).free
         return cls(presets.gpu_profile(gpu), ram, free, cards, nodes)
 
     def refuse_unloadable(self, model_config) -> None:

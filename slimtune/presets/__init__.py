@@ -27,7 +27,9 @@ _CARD_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)\s*$", re.IGN
 _SIZE_LIKE = re.compile(r"^\s*[-+]?[\d.]*(?:e[-+]?\d+|nan|inf)?\s*(tib|tb|t|gib|gb|g|mib|mb|m|kib|kb|k|b)\s*$",
                         re.IGNORECASE)
 # A user typing 24GB means the nominal 24 (GiB) size: GB and G count as GiB, TB as TiB, MB as MiB.
+# That is how cards and RAM are sold; disks are sold in decimal units (disk_size).
 _UNIT_BYTES = {"t": 2**40, "g": 2**30, "m": 2**20}
+_DECIMAL_BYTES = {"t": 10**12, "g": 10**9, "m": 10**6}
 
 
 @functools.cache
@@ -127,12 +129,26 @@ def _named(name: str) -> GpuProfile:
 
 
 def memory_size(text: str, what: str) -> int:
-    """Bytes of a size such as 64GiB, 64GB, 64G, 512MiB or 2TB; `what` names it in the sentence."""
+    """Bytes of a memory size such as 64GiB, 64GB, 64G, 512MiB or 2TB (GB counts as GiB, as memory is
+    sold); `what` names it in the sentence."""
+    number, unit = _size_parts(text, what)
+    return int(number * _UNIT_BYTES[unit[0]])
+
+
+def disk_size(text: str, what: str) -> int:
+    """Bytes of a disk size such as 200GB, 1TB or 500GiB: GB, TB and MB are decimal, as disks are sold
+    (and as `df -H` counts), GiB, TiB and MiB binary; `what` names it in the sentence."""
+    number, unit = _size_parts(text, what)
+    return int(number * (_UNIT_BYTES if "i" in unit else _DECIMAL_BYTES)[unit[0]])
+
+
+def _size_parts(text: str, what: str) -> tuple[float, str]:
+    """A size's number and its unit (lower case), or one sentence naming `what`."""
     size = _SIZE.match(str(text))
     if not size or float(size.group(1)) <= 0:
         positive = "a positive size" if _SIZE_LIKE.match(str(text)) else "a size"
         raise UserError(f"{what} must be {positive} such as 64GiB, 64GB, 512MiB or 2TB, got '{text}'.")
-    return int(float(size.group(1)) * _UNIT_BYTES[size.group(2)[0].lower()])
+    return float(size.group(1)), size.group(2).lower()
 
 
 def physical_ram_bytes() -> int:

@@ -134,3 +134,21 @@ def test_garbage_gpu_spec_is_refused(spec):
 def test_a_size_no_card_has_says_what_a_size_must_be(spec):
     with pytest.raises(UserError, match=f"a GPU size must be a positive number of GiB, GB, G, MiB, MB or M.*'{spec}'"):
         gpu_profile(spec)
+
+
+@pytest.mark.parametrize(
+    "spec, memory, disk",
+    [("200GB", 200 * 2**30, 200 * 10**9), ("1TB", 2**40, 10**12), ("2T", 2 * 2**40, 2 * 10**12),
+     ("500GiB", 500 * 2**30, 500 * 2**30), ("1TiB", 2**40, 2**40), ("512MB", 512 * 2**20, 512 * 10**6)],
+)  # fmt: skip
+def test_a_disk_counts_gb_and_tb_as_its_maker_does_and_memory_as_gib(spec, memory, disk):
+    """Memory is sold in binary units under decimal names (a 64 GB kit holds 64 GiB), disks in decimal
+    ones: --disk 200GB is 200 * 10^9 bytes, the same words for RAM 200 GiB."""
+    assert presets.memory_size(spec, "--host-ram") == memory
+    assert presets.disk_size(spec, "--disk") == disk
+
+
+@pytest.mark.parametrize("spec", ["0GB", "-1TB", "lots"])
+def test_a_disk_size_that_is_not_one_names_the_flag(spec):
+    with pytest.raises(UserError, match=f"--disk must be a (positive )?size such as .*'{spec}'"):
+        presets.disk_size(spec, "--disk")
