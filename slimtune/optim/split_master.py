@@ -114,14 +114,9 @@ def _flat_pieces(*tensors: torch.Tensor) -> list[list[torch.Tensor]]:
 
 
 def _pieces(*tensors: torch.Tensor):
-    """(the tensors' pieces..., int32 scratch of the pieces' shape): CHUNK numbers at a time when all
-    are contiguous, else the whole tensors at once."""
-    first = tensors[0]
-    if not all(t.is_contiguous() for t in tensors):
-        yield (*tensors, _SCRATCH.take(first.numel(), first).view(first.shape))
-        return
+    """(the tensors' pieces..., int32 scratch of the pieces' shape), as _flat_pieces cuts them."""
     for pieces in zip(*_flat_pieces(*tensors)):
-        yield (*pieces, _SCRATCH.take(pieces[0].numel(), first).view(pieces[0].shape))
+        yield (*pieces, _SCRATCH.take(pieces[0].numel(), tensors[0]).view(pieces[0].shape))
 
 
 def _require(t: torch.Tensor, dtype: torch.dtype, name: str, shape: torch.Size | None = None) -> None:
