@@ -40,7 +40,7 @@ def run(quick: bool) -> dict:
     out: dict = {"bytes_a_number": BYTES_A_NUMBER, "rows": {}}
     with tempfile.TemporaryDirectory(prefix="memory-proxy-") as folder:
         program = Path(folder) / "memory_proxy"
-        subprocess.run([cc, "-O2", "-mavx512f", "-mavx512bw", "-o", str(program), str(SOURCE)], check=True)
+        subprocess.run([*cc, "-O2", "-mavx512f", "-mavx512bw", "-o", str(program), str(SOURCE)], check=True)
         for name, args in rows.items():
             done = subprocess.run([str(program), *map(str, args)], check=True, capture_output=True, text=True)
             row = json.loads(done.stdout)

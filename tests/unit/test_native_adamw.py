@@ -534,6 +534,26 @@ def test_without_a_working_compiler_the_tile_path_runs_and_says_so_once(tmp_path
         native.library.cache_clear()
 
 
+def test_a_machine_without_a_compiler_builds_the_library_with_zig_from_pypi(tmp_path, monkeypatch):
+    """No cc, gcc or clang on the PATH and no $CC: the ziglang package's zig cc builds the library (a
+    requirement of the tests, an extra of the package: slimtune[compiler]), and the library passes its
+    load-time checks against torch and the portable loops, so the native path runs."""
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert build.compiler() == (sys.executable, "-m", "ziglang", "cc")
+    native.library.cache_clear()
+    try:
+        lib = native.library()
+        assert lib is not None, "zig cc did not build a library that passes its checks"
+        assert native.fast_path() == bool(lib.slimtune_fast_8bit())
+        built = list((tmp_path / "cache" / "slimtune" / "kernels").glob("adamw-*.so"))
+        assert built == [build.library_path(build.HERE / "adamw.c", build.compiler(), native.isa() or ())]
+        assert native.step(CASES["defaults"][0], 1.0, 64, state(64, 0))
+    finally:
+        native.library.cache_clear()
+
+
 def test_slimtune_native_0_takes_the_torch_path(monkeypatch):
     monkeypatch.setenv(native.ENV, "0")
     assert not native.step(CASES["defaults"][0], 1.0, 64, state(64, 0))

@@ -9,13 +9,19 @@ line, no traceback) and returns None: the caller then takes its torch path.
 
 Plain C, no torch headers: a build takes a fraction of a second. ctypes releases the GIL while a
 loaded function runs, so a worker thread computes beside the Python thread driving the device.
+
+The compiler is $CC (a command: CC="zig cc" works), else cc, gcc or clang on the PATH, else the zig
+that the ziglang package installs (`pip install ziglang`: a C compiler from PyPI, for machines without
+one, such as slim container images; its first build takes a few seconds).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,11 +44,22 @@ def say_once(message: str) -> None:
         print(f"slimtune: {message}", file=sys.stderr)
 
 
-def compiler() -> str | None:
-    """$CC, else cc, gcc or clang on the PATH."""
-    named = os.environ.get("CC")
-    candidates = [named] if named else ["cc", "gcc", "clang"]
-    return next((found for c in candidates if (found := shutil.which(c))), None)
+NO_COMPILER = "no C compiler (cc, gcc, clang, $CC, or zig from `pip install ziglang`) found"
+
+
+def compiler() -> tuple[str, ...] | None:
+    """The compiler's command: $CC (split as a shell would), else cc, gcc or clang on the PATH, else
+    zig cc from the ziglang package; None where there is none."""
+    named = shlex.split(os.environ.get("CC", ""))
+    if named:
+        found = shutil.which(named[0])
+        return (found, *named[1:]) if found else None
+    found = next((path for c in ("cc", "gcc", "clang") if (path := shutil.which(c))), None)
+    if found:
+        return (found,)
+    if importlib.util.find_spec("ziglang") is not None:
+        return (sys.executable, "-m", "ziglang", "cc")
+    return None
 
 
 def cache_folder() -> Path:
@@ -50,9 +67,9 @@ def cache_folder() -> Path:
     return Path(root) / "slimtune" / "kernels"
 
 
-def library_path(source: Path, cc: str, isa: tuple[str, ...] = ()) -> Path:
+def library_path(source: Path, cc: tuple[str, ...], isa: tuple[str, ...] = ()) -> Path:
     """Where `source`'s library lives: its stem and a hash of the source, the flags and the compiler."""
-    key = hashlib.sha256(source.read_bytes() + "\0".join((*FLAGS, *isa, cc)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + "\0".join((*FLAGS, *isa, *cc)).encode()).hexdigest()[:16]
     return cache_folder() / f"{source.stem}-{key}.so"
 
 
@@ -62,8 +79,7 @@ def load(name: str, isa: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     cannot be built or loaded."""
     cc = compiler()
     if cc is None:
-        say_once("no C compiler (cc, gcc, clang or $CC) found: the host AdamW runs on torch's tiled path "
-                 "(same results, slower).")
+        say_once(f"{NO_COMPILER}: the host AdamW runs on torch's tiled path (same results, slower).")
         return None
     source = HERE / name
     target = library_path(source, cc, isa)
@@ -80,16 +96,17 @@ def load(name: str, isa: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
 
 
-def compile_library(source: Path, target: Path, isa: tuple[str, ...] = (), cc: str | None = None) -> str | None:
+def compile_library(source: Path, target: Path, isa: tuple[str, ...] = (),
+                    cc: tuple[str, ...] | None = None) -> str | None:
     """source built into target with this module's flags and `isa` by `cc` (else compiler()): why it
     failed, or None. (benchmarks/cases/adamw_kernel_ab.py builds other commits' kernels with it.)"""
     cc = cc or compiler()
     if cc is None:
-        return "no C compiler (cc, gcc, clang or $CC) found"
+        return NO_COMPILER
     return _build(cc, (*FLAGS, *isa), source, target)
 
 
-def _build(cc: str, flags: tuple[str, ...], source: Path, target: Path) -> str | None:
+def _build(cc: tuple[str, ...], flags: tuple[str, ...], source: Path, target: Path) -> str | None:
     """Compile source into target atomically; the reason it failed, or None."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -98,11 +115,11 @@ def _build(cc: str, flags: tuple[str, ...], source: Path, target: Path) -> str |
     except OSError as error:
         return f"cannot write {target.parent}: {error.strerror}"
     try:
-        made = subprocess.run([cc, *flags, str(source), "-o", temporary, "-lm"], capture_output=True,
+        made = subprocess.run([*cc, *flags, str(source), "-o", temporary, "-lm"], capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S)
         if made.returncode != 0:
             last = (made.stderr.strip().splitlines() or ["no message"])[-1]
-            return f"{Path(cc).name} exited with {made.returncode}: {last}"
+            return f"{' '.join((Path(cc[0]).name, *cc[1:]))} exited with {made.returncode}: {last}"
         os.replace(temporary, target)
         return None
     except (OSError, subprocess.TimeoutExpired) as error:
