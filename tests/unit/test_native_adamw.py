@@ -534,6 +534,22 @@ def test_without_a_working_compiler_the_tile_path_runs_and_says_so_once(tmp_path
         native.library.cache_clear()
 
 
+def test_a_build_at_a_terminal_says_so_once_and_a_cached_library_says_nothing(tmp_path, monkeypatch, capsys):
+    """A first build takes seconds: at a terminal one line says what is being built; a library the cache
+    holds loads silently, and output that is not a terminal (logs, these tests) gets no line."""
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    (sources / "tiny.c").write_text("int slimtune_tiny(void) { return 7; }\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "HERE", sources)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert build.load("tiny.c").slimtune_tiny() == 7
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("slimtune: building tiny.c with "), said
+    assert build.load("tiny.c").slimtune_tiny() == 7
+    assert capsys.readouterr().err == ""
+
+
 def test_a_machine_without_a_compiler_builds_the_library_with_zig_from_pypi(tmp_path, monkeypatch):
     """No cc, gcc or clang on the PATH and no $CC: the ziglang package's zig cc builds the library (a
     requirement of the tests, an extra of the package: slimtune[compiler]), and the library passes its

@@ -84,6 +84,9 @@ def load(name: str, isa: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     source = HERE / name
     target = library_path(source, cc, isa)
     if not target.exists():
+        if sys.stderr.isatty():  # a person waits: a build takes seconds (gcc 6 s here); logs and tests are left alone
+            print(f"slimtune: building {source.name} with {_named(cc)} (once for this machine and version: a few"
+                  " seconds)", file=sys.stderr)
         failure = compile_library(source, target, isa, cc)
         if failure:
             say_once(f"compiling {source.name} failed ({failure}): the host AdamW runs on torch's tiled path "
@@ -119,7 +122,7 @@ def _build(cc: tuple[str, ...], flags: tuple[str, ...], source: Path, target: Pa
                               text=True, timeout=COMPILE_TIMEOUT_S)
         if made.returncode != 0:
             last = (made.stderr.strip().splitlines() or ["no message"])[-1]
-            return f"{' '.join((Path(cc[0]).name, *cc[1:]))} exited with {made.returncode}: {last}"
+            return f"{_named(cc)} exited with {made.returncode}: {last}"
         os.replace(temporary, target)
         return None
     except (OSError, subprocess.TimeoutExpired) as error:
@@ -127,3 +130,8 @@ def _build(cc: tuple[str, ...], flags: tuple[str, ...], source: Path, target: Pa
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+
+
+def _named(cc: tuple[str, ...]) -> str:
+    """A compiler's command as a person reads it: gcc, or python3 -m ziglang cc."""
+    return " ".join((Path(cc[0]).name, *cc[1:]))
