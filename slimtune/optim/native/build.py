@@ -58,7 +58,9 @@ def compiler() -> tuple[str, ...] | None:
     if found:
         return (found,)
     if importlib.util.find_spec("ziglang") is not None:
-        return (sys.executable, "-m", "ziglang", "cc")
+        # zig builds for this very CPU unless told otherwise; the baseline CPU plus the flags `isa`
+        # names, as gcc builds, keeps a library what its cache key says (a cache may be shared)
+        return (sys.executable, "-m", "ziglang", "cc", "-mcpu=baseline")
     return None
 
 
