@@ -7,12 +7,13 @@ file and renamed into place, so two processes building at once (two test workers
 whole library. Without a compiler, or when compiling fails, `load` says so once on stderr (one
 line, no traceback) and returns None: the caller then takes its torch path.
 
-Plain C, no torch headers: a build takes a fraction of a second. ctypes releases the GIL while a
-loaded function runs, so a worker thread computes beside the Python thread driving the device.
+Plain C, no torch headers: a build takes seconds (adamw.c: about 6 s with gcc -O3), once per source,
+flags and compiler; at a terminal one line says so. ctypes releases the GIL while a loaded function
+runs, so a worker thread computes beside the Python thread driving the device.
 
 The compiler is $CC (a command: CC="zig cc" works), else cc, gcc or clang on the PATH, else the zig
-that the ziglang package installs (`pip install ziglang`: a C compiler from PyPI, for machines without
-one, such as slim container images; its first build takes a few seconds).
+that the ziglang package installs (`pip install slimtune[compiler]`: a C compiler from PyPI, for
+machines without one, such as slim container images).
 """
 
 from __future__ import annotations
