@@ -78,8 +78,24 @@ def environment(device: str, date: str) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "peft": _version("peft"),
+        "native_compiler": native_compiler(),
         "git_commit": git_commit(),
     }
+
+
+def native_compiler() -> str | None:
+    """The compiler the native kernels are built with here and its version line (the 8-bit loop's speed
+    depends on it), or None where there is none."""
+    from slimtune.optim.native import build
+
+    cc = build.compiler()
+    if cc is None:
+        return None
+    try:
+        said = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        said = ""
+    return " ".join(cc) + (f": {said.splitlines()[0]}" if said.strip() else "")
 
 
 def main(argv: list[str] | None = None) -> int:
