@@ -4,10 +4,12 @@ item 7: the loop is compute-bound, so changes to it are judged by its arithmetic
     python benchmarks/run.py adamw_kernel_ab                                   # d565b0c against HEAD
     SLIMTUNE_AB_REVS="d565b0c 61cad2a HEAD" python benchmarks/run.py adamw_kernel_ab
     SLIMTUNE_AB_REVS="HEAD WORKTREE" python benchmarks/run.py adamw_kernel_ab  # an edit not yet committed
+    SLIMTUNE_AB_REVS="HEAD HEAD@zig" python benchmarks/run.py adamw_kernel_ab  # gcc against zig cc (ziglang)
 
 Each revision's slimtune/optim/native/adamw.c (read with `git show`; WORKTREE names the working
-tree's file) is built as the library is (native/build.py's compiler, flags and instruction sets) into a
-temporary folder and loaded beside the others; the revisions must share the working tree's Run and
+tree's file) is built as the library is (native/build.py's compiler, flags and instruction sets; a
+revision ending in @zig by build.ZIG, zig cc from the ziglang package, the fallback where no compiler
+is found) into a temporary folder and loaded beside the others; the revisions must share the working tree's Run and
 Hyper structs (true since 89539c8). Before anything is timed, each build takes two steps on copies of
 the same tensors as the working tree's library and must leave the same bits in every output, or the
 case stops: only exact kernels are compared.
@@ -36,6 +38,7 @@ DEFAULT_REVS = ("d565b0c", "HEAD")  # the loop before its chains were staged (fb
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 KERNEL = "slimtune/optim/native/adamw.c"
 WORKTREE = "WORKTREE"  # a revision name: the working tree's kernel, edits included
+ZIG_SUFFIX = "@zig"  # after a revision: built by zig cc (build.ZIG) instead of this machine's compiler
 SIZES = (1 << 14, 1 << 20, 1 << 25)
 ALLOCATIONS = 4
 CALLS = {1 << 14: 1024, 1 << 20: 40, 1 << 25: 3}  # best of this many calls a round
@@ -51,7 +54,7 @@ def run(quick: bool) -> dict:
         return {"skipped": "the native loop's AVX-512 VBMI path does not run here"}
     torch.set_num_threads(1)
     revs = os.environ.get(REVS_ENV, " ".join(DEFAULT_REVS)).split()
-    commits = [WORKTREE.lower() if rev == WORKTREE else _git("rev-parse", "--short", rev) for rev in revs]
+    commits = [_commit(rev) for rev in revs]
     with tempfile.TemporaryDirectory(prefix="adamw-ab-") as folder:
         libraries = [_built(rev, Path(folder) / f"{index}") for index, rev in enumerate(revs)]
         for rev, lib in zip(revs, libraries):
@@ -73,15 +76,27 @@ def _git(*args: str) -> str:
     return done.stdout.strip()
 
 
+def _split(rev: str) -> tuple[str, bool]:
+    """A revision without its @zig suffix, and whether it had one."""
+    return (rev.removesuffix(ZIG_SUFFIX), True) if rev.endswith(ZIG_SUFFIX) else (rev, False)
+
+
+def _commit(rev: str) -> str:
+    name, zig = _split(rev)
+    commit = WORKTREE.lower() if name == WORKTREE else _git("rev-parse", "--short", name)
+    return commit + (ZIG_SUFFIX if zig else "")
+
+
 def _built(rev: str, folder: Path) -> ctypes.CDLL:
-    """rev's kernel built as the library is, loaded."""
+    """rev's kernel built as the library is (by zig cc for a rev@zig), loaded."""
     from slimtune.optim.native import adamw, build
 
+    name, zig = _split(rev)
     folder.mkdir()
     source = folder / "adamw.c"
-    source.write_text((ROOT / KERNEL).read_text() if rev == WORKTREE else _git("show", f"{rev}:{KERNEL}") + "\n")
+    source.write_text((ROOT / KERNEL).read_text() if name == WORKTREE else _git("show", f"{name}:{KERNEL}") + "\n")
     target = folder / "adamw.so"
-    failure = build.compile_library(source, target, adamw.isa())
+    failure = build.compile_library(source, target, adamw.isa(), build.ZIG if zig else None)
     if failure:
         raise SystemExit(f"{rev}'s {KERNEL} did not build: {failure}")
     lib = ctypes.CDLL(str(target))

@@ -46,6 +46,9 @@ def say_once(message: str) -> None:
 
 
 NO_COMPILER = "no C compiler (cc, gcc, clang, $CC, or zig from `pip install ziglang`) found"
+# zig cc from the ziglang package. zig builds for this very CPU unless told otherwise; the baseline CPU
+# plus the flags `isa` names, as gcc builds, keeps a library what its cache key says (a cache may be shared).
+ZIG = (sys.executable, "-m", "ziglang", "cc", "-mcpu=baseline")
 
 
 def compiler() -> tuple[str, ...] | None:
@@ -58,11 +61,7 @@ def compiler() -> tuple[str, ...] | None:
     found = next((path for c in ("cc", "gcc", "clang") if (path := shutil.which(c))), None)
     if found:
         return (found,)
-    if importlib.util.find_spec("ziglang") is not None:
-        # zig builds for this very CPU unless told otherwise; the baseline CPU plus the flags `isa`
-        # names, as gcc builds, keeps a library what its cache key says (a cache may be shared)
-        return (sys.executable, "-m", "ziglang", "cc", "-mcpu=baseline")
-    return None
+    return ZIG if importlib.util.find_spec("ziglang") is not None else None
 
 
 def cache_folder() -> Path:
