@@ -78,7 +78,8 @@ def _git(*args: str) -> str:
 
 def _split(rev: str) -> tuple[str, bool]:
     """A revision without its @zig suffix, and whether it had one."""
-    return (rev.removesuffix(ZIG_SUFFIX), True) if rev.endswith(ZIG_SUFFIX) else (rev, False)
+    name = rev.removesuffix(ZIG_SUFFIX)
+    return name, name != rev
 
 
 def _commit(rev: str) -> str:
