@@ -344,11 +344,11 @@ def _begin(run: Run, folder: RunFolder | None, say) -> tuple[data.BatchStream, i
     (the folder: rank 0's; the other ranks read the checkpoint once rank 0 has claimed it). A changed
     setting a checkpoint cannot take is refused before the claim: the folder stays as it was."""
     changed = _on_rank0(run.dist, lambda: _changed_settings(run, folder), "the resume's settings check")
-    _on_rank0(run.dist, lambda: folder.claim(run.cfg), "the run folder's claim")
+    _on_rank0(run.dist, lambda: folder.claim(run.cfg, _resolved(run)), "the run folder's claim")
     stream = batch_stream(run)
     start = resume(run, stream, say)  # before config.yaml: a refused resume leaves the folder's settings as they were
     if run.dist.is_main:
-        folder.settled(run.cfg)
+        folder.settled(run.cfg, _resolved(run))
         if start and changed:
             say(f"resuming with changed settings: {', '.join(changed)}")
         checkpoint.atomic_write_text(Path(run.cfg.output_dir) / "config.yaml",
@@ -358,6 +358,11 @@ def _begin(run: Run, folder: RunFolder | None, say) -> tuple[data.BatchStream, i
     return stream, start
 
 
+def _resolved(run: Run) -> dict[str, str]:
+    """What the run's auto settings resolved to on this machine, as run.json records it."""
+    return {"device": run.device.type, "precision": run.precision}
+
+
 def _changed_settings(run: Run, folder: RunFolder) -> list[str]:
     """The settings changed since the run's last start, each said with what resuming does about it
     (resume_settings.py); one a checkpoint cannot take is refused. Nothing when no checkpoint is resumed."""
@@ -365,7 +370,7 @@ def _changed_settings(run: Run, folder: RunFolder) -> list[str]:
     resumes = cfg.train.resume and not cfg.train.overwrite
     if before is None or not resumes or not checkpoint.list_checkpoints(Path(cfg.output_dir) / "checkpoints"):
         return []
-    found = settings_changes(before, cfg)
+    found = settings_changes(before, cfg, folder.record.get("resolved"), _resolved(run))
     refuse(found, cfg.output_dir)
     return [change.text() for change in found]
 

@@ -13,7 +13,9 @@ loaded or written, what a run records of itself, what resume verifies, and one r
                    removes an overwritten run (never a user's adapter/, model/ or merged/ it did not
                    write) and the scratch folders of killed runs, and records run.json for a new run.
     settled(cfg)   after resume: the settings that changed since the run's last start are said
-                   once and recorded (steps, cadences and the like may change; identity may not).
+                   once and recorded (steps, cadences and the like may change; identity may not),
+                   with what device=auto and precision=auto resolved to on this machine (a resume
+                   elsewhere may resolve them otherwise: resume_settings says so).
     finished(step) the result (adapter/ or model/) holds step `step`: export compares it with the
                    newest checkpoint.
 """
@@ -127,8 +129,9 @@ class RunFolder:
 
     # ------------------------------------------------------------ before the first write
 
-    def claim(self, cfg: RunConfig) -> None:
-        """`cfg`: the run as built (plan=auto may have chosen its engine and options)."""
+    def claim(self, cfg: RunConfig, resolved: dict[str, str]) -> None:
+        """`cfg`: the run as built (plan=auto may have chosen its engine and options); `resolved`: what
+        its auto settings resolved to here (device, precision)."""
         self.cfg = cfg
         for setting, folder in _scratch_roots(cfg).items():
             check_writable(folder, setting)
@@ -146,14 +149,15 @@ class RunFolder:
                 runtime.remove_orphans(folder, kind)
         if self.record is None:
             self.record = {"format": 1, "identity": identity(self.cfg), "settings": to_dict(self.cfg),
-                           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "result": None}
+                           "resolved": resolved, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "result": None}
             self._write_record()
 
-    def settled(self, cfg: RunConfig) -> list[str]:
-        """The settings that changed since the run's last start ("key: old -> new"), recorded now."""
+    def settled(self, cfg: RunConfig, resolved: dict[str, str]) -> list[str]:
+        """The settings that changed since the run's last start ("key: old -> new"), recorded now with
+        what the auto ones resolved to (`resolved`)."""
         before, now = _flat(self.record.get("settings", {})), _flat(to_dict(cfg))
         changed = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
-        self.record["settings"] = to_dict(cfg)
+        self.record["settings"], self.record["resolved"] = to_dict(cfg), resolved
         self._write_record()
         return changed
 

@@ -13,6 +13,10 @@ included) is classed once, in RULES:
 A setting is weighed only where the run reads it, before and after (lora.* under method=lora, an
 engine's section under that engine; a change of engine is itself classed). A key with no rule (an
 engine registered outside slimtune) is refused: what its change does to a checkpoint is unknown.
+
+device=auto and precision=auto are compared by what they resolved to (run.json's "resolved"): a run
+begun on a card in bf16 and resumed on the CPU in fp32 changes its precision though its setting reads
+auto in both, and the announcement says so under the setting's rule.
 tests/unit/test_resume_settings.py fails when a built-in setting has no rule.
 """
 
@@ -213,20 +217,29 @@ class Change:
     new: object
     rule: Rule
     weighed: bool  # read by the run before and after: its rule holds (else nothing depends on it)
+    resolved: tuple[str, str] | None = None  # an unchanged auto setting: what it resolved to then and now
 
     def text(self) -> str:
         said = f"{self.key}: {self.old!r} -> {self.new!r}"
+        if self.resolved:
+            said = f"{self.key}: {self.old!r} ({self.resolved[0]} at the last start) -> {self.new!r} ({self.resolved[1]} now)"
         if not self.weighed:
             return said
         return f"{said} ({self.rule.why})" if self.rule.kind == APPLIED else said
 
 
-def changes(before: dict, cfg: RunConfig) -> list[Change]:
+def changes(before: dict, cfg: RunConfig, resolved_before: dict | None = None,
+            resolved_now: dict | None = None) -> list[Change]:
     """The settings that differ between `before` (the nested settings of the run's last start, as
-    run.json records them) and `cfg`, each with its rule."""
+    run.json records them) and `cfg`, each with its rule; and the unchanged settings whose resolution
+    differs between `resolved_before` (run.json's, absent in a run recorded before it was kept) and
+    `resolved_now` (device=auto that found a card then and none now, say)."""
     old, new = config.flatten(before), config.flatten(config.to_dict(cfg))
     found = [Change(key, old.get(key), value, rule(key), in_use(key, old) and in_use(key, new))
              for key, value in new.items() if old.get(key) != value]
+    found += [Change(key, new[key], new[key], rule(key), True, (then, (resolved_now or {}).get(key)))
+              for key, then in (resolved_before or {}).items()
+              if key in new and old.get(key) == new[key] and (resolved_now or {}).get(key) not in (None, then)]
     return [_engine_change(c, before, cfg) if c.key == "engine" else c for c in found]
 
 

@@ -143,6 +143,26 @@ def test_resume_checks_the_runs_identity_before_rewriting_anything(here, capsys)
     assert "changed settings" not in capsys.readouterr().out
 
 
+def test_a_resume_where_auto_resolves_otherwise_says_so_and_records_what_it_resolved_to(here, capsys):
+    """A run begun on a card (device=auto -> cuda, precision=auto -> bf16) and resumed on this CPU: both
+    settings still read auto, but the run computes otherwise now, and the resume says so."""
+    assert run("train.steps=2") == 0
+    record_path = here / "out" / "run.json"
+    record = json.loads(record_path.read_text())
+    assert record["resolved"] == {"device": "cpu", "precision": "fp32"}
+    record["resolved"] = {"device": "cuda", "precision": "bf16"}  # as a run on a card records it
+    record_path.write_text(json.dumps(record))
+    capsys.readouterr()
+    assert run("train.steps=4") == 0
+    said = capsys.readouterr().out
+    assert ("device: 'auto' (cuda at the last start) -> 'auto' (cpu now), "
+            "precision: 'auto' (bf16 at the last start) -> 'auto' (fp32 now) (the resumed steps compute in the new"
+            " precision") in said, said
+    assert json.loads(record_path.read_text())["resolved"] == {"device": "cpu", "precision": "fp32"}
+    assert run("train.steps=4") == 0
+    assert "changed settings" not in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- 4. a new run over an old one
 
 

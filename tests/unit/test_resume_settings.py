@@ -88,6 +88,22 @@ def _state(engine: str, names: list[str]):
                        adam_steps={})
 
 
+def test_an_auto_setting_that_resolves_otherwise_is_a_change_under_its_rule_and_a_record_without_it_none():
+    before = config.to_dict(engine_config(engine="slide", method="full"))
+    cfg = engine_config(engine="slide", method="full")
+    assert cfg.precision == "auto"
+    then, now = {"device": "cuda", "precision": "bf16"}, {"device": "cpu", "precision": "fp32"}
+    device, precision = resume_settings.changes(before, cfg, then, now)
+    assert precision.text() == ("precision: 'auto' (bf16 at the last start) -> 'auto' (fp32 now)"
+                                f" ({resume_settings.rule('precision').why})")
+    assert device.text() == "device: 'auto' (cuda at the last start) -> 'auto' (cpu now)"  # safe: no effect said
+    assert resume_settings.changes(before, cfg, now, now) == []
+    assert resume_settings.changes(before, cfg, None, now) == []  # run.json from before "resolved" was kept
+    cfg.precision = "fp32"  # a changed setting is said once, as the setting's own change
+    found = {c.key: c.text() for c in resume_settings.changes(before, cfg, then, now)}
+    assert list(found) == ["precision", "device"] and found["precision"].startswith("precision: 'auto' -> 'fp32' (")
+
+
 def test_a_checkpoint_of_other_tensors_names_the_engine_or_lsp_train_other_and_the_true_way_out():
     linears, others = ["model.layers.0.mlp.up_proj.weight"], ["model.embed_tokens.weight"]
     with pytest.raises(UserError) as by_engine:  # an lsp checkpoint resumed by engine resident
