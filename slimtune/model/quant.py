@@ -177,16 +177,17 @@ def _nf4_rows(codes: torch.Tensor, absmax: torch.Tensor, index: torch.Tensor, co
               dtype: torch.dtype) -> torch.Tensor:
     """Rows `index` (N,) of the dense weight, (N, cols): codebook[nibble] * absmax[block] in
     fp32, as bitsandbytes computes it. Blocks run over the flattened weight, so a row owns
-    whole blocks only when cols % 64 == 0; otherwise each element finds its own block."""
+    whole blocks only when cols % 64 == 0: then the rows' codes and absmax are gathered and
+    bitsandbytes dequantizes them (on the device, straight into `dtype`: no codebook sent up and
+    no int64 index a number). Otherwise each element finds its own block through the codebook."""
+    if cols % NF4_BLOCK == 0:
+        picked = codes.view(-1, cols // 2)[index].view(-1, 1)  # (N * cols / 2, 1): quantize_4bit's layout
+        scales = absmax.view(-1, cols // NF4_BLOCK)[index].view(-1)  # (N * cols / 64,)
+        return _nf4_dequantize_flat(picked, scales, 0, len(index) * cols, dtype).view(len(index), cols).to(dtype)
     nibbles = _nibbles(codes.view(-1, cols // 2)[index])  # (N, cols)
     values = torch.tensor(NF4_TABLE, dtype=torch.float32, device=codes.device)[nibbles.long()]
-    if cols % NF4_BLOCK == 0:
-        block_scales = absmax.view(-1, cols // NF4_BLOCK)[index]  # (N, cols / 64)
-        values = (values.view(len(index), -1, NF4_BLOCK) * block_scales[..., None]).view(len(index), cols)
-    else:
-        element = index[:, None] * cols + torch.arange(cols, device=codes.device)
-        values = values * absmax[element // NF4_BLOCK]
-    return values.to(dtype)
+    element = index[:, None] * cols + torch.arange(cols, device=codes.device)
+    return (values * absmax[element // NF4_BLOCK]).to(dtype)
 
 
 # ---------------------------------------------------------------- one entry point per operation

@@ -102,3 +102,19 @@ def test_the_estimate_runs_few_loop_steps_and_still_equals_the_meter(tmp_path, t
     measured, _ = measured_step(folder, cfg, plan["precision"], estimate.synthetic_batch(2, 48, len(tokenizer)))
     assert predicted.device_peak_bytes == measured.device_peak_bytes
     assert predicted.breakdown == measured.device_peak_breakdown
+
+
+@pytest.mark.parametrize("hidden", [32, 64])  # nf4 rows: through the codebook / whole blocks by bitsandbytes' kernel
+def test_a_4bit_embedding_and_head_are_estimated_as_measured(tmp_path, tokenizer, hidden):
+    """quant.embeddings=true: the embedding's rows are dequantized as they are looked up, on both of
+    QuantEmbedding's routes (a row of whole nf4 blocks, and blocks that straddle rows)."""
+    overrides = {"hidden_size": hidden, "tie_word_embeddings": True}
+    folder = save_tiny_model(tmp_path, tokenizer, "llama", **overrides)
+    plan = {"engine": "resident", "precision": "bf16", "quant.scheme": "nf4", "quant.embeddings": "true"}
+    cfg = settings.load(None, [f"{k}={v}" for k, v in plan.items()],
+                        base={"model": str(folder), "data": "x.jsonl", "method": "lora", "lora": {"rank": 4},
+                              "train": {"batch_size": 2, "grad_accum": 1}})
+    predicted = estimate.estimate(tiny_config("llama", len(tokenizer), **overrides), cfg, 2, 48)
+    measured, _ = measured_step(folder, cfg, "bf16", estimate.synthetic_batch(2, 48, len(tokenizer)))
+    assert predicted.device_peak_bytes == measured.device_peak_bytes > 0
+    assert predicted.breakdown == measured.device_peak_breakdown
