@@ -105,7 +105,7 @@ def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: 
     engine = assembly.assemble(cfg, stack, CPU, precision, dist)
     if hasattr(engine, "use_sample"):
         engine.use_sample(batches(model.config.vocab_size, 7, micro=2, rows=2))
-    losses, norms = [], []
+    losses, norms, sent, sent_before = [], [], [], dist.broadcast_bytes
     for step in range(STEPS):
         if name in PARTING and dist.rank > 0:
             PARTING[name](engine, step, dist.rank)
@@ -114,9 +114,10 @@ def run_case(name: str, dist: distributed.Dist, micro_per_rank: int, precision: 
         result = train.combine_ranks(dist, step, engine.step(dist.shard(whole), total))
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        sent.append(dist.broadcast_bytes - sent_before)  # this case's, by the end of each step
     weights = {k: v.detach().clone() for k, v in engine.trainable_state().items()}
     if kept is not None:
-        kept.update(lsp_state(engine))
+        kept.update(lsp_state(engine), broadcast_bytes=sent)
     return losses, norms, weights
 
 
@@ -126,6 +127,8 @@ def lsp_state(engine) -> dict:
     return {"baseline": list(engine.learning.baseline), "generator": engine.generator.get_state(),
             "values": [t.clone() for m in engine.modules for t in (m.p_o.val, m.p_i.val)],
             "moments": [t.clone() for a in engine.adams for t in a.moments[0].values()],
+            "masters": [a.masters[0].clone() for a in engine.adams],
+            "weight_bytes": [m.weight.numel() * m.weight.element_size() for m in engine.modules],
             "changed": list(engine.learning.changed)}
 
 

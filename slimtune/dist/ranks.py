@@ -91,6 +91,7 @@ class Dist:
     host_group: object = None
     timeout_s: float = 0.0
     reduced_bytes: int = 0
+    broadcast_bytes: int = 0  # what broadcast_ sent (rank 0) or took (the others), since the job began
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -130,7 +131,8 @@ class Dist:
         """Rank 0's values of `tensors` written into every rank's (`host`: over the gloo host group, from
         one thread only). One collective a tensor, in place: no flat copy beside them on the device (a
         tensor not contiguous goes through a contiguous copy of itself). Every rank passes tensors of
-        the same shapes in the same order. Not counted in reduced_bytes (the step's gradient payload)."""
+        the same shapes in the same order. Counted in broadcast_bytes, not in reduced_bytes (the step's
+        gradient payload)."""
         if not self.active:
             return
         import torch.distributed as tdist
@@ -141,6 +143,7 @@ class Dist:
                 continue
             held = tensor if tensor.is_contiguous() else tensor.contiguous()
             self.collective(lambda: tdist.broadcast(held, src=0, group=group), what)
+            self.broadcast_bytes += held.numel() * held.element_size()
             if held is not tensor:
                 tensor.copy_(held)
 

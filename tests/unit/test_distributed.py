@@ -85,6 +85,14 @@ def assert_ranks_agree(folder: Path, name: str, precision: str, world: int, weig
             assert all(torch.equal(a, b) for a, b in zip(state[part], first[part], strict=True)), f"{case}: {part}"
         assert state["baseline"] == first["baseline"] and torch.equal(state["generator"], first["generator"]), case
         assert set(state["changed"]) != set(first["changed"]), case
+        assert state["broadcast_bytes"] == first["broadcast_bytes"], case  # what rank 0 sent, each other rank took
+    # The first check changed every matrix on every rank: its values and host AdamW state went, not its weights
+    # (equal on every rank already). The later checks changed other sets on rank 0 than on the others: their
+    # union went whole, weights included.
+    nbytes = sum(t.numel() * t.element_size() for part in ("values", "moments", "masters") for t in first[part])
+    sent = first["broadcast_bytes"]
+    assert sent[0] == nbytes, f"{name} ({precision}): the first check sent {sent[0]} bytes, not {nbytes}"
+    assert all(later - before >= min(first["weight_bytes"]) for before, later in zip(sent, sent[1:])), sent
 
 
 def test_close_frees_the_process_groups_before_the_interpreter_ends():

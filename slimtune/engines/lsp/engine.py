@@ -399,26 +399,36 @@ class LspEngine(Engine):
         sum in varying orders, so two ranks' fits can differ in their last bits or decide differently
         which matrices to refit or when to stop; each would then apply one summed G_c through other
         projectors and the ranks would part. So the matrices any rank changed take rank 0's projector
-        values (positions are fixed when drawn: a fit never moves them), weight, Z and host AdamW state,
-        and every rank takes rank 0's baselines and the draws' states. A matrix no rank changed is as it
-        was on every rank. (Only rank 0's figures are logged; learning.changed stays each rank's own.)"""
+        values (positions are fixed when drawn: a fit never moves them) and host AdamW state (moments
+        moved through the new values), and every rank takes rank 0's baselines and the draws' states.
+        A matrix no rank changed is as it was on every rank.
+
+        The weight and Z go too only where the ranks changed different sets: a fold is deterministic
+        (index_select products of the agreed old projectors and the one Z every rank holds, and the
+        same rounding draws while every rank folds the same matrices in the same order), so where every
+        rank changed the same matrices their W and Z are already equal. That is every first fit (all
+        matrices, Z = 0): the whole model's block weights need not cross the link at the job's start.
+        (Only rank 0's figures are logged; learning.changed stays each rank's own.)"""
         if not self.dist.active or self.fake:
             return
-        changed = self._changed_on_any_rank()
+        changed, same_everywhere = self._changed_on_any_rank()
+        folded = [] if same_everywhere else [t for m in changed for t in (m.weight, m.z)]
         with torch.no_grad():
-            self.dist.broadcast_([t for m in changed for t in (m.weight, m.z, m.p_o.val, m.p_i.val)],
+            self.dist.broadcast_([*folded, *(t for m in changed for t in (m.p_o.val, m.p_i.val))],
                                  what="rank 0's refit projectors and weights")
             self.dist.broadcast_([t for m in changed for t in self._host_state(self.adams[m.index])], host=True,
                                  what="rank 0's refit subspace moments")
         self._take_rank0s_check_state(changed)
 
-    def _changed_on_any_rank(self) -> list[ProjectedLinear]:
-        """The matrices this check changed on at least one rank (a flag a matrix, summed by MAX: those 8
-        bytes a matrix count in the step's allreduce_bytes)."""
-        mine = set(self.learning.changed)
-        flags = self.dist.max_floats([float(i in mine) for i in range(len(self.modules))],
-                                     "which matrices the projector check changed")
-        return [self.modules[i] for i, flag in enumerate(flags) if flag]
+    def _changed_on_any_rank(self) -> tuple[list[ProjectedLinear], bool]:
+        """The matrices this check changed on at least one rank, and whether every rank changed exactly
+        those (two flags a matrix, +-1 reduced by MAX: the MAX of -flag is minus the MIN; those 16 bytes
+        a matrix count in the step's allreduce_bytes)."""
+        mine, count = set(self.learning.changed), len(self.modules)
+        flags = [float(i in mine) for i in range(count)]
+        reduced = self.dist.max_floats([*flags, *(-f for f in flags)], "which matrices the projector check changed")
+        anywhere, everywhere = reduced[:count], [-f for f in reduced[count:]]
+        return [self.modules[i] for i, flag in enumerate(anywhere) if flag], anywhere == everywhere
 
     def _take_rank0s_check_state(self, changed: list[ProjectedLinear]) -> None:
         """Rank 0's baselines, draw states (fresh values; bf16 folds' rounding) and the changed matrices'
