@@ -462,11 +462,18 @@ def _run(args: argparse.Namespace) -> int:
         if not getattr(err, "said", False) and not _said_by_rank0(err):
             print(f"slimtune: error: {_rank_prefix(err)}{err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        after = "; the last checkpoint is intact" if args.command == "train" else ""
-        print(f"slimtune: interrupted{after}.", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        print(f"slimtune: {_interrupted(args.command, err)}", file=sys.stderr)
         return 130
     return 0
+
+
+def _interrupted(command: str, err: KeyboardInterrupt) -> str:
+    """What a Ctrl-C leaves: a run's training says where the same command goes on from; before or after
+    it, the checkpoints on disk are whole (each is written aside and renamed into place)."""
+    if isinstance(err, interrupts.Interrupted):
+        return f"interrupted. {err}"
+    return "interrupted; the checkpoints already written are intact." if command == "train" else "interrupted."
 
 
 def _said_by_rank0(err: UserError) -> bool:

@@ -294,6 +294,9 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
         except distributed.PeerFailed as err:
             log.close(failed=True)
             raise distributed.PeerFailed(f"{err} {_last_checkpoint_sentence(run)}") from None
+        except KeyboardInterrupt:
+            log.close(failed=True)
+            raise interrupts.Interrupted(_last_checkpoint_sentence(run)) from None
         except BaseException:
             log.close(failed=True)  # the W&B and MLflow runs are marked failed
             raise
@@ -334,9 +337,13 @@ def _open_log(run: Run, folder: RunFolder | None, start: int) -> MetricsLog | Ra
 
 
 def _last_checkpoint_sentence(run: Run) -> str:
+    """Where the same command would go on from: the newest intact checkpoint, or the start."""
     latest, _ = checkpoint.latest_intact(Path(run.cfg.output_dir))
-    return f"The last checkpoint is '{latest}'; resume with the same command." if latest else \
-        "No checkpoint was written yet."
+    if latest:
+        return f"The last checkpoint is '{latest}'; resume with the same command."
+    every = run.cfg.train.save_every
+    when = "train.save_every=0 writes none before the end" if every <= 0 else f"the first is due at step {every}"
+    return f"No checkpoint was written yet ({when}), so the same command starts over."
 
 
 def _begin(run: Run, folder: RunFolder | None, say) -> tuple[data.BatchStream, int]:

@@ -25,6 +25,11 @@ from collections.abc import Iterator
 _requested = False  # Ctrl-C was pressed inside watching()
 
 
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C that ended a run's training, carrying one sentence on what its folder now holds (the
+    checkpoint a resume starts from, or none), which the command line says after "interrupted"."""
+
+
 def _on_sigint(signum, frame) -> None:
     del signum, frame
     global _requested

@@ -43,8 +43,27 @@ def test_a_ctrl_c_that_a_finalizer_swallows_still_stops_training(workdir, monkey
     assert dropped == [KeyboardInterrupt]
     assert stepped == [1, 2, 3]  # stopped right after the step it was pressed in, of 8
     assert not (workdir / "out" / "adapter").exists()
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "slimtune: interrupted; the last checkpoint is intact."
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "slimtune: interrupted. The last checkpoint is 'out/checkpoints/step-00000002'; resume with the same command.")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+
+
+@pytest.mark.parametrize("save_every, said", [
+    ("0", "No checkpoint was written yet (train.save_every=0 writes none before the end), so the same command starts over."),
+    ("5", "No checkpoint was written yet (the first is due at step 5), so the same command starts over.")])
+def test_a_ctrl_c_before_any_checkpoint_says_the_run_starts_over(workdir, monkeypatch, capsys, save_every, said):
+    real = train._train_step
+
+    def step_with_ctrl_c_at_3(run, step, *args):
+        real(run, step, *args)
+        if step == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_train_step", step_with_ctrl_c_at_3)
+    monkeypatch.chdir(workdir)
+    assert cli.main(["train", "run.yaml", "--no-progress", f"train.save_every={save_every}"]) == 130
+    assert not (workdir / "out" / "checkpoints").exists() or not any((workdir / "out" / "checkpoints").iterdir())
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"slimtune: interrupted. {said}"
 
 
 def torch_is_loading(pid: int) -> bool:
