@@ -282,6 +282,9 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
         run.engine.progress = progress
         out = Path(run.cfg.output_dir)
         stream, start = _begin(run, folder, say)
+        if start >= run.cfg.train.steps:
+            say(f"nothing to train: output_dir '{run.cfg.output_dir}' holds this run trained to step {start} of"
+                f" {run.cfg.train.steps} already; raise train.steps to go on.")
         log = _open_log(run, folder, start)
         # A log file or pipe gets a refresh every 30 s instead of every step.
         bar = tqdm(total=run.cfg.train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
@@ -557,9 +560,14 @@ def _devices_text(devices: list[str]) -> str:
 
 
 def summary_table(summary: dict) -> str:
+    """The run's figures; one that trained nothing (its steps were all done before) has no speed or
+    peak to show, and says so instead of showing zeros."""
+    idle = summary["resumed_from"] >= summary["steps"]
+    steps = (f"{summary['steps']} (all taken before this run)" if idle else
+             f"{summary['steps']} (resumed from {summary['resumed_from']})" if summary["resumed_from"] else
+             str(summary["steps"]))
     rows = [
-        ("steps", f"{summary['steps']} (resumed from {summary['resumed_from']})" if summary["resumed_from"]
-         else str(summary["steps"])),
+        ("steps", steps),
         ("data", summary["data"]),
         ("trainable parameters", f"{summary['trainable_params']:,}"),
         ("final train loss", f"{summary['final_loss']:.4f}"),
@@ -568,13 +576,14 @@ def summary_table(summary: dict) -> str:
         rows.append(("eval loss / perplexity", f"{summary['eval_loss']:.4f} / {summary['eval_ppl']:.2f}"))
     if summary.get("world_size", 1) > 1:
         rows.append(("ranks", f"{summary['world_size']} (data parallel: torchrun)"))
-    rows += [
-        ("tokens/s (after step 1)", f"{summary['tokens_per_s']:.0f}"),
-        ("devices", _devices_text(summary.get("devices", []))),
-        ("device peak" + (" (the largest worker's)" if len(summary.get("devices", [])) > 1 else ""),
-         _peak_text(summary["device_peak_bytes"]) + (
-            f" ({summary['meter']})" if summary["device_peak_bytes"] is not None else "")),
-        ("wall time", f"{summary['seconds']:.1f} s"),
-        ("result", summary["result"]),
-    ]
+    if not idle:
+        rows += [
+            ("tokens/s (after step 1)", f"{summary['tokens_per_s']:.0f}"),
+            ("devices", _devices_text(summary.get("devices", []))),
+            ("device peak" + (" (the largest worker's)" if len(summary.get("devices", [])) > 1 else ""),
+             _peak_text(summary["device_peak_bytes"]) + (
+                f" ({summary['meter']})" if summary["device_peak_bytes"] is not None else "")),
+            ("wall time", f"{summary['seconds']:.1f} s"),
+        ]
+    rows.append(("result", summary["result"]))
     return format_table(rows)

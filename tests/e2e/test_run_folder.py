@@ -143,6 +143,18 @@ def test_resume_checks_the_runs_identity_before_rewriting_anything(here, capsys)
     assert "changed settings" not in capsys.readouterr().out
 
 
+def test_a_finished_run_run_again_says_there_is_nothing_to_train_and_shows_no_speed(here, capsys):
+    assert run("train.steps=2") == 0
+    capsys.readouterr()
+    assert run("train.steps=2") == 0
+    said = capsys.readouterr().out
+    assert ("nothing to train: output_dir 'out' holds this run trained to step 2 of 2 already; raise train.steps"
+            " to go on.") in said, said
+    assert "2 (all taken before this run)" in said and "tokens/s" not in said and "wall time" not in said
+    assert "out/adapter" in said  # the result is still named
+    assert [r["step"] for r in records(here / "out")] == [1, 2]
+
+
 def test_a_resume_where_auto_resolves_otherwise_says_so_and_records_what_it_resolved_to(here, capsys):
     """A run begun on a card (device=auto -> cuda, precision=auto -> bf16) and resumed on this CPU: both
     settings still read auto, but the run computes otherwise now, and the resume says so."""
