@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from slimtune import local_paths
 from slimtune.data import repository
 from slimtune.data.chat_templates import assistant_spans, render, resolve_template
 from slimtune.data.repository import Where
@@ -180,7 +181,7 @@ def read_records(source: str | Where) -> tuple[list[Any], Callable[[int], str]]:
     if not p.exists():
         if repository.is_hub_dataset(path):
             return repository.load(where), _where(f"{path} [{where.split or 'train'}]", None)
-        raise UserError(f"data path '{path}' does not exist.")
+        raise UserError(local_paths.missing("data path", path))
     if p.is_dir():
         if repository.is_saved(p):
             return repository.load_saved(where), _where(path, None)

@@ -16,12 +16,15 @@ YAML), into a throwaway cache. Every failure a user can cause is one sentence na
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slimtune import local_paths
 from slimtune.errors import UserError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -42,10 +45,11 @@ class Where:
 
 
 def is_hub_dataset(path: str) -> bool:
-    """A Hub name: `data/train.jsonl` that is missing stays a missing file, not a dataset to fetch."""
+    """A Hub name: `data/train.jsonl` that is missing stays a missing file, not a dataset to fetch, and so
+    does `data/train.josnl` where data/ is a folder here (local_paths.under_a_local_folder)."""
     text = str(path)
     return (bool(_NAME.match(text)) and ".." not in text and "--" not in text and not Path(text).exists()
-            and not text.lower().endswith(DATA_SUFFIXES))
+            and not text.lower().endswith(DATA_SUFFIXES) and not local_paths.under_a_local_folder(text))
 
 
 def is_saved(folder: Path) -> bool:
@@ -81,7 +85,7 @@ def load(where: Where) -> list[Any]:
     """The records of `where`: a Hub dataset through the datasets cache, a folder through a throwaway one."""
     split = where.split or "train"
     if not Path(where.path).exists():  # a Hub name (read_records checked)
-        with quiet_datasets(progress=True) as datasets:
+        with quiet_datasets(progress=True) as datasets, _unreachable_hub_said(where):
             try:
                 return _load_by_name(datasets, where.path, where.subset, split)
             except Exception as err:  # noqa: BLE001 - every reader failure is said as one sentence
@@ -92,6 +96,28 @@ def load(where: Where) -> list[Any]:
             return ds.to_list()
         except Exception as err:  # noqa: BLE001
             raise _error(err, where, split, folder=True) from None
+
+
+@contextlib.contextmanager
+def _unreachable_hub_said(where: Where):
+    """On a machine that cannot reach the Hub (local_paths.hub_unreachable), datasets still asks it, five
+    retries over about 25 s, before it looks in its cache (it has no cache-only switch but HF_HUB_OFFLINE,
+    read when it is imported): one line says so at once, in place of huggingface_hub's retry warnings."""
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode() or not local_paths.hub_unreachable():
+        yield
+        return
+    print(f"slimtune: the Hub cannot be reached from here: {where.path_setting} '{where.path}' is looked for in the"
+          " datasets cache once huggingface_hub has given up asking (about 25 s; HF_HUB_OFFLINE=1 skips that).",
+          file=sys.stderr, flush=True)
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub_log.setLevel(level)
 
 
 def refuse_splits_of_a_file(where: Where) -> None:

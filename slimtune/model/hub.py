@@ -23,6 +23,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+from slimtune import local_paths
 from slimtune.errors import UserError
 
 # `org/name`: what the Hub accepts as a repository id (letters, digits, - _ . ; no leading dot or dash).
@@ -37,9 +38,11 @@ _PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def is_hub_name(text: str) -> bool:
-    """`org/name` naming a Hub repository rather than a local path (a local path of that form wins)."""
+    """`org/name` naming a Hub repository rather than a local path (a local path of that form wins, and so
+    does a missing one under a folder that is here: local_paths.under_a_local_folder)."""
     text = str(text)
-    return bool(_NAME.match(text)) and ".." not in text and "--" not in text and not Path(text).exists()
+    return (bool(_NAME.match(text)) and ".." not in text and "--" not in text and not Path(text).exists()
+            and not local_paths.under_a_local_folder(text))
 
 
 def resolved(cfg):
@@ -63,8 +66,9 @@ def folder(model: str, revision: str | None = None) -> str:
     listing = _repo_files(model, revision)
     if listing is not None:
         _refuse_pickle_only(model, listing)
-    try:
-        snapshot = snapshot_download(model, revision=revision, allow_patterns=_patterns(listing))
+    try:  # the Hub not asked (offline, unreachable): the cache alone, with no retries waited out again
+        snapshot = snapshot_download(model, revision=revision, allow_patterns=_patterns(listing),
+                                     local_files_only=listing is None)
     except Exception as err:  # noqa: BLE001 - every fetch failure is said as one sentence, or re-raised
         raise _fetch_error(err, model, revision) from None
     if listing is None:  # offline: the cached snapshot is all there is to look at
@@ -94,7 +98,7 @@ def config_folder(name: str) -> str:
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
     try:
-        return str(Path(hf_hub_download(name, "config.json")).parent)
+        return str(Path(hf_hub_download(name, "config.json", local_files_only=local_paths.hub_unreachable())).parent)
     except RemoteEntryNotFoundError:
         raise UserError(f"model '{name}' has no config.json on the Hub; it is not a transformers model.") from None
     except Exception as err:  # noqa: BLE001
@@ -115,6 +119,8 @@ def _repo_files(name: str, revision: str | None) -> list[str] | None:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import OfflineModeIsEnabled
 
+    if local_paths.hub_unreachable():
+        return None
     try:
         return [f for f in HfApi().list_repo_files(name, revision=revision) if "/" not in f]
     except OfflineModeIsEnabled:

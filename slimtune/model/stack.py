@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slimtune import local_paths
 from slimtune.model import config_json
 from slimtune.device import memory
 from slimtune.errors import UserError
@@ -36,7 +37,7 @@ def read_config(folder: str | Path) -> dict:
     """config.json of a model folder, checked for a supported family."""
     path = Path(folder) / "config.json"
     if not Path(folder).is_dir():
-        raise UserError(f"model folder '{folder}' does not exist.")
+        raise UserError(local_paths.missing("model folder", folder))
     if not path.is_file():
         raise UserError(f"model folder '{folder}' has no config.json.")
     try:
