@@ -98,7 +98,7 @@ def config_folder(name: str) -> str:
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
     try:
-        return str(Path(hf_hub_download(name, "config.json", local_files_only=local_paths.hub_unreachable())).parent)
+        return str(Path(hf_hub_download(name, "config.json", local_files_only=_cache_only())).parent)
     except RemoteEntryNotFoundError:
         raise UserError(f"model '{name}' has no config.json on the Hub; it is not a transformers model.") from None
     except Exception as err:  # noqa: BLE001
@@ -119,7 +119,7 @@ def _repo_files(name: str, revision: str | None) -> list[str] | None:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import OfflineModeIsEnabled
 
-    if local_paths.hub_unreachable():
+    if _cache_only():
         return None
     try:
         return [f for f in HfApi().list_repo_files(name, revision=revision) if "/" not in f]
@@ -129,6 +129,14 @@ def _repo_files(name: str, revision: str | None) -> list[str] | None:
         if _unreachable(err):
             return None
         raise _fetch_error(err, name, revision) from None
+
+
+def _cache_only() -> bool:
+    """The Hub is not to be asked: offline mode (HF_HUB_OFFLINE), or no connection to it opens here
+    (local_paths.hub_unreachable: probed only when not offline)."""
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode() or local_paths.hub_unreachable()
 
 
 def _unreachable(err: BaseException) -> bool:
