@@ -227,6 +227,23 @@ def test_the_learning_rate_is_scaled_by_sqrt_n_unless_set_and_said_at_the_start(
         ChunkConfig(lr_scale=-1.0).validate()
 
 
+@pytest.mark.parametrize("steps, n, said", [
+    (3, 8, "1 step on each (derived from train.steps=3, at most 50 a visit; chunk.switch_every sets it): the run's 3"
+           " steps reach 3 of the 8 chunks and the other 5 are not trained (train.steps=8 or more visits each once,"
+           " or lower chunk.n_chunks)"),
+    (16, 8, "1 step on each (derived from train.steps=16, at most 50 a visit; chunk.switch_every sets it): every"
+            " chunk visited 2 times"),
+    (20, 4, "2 steps on each (derived from train.steps=20, at most 50 a visit; chunk.switch_every sets it): every"
+            " chunk visited 2 times, some once more")])
+def test_the_start_line_says_how_often_the_run_reaches_each_chunk_or_which_it_never_trains(steps, n, said):
+    """A run shorter than one sweep leaves chunks untrained: the start line said "every chunk visited 2
+    times" regardless (found by a newcomer walkthrough)."""
+    cfg = run_cfg(ChunkConfig(n_chunks=n), steps=steps)
+    engine = engine_of(model_of(layers=8), cfg)
+    assert len(engine.state.chunks) == n
+    assert said in engine.state.describe(), engine.state.describe()
+
+
 def test_one_chunk_equals_torch_adamw_over_twenty_steps():
     model = model_of(layers=2)
     reference = reference_of(model)

@@ -77,6 +77,10 @@ def derived_switch_every(steps: int, n_chunks: int) -> int:
     return max(1, min(MOST_STEPS_ON_A_CHUNK, steps // (VISITS * n_chunks)))
 
 
+def _steps(count: int) -> str:
+    return f"{count} step{'s' if count != 1 else ''}"
+
+
 def derived_lr_scale(n_chunks: int) -> float:
     """chunk.lr_scale=0: sqrt(N). Each tensor is updated on 1/N of the steps; on SmolLM2-135M at N = 8 the
     rate that trained chunk level with resident was about 3x resident's (benchmarks/docs/smollm2_engines.md)."""
@@ -199,14 +203,27 @@ class ChunkState:
         return sum(self.piece_shape(p).numel() for p in self.chunks[k])
 
     def describe(self) -> str:
-        """One line for the start of a run: the chunks, their order and how long each stays."""
+        """One line for the start of a run: the chunks, their order, how long each stays and how often the
+        run's steps come round to each (or how many they never reach)."""
         order = "a new random order each sweep" if self.section.order == "random" else "model order (round robin)"
         why = "chunk.switch_every" if self.section.switch_every else (
-            f"derived from train.steps={self.train_cfg.steps}: every chunk visited {VISITS} times, at most"
-            f" {MOST_STEPS_ON_A_CHUNK} steps a visit; chunk.switch_every sets it")
+            f"derived from train.steps={self.train_cfg.steps}, at most {MOST_STEPS_ON_A_CHUNK} a visit;"
+            " chunk.switch_every sets it")
         scale = "chunk.lr_scale" if self.section.lr_scale else f"sqrt of {len(self.chunks)} chunks; chunk.lr_scale sets it"
-        return (f"chunk: {len(self.chunks)} chunks in {order}, {self.switch_every} steps on each ({why});"
-                f" lr x{self.lr_scale:.3g} ({scale})")
+        return (f"chunk: {len(self.chunks)} chunks in {order}, {_steps(self.switch_every)} on each ({why}):"
+                f" {self.coverage()}; lr x{self.lr_scale:.3g} ({scale})")
+
+    def coverage(self) -> str:
+        """How the run's train.steps cover the chunks: every one visited so many times over, or, in a run
+        shorter than one sweep, how many chunks no step reaches (their tensors do not train)."""
+        n, k, steps = len(self.chunks), self.switch_every, self.train_cfg.steps
+        reached = min(n, -(-steps // k))
+        if reached < n:
+            return (f"the run's {_steps(steps)} reach {reached} of the {n} chunks and the other {n - reached} are not"
+                    f" trained (train.steps={n * k} or more visits each once, or lower chunk.n_chunks)")
+        sweeps = steps // (n * k)
+        return f"every chunk visited {sweeps} time{'s' if sweeps != 1 else ''}" + (
+            "" if steps % (n * k) == 0 else ", some once more")
 
     # ------------------------------------------------------------ which chunk, which lr
 
