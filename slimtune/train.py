@@ -170,7 +170,8 @@ def engine_sample(cfg: RunConfig, splits: data.Splits, tokenizer, count: int) ->
     rest = [e for i, e in enumerate(splits.train) if i not in picked]
     d = cfg.data
     batches = data.eval_batches(chosen, cfg.train.batch_size, d.max_length, d.packing, tokenizer.pad_token_id)
-    return batches, dataclasses.replace(splits, train=rest)
+    report = dataclasses.replace(splits.report, engine_sample=len(chosen))
+    return batches, dataclasses.replace(splits, train=rest, report=report)
 
 
 def batch_stream(run: Run) -> data.BatchStream:
@@ -279,7 +280,7 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
     with RunFolder(cfg) if dist.is_main else contextlib.nullcontext() as folder:
         _on_rank0(dist, lambda: _check_before_loading(folder, cfg), "the run folder's check")
         run = run or build(cfg, dist)
-        run.engine.progress = progress
+        run.engine.progress, run.engine.notes = progress, dist.is_main
         out = Path(run.cfg.output_dir)
         stream, start = _begin(run, folder, say)
         if start >= run.cfg.train.steps:

@@ -105,12 +105,16 @@ class DataReport:
     dropped: int  # examples with no trainable token left after truncation
     max_length: int | None = None
     empty: int = 0  # examples with no token to train at any length (e.g. an empty text without a bos)
+    engine_sample: int = 0  # of train_examples, held out as the engine's own sample (lsp's fit sample)
 
     def summary(self) -> str:
         limit = f" to {self.max_length} tokens" if self.max_length else ""
         counts = f"{self.truncated} truncated{limit}; {self.dropped} dropped (truncation left no trainable token)"
         counts += f"; {self.empty} dropped (empty: no token to train)" if self.empty else ""
-        return f"{self.train_examples} train / {self.eval_examples} eval examples; {counts}"
+        trained = f"{self.train_examples - self.engine_sample} train"
+        if self.engine_sample:
+            trained += f" (and {self.engine_sample} held out as the engine's own sample)"
+        return f"{trained} / {self.eval_examples} eval examples; {counts}"
 
 
 @dataclass

@@ -50,6 +50,9 @@ class Engine(abc.ABC):
     # True: the training loop shows a progress bar; work inside a step long enough to need its own (lsp's
     # projector fit) shows one too. train.fit sets it.
     progress: bool = False
+    # True: without a bar (--no-progress), such work says one line as it begins, so a log never sits
+    # silent through it. train.fit sets it on rank 0.
+    notes: bool = False
 
     @abc.abstractmethod
     def step(self, micro_batches: list[Batch], total_targets: int | None = None,

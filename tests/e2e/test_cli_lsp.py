@@ -21,6 +21,11 @@ def test_lsp_trains_resumes_exactly_and_exports_a_loadable_model(workdir):
     assert int(counted.split()[-1].replace(",", "")) > 0  # the projected matrices count, though frozen to autograd
     assert straight[0]["lsp_refit"] > 0 and "lsp_error_mean" in straight[3]  # fit before step 1, check at 3
     assert all(r["host_link_bytes"] > 0 for r in straight)
+    # --no-progress: no bar, so each projector check says one line as it begins; the fit sample is said
+    # apart from the examples trained on (both found missing by a newcomer walkthrough)
+    assert "lsp: fitting the projectors of " in stdout and " on the fit sample's " in stdout and "before step 1" in stdout
+    assert "lsp: checking the projectors of " in stdout and "before step 4" in stdout
+    assert "(and 8 held out as the engine's own sample)" in stdout, stdout
 
 
 def test_lsp_refuses_lora_in_one_sentence(workdir):

@@ -387,6 +387,11 @@ class LspEngine(Engine):
         self._flush_and_drain()  # a refit folds the matrices it changes
         memory.mark("lsp check")
         self.learning.progress = self.progress and self.dist.is_main
+        if self.notes and not self.progress and not self.fake:
+            what = "checking" if self.learning.fitted else "fitting"
+            print(f"lsp: {what} the projectors of {len(self.modules)} matrices on "
+                  f"{'the fit sample' if self.sample else 'this step'}'s {len(self.sample or micro_batches)}"
+                  f" batches before step {self.step_count + 1}", flush=True)
         extras = self.learning.check(self.sample or micro_batches, self._probe_pass)
         self._agree_with_rank0()
         if reading.peak is not None and (self.check_peak is None or reading.peak > self.check_peak[0]):
