@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from slimtune import local_paths
 from slimtune.config_sources import Sources
 from slimtune.errors import UserError
 
@@ -359,8 +360,11 @@ def read(path: str | Path | None, overrides: list[str] = (), base: dict | None =
 
 
 def _read_yaml(path: Path, sources: Sources) -> dict:
+    if path.is_dir():
+        inside = " (a run's folder: its settings are in config.yaml there)" if (path / "config.yaml").is_file() else ""
+        raise UserError(f"config file '{path}' is a folder, not a YAML file{inside}.")
     if not path.is_file():
-        raise UserError(f"config file '{path}' does not exist.")
+        raise UserError(local_paths.missing("config file", path))
     try:
         text = path.read_text()
         raw = yaml.safe_load(text)

@@ -98,6 +98,22 @@ def test_missing_required_and_bad_yaml(tmp_path):
 
 
 @pytest.mark.quick
+def test_a_config_that_is_a_folder_or_a_typo_is_said_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "model: a\ndata: x.jsonl\n")  # run.yaml
+    (tmp_path / "data").mkdir()
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "config.yaml").write_text("model: a\n")
+    for given, said in (("data", "config file 'data' is a folder, not a YAML file."),
+                        ("runs/demo", "config file 'runs/demo' is a folder, not a YAML file (a run's folder: its"
+                                      " settings are in config.yaml there)."),
+                        ("run.yml", "config file 'run.yml' does not exist; did you mean 'run.yaml'?")):
+        with pytest.raises(UserError) as raised:
+            settings.load(given)
+        assert str(raised.value) == said
+
+
+@pytest.mark.quick
 def test_every_field_has_help():
     lines = settings.help_text()
     assert any(line.strip().startswith("train.lr") for line in lines)
