@@ -560,9 +560,9 @@ def _devices_text(devices: list[str]) -> str:
     return f"{', '.join(devices)} ({len(devices)} workers)"
 
 
-def summary_table(summary: dict) -> str:
-    """The run's figures; one that trained nothing (its steps were all done before) has no speed or
-    peak to show, and says so instead of showing zeros."""
+def summary_table(summary: dict, extra: list[tuple[str, str]] = ()) -> str:
+    """The run's figures, and `extra` rows (the demo's accuracies) aligned with them; a run that trained
+    nothing (its steps were all done before) has no speed or peak to show, and says so instead of zeros."""
     idle = summary["resumed_from"] >= summary["steps"]
     steps = (f"{summary['steps']} (all taken before this run)" if idle else
              f"{summary['steps']} (resumed from {summary['resumed_from']})" if summary["resumed_from"] else
@@ -587,4 +587,4 @@ def summary_table(summary: dict) -> str:
             ("wall time", f"{summary['seconds']:.1f} s"),
         ]
     rows.append(("result", summary["result"]))
-    return format_table(rows)
+    return format_table(rows + list(extra))

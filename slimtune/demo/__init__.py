@@ -17,7 +17,6 @@ from slimtune import train
 from slimtune.data import dataset as data
 from slimtune.engines import settings
 from slimtune.serve import evaluate as scoring
-from slimtune.run.metrics import format_table
 
 ASSETS = Path(__file__).resolve().parent
 OUTPUT_DIR = "runs/demo"
@@ -55,14 +54,15 @@ def main(progress: bool = True) -> dict:
     cfg = settings.load(None, [], base=SETTINGS)
     run = train.build(cfg)
     records = heldout()
-    print(f"slimtune demo: LoRA on a {sum(p.numel() for p in run.stack.model.parameters()):,}-parameter base model, "
+    trained = run.trainable_count()
+    base = sum(p.numel() for p in run.stack.model.parameters()) - trained  # the model holds the adapters too
+    print(f"slimtune demo: LoRA ({trained:,} trained parameters) on a {base:,}-parameter base model, "
           f"CPU, {len(records)} held-out examples (see {ASSETS / 'README.md'})")
     before = accuracy(run, records)
     print(f"held-out accuracy before fine-tuning: {before:.1%}")
     run, summary = train.fit(cfg, progress=progress, run=run)
     after = accuracy(run, records)
-    print(train.summary_table(summary))
-    print(format_table([
+    print(train.summary_table(summary, [
         ("held-out accuracy before", f"{before:.1%}"),
         ("held-out accuracy after", f"{after:.1%}"),
         ("demo wall time", f"{time.perf_counter() - began:.0f} s"),
