@@ -88,7 +88,9 @@ def _add_train(train: argparse.ArgumentParser) -> None:
     train.epilog = TRAIN_EPILOG.format(fields="\n".join(settings.help_text()))
     train.add_argument("config", nargs="?", help="run config (YAML)")
     train.add_argument("overrides", nargs="*", help="key=value settings applied over the config")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
+    train.add_argument("--no-progress", action="store_true",
+                       help="no progress bar: a line after the first and last step and at most every 30 s instead"
+                            " (metrics still go to metrics.jsonl)")
     train.add_argument("--gpu", help="with plan=auto: the card to plan for (same as gpu=...)")
     train.add_argument("--nproc", type=int, help="train with data parallelism on this many processes on this machine"
                        " (torchrun --standalone --nproc-per-node N; one per GPU on CUDA). Several machines: see docs/data-parallel.md")

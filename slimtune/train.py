@@ -41,6 +41,7 @@ from slimtune.units import human_bytes
 from slimtune.model import hub
 from slimtune.model.stack import Stack, load_tokenizer, read_config
 from slimtune.run.resume_settings import changes as settings_changes, refuse
+from slimtune.run.step_lines import StepLines
 from slimtune.run.folder import RunFolder
 
 
@@ -287,9 +288,10 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
             say(f"nothing to train: output_dir '{run.cfg.output_dir}' holds this run trained to step {start} of"
                 f" {run.cfg.train.steps} already; raise train.steps to go on.")
         log = _open_log(run, folder, start)
-        # A log file or pipe gets a refresh every 30 s instead of every step.
-        bar = tqdm(total=run.cfg.train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
-                   mininterval=0.1 if sys.stderr.isatty() else 30.0)
+        # A log file or pipe gets a refresh every 30 s instead of every step; no bar (--no-progress), a line as often.
+        bar = tqdm(total=run.cfg.train.steps, initial=start, unit="step", dynamic_ncols=True,
+                   mininterval=0.1 if sys.stderr.isatty() else 30.0) if progress else \
+            StepLines(run.cfg.train.steps, start, say)
         began, skips, drawn = time.perf_counter(), Skips(), DrawnBatches(stream)
         try:
             for step in range(start + 1, run.cfg.train.steps + 1):
