@@ -73,6 +73,31 @@ def _fsync_tree(folder: Path) -> None:
     _fsync_dir(folder)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask alone must set one to
+    read it, which another thread's new file could catch)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _modes_as_umask_gives(folder: Path) -> None:
+    """Every file of `folder` readable as any file this process makes: safetensors 0.8 writes through a
+    temporary file of mode 0600 and renames it (safetensors/safetensors#782), so a model or adapter it
+    wrote was readable by its owner alone (another user, a container's, could not load it) while the
+    files beside it were not."""
+    mode = 0o666 & ~_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
+            os.chmod(path, mode)
+
+
 @contextmanager
 def atomic_folder(final: Path, replaceable=lambda folder: False, needed: int | None = None):
     """Yield a temporary sibling folder; on success fsync it and rename it to `final`.
@@ -93,6 +118,7 @@ def atomic_folder(final: Path, replaceable=lambda folder: False, needed: int | N
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         yield tmp
+        _modes_as_umask_gives(tmp)
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)

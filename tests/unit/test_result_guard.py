@@ -92,3 +92,21 @@ def test_the_operating_systems_error_is_found_behind_torchs_and_safetensors_wrap
     assert "Read-only file system" in checkpoint.write_failure(safetensors_style, tmp_path / "merged")
     assert checkpoint.write_failure(ValueError("a bug"), tmp_path / "merged") is None
     assert checkpoint.write_failure(torch.OutOfMemoryError("no"), tmp_path) is None
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_written_folder_s_files_are_as_readable_as_any_new_file_safetensors_ones_too(tmp_path, umask):
+    """safetensors writes its files 0600 (safetensors/safetensors#782): an adapter another user could not
+    load. Every file of a result or checkpoint folder takes the mode the umask gives a new file."""
+    from safetensors.torch import save_file
+
+    before = os.umask(umask)
+    try:
+        with results.writing(tmp_path / "adapter", "adapter") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp / "adapter_model.safetensors"))
+            (tmp / "adapter_config.json").write_text("{}")
+            written = (tmp / "adapter_model.safetensors").stat().st_mode & 0o777  # what safetensors gave it
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "adapter").iterdir()}
+    finally:
+        os.umask(before)
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask), (modes, oct(written))
