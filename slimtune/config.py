@@ -399,6 +399,13 @@ def _apply_override(raw: dict, item: str, sources: Sources) -> None:
     sources.give(key, "on the command line")
 
 
+def _inside(key: str, known: Mapping[str, tuple]) -> list[str]:
+    """`key` as a setting of a section here (`steps` -> train.steps, `rank` -> lora.rank): a key given
+    without its section, said before any look-alike of this level's names."""
+    return [f"{name}.{key}" for name, (hint, _) in known.items()
+            if dataclasses.is_dataclass(hint) and key in {f.name for f in dataclasses.fields(hint)}]
+
+
 def from_dict(cls: type, raw: Any, prefix: str, sources: Sources,
               sections: Mapping[str, type] = NO_SECTIONS) -> Any:
     """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types by name and place;
@@ -409,8 +416,8 @@ def from_dict(cls: type, raw: Any, prefix: str, sources: Sources,
     known = _keys_of(cls, sections)
     for key in raw:
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            close = _inside(str(key), known) or [prefix + c for c in difflib.get_close_matches(str(key), known, n=1)]
+            hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
             raise UserError(f"unknown key '{prefix}{key}' {sources.of(f'{prefix}{key}')}{hint}.")
     values, given_sections = {}, {}
     for name, (hint, required) in known.items():

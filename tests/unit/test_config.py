@@ -88,6 +88,17 @@ def test_unknown_key_suggests_the_close_one(tmp_path):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("given, meant", [("steps", "train.steps"), ("rank", "lora.rank"), ("slots", "slide.slots"),
+                                          ("lr", "train.lr")])
+def test_a_setting_given_without_its_section_names_the_section(tmp_path, given, meant):
+    """`steps=5` named no suggestion (and `rank=8` suggested 'train', a look-alike): the section's setting
+    of that name comes first (found by a newcomer walkthrough)."""
+    with pytest.raises(UserError) as err:
+        settings.load(write(tmp_path, CONTRACT), [f"{given}=5"])
+    assert str(err.value) == f"unknown key '{given}' on the command line (did you mean '{meant}'?)."
+
+
+@pytest.mark.quick
 def test_missing_required_and_bad_yaml(tmp_path):
     with pytest.raises(UserError, match="missing required key 'model'"):
         settings.load(write(tmp_path, "data: x.jsonl\n"))
