@@ -102,7 +102,8 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--gpu", required=True, help="a card name (rtx4090, h100, ...), a size (24GiB) or a probe JSON")
     plan.add_argument("--seq", type=int, default=2048, help="tokens per row (default 2048)")
     plan.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
-    plan.add_argument("--method", choices=("lora", "full"), default="lora")
+    plan.add_argument("--method", choices=("lora", "full"), default="lora",
+                      help="lora (adapters over a frozen, possibly 4-bit base) or full fine-tuning (default lora)")
     plan.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     plan.add_argument("--gpus", "--gpus-per-node", dest="gpus", type=int, default=1,
                       help="cards of that kind per machine (default 1): one rank each under data parallelism, or one"

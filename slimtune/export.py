@@ -10,6 +10,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from slimtune import local_paths
 from slimtune.store import checkpoint, results
 from slimtune.model import hub, lora
 from slimtune.config import LoraConfig
@@ -115,6 +116,8 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
 def run_config(run_dir: Path) -> dict:
     """The config.yaml a run wrote, or one sentence saying `run_dir` is no run folder."""
     config_path = Path(run_dir) / "config.yaml"
+    if not Path(run_dir).exists():
+        raise UserError(local_paths.missing("run folder", run_dir))
     if not config_path.is_file():
         raise UserError(f"'{run_dir}' is not a slimtune run folder (no config.yaml).")
     return yaml.safe_load(config_path.read_text())

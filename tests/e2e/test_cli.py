@@ -119,6 +119,8 @@ def test_user_errors_are_one_sentence_and_leave_nothing(workdir, args, needle):
 def test_export_of_a_non_run_folder_is_refused(workdir):
     proc = slimtune("export", "model", "--merge", cwd=workdir, check=False)
     assert proc.returncode == 2 and "not a slimtune run folder" in proc.stderr
+    proc = slimtune("export", "nowhere", "--merge", cwd=workdir, check=False)  # as chat and eval say it
+    assert proc.returncode == 2 and proc.stderr.strip() == "slimtune: error: run folder 'nowhere' does not exist."
 
 
 def test_slide_trains_resumes_exactly_and_exports(workdir):
