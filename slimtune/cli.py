@@ -288,6 +288,10 @@ def _plan(args: argparse.Namespace) -> None:
                            seq_limit=args.max_seq or 0)
     title = f"slimtune plan: {args.model}, {args.method}, batch {args.batch} x seq {args.seq}, on {machine.describe()}"
     print(planner.to_json(results) if args.json else planner.table(results, title, machine, detail=args.detail))
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if positions and args.seq > positions and not args.json:
+        print(f"note: --seq {args.seq} is longer than the model's {positions:,} positions (max_position_embeddings);"
+              f" --seq {positions} plans rows of its own length.")
     if args.png:
         from slimtune.planning import picture as plan_picture
 

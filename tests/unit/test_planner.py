@@ -62,6 +62,18 @@ def test_host_ram_is_checked_before_the_device(tiny_model_dir, monkeypatch):
     assert fastest_fitting(plans(small_host, chunked=True)) is not None  # one chunk's state fits where all do not
 
 
+def test_a_plan_longer_than_the_model_s_positions_says_so(tiny_model_dir, capsys):
+    """The demo model has 256 positions and plan's default --seq is 2048: the plans are of rows the model
+    never saw, and nothing said so (found by a newcomer walkthrough)."""
+    positions = presets.model_config(str(tiny_model_dir)).max_position_embeddings
+    assert cli.main(["plan", "--model", str(tiny_model_dir), "--gpu", "1GiB", "--seq", str(positions + 1)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"note: --seq {positions + 1} is longer than the model's {positions:,} positions (max_position_embeddings);"
+        f" --seq {positions} plans rows of its own length.")
+    assert cli.main(["plan", "--model", str(tiny_model_dir), "--gpu", "1GiB", "--seq", str(positions)]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_nothing_fits_a_tiny_card(tiny_model_dir):
     base = planner.planning_config("full")
     results = planner.plan(presets.model_config(str(tiny_model_dir)), base,
