@@ -410,8 +410,8 @@ class LspEngine(Engine):
 
         The weight and Z go too only where the ranks changed different sets: a fold is deterministic
         (index_select products of the agreed old projectors and the one Z every rank holds, and the
-        same rounding draws while every rank folds the same matrices in the same order), so where every
-        rank changed the same matrices their W and Z are already equal. That is every first fit (all
+        same rounding draws: the agreed generator, and the changed matrices folded in matrix order,
+        learning.refit), so where every rank changed the same matrices their W and Z are already equal. That is every first fit (all
         matrices, Z = 0): the whole model's block weights need not cross the link at the job's start.
         (Only rank 0's figures are logged; learning.changed stays each rank's own.)"""
         if not self.dist.active or self.fake:

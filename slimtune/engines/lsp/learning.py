@@ -256,7 +256,9 @@ class ProjectorLearning:
             handing.flush()
         finally:
             bar.close()
-        changed = [i for i, (fit, member) in fits.items() if not self._kept(i, fit, member)]
+        # Folded in matrix order: a bf16 fold draws its rounding, so ranks that changed the same matrices
+        # fold them alike only if the order is the set's, not the fits' (which follows each rank's choice).
+        changed = sorted(i for i, (fit, member) in fits.items() if not self._kept(i, fit, member))
         for index in changed:
             fit, member = fits[index]
             self._adopt(index, fit.pair(member))
