@@ -364,6 +364,17 @@ def test_a_refit_carries_the_moments_into_the_new_subspace():
     assert changed > 0
 
 
+def test_a_check_folds_the_matrices_it_changed_in_matrix_order():
+    """A bf16 fold draws its rounding; under torchrun, ranks that changed the same matrices must draw alike for
+    each, so the folds go in matrix order, not in the fits' order (q with o, k with v: not matrix order)."""
+    model = model_of()
+    engine = LspEngine(Stack(model), run_cfg(), CPU, "fp64")
+    every = list(range(len(engine.modules)))
+    assert [i for group in engine.learning.groups(every) for i in group] != every  # the fits' order differs
+    engine.step(batches(model.config.vocab_size, 0))  # the first fit changes every matrix
+    assert engine.learning.changed == every
+
+
 class _NoReading:
     peak = None
     peak_breakdown = None
