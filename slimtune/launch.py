@@ -84,7 +84,7 @@ def _how_it_ended(rank: int, nproc: int, failure) -> str:
 
 
 def _resume_hint(output_dir: str) -> str:
-    latest, _ = checkpoint.latest_intact(Path(output_dir))
+    latest = checkpoint.latest(Path(output_dir))  # named, not read (train._last_checkpoint_sentence)
     if latest is None:
         return "No checkpoint was written yet."
     return f"The last checkpoint is '{latest}'; the same command resumes from it."

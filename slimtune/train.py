@@ -343,8 +343,9 @@ def _open_log(run: Run, folder: RunFolder | None, start: int) -> MetricsLog | Ra
 
 
 def _last_checkpoint_sentence(run: Run) -> str:
-    """Where the same command would go on from: the newest intact checkpoint, or the start."""
-    latest, _ = checkpoint.latest_intact(Path(run.cfg.output_dir))
+    """Where the same command would go on from: the newest checkpoint (named, not read: checking its files
+    would read them all, gigabytes, before a Ctrl-C ends; the resume checks them), or the start."""
+    latest = checkpoint.latest(Path(run.cfg.output_dir))
     if latest:
         return f"The last checkpoint is '{latest}'; resume with the same command."
     every = run.cfg.train.save_every
