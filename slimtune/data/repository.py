@@ -46,10 +46,10 @@ class Where:
 
 def is_hub_dataset(path: str) -> bool:
     """A Hub name: `data/train.jsonl` that is missing stays a missing file, not a dataset to fetch, and so
-    does `data/train.josnl` where data/ is a folder here (local_paths.under_a_local_folder)."""
+    does `data/train.josnl` beside data/train.jsonl (local_paths.a_typo_here)."""
     text = str(path)
     return (bool(_NAME.match(text)) and ".." not in text and "--" not in text and not Path(text).exists()
-            and not text.lower().endswith(DATA_SUFFIXES) and not local_paths.under_a_local_folder(text))
+            and not text.lower().endswith(DATA_SUFFIXES) and not local_paths.a_typo_here(text))
 
 
 def is_saved(folder: Path) -> bool:

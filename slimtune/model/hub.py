@@ -38,11 +38,10 @@ _PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def is_hub_name(text: str) -> bool:
-    """`org/name` naming a Hub repository rather than a local path (a local path of that form wins, and so
-    does a missing one under a folder that is here: local_paths.under_a_local_folder)."""
+    """`org/name` naming a Hub repository rather than a local path (a local path of that form wins; a
+    missing one is looked up, and the refusal offers the near local names: local_paths.offer)."""
     text = str(text)
-    return (bool(_NAME.match(text)) and ".." not in text and "--" not in text and not Path(text).exists()
-            and not local_paths.under_a_local_folder(text))
+    return bool(_NAME.match(text)) and ".." not in text and "--" not in text and not Path(text).exists()
 
 
 def resolved(cfg):
@@ -178,8 +177,8 @@ def _fetch_error(err: BaseException, name: str, revision: str | None) -> BaseExc
                                                and not isinstance(err, hub.RepositoryNotFoundError)):
         return UserError(f"model '{name}' is gated or private and the Hub refused access (HTTP {status}): {access}.")
     if isinstance(err, hub.RepositoryNotFoundError):
-        return UserError(f"model '{name}' is neither a local folder nor a Hub model this account can see (a private"
-                         " one needs HF_TOKEN set to a token with access).")
+        return UserError(f"model '{name}' is neither a local folder{local_paths.offer(name)} nor a Hub model this"
+                         " account can see (a private one needs HF_TOKEN set to a token with access).")
     if isinstance(err, hub.RevisionNotFoundError):
         return UserError(f"model_revision '{revision}' is not a branch, tag or commit of {name} on the Hub.")
     if isinstance(err, hub.IncompleteSnapshotError):
@@ -187,7 +186,8 @@ def _fetch_error(err: BaseException, name: str, revision: str | None) -> BaseExc
                          " it; run again with a connection.")
     if isinstance(err, hub.LocalEntryNotFoundError):
         at = f" at revision '{revision}'" if revision else ""
-        missing = f"model '{name}' is not a local folder, and{at} it is not in the Hub cache ({constants.HF_HUB_CACHE})"
+        missing = (f"model '{name}' is not a local folder{local_paths.offer(name)}, and{at} it is not in the Hub"
+                   f" cache ({constants.HF_HUB_CACHE})")
         if constants.is_offline_mode():
             return UserError(f"{missing} while HF_HUB_OFFLINE is set, so it cannot be fetched; fetch it once with a"
                              " connection, or unset HF_HUB_OFFLINE.")
