@@ -92,10 +92,17 @@ def _modes_as_umask_gives(folder: Path) -> None:
     temporary file of mode 0600 and renames it (safetensors/safetensors#782), so a model or adapter it
     wrote was readable by its owner alone (another user, a container's, could not load it) while the
     files beside it were not."""
-    mode = 0o666 & ~_umask()
+    mode, me = 0o666 & ~_umask(), os.geteuid() if hasattr(os, "geteuid") else None
     for path in folder.rglob("*"):
-        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
+        if not path.is_file() or path.is_symlink():
+            continue
+        found = path.stat()
+        if found.st_mode & 0o777 == mode or (me is not None and found.st_uid != me):
+            continue  # already so, or another node's rank wrote it (a shared filesystem): its mode is its own
+        try:
             os.chmod(path, mode)
+        except PermissionError:
+            pass  # a file this process may not change: left as it was written
 
 
 @contextmanager
