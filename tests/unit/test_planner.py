@@ -31,6 +31,7 @@ def test_plan_table_labels_memory_measured_and_speed_modelled(tiny_model_dir, ca
                      "--png", str(picture)]) == 0
     out = capsys.readouterr().out
     assert "fake tensors" in out and "modelled" in out and "recommended:" in out
+    assert "note:" not in out  # --seq 64 is within the tiny model's positions
     # the plans as a picture (plan_picture's own tests check what is drawn)
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
 
@@ -70,8 +71,7 @@ def test_a_plan_longer_than_the_model_s_positions_says_so(tiny_model_dir, capsys
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         f"note: --seq {positions + 1} is longer than the model's {positions:,} positions (max_position_embeddings);"
         f" --seq {positions} plans rows of its own length.")
-    assert cli.main(["plan", "--model", str(tiny_model_dir), "--gpu", "1GiB", "--seq", str(positions)]) == 0
-    assert "note:" not in capsys.readouterr().out
+    # (a plan within the positions says nothing of them: test_plan_table_labels_memory_measured_and_speed_modelled)
 
 
 def test_nothing_fits_a_tiny_card(tiny_model_dir):
