@@ -165,6 +165,9 @@ def _add_eval(evaluate: argparse.ArgumentParser) -> None:
     from slimtune.serve.evaluate import ANSWER_SLACK, FORMATS
 
     evaluate.add_argument("run_dir", help=RUN_DIR_HELP)
+    evaluate.add_argument("overrides", nargs="*", metavar="data.key=value",
+                          help="the --data file's own settings where they differ from the run's, e.g."
+                               " data.prompt_field=question data.response_field=answer")
     evaluate.add_argument("--data", required=True, help="a file (or saved dataset folder) in any format training reads")
     evaluate.add_argument("--format", choices=FORMATS,
                           help="the data's format (default: the run's data.format, else prompt_response)")
@@ -365,7 +368,8 @@ def _eval(args: argparse.Namespace) -> None:
     source = inference.resolve(args.run_dir)
     base = source.base_source() if args.compare_base else None  # a missing base is said before anything loads
     tokenizer = inference.load_tokenizer(source)
-    prepared = scoring.prepare(scoring.data_config(source, args.data, args.format), tokenizer, args.batch_size)
+    prepared = scoring.prepare(scoring.data_config(source, args.data, args.format, args.overrides), tokenizer,
+                               args.batch_size)
     new_tokens = args.max_new_tokens or (scoring.default_new_tokens(tokenizer, prepared.cases)
                                          if prepared.cases else None)
     scores = {}

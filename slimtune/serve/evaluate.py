@@ -25,6 +25,7 @@ import torch
 
 from slimtune.data import dataset as data
 from slimtune.serve import inference
+from slimtune import config
 from slimtune.config import DataConfig
 from slimtune.errors import UserError
 
@@ -42,14 +43,21 @@ class EvalData:
     cases: list[tuple[list[int], str]] | None  # (prompt ids, reference answer); None for text data
 
 
-def data_config(source: inference.Source, path: str, fmt: str | None) -> DataConfig:
+def data_config(source: inference.Source, path: str, fmt: str | None, overrides: list[str] = ()) -> DataConfig:
     """The data settings of `path`: the run's own (fields, template, max_length, packing), with
-    `fmt` when given (default: the run's format, else prompt_response); nothing held out."""
+    `fmt` when given (default: the run's format, else prompt_response) and `data.key=value` overrides
+    (an eval file whose fields are named otherwise than the run's); nothing held out."""
     known = {f.name for f in dataclasses.fields(DataConfig)}
     settings = {k: v for k, v in source.data.items() if k in known}
     settings.update(path=str(path), eval_path=None, eval_fraction=0.0)
     if fmt is not None:
         settings["format"] = fmt
+    outside = [item for item in overrides if not item.startswith("data.")]
+    if outside:
+        raise UserError(f"'{outside[0]}': eval takes data.* settings only (the fields, template and lengths of"
+                        " --data), e.g. data.prompt_field=question.")
+    if overrides:  # typed and checked as train's overrides are
+        settings = config.to_dict(config.read(None, list(overrides), base={"model": "-", "data": settings}).cfg)["data"]
     cfg = DataConfig(**settings)
     if cfg.format not in FORMATS:
         raise UserError(f"data format '{cfg.format}' is not one of {', '.join(FORMATS)}.")

@@ -296,6 +296,9 @@ def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp
     (["eval", "{lora}", "--data", "{tmp}/missing.jsonl"], "does not exist"),
     (["eval", str(BASE), "--data", "{tmp}/fields.jsonl", "--compare-base"], "has no base model to compare with"),
     (["eval", "{lora}", "--data", "{tmp}/bad.jsonl", "--batch-size", "0"], "--batch-size must be positive"),
+    (["eval", "{lora}", "train.steps=3", "--data", "{tmp}/fields.jsonl"], "'train.steps=3': eval takes data.* settings"),
+    (["eval", "{lora}", "data.response_fild=answer", "--data", "{tmp}/fields.jsonl"],
+     "unknown key 'data.response_fild' on the command line (did you mean 'data.response_field'?)"),
 ])
 def test_bad_input_ends_in_one_sentence(runs, tmp_path, capsys, argv, words):
     _, lora_run, _ = runs
@@ -310,6 +313,17 @@ def test_bad_input_ends_in_one_sentence(runs, tmp_path, capsys, argv, words):
     err = capsys.readouterr().err
     assert err.startswith("slimtune: error: ") and words in err, err
     assert err.strip().count("\n") == 0 and "Traceback" not in err
+
+
+def test_eval_reads_a_file_whose_fields_are_named_otherwise_than_the_run_s(runs, tmp_path, capsys):
+    """`slimtune eval RUN data.response_field=answer --data f.jsonl`: the run's field names were the only
+    ones eval read (found by a newcomer walkthrough)."""
+    _, lora_run, _ = runs
+    write_jsonl(tmp_path / "fields.jsonl", [{"question": PROMPTS[0], "answer": "b"}])
+    assert cli.main(["eval", str(lora_run), "data.prompt_field=question", "data.response_field=answer", "--data",
+                     str(tmp_path / "fields.jsonl"), "--json", "--max-new-tokens", "2"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["examples"] == found["answers"] == 1 and 0.0 <= found["model"]["exact_match"] <= 1.0
 
 
 def test_a_device_that_is_not_one_is_refused_by_the_parser(capsys):
