@@ -7,6 +7,7 @@ import argparse
 import importlib
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable
@@ -85,7 +86,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 def _add_train(train: argparse.ArgumentParser) -> None:
     from slimtune.engines import settings
 
-    train.epilog = TRAIN_EPILOG.format(fields="\n".join(settings.help_text()))
+    # Wrapped to a terminal's width; to a pipe or a file one line a key, whole (grep finds a help in one piece).
+    width = max(shutil.get_terminal_size().columns, 80) if sys.stdout.isatty() else None
+    train.epilog = TRAIN_EPILOG.format(fields="\n".join(settings.help_text(width=width)))
     train.add_argument("config", nargs="?", help="run config (YAML)")
     train.add_argument("overrides", nargs="*", help="key=value settings applied over the config")
     train.add_argument("--no-progress", action="store_true",

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import textwrap
 import types
 import typing
 from collections.abc import Mapping
@@ -529,14 +530,33 @@ def flatten(settings: dict, prefix: str = "") -> dict:
 
 
 def help_text(cls: type = RunConfig, prefix: str = "", summaries: Mapping[str, str] = NO_SECTIONS,
-              sections: Mapping[str, type] = NO_SECTIONS) -> list[str]:
-    """One line per key: key, default, help; sections expanded. For RunConfig, the engines
-    (`summaries`: name -> one line) are listed under `engine` and their `sections` expanded there."""
+              sections: Mapping[str, type] = NO_SECTIONS, width: int | None = None) -> list[str]:
+    """One entry per key: key, default, help, in columns as wide as the longest key and default (at most
+    DEFAULT_COLUMN); sections expanded. For RunConfig, the engines (`summaries`: name -> one line) are
+    listed under `engine` and their `sections` expanded there. `width`: wrap each help to that many
+    columns, its lines under the help's column (an entry is then several lines, joined by newlines)."""
+    rows = _help_rows(cls, prefix, summaries, sections)
+    key_width = max(len(indent + key) for indent, key, _, _ in rows)
+    default_width = min(max(len(default) for _, _, default, _ in rows), DEFAULT_COLUMN)
     lines = []
+    for indent, key, default, text in rows:
+        head = f"  {indent + key:<{key_width}} {default:<{default_width}} "
+        wrapped = textwrap.wrap(text, max(width - len(head), 30)) if width and text else [text]
+        lines.append(head + f"\n{' ' * len(head)}".join(wrapped))
+    return lines
+
+
+DEFAULT_COLUMN = 18  # a longer default (a list, a long string) pushes its own help along, not every row's
+
+
+def _help_rows(cls: type, prefix: str, summaries: Mapping[str, str],
+               sections: Mapping[str, type]) -> list[tuple[str, str, str, str]]:
+    """(indent, key, default, help) of every key, sections expanded, engines listed under `engine`."""
+    rows = []
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name, (hint, _) in _keys_of(cls, sections).items():
         if dataclasses.is_dataclass(hint):
-            lines.extend(help_text(hint, prefix + name + "."))
+            rows.extend(_help_rows(hint, prefix + name + ".", NO_SECTIONS, NO_SECTIONS))
             continue
         f = fields[name]
         if f.default is not REQUIRED:
@@ -545,7 +565,7 @@ def help_text(cls: type = RunConfig, prefix: str = "", summaries: Mapping[str, s
             default = repr(f.default_factory())
         else:
             default = "(required)"
-        lines.append(f"  {prefix + name:<22} {default:<18} {f.metadata.get('help', '')}")
+        rows.append(("", prefix + name, default, f.metadata.get("help", "")))
         if cls is RunConfig and name == "engine":
-            lines += [f"    {engine:<20} {'(an engine)':<18} {summary}" for engine, summary in summaries.items()]
-    return lines
+            rows += [("  ", engine, "(an engine)", summary) for engine, summary in summaries.items()]
+    return rows

@@ -48,9 +48,11 @@ def complete(cfg: RunConfig) -> RunConfig:
                                               for name, section in sections().items()})
 
 
-def help_text() -> list[str]:
-    """`slimtune train --help`'s settings: one line per key, every engine listed under `engine` with its section."""
-    return config.help_text(summaries={spec.name: spec.summary for spec in registry.specs()}, sections=sections())
+def help_text(width: int | None = None) -> list[str]:
+    """`slimtune train --help`'s settings: one entry per key, every engine listed under `engine` with its
+    section; `width`: each help wrapped to that many columns."""
+    return config.help_text(summaries={spec.name: spec.summary for spec in registry.specs()}, sections=sections(),
+                            width=width)
 
 
 def validate(cfg: RunConfig) -> None:

@@ -132,6 +132,19 @@ def test_every_field_has_help():
 
 
 @pytest.mark.quick
+def test_the_help_s_columns_fit_the_longest_key_and_wrap_to_the_width_asked():
+    """The key column was 22 wide and longer keys (roundpipe.memory_fraction) pushed their rows out of line; a
+    terminal gets each help wrapped under its column, a pipe one whole line a key."""
+    whole = settings.help_text()
+    column = whole[0].index("A local Hugging Face model folder")  # model's help
+    assert all(len(line) >= column and line[column - 1] == " " for line in whole)  # every help starts there
+    assert all(line[column] != " " for line in whole if not line.lstrip().startswith(("(an engine)",)))
+    wrapped = [part for entry in settings.help_text(width=100) for part in entry.split("\n")]
+    assert len(wrapped) > len(whole) and all(len(part) <= 100 for part in wrapped)
+    assert all(part.startswith(" " * column) for entry in settings.help_text(width=100) for part in entry.split("\n")[1:])
+
+
+@pytest.mark.quick
 def test_example_configs_load():
     from pathlib import Path
 
