@@ -458,7 +458,7 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
     if _due(step, t.save_every, t.steps):
         checkpoint.save(Path(run.cfg.output_dir), step, run.engine.state_dict(), drawn.stream.state_dict(), t.keep_last,
                         dist)
-    bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+    bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False,
                     mem=_peak_text(result.device_peak_bytes))
     bar.update(1)
 

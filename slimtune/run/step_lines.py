@@ -20,7 +20,8 @@ class StepLines:
         self.total, self.n, self.say, self.every_s, self.clock = total, initial, say, every_s, clock
         self.first, self.last_said, self.fields = initial + 1, float("-inf"), {}
 
-    def set_postfix(self, **fields: str) -> None:
+    def set_postfix(self, refresh: bool = True, **fields: str) -> None:
+        del refresh  # (tqdm's: redraw now) a line is said by update alone
         self.fields = fields
 
     def update(self, n: int = 1) -> None:

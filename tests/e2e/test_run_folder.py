@@ -143,6 +143,14 @@ def test_resume_checks_the_runs_identity_before_rewriting_anything(here, capsys)
     assert "changed settings" not in capsys.readouterr().out
 
 
+def test_the_bar_to_a_file_redraws_at_its_interval_not_every_step(here, capsys):
+    """A log file got a frame of the bar every step (set_postfix redrew it, past tqdm's 30 s interval for a
+    file): 51 KB of carriage returns for the demo (found by a newcomer walkthrough)."""
+    assert cli.main(["train", "run.yaml", "train.steps=8"]) == 0  # the bar on, to capsys' stream (no terminal)
+    frames = capsys.readouterr().err.count("\r")
+    assert 0 < frames <= 3, frames  # drawn at the start and the end, not 8 times more
+
+
 def test_a_finished_run_run_again_says_there_is_nothing_to_train_and_shows_no_speed(here, capsys):
     assert run("train.steps=2") == 0
     capsys.readouterr()
