@@ -116,14 +116,11 @@ def _repo_files(name: str, revision: str | None) -> list[str] | None:
     """The repository's top-level files, listed by the Hub before anything is fetched; None when the Hub
     cannot be asked (offline, no connection): the cache answers instead."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import OfflineModeIsEnabled
 
-    if _cache_only():
+    if _cache_only():  # offline mode included: the library would refuse to ask
         return None
     try:
         return [f for f in HfApi().list_repo_files(name, revision=revision) if "/" not in f]
-    except OfflineModeIsEnabled:
-        return None
     except Exception as err:  # noqa: BLE001
         if _unreachable(err):
             return None

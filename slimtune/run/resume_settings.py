@@ -237,9 +237,10 @@ def changes(before: dict, cfg: RunConfig, resolved_before: dict | None = None,
     old, new = config.flatten(before), config.flatten(config.to_dict(cfg))
     found = [Change(key, old.get(key), value, rule(key), in_use(key, old) and in_use(key, new))
              for key, value in new.items() if old.get(key) != value]
-    found += [Change(key, new[key], new[key], rule(key), True, (then, (resolved_now or {}).get(key)))
+    now = resolved_now or {}
+    found += [Change(key, new[key], new[key], rule(key), True, (then, now[key]))
               for key, then in (resolved_before or {}).items()
-              if key in new and old.get(key) == new[key] and (resolved_now or {}).get(key) not in (None, then)]
+              if key in new and old.get(key) == new[key] and now.get(key) not in (None, then)]
     return [_engine_change(c, before, cfg) if c.key == "engine" else c for c in found]
 
 
