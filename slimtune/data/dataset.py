@@ -296,6 +296,7 @@ def _load_examples(source: Where, encoder: _Encoder, max_length: int, counts: di
     rows, where = read_records(source)
     if not rows:
         raise UserError(f"data path '{source.path}' holds no records.")
+    _refuse_absent_fields(rows, encoder.fields(), source.path)
     examples = []
     for i, row in enumerate(rows):
         ids, trained = encoder.encode(row, functools.partial(where, i))
@@ -305,6 +306,19 @@ def _load_examples(source: Where, encoder: _Encoder, max_length: int, counts: di
             counts["dropped" if any(trained[1:]) else "empty"] += 1
         examples += [example] if example is not None else []
     return examples
+
+
+def _refuse_absent_fields(rows: list[Any], fields: dict[str, str], path: str) -> None:
+    """One sentence for a field no record has (a field named otherwise in this file), before the
+    per-record check would blame the first record alone. Loaders give every record every column, so a
+    record's own absent field reads as null there and is told apart by this file-wide check only."""
+    present = set().union(*(row.keys() for row in rows if isinstance(row, dict)))
+    if not present:
+        return  # no record is an object: encode() names the first one
+    for setting, name in fields.items():
+        if name not in present:
+            raise UserError(f"no record of data path '{path}' has a field '{name}' (its fields: "
+                            f"{', '.join(sorted(map(str, present)))}); name the one to use with {setting}=...")
 
 
 def _shifted(ids: list[int], trained: list[bool]) -> Example | None:
@@ -332,6 +346,12 @@ class _Encoder:
         if self.eos is None:
             raise UserError("the tokenizer has no eos token; slimtune ends every trained example with one.")
         self.template = resolve_template(tokenizer, cfg.chat_template) if cfg.format == "chat" else None
+
+    def fields(self) -> dict[str, str]:
+        """The fields a record of this format must have, by the setting that names each."""
+        names = {"chat": ["messages_field"], "text": ["text_field"]}.get(self.cfg.format,
+                                                                          ["prompt_field", "response_field"])
+        return {f"data.{n}": getattr(self.cfg, n) for n in names}
 
     def encode(self, row: Any, where) -> tuple[list[int], list[bool]]:
         if not isinstance(row, dict):
@@ -362,7 +382,7 @@ class _Encoder:
 def _present(row: dict, name: str, where) -> Any:
     value = row.get(name)
     if value is None or (isinstance(value, float) and math.isnan(value)):  # NaN: pandas' missing value
-        raise UserError(f"{where()}: missing field '{name}'.")
+        raise UserError(f"{where()}: field '{name}' is missing or null.")
     return value
 
 

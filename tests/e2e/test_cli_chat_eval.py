@@ -292,7 +292,7 @@ def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp
     (["chat", "{tmp}/no-adapter"], "holds no adapter/ and no intact checkpoint"),
     (["chat", "{lora}", "--prompt", "a\udcff\udcfe"], "--prompt is not UTF-8 text (byte 0xff at character 2)"),  # argv
     (["eval", "{lora}", "--data", "{tmp}/bad.jsonl"], "bad.jsonl line 2: not valid JSON"),
-    (["eval", "{lora}", "--data", "{tmp}/fields.jsonl"], "fields.jsonl line 1: missing field 'response'"),
+    (["eval", "{lora}", "--data", "{tmp}/fields.jsonl"], "fields.jsonl' has a field 'response' (its fields: answer, prompt); name the one to use with data.response_field"),
     (["eval", "{lora}", "--data", "{tmp}/missing.jsonl"], "does not exist"),
     (["eval", str(BASE), "--data", "{tmp}/fields.jsonl", "--compare-base"], "has no base model to compare with"),
     (["eval", "{lora}", "--data", "{tmp}/bad.jsonl", "--batch-size", "0"], "--batch-size must be positive"),

@@ -454,23 +454,40 @@ def test_bad_json_line_names_file_and_line(tmp_path, tokenizer):
 
 def test_missing_and_mistyped_fields_name_the_line(tmp_path, tokenizer):
     records = [PR[0], PR[1], {"prompt": "x"}]
-    assert "t.jsonl line 3: missing field 'response'" in _error(tmp_path, tokenizer, "t.jsonl", _jsonl(records))
+    assert "t.jsonl line 3: field 'response' is missing or null" in _error(tmp_path, tokenizer, "t.jsonl",
+                                                                            _jsonl(records))
     records = [PR[0], {"prompt": "x", "response": 5}]
     msg = _error(tmp_path, tokenizer, "t.jsonl", _jsonl(records))
     assert "t.jsonl line 2: field 'response' must be a string" in msg
     _write_json_array(tmp_path / "a.json", [PR[0], {"prompt": "x"}])
-    assert "a.json line 6: missing field 'response'" in _error(tmp_path, tokenizer, "a.json")
-    (tmp_path / "t.csv").write_text('prompt,answer\na,b\n')  # no response column
-    assert "t.csv line 2: missing field 'response'" in _error(tmp_path, tokenizer, "t.csv")
-    # A record is named by the line it starts on, past a quoted cell that spans two lines.
+    assert "a.json line 6: field 'response' is missing or null" in _error(tmp_path, tokenizer, "a.json")
+    # A record's null reads as the loaders' fill for an absent field: one message for both.
+    msg = _error(tmp_path, tokenizer, "t.jsonl", _jsonl([PR[0], {"prompt": "x", "response": None}]))
+    assert "t.jsonl line 2: field 'response' is missing or null" in msg
+    # Turns in CSV cells are JSON text; a record is named by the line it starts on, past a quoted cell
+    # that spans two lines.
     turns = json.dumps(CHAT[1]["messages"])
     _write_csv(tmp_path / "c.csv", [{"messages": turns}, {"messages": turns.replace("}, {", "},\n{")},
                                     {"messages": "hello"}])
     assert "c.csv line 5: field 'messages' must be a non-empty list" in _error(tmp_path, tokenizer, "c.csv",
                                                                                 format="chat")
     _write_parquet(tmp_path / "t.parquet", [PR[0], {"prompt": "x", "response": None}])
-    assert "t.parquet record 2: missing field 'response'" in _error(tmp_path, tokenizer, "t.parquet")
-    assert "missing field 'text'" in _error(tmp_path, tokenizer, "t.jsonl", _jsonl(PR), format="text")
+    assert "t.parquet record 2: field 'response' is missing or null" in _error(tmp_path, tokenizer, "t.parquet")
+
+
+@pytest.mark.parametrize("name, text, kw, words", [
+    ("t.csv", "prompt,answer\na,b\n", {}, "'response' (its fields: answer, prompt); name the one to use with"
+                                              " data.response_field=..."),
+    ("t.jsonl", None, {"format": "text"}, "'text' (its fields: prompt, response); name the one"
+                                                          " to use with data.text_field=..."),
+    ("c.jsonl", '{"conversation": []}\n', {"format": "chat"}, "'messages' (its fields: conversation); name the one to use with"
+                                                               " data.messages_field=..."),
+])
+def test_a_field_no_record_has_is_named_with_the_file_s_fields(tmp_path, tokenizer, name, text, kw, words):
+    """A field named otherwise in the whole file is one sentence naming the file's fields and the
+    setting, not the first record's 'missing'."""
+    msg = _error(tmp_path, tokenizer, name, _jsonl(PR) if text is None else text, **kw)
+    assert f"no record of data path '{tmp_path / name}' has a field " in msg and words in msg
 
 
 def _jsonl(records) -> str:
@@ -483,8 +500,6 @@ def test_bad_chat_records(tmp_path, tokenizer):
     assert "c.jsonl line 2: message 2 has role 'bot'" in msg
     msg = _error(tmp_path, tokenizer, "c.jsonl", _jsonl([{"messages": "hello"}]), format="chat")
     assert "c.jsonl line 1: field 'messages' must be a non-empty list" in msg
-    msg = _error(tmp_path, tokenizer, "c.jsonl", _jsonl([{"conversation": []}]), format="chat")
-    assert "c.jsonl line 1: missing field 'messages'" in msg
     no_content = [{"messages": [{"role": "user"}]}]
     msg = _error(tmp_path, tokenizer, "c.jsonl", _jsonl(no_content), format="chat")
     assert "message 1 needs a string 'content'" in msg
