@@ -123,7 +123,8 @@ class ActivationsConfig:
         0,
         "Checkpointed blocks run in tiles of this many tokens, forward, recompute and backward (exact: attention runs"
         " each query tile against the whole sequence's keys and values); 0 = auto (tiles whose MLP activations are"
-        " about a quarter of a block input, >= 256 tokens, the whole row when shorter).",
+        " about a quarter of a block input, >= 256 tokens, the whole row when shorter; packed rows take shorter"
+        " tiles, whose key mask also counts: docs/long-context.md).",
     )
     mlp_chunk: int = setting(
         0, "The former name of seq_tile (the MLP's token chunks are now the block's tiles): read as seq_tile.")

@@ -3,8 +3,8 @@
 Every engine runs the model through the Stack, so anything family-specific lives here.
 Llama, Mistral, Qwen2 and Qwen3 share one layout (`model.embed_tokens`, `model.layers`,
 `model.norm`, `model.rotary_emb`, `lm_head`) and one block: input_layernorm -> self_attn ->
-residual add -> post_attention_layernorm -> mlp -> residual add, which `attention_half` and
-`mlp_half` compose from the block's own submodules. Tied or untied embeddings, GQA, attention
+residual add -> post_attention_layernorm -> mlp -> residual add (step/seq_tiles.py runs those
+submodules itself, a tile of tokens at a time). Tied or untied embeddings, GQA, attention
 bias, rope scaling and sliding-window layers are all handled by the family's own modules.
 """
 
@@ -465,24 +465,6 @@ class Stack:
             position_ids=inputs.position_ids,
             position_embeddings=inputs.position_embeddings,
         )
-
-    def attention_half(self, index: int, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        """hidden (B, T, D) -> hidden + attention(norm(hidden)): the first residual branch of block
-        `index`. With mlp_half it is run_block, split where the MLP's per-token work begins."""
-        layer = self.blocks[index]
-        out, _ = layer.self_attn(
-            hidden_states=layer.input_layernorm(hidden),
-            attention_mask=inputs.masks[self.layer_type(index)],
-            position_ids=inputs.position_ids,
-            position_embeddings=inputs.position_embeddings,
-        )
-        return hidden + out
-
-    def mlp_half(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (B, t, D) -> hidden + mlp(norm(hidden)): the second residual branch. Every
-        token is independent here, so any slice of tokens can run alone (activations' chunks)."""
-        layer = self.blocks[index]
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
     def body_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, run_blocks=None,
                     segmented: bool = True) -> torch.Tensor:

@@ -33,22 +33,6 @@ def test_stack_equals_hf_forward(tmp_path, tokenizer, family, overrides):
     torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("family, overrides", FAMILIES, ids=lambda v: v if isinstance(v, str) else "")
-def test_block_halves_compose_to_the_block(tmp_path, tokenizer, family, overrides):
-    """attention_half then mlp_half (by token slices too: the MLP is per token) is run_block."""
-    model = load_model(save_tiny_model(tmp_path, tokenizer, family, **overrides), torch.float64, torch.device("cpu"))
-    stack = Stack(model)
-    ids = torch.randint(3, len(tokenizer), (2, 10))
-    hidden = stack.embed(ids)
-    inputs = stack.prepare(hidden, torch.arange(10).expand(2, 10))
-    for index in range(len(stack.blocks)):
-        want = stack.run_block(index, hidden, inputs)
-        half = stack.attention_half(index, hidden, inputs)
-        got = torch.cat([stack.mlp_half(index, half[:, a : a + 3]) for a in range(0, 10, 3)], dim=1)
-        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-        hidden = want
-
-
 def test_unsegmented_rows_build_no_mask_and_equal_the_masked_path(tiny_model_dir):
     stack = Stack(load_model(tiny_model_dir, torch.float64, torch.device("cpu")))
     ids = torch.randint(3, stack.config.vocab_size, (2, 9))

@@ -72,8 +72,8 @@ from slimtune.engines.lsp.projected_linear import ProjectedLinear
 @dataclass
 class LspConfig:
     d: int = setting(-1, "engine=lsp: subspace size of every projected matrix (capped at its smaller side); the link"
-                         " moves 2 x d^2 x 4 bytes a matrix a step. -1: derived from the shapes, the largest multiple"
-                         " of 64 up to 512 within 5% of the matrices' bf16 gradient bytes (lsp/sizing.py).")
+                         " moves 2 x d^2 x 4 bytes a matrix a step. -1: half the hidden size, rounded down to a"
+                         " multiple of 64 (at least 64), capped at each matrix's smaller side (lsp/sizing.py).")
     r: int = setting(4, "engine=lsp: non-zeros in each projector row.")
     check_every: int = setting(100, "engine=lsp: optimizer steps between projector checks (0: fit once, before step 1).")
     alpha: float = setting(-1.0, "engine=lsp: if set (> 0), a check refits every matrix whose projectors' relative"
