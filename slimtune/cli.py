@@ -395,19 +395,19 @@ def _refuse_nonpositive(*options: tuple[str, int | None]) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C before a command began (the imports take seconds): nothing to say
-        return _interrupted_early(argv)
+    except KeyboardInterrupt as err:  # Ctrl-C before a command began (the imports take seconds): nothing to say
+        return _interrupted_early(argv, interrupts.exit_code(err))
 
 
-def _interrupted_early(argv: list[str] | None) -> int:
-    """Exit 130 without a word; the command line's own process ends at once (torch half imported
-    need not be torn down), and stops the planning worker `plan` may have started."""
+def _interrupted_early(argv: list[str] | None, code: int) -> int:
+    """Exit 130 (143 for SIGTERM) without a word; the command line's own process ends at once (torch
+    half imported need not be torn down), and stops the planning worker `plan` may have started."""
     from slimtune.planning import worker as planning_worker
 
     planning_worker.discard()
     if argv is None:
-        _exit_without_teardown(130)
-    return 130
+        _exit_without_teardown(code)
+    return code
 
 
 def _main(argv: list[str] | None) -> int:
@@ -477,17 +477,25 @@ def _run(args: argparse.Namespace) -> int:
             print(f"slimtune: error: {_rank_prefix(err)}{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
-        print(f"slimtune: {_interrupted(args.command, err)}", file=sys.stderr)
-        return 130
+        if not getattr(err, "said", False) and _rank_zero():  # Ctrl-C reaches every rank: rank 0 says it
+            print(f"slimtune: {_interrupted(args.command, err)}", file=sys.stderr)
+        return interrupts.exit_code(err)
     return 0
 
 
+def _rank_zero() -> bool:
+    from slimtune.dist import ranks as distributed
+
+    return distributed.env_rank() == 0
+
+
 def _interrupted(command: str, err: KeyboardInterrupt) -> str:
-    """What a Ctrl-C leaves: a run's training says where the same command goes on from; before or after
-    it, the checkpoints on disk are whole (each is written aside and renamed into place)."""
+    """What a Ctrl-C or SIGTERM leaves: a run's training says where the same command goes on from;
+    before or after it, the checkpoints on disk are whole (each is written aside and renamed into place)."""
+    words = interrupts.stopped_by(err)
     if isinstance(err, interrupts.Interrupted):
-        return f"interrupted. {err}"
-    return "interrupted; the checkpoints already written are intact." if command == "train" else "interrupted."
+        return f"{words}. {err}"
+    return f"{words}; the checkpoints already written are intact." if command == "train" else f"{words}."
 
 
 def _said_by_rank0(err: UserError) -> bool:

@@ -13,8 +13,9 @@ import logging
 import os
 from pathlib import Path
 
-from slimtune.store import checkpoint
 from slimtune.errors import UserError
+from slimtune.run import interrupts
+from slimtune.store import checkpoint
 
 # Once a rank fails, the others get SIGTERM and this long to end before SIGKILL (torchrun's default
 # is 30 s; a rank that hangs ignores SIGTERM, and a rank that is well has nothing left to finish:
@@ -37,19 +38,43 @@ def torchrun_args(nproc: int, train_args: list[str]) -> list[str]:
 def run_local(nproc: int, train_args: list[str], output_dir: str) -> None:
     """Run the job to its end; a failed rank ends it in one sentence (UserError)."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     # torchrun would set 1 and say so; the cores shared out is what a CPU rank should use.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config, entrypoint, args = torchrun.config_from_args(torchrun.parse_args(torchrun_args(nproc, train_args)))
-    # Its agent's own account of a failure (a warning per rank it stops) is said here in one sentence.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    _quiet_agent()
     try:
         elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         rank, failure = _cause(err.failures)
         raise UserError(_failure_sentence(rank, nproc, failure, output_dir)) from None
+    except SignalException as err:  # the launcher itself was stopped; torchrun passed the signal on to the ranks
+        raise _stopped(err.sigval, output_dir) from None
+
+
+def _quiet_agent() -> None:
+    """Its agent's own account of a failure or a stop (a warning per rank it stops, "Received 2 death
+    signal") is said here in one sentence. Each of its modules' loggers has a level of its own
+    (torch's elastic get_logger sets it), so the parent's level alone would not reach them."""
+    prefix = "torch.distributed.elastic"
+    for name in [prefix, *(n for n in logging.root.manager.loggerDict if n.startswith(prefix + "."))]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _stopped(signum: int, output_dir: str) -> KeyboardInterrupt:
+    """Ctrl-C (SIGINT) reaches every rank, and rank 0 names the checkpoint itself: the launcher adds
+    nothing. Another signal (SIGTERM from a scheduler, SIGHUP) was the launcher's alone, and torchrun
+    ended the ranks with it: the launcher says where the same command resumes from."""
+    import signal
+
+    if signum == signal.SIGINT:
+        stopped = interrupts.Signalled(signum)
+        stopped.said = True
+        return stopped
+    return interrupts.Interrupted(f"torchrun stopped every rank. {_resume_hint(output_dir)}", signum)
 
 
 def _failure_sentence(rank: int, nproc: int, failure, output_dir: str) -> str:

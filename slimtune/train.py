@@ -300,9 +300,9 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
         except distributed.PeerFailed as err:
             log.close(failed=True)
             raise distributed.PeerFailed(f"{err} {_last_checkpoint_sentence(run)}") from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as err:
             log.close(failed=True)
-            raise interrupts.Interrupted(_last_checkpoint_sentence(run)) from None
+            raise interrupts.Interrupted(_last_checkpoint_sentence(run), interrupts.signum_of(err)) from None
         except BaseException:
             log.close(failed=True)  # the W&B and MLflow runs are marked failed
             raise

@@ -153,6 +153,28 @@ def test_a_lost_rank_ends_the_job_with_a_message(workdir, how):
     assert f"resumed from {latest}" in out.stdout
 
 
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM to the launcher"])
+def test_a_stopped_job_ends_in_one_sentence(workdir, how):
+    """Ctrl-C reaches every process of the job (its process group): rank 0 names the checkpoint, once,
+    and the launcher adds nothing. SIGTERM (a scheduler's stop) reaches the launcher alone: torchrun ends
+    the ranks with it, and the launcher names the checkpoint. No traceback either way."""
+    job = Job(workdir, "run.yaml", "lora.dropout=0", "--no-progress", "train.steps=400", "train.save_every=3",
+              "--nproc", "2", "output_dir=out")
+    job.wait_for(workdir / "out" / "checkpoints" / "step-00000003")
+    if how == "Ctrl-C":
+        os.killpg(job.proc.pid, signal.SIGINT)
+    else:
+        job.proc.send_signal(signal.SIGTERM)
+    code = job.end(limit=60)
+    text = job.stderr()
+    assert code == (130 if how == "Ctrl-C" else 143), text
+    assert "Traceback" not in text and "death signal" not in text, text
+    said = [line for line in text.splitlines() if "checkpoint" in line]
+    assert len(said) == 1, text
+    words = "interrupted. The last checkpoint is" if how == "Ctrl-C" else \
+        "stopped by SIGTERM. torchrun stopped every rank. The last checkpoint is"
+    assert said[0].startswith(f"slimtune: {words} 'out/checkpoints/step-0000"), text
+
 
 def test_qlora_sharded_by_fsdp_resumes_and_trains_as_one_process(workdir):
     """`--nproc 2` with a 4-bit base sharded by FSDP2 (QLoRA, blocks recomputed): 2 steps and their

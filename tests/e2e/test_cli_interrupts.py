@@ -1,6 +1,7 @@
 """Ctrl-C always stops a run: a KeyboardInterrupt that a finalizer swallows (Python prints "Exception
 ignored in: <finalize object ...>" and drops it) still ends training within the step, with exit 130;
-and Ctrl-C while the imports run, before any command began, exits 130 without a traceback."""
+and Ctrl-C while the imports run, before any command began, exits 130 without a traceback. SIGTERM
+stops a run as Ctrl-C does, with exit 143. (A job under --nproc: test_cli_distributed.)"""
 
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 from e2e_helpers import workdir  # noqa: F401  (a fixture)
 from slimtune import cli, train
+from slimtune.run import interrupts
 
 
 def ctrl_c_inside_a_finalizer() -> None:
@@ -40,7 +42,7 @@ def test_a_ctrl_c_that_a_finalizer_swallows_still_stops_training(workdir, monkey
     monkeypatch.setattr(train, "_train_step", step_with_ctrl_c_at_3)
     monkeypatch.chdir(workdir)
     assert cli.main(["train", "run.yaml", "--no-progress"]) == 130
-    assert dropped == [KeyboardInterrupt]
+    assert dropped == [interrupts.Signalled]  # a KeyboardInterrupt
     assert stepped == [1, 2, 3]  # stopped right after the step it was pressed in, of 8
     assert not (workdir / "out" / "adapter").exists()
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
@@ -64,6 +66,31 @@ def test_a_ctrl_c_before_any_checkpoint_says_the_run_starts_over(workdir, monkey
     assert cli.main(["train", "run.yaml", "--no-progress", f"train.save_every={save_every}"]) == 130
     assert not (workdir / "out" / "checkpoints").exists() or not any((workdir / "out" / "checkpoints").iterdir())
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"slimtune: interrupted. {said}"
+
+
+def test_sigterm_stops_training_as_ctrl_c_does_with_exit_143(workdir, monkeypatch, capsys):
+    """A job scheduler's stop (SIGTERM): the run ends after its step, names the checkpoint to resume
+    from, and exits 143; the default handler is back afterwards."""
+    import os
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a fresh process
+    real = train._train_step
+
+    def step_with_sigterm_at_3(run, step, *args):
+        real(run, step, *args)
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(train, "_train_step", step_with_sigterm_at_3)
+    monkeypatch.chdir(workdir)
+    try:
+        assert cli.main(["train", "run.yaml", "--no-progress", "train.save_every=2"]) == 143
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "slimtune: stopped by SIGTERM. The last checkpoint is 'out/checkpoints/step-00000002'; resume with the same"
+        " command.")
 
 
 def torch_is_loading(pid: int) -> bool:

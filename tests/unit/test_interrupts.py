@@ -35,7 +35,7 @@ def test_a_dropped_ctrl_c_is_raised_at_the_blocks_end_and_python_s_handler_comes
         with interrupts.watching():
             ctrl_c_dropped()
             went_on = True  # as the import of a module whose init cleared the interrupt goes on
-    assert went_on and quiet_drops == [KeyboardInterrupt]
+    assert went_on and quiet_drops == [interrupts.Signalled]  # a KeyboardInterrupt
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     interrupts.check()  # the request ended with its block
 
@@ -74,3 +74,24 @@ def test_a_handler_of_the_callers_own_is_left_alone(monkeypatch):
     with interrupts.watching():
         pass
     assert installed == []
+
+
+def test_sigterm_is_taken_as_ctrl_c_is_except_in_a_torchrun_rank(monkeypatch):
+    """SIGTERM raises a Signalled carrying its number (exit 143); a rank under torchrun leaves it to
+    its default (torchrun sends it to the surviving ranks, and the launcher says how the job ended)."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        monkeypatch.delenv("RANK", raising=False)
+        with pytest.raises(interrupts.Signalled) as info:
+            with interrupts.watching():
+                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert (interrupts.exit_code(info.value), interrupts.stopped_by(info.value)) == (143, "stopped by SIGTERM")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+        with interrupts.watching():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+            assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # Ctrl-C still is
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (interrupts.exit_code(KeyboardInterrupt()), interrupts.stopped_by(KeyboardInterrupt())) == (130, "interrupted")
