@@ -34,6 +34,11 @@ class Sources:
             self.note_lines(value_node, key + ".", path)
 
     def of(self, key: str) -> str:
+        """Where `key` was given: its own place, else that of a key given under it (`trian.steps=3` on
+        the command line gives `trian`), else that of the section it sits in."""
+        inner = next((place for k, place in self.places.items() if k.startswith(key + ".")), None)
+        if key not in self.places and inner is not None:
+            return inner
         parts = key.split(".")
         while parts:
             place = self.places.get(".".join(parts))

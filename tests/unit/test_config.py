@@ -88,6 +88,14 @@ def test_unknown_key_suggests_the_close_one(tmp_path):
 
 
 @pytest.mark.quick
+def test_a_mistyped_section_on_the_command_line_is_placed_there(tmp_path):
+    """`trian.steps=3` was blamed on the YAML file: the place of a key given under the section counts."""
+    with pytest.raises(UserError) as err:
+        settings.load(write(tmp_path, CONTRACT), ["trian.steps=3"])
+    assert str(err.value) == "unknown key 'trian' on the command line (did you mean 'train'?)."
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("given, meant", [("steps", "train.steps"), ("rank", "lora.rank"), ("slots", "slide.slots"),
                                           ("lr", "train.lr")])
 def test_a_setting_given_without_its_section_names_the_section(tmp_path, given, meant):
@@ -259,7 +267,7 @@ def test_an_engine_registered_in_a_test_is_read_checked_and_helped_like_a_built_
 
 def test_a_forgotten_engine_is_forgotten_by_the_settings(plugin):
     engines.unregister("plugin")
-    assert refusal("plugin.momentum=0.5").startswith("unknown key 'plugin' in the settings given")
+    assert refusal("plugin.momentum=0.5").startswith("unknown key 'plugin' on the command line")
     assert "plugin" not in settings.sections() and not any("plugin" in line for line in settings.help_text())
 
 
