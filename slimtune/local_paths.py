@@ -53,7 +53,7 @@ def nearby(path: Path) -> list[Path]:
     if path.name == "" or not parent.is_dir():
         return []
     try:
-        names = [entry.name for entry in parent.iterdir() if not entry.name.startswith(".")]
+        names = [entry.name for entry in parent.iterdir() if not entry.name.startswith(".") and entry.name != path.name]
     except OSError:
         return []
     return [parent / name for name in difflib.get_close_matches(path.name, names, n=3, cutoff=0.75)]

@@ -36,6 +36,9 @@ BUILD_ORDER = ("loaded", "quant", "adapters", "engine")
 def read_config(folder: str | Path) -> dict:
     """config.json of a model folder, checked for a supported family."""
     path = Path(folder) / "config.json"
+    if Path(folder).is_file():
+        raise UserError(f"model '{folder}' is a file; model names a folder holding config.json, the *.safetensors"
+                        " weights and the tokenizer files.")
     if not Path(folder).is_dir():
         raise UserError(local_paths.missing("model folder", folder))
     if not path.is_file():
@@ -329,15 +332,27 @@ def _last_line(err) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
+# What a tokenizer is read from (transformers' fast and slow tokenizers): a folder with none of these has none.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 
     if (Path(folder) / "config.json").is_file():
         read_config(folder)  # AutoTokenizer reads config.json too: its mistakes are said as the model's loading says them
+    if Path(folder).is_dir() and not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"model folder '{folder}' has no tokenizer files (none of {', '.join(TOKENIZER_FILES)});"
+                        " copy them from the model's repository beside its config.json.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as err:
-        raise UserError(f"model folder '{folder}' has no usable tokenizer ({err}).") from None
+        raise UserError(f"model folder '{folder}' has no usable tokenizer ({_first_line(err)}).") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

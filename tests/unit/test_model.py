@@ -1,12 +1,14 @@
 """The Stack view reproduces the HF model for every supported family, and packed rows
 equal their examples run one by one."""
 
+import shutil
+
 import pytest
 import torch
 
 from conftest import save_tiny_model
 from slimtune.errors import UserError
-from slimtune.model.stack import Stack, load_model, read_config
+from slimtune.model.stack import Stack, load_model, load_tokenizer, read_config
 
 pytestmark = pytest.mark.quick  # loading and the Stack view, cheap
 
@@ -75,6 +77,23 @@ def test_pickle_only_weights_are_refused(tmp_path, tokenizer):
 def test_missing_folder(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         read_config(tmp_path / "nope")
+
+
+def test_a_file_given_as_the_model_and_a_folder_without_a_tokenizer_are_each_one_sentence(tmp_path, tiny_model_dir):
+    """A file was called a missing folder ("did you mean" itself); a folder without tokenizer files got
+    transformers' three-part account of its backends (found by a newcomer walkthrough)."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError) as err:
+        read_config(tmp_path / "afile")
+    assert str(err.value) == (f"model '{tmp_path / 'afile'}' is a file; model names a folder holding config.json,"
+                              " the *.safetensors weights and the tokenizer files.")
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    for f in bare.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(UserError) as err:
+        load_tokenizer(bare)
+    assert str(err.value).startswith(f"model folder '{bare}' has no tokenizer files (none of tokenizer.json,")
 
 
 def test_build_order_is_asserted(tiny_model_dir):
