@@ -320,6 +320,12 @@ class RunConfig:
     def check_sections(self) -> None:
         """Each section's own check, an engine's section checked like the others. The checks across
         sections and of the engine need the registered engines: engines.settings.validate."""
+        named = {"model": (self.model, "a model folder or a Hub name"),
+                 "data.path": (self.data.path, "a data file, a folder or a Hub dataset"),
+                 "output_dir": (self.output_dir, "the run's folder")}
+        for key, (value, what) in named.items():
+            if isinstance(value, str) and not value.strip():  # '' is the current folder, or a reader's cryptic error
+                raise UserError(f"{key} is empty; name {what}.")
         for section in (self.data, self.lora, self.quant, self.activations, self.loss, self.train, self.log,
                         self.dist, *self.sections.values()):
             section.validate()

@@ -88,6 +88,16 @@ def test_unknown_key_suggests_the_close_one(tmp_path):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("key, what", [("model", "a model folder or a Hub name"), ("output_dir", "the run's folder"),
+                                       ("data.path", "a data file, a folder or a Hub dataset")])
+def test_an_empty_path_is_refused(tmp_path, key, what):
+    """`output_dir=` wrote the run into the current folder; `data.path=` leaked a reader's IndexError."""
+    with pytest.raises(UserError) as err:
+        settings.load(write(tmp_path, CONTRACT), [f"{key}="])
+    assert str(err.value) == f"{key} is empty; name {what}."
+
+
+@pytest.mark.quick
 def test_a_mistyped_section_on_the_command_line_is_placed_there(tmp_path):
     """`trian.steps=3` was blamed on the YAML file: the place of a key given under the section counts."""
     with pytest.raises(UserError) as err:
