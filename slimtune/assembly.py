@@ -117,6 +117,11 @@ def apply_method(cfg: RunConfig, stack: Stack, codes_device: torch.device | None
     if cfg.method == "lora":
         lora.apply(stack.model, cfg.lora)
         return
+    names = [name for name, _ in stack.model.named_parameters()]
+    unmatched = [p for p in cfg.freeze if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+    if unmatched:
+        raise UserError(f"freeze pattern '{unmatched[0]}' matches no parameter of the model (fnmatch on names such as"
+                        f" '{names[min(1, len(names) - 1)]}'; '*embed_tokens*' freezes the embedding).")
     for name, param in stack.model.named_parameters():
         param.requires_grad_(not any(fnmatch.fnmatchcase(name, p) for p in cfg.freeze))
     if not any(p.requires_grad for p in stack.model.parameters()):

@@ -66,6 +66,20 @@ def unread_sections(cfg, given: list[str]) -> list[str]:
     return [key for key in given if key.split(".")[0] in unread]
 
 
+def unread_by_choice(cfg, given: list[str]) -> list[str]:
+    """Given settings that the run's method or plan leaves unread, each with why: lora.* under
+    method=full, freeze under method=lora, gpu (--gpu) without plan=auto."""
+    unread = []
+    for key in given:
+        if key.startswith("lora.") and cfg.method == "full":
+            unread.append(f"{key} is set but method is full: ignored")
+        elif key == "freeze" and cfg.method == "lora":
+            unread.append("freeze is set but method is lora (only the adapters train): ignored")
+        elif key == "gpu" and cfg.plan != "auto":
+            unread.append("gpu (--gpu) is set but plan is manual: ignored; add plan=auto to plan for that card")
+    return unread
+
+
 def listed(keys: list[str]) -> str:
     return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 from slimtune import config, presets
 from slimtune.config import RunConfig
-from slimtune.config_sources import listed, say_warning, unread_sections
+from slimtune.config_sources import listed, say_warning, unread_by_choice, unread_sections
 from slimtune.engines import registry
 from slimtune.errors import UserError
 
@@ -34,6 +34,8 @@ def load(path: str | Path | None, overrides: list[str] = (), base: dict | None =
     if ignored:
         (warn or say_warning)(f"{listed(ignored)} {'is' if len(ignored) == 1 else 'are'} set but engine is"
                               f" {cfg.engine}: ignored.")
+    for sentence in unread_by_choice(cfg, found.given):
+        (warn or say_warning)(f"{sentence}.")
     return cfg
 
 

@@ -230,6 +230,42 @@ def test_another_engines_settings_the_user_gave_are_said_to_be_ignored_once(tmp_
     assert heard == []
 
 
+def test_settings_the_method_or_plan_leaves_unread_are_said_to_be_ignored(tmp_path):
+    """lora.* under method=full, freeze under method=lora and --gpu without plan=auto were silently
+    ignored (found by a newcomer walkthrough); the same settings where they are read say nothing."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model: m\ndata: d.jsonl\n")
+    heard = []
+    settings.load(path, ["method=full", "lora.rank=8"], warn=heard.append)
+    settings.load(path, ["freeze=[x]"], warn=heard.append)
+    settings.load(path, ["gpu=8GiB"], warn=heard.append)
+    assert heard == ["lora.rank is set but method is full: ignored.",
+                     "freeze is set but method is lora (only the adapters train): ignored.",
+                     "gpu (--gpu) is set but plan is manual: ignored; add plan=auto to plan for that card."]
+    heard.clear()
+    settings.load(path, ["lora.rank=8", "method=full", "freeze=[x]", "method=lora"], warn=heard.append)
+    assert heard == ["freeze is set but method is lora (only the adapters train): ignored."]  # lora.rank is read
+
+
+def test_freeze_patterns_freeze_what_they_match_and_one_that_matches_nothing_is_refused(model_dir):
+    from slimtune import assembly
+    from slimtune.model.stack import Stack
+
+    def trainable(*patterns: str) -> list[str]:
+        cfg = settings.load(None, ["method=full", f"freeze=[{', '.join(patterns)}]"], base={"model": "m", "data": "d"})
+        stack = Stack(load_model(model_dir, torch.float32, torch.device("cpu")))
+        assembly.apply_method(cfg, stack)
+        return [name for name, p in stack.model.named_parameters() if p.requires_grad]
+
+    every = trainable()
+    assert trainable("'*embed_tokens*'") == [n for n in every if "embed_tokens" not in n] != every
+    with pytest.raises(UserError) as err:
+        trainable("'*embed_tokens*'", "nomatch")  # was silently ignored (found by a newcomer walkthrough)
+    assert str(err.value).startswith("freeze pattern 'nomatch' matches no parameter of the model (fnmatch on names")
+    with pytest.raises(UserError, match=r"freeze every parameter; nothing would train"):
+        trainable("'*'")
+
+
 def test_listed_roundpipe_workers_must_be_devices_of_this_machine():
     missing = f"cuda:{torch.cuda.device_count()}"  # the first index this machine lacks (cuda:0 without CUDA)
     chosen = ["engine=roundpipe", "method=full"]
