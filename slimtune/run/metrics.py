@@ -57,7 +57,7 @@ class MetricsLog:
             # A resumed run drops what the killed run logged after its last checkpoint.
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
             self._handle = open(self.path, "a")
-            self._tensorboard = _tensorboard_writer(Path(output_dir) / "tensorboard")
+            self._tensorboard = _tensorboard_writer(Path(output_dir) / "tensorboard", resume_step)
         except BaseException:
             for tracker in self._trackers:
                 _close_quietly(tracker, failed=True)
@@ -137,12 +137,14 @@ class MetricsLog:
         return path
 
 
-def _tensorboard_writer(folder: Path):
+def _tensorboard_writer(folder: Path, resume_step: int):
+    """A resumed run hides what the killed one logged after its checkpoint (purge_step), as
+    metrics.jsonl drops it: TensorBoard would draw those steps twice."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional
         return None
-    return SummaryWriter(str(folder))
+    return SummaryWriter(str(folder), purge_step=resume_step + 1 if resume_step else None)
 
 
 # ---------------------------------------------------------------- trackers: W&B and MLflow
@@ -197,7 +199,7 @@ def open_trackers(cfg: RunConfig, output_dir: Path, resume_step: int) -> list[Tr
     started: list[Tracker] = []
     try:
         if log.wandb:
-            started.append(WandbTracker.start(log, name, settings, known.get("wandb"), resume_step))
+            started.append(WandbTracker.start(log, name, settings, known.get("wandb"), resume_step, output_dir))
         if log.mlflow:
             started.append(MlflowTracker.start(log, name, settings, known.get("mlflow"), resume_step))
     except BaseException:
@@ -224,7 +226,10 @@ class WandbTracker:
         self.run, self.record, self.after = run, record, after
 
     @classmethod
-    def start(cls, log: LogConfig, name: str, settings: dict, known: dict | None, resume_step: int) -> WandbTracker:
+    def start(cls, log: LogConfig, name: str, settings: dict, known: dict | None, resume_step: int,
+              output_dir: Path) -> WandbTracker:
+        """W&B's local files (its wandb/ folder) go in the run's folder, not the current one, unless WANDB_DIR
+        says where; an offline run's folder is named for `wandb sync`."""
         import wandb
 
         project = log.wandb_project or os.environ.get("WANDB_PROJECT") or "slimtune"
@@ -233,7 +238,8 @@ class WandbTracker:
         mode = {"mode": log.wandb_mode} if log.wandb_mode else {}  # unset: WANDB_MODE, else online
         run = None
         try:
-            run = wandb.init(project=project, name=name, id=run_id, resume="allow", **mode)
+            run = wandb.init(project=project, name=name, id=run_id, resume="allow",
+                             dir=os.environ.get("WANDB_DIR") or str(output_dir), **mode)
             run.config.update(flatten(settings), allow_val_change=True)  # a resumed run may change some
         except Exception as err:
             if run is not None:
@@ -241,6 +247,9 @@ class WandbTracker:
             raise UserError(f"log.wandb: W&B could not start run {run_id!r} in project {project!r}"
                             f" ({_one_line(err)}); log in with `wandb login`, or set log.wandb_mode=offline and"
                             " `wandb sync` its folder later.") from None
+        if run.settings.mode == "offline":
+            print(f"slimtune: W&B runs offline in '{run.settings.sync_dir}'; `wandb sync` that folder to upload it.",
+                  file=sys.stderr)
         # Online, a resumed run knows its last step: steps a killed run logged after its checkpoint stay.
         return cls(run, {"id": run_id, "project": project}, max(resume_step, run.step - 1))
 

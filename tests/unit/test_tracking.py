@@ -33,6 +33,34 @@ def opened(tmp_path, cfg, resume_step=0):
     return MetricsLog(out, resume_step, cfg)
 
 
+# ---------------------------------------------------------------- TensorBoard
+
+
+def tensorboard_steps(folder: Path) -> list[int]:
+    """The steps of every `loss` event TensorBoard shows for the folder, a purge applied."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [e.step for e in events.Scalars("loss")]
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
+    """A run killed after step 3 and resumed from its checkpoint of step 2 logs 3 again: the writer
+    purges what came after the checkpoint, as metrics.jsonl drops it (steps 3 were drawn twice)."""
+    pytest.importorskip("tensorboard")
+    cfg = settings(tmp_path)
+    log = opened(tmp_path, cfg)
+    for record in RECORDS:
+        log.log(record)
+    log.close(failed=True)
+    log = opened(tmp_path, cfg, resume_step=2)
+    log.log({"step": 3, "loss": 0.3})
+    log.log({"step": 4, "loss": 0.25})
+    log.close()
+    assert tensorboard_steps(tmp_path / "out" / "tensorboard") == [1, 2, 3, 4]
+
+
 # ---------------------------------------------------------------- W&B offline run files
 
 
@@ -117,6 +145,17 @@ def test_wandb_offline_gets_the_scalars_by_step_and_the_settings_and_a_resume_go
     _, resumed = wandb_runs(wandb_dir)
     assert resumed["id"] == first["id"] and resumed["exit"] == 1
     assert resumed["history"] == {3: {"loss": 0.3}, 4: {"loss": 0.25}}
+
+
+def test_wandb_s_files_go_in_the_run_s_folder_and_an_offline_run_is_named(tmp_path, wandb_dir, monkeypatch, capsys):
+    """Without WANDB_DIR, wandb/ went into the current folder, unsaid (found by a newcomer walkthrough)."""
+    monkeypatch.delenv("WANDB_DIR")
+    monkeypatch.chdir(tmp_path)
+    log = opened(tmp_path, settings(tmp_path, "log.wandb=true"))
+    log.close()
+    (run,) = (tmp_path / "out" / "wandb").glob("offline-run-*")
+    assert not (tmp_path / "wandb").exists()
+    assert f"slimtune: W&B runs offline in '{run}'; `wandb sync` that folder to upload it." in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- MLflow with a file store
