@@ -368,11 +368,13 @@ class _Encoder:
         return head + trained, [False] * len(head) + [True] * len(trained)
 
     def _ids(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        # verbose=False: transformers' "longer than the specified maximum ... indexing errors" is false here,
+        # where every example is truncated to data.max_length (and counted).
+        return self.tok(text, add_special_tokens=False, verbose=False)["input_ids"]
 
     def _chat(self, messages: list[dict], where) -> tuple[list[int], list[bool]]:
         text, spans = assistant_spans(self.tok, self.template, messages, where)
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         # A token is trained when its characters lie inside an assistant span.
         trained = [any(s <= a and b <= e for s, e in spans) and b > a for a, b in enc["offset_mapping"]]
         ids = _with_bos(enc["input_ids"], self.bos)

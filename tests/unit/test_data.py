@@ -215,6 +215,35 @@ def test_truncation_and_dropped_counts(tmp_path, tokenizer):
     )
 
 
+def test_a_record_longer_than_the_tokenizer_s_maximum_gets_no_false_warning(tmp_path, tokenizer):
+    """transformers warned "Running this sequence through the model will result in indexing errors"
+    for a record the data's truncation then cut (found by a newcomer walkthrough)."""
+    import copy
+    import logging
+
+    class Heard(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.said = []
+
+        def emit(self, record):
+            self.said.append(record.getMessage())
+
+    short = copy.deepcopy(tokenizer)
+    short.model_max_length, short.deprecation_warnings = 8, {}
+    long_text = " the quick brown fox jumps over the lazy dog" * 3
+    path = write_jsonl(tmp_path / "t.jsonl", [PR[2], {"prompt": "hi", "response": long_text}])
+    heard, logger = Heard(), logging.getLogger("transformers.tokenization_utils_base")
+    logger.addHandler(heard)
+    try:
+        assert load_splits(cfg(path, max_length=8), short, 0).report.truncated == 2
+        assert heard.said == []
+        short(long_text)  # outside the data's reading, transformers does warn (once a tokenizer)
+    finally:
+        logger.removeHandler(heard)
+    assert len(heard.said) == 1 and heard.said[0].startswith("Token indices sequence length"), heard.said
+
+
 def test_all_dropped_is_a_user_error(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "the quick brown fox jumps", "response": "x"}])
     with pytest.raises(UserError, match="max_length=3"):
