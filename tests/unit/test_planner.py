@@ -1,5 +1,6 @@
 """The planner's choices and the ways a user reaches them: slimtune plan, plan=auto, an OOM."""
 
+import dataclasses
 import json
 
 import pytest
@@ -95,9 +96,21 @@ def run_config(tmp_path, model_dir, *overrides):
     return settings.load(None, list(overrides), base=base)
 
 
-def test_plan_auto_trains_with_the_recommended_plan(tmp_path, tiny_model_dir):
+def test_plan_auto_trains_with_the_recommended_plan(tmp_path, tiny_model_dir, capsys):
     run = train.build(run_config(tmp_path, tiny_model_dir, "plan=auto", "gpu=1GiB"))
     assert run.cfg.engine == "resident" and run.cfg.precision == "bf16"
+    assert "tokens/s modelled)" in capsys.readouterr().out
+
+
+def test_plan_auto_for_the_cpu_itself_prints_no_modelled_speed(tmp_path, tiny_model_dir, capsys):
+    """Planned for the CPU it runs on (no gpu given), the plans are ranked by a generic card's rates:
+    it printed that card's millions of tokens/s as the CPU's (found by a newcomer walkthrough)."""
+    cfg = dataclasses.replace(run_config(tmp_path, tiny_model_dir), plan="auto", device="auto")
+    settings.validate(cfg)
+    train.build(cfg)
+    said = capsys.readouterr().out
+    assert "plan=auto on cpu:" in said and "rtx4090's rates, the CPU's speed not modelled)" in said
+    assert "tokens/s" not in said
 
 
 def test_plan_auto_with_no_fitting_plan_names_the_need(tmp_path, tiny_model_dir):
