@@ -324,10 +324,10 @@ def _simulate(args: argparse.Namespace) -> None:
 def _export(args: argparse.Namespace) -> None:
     from slimtune import export
 
+    if args.out is not None and not args.merge:  # before "say what": --out alone says a merged folder is wanted
+        raise UserError("--out names the merged folder; add --merge, or leave --out out with --gguf.")
     if not (args.merge or args.gguf):
         raise UserError("say what to export: --merge (an HF folder), --gguf FILE (a GGUF file), or both.")
-    if args.out is not None and not args.merge:
-        raise UserError("--out names the merged folder; add --merge, or leave --out out with --gguf.")
     if args.merge:
         merged = export.merge_run(args.run_dir, args.out)
         step = f"step {merged.step}" if merged.step is not None else "the result"

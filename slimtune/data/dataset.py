@@ -185,7 +185,7 @@ def read_records(source: str | Where) -> tuple[list[Any], Callable[[int], str]]:
     if not p.exists():
         if repository.is_hub_dataset(path):
             return repository.load(where), _where(f"{path} [{where.split or 'train'}]", None)
-        raise UserError(local_paths.missing("data path", path))
+        raise UserError(local_paths.missing(_what(where), path))
     if p.is_dir():
         if repository.is_saved(p):
             return repository.load_saved(where), _where(path, None)
@@ -193,13 +193,19 @@ def read_records(source: str | Where) -> tuple[list[Any], Callable[[int], str]]:
     repository.refuse_splits_of_a_file(where)
     kind = _LOADERS.get(p.suffix.lower())
     if kind is None:
-        raise UserError(f"data path '{path}' has an unknown extension; use {', '.join(_LOADERS)} or a folder.")
+        raise UserError(f"{_what(where)} '{path}' has an unknown extension; use {', '.join(_LOADERS)} or a folder.")
     if kind == "json":
         return _read_json(p, path)
     lines = _csv_lines(p) if kind == "csv" else None
     if (len(lines) if lines is not None else _parquet_rows(p)) == 0:  # datasets' own message is cryptic
-        raise UserError(f"data file '{path}' holds no records.")
+        raise UserError(f"{_what(where)} '{path}' holds no records.")
     return _load_file(kind, p, path), _where(path, lines)
+
+
+def _what(where: Where) -> str:
+    """How a sentence names the data: 'data path' for the training data, the setting for the rest
+    (data.eval_path), so that an empty or missing evaluation file is not taken for the training data."""
+    return "data path" if where.path_setting == "data.path" else where.path_setting
 
 
 def _where(label: str, lines: list[int] | None) -> Callable[[int], str]:
@@ -295,8 +301,8 @@ def _csv_as_text(p: Path) -> dict:
 def _load_examples(source: Where, encoder: _Encoder, max_length: int, counts: dict) -> list[Example]:
     rows, where = read_records(source)
     if not rows:
-        raise UserError(f"data path '{source.path}' holds no records.")
-    _refuse_absent_fields(rows, encoder.fields(), source.path)
+        raise UserError(f"{_what(source)} '{source.path}' holds no records.")
+    _refuse_absent_fields(rows, encoder.fields(), f"{_what(source)} '{source.path}'")
     examples = []
     for i, row in enumerate(rows):
         ids, trained = encoder.encode(row, functools.partial(where, i))
@@ -308,7 +314,7 @@ def _load_examples(source: Where, encoder: _Encoder, max_length: int, counts: di
     return examples
 
 
-def _refuse_absent_fields(rows: list[Any], fields: dict[str, str], path: str) -> None:
+def _refuse_absent_fields(rows: list[Any], fields: dict[str, str], named: str) -> None:
     """One sentence for a field no record has (a field named otherwise in this file), before the
     per-record check would blame the first record alone. Loaders give every record every column, so a
     record's own absent field reads as null there and is told apart by this file-wide check only."""
@@ -317,7 +323,7 @@ def _refuse_absent_fields(rows: list[Any], fields: dict[str, str], path: str) ->
         return  # no record is an object: encode() names the first one
     for setting, name in fields.items():
         if name not in present:
-            raise UserError(f"no record of data path '{path}' has a field '{name}' (its fields: "
+            raise UserError(f"no record of {named} has a field '{name}' (its fields: "
                             f"{', '.join(sorted(map(str, present)))}); name the one to use with {setting}=...")
 
 

@@ -400,6 +400,9 @@ def test_a_full_run_exports_its_model_and_export_says_what_to_do_without_a_targe
     assert cli.main(["export", str(run)]) == 2
     assert capsys.readouterr().err.strip() == ("slimtune: error: say what to export: --merge (an HF folder),"
                                                " --gguf FILE (a GGUF file), or both.")
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "m")]) == 2  # --out alone: a merge was meant
+    assert capsys.readouterr().err.strip() == ("slimtune: error: --out names the merged folder; add --merge, or"
+                                               " leave --out out with --gguf.")
     assert cli.main(["export", str(run), "--gguf", str(run / "model" / "x.gguf")]) == 2
     assert "lies inside the run's model" in capsys.readouterr().err
 
