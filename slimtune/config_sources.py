@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from slimtune.errors import UserError
+
 
 class Sources:
     """Dotted key -> 'in FILE line N' or 'on the command line'; an override replaces what the file
@@ -25,12 +27,17 @@ class Sources:
         self.places[key] = place
 
     def note_lines(self, node: yaml.Node, prefix: str, path: Path) -> None:
-        """Each key's line in a composed YAML document, nested sections' keys dotted."""
+        """Each key's line in a composed YAML document, nested sections' keys dotted. A key given twice
+        in one mapping is refused: YAML readers keep the last without a word."""
         if not isinstance(node, yaml.MappingNode):
             return
+        seen: dict[str, int] = {}
         for key_node, value_node in node.value:
-            key = f"{prefix}{key_node.value}"
-            self.give(key, f"in {path} line {key_node.start_mark.line + 1}")
+            key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+            if key in seen:
+                raise UserError(f"{path} line {line}: '{key}' is given twice (first on line {seen[key]}); keep one.")
+            seen[key] = line
+            self.give(key, f"in {path} line {line}")
             self.note_lines(value_node, key + ".", path)
 
     def of(self, key: str) -> str:

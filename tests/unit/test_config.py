@@ -98,6 +98,18 @@ def test_an_empty_path_is_refused(tmp_path, key, what):
 
 
 @pytest.mark.quick
+def test_a_key_given_twice_in_the_file_is_refused_with_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys without a word (found by a newcomer walkthrough)."""
+    path = write(tmp_path, CONTRACT + "dist:\n  timeout_s: 3\n  timeout_s: 4\n")
+    with pytest.raises(UserError) as err:
+        settings.load(path)
+    first = path.read_text().splitlines().index("  timeout_s: 3") + 1
+    assert str(err.value) == f"{path} line {first + 1}: 'dist.timeout_s' is given twice (first on line {first}); keep one."
+    with pytest.raises(UserError, match=r"line 11: 'train' is given twice \(first on line 9\)"):
+        settings.load(write(tmp_path, CONTRACT + "train: {steps: 5}\n"))
+
+
+@pytest.mark.quick
 def test_a_mistyped_section_on_the_command_line_is_placed_there(tmp_path):
     """`trian.steps=3` was blamed on the YAML file: the place of a key given under the section counts."""
     with pytest.raises(UserError) as err:
