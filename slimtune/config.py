@@ -394,7 +394,10 @@ def _apply_override(raw: dict, item: str, sources: Sources) -> None:
         raise UserError(f"override '{item}' must look like a.b=value.")
     try:
         value = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as err:
+        if text.startswith("[") and "*" in text:  # freeze=[*embed_tokens*]: YAML reads a bare * as an alias
+            raise UserError(f"override '{item}': quote each pattern, e.g. {key}=\"['*embed_tokens*']\" (YAML reads"
+                            f" a bare * as an alias: {getattr(err, 'problem', err)}).") from None
         value = text
     node = raw
     parts = key.split(".")

@@ -97,6 +97,15 @@ def test_an_empty_path_is_refused(tmp_path, key, what):
     assert str(err.value) == f"{key} is empty; name {what}."
 
 
+def test_a_bare_star_pattern_on_the_command_line_asks_for_quotes(tmp_path):
+    with pytest.raises(UserError) as err:
+        settings.load(write(tmp_path, CONTRACT), ["method=full", "freeze=[*embed_tokens*]"])
+    assert str(err.value).startswith("override 'freeze=[*embed_tokens*]': quote each pattern, e.g."
+                                     " freeze=\"['*embed_tokens*']\" (YAML reads a bare * as an alias")
+    cfg = settings.load(write(tmp_path, CONTRACT), ["method=full", "freeze=['*embed_tokens*']"])
+    assert cfg.freeze == ["*embed_tokens*"]
+
+
 @pytest.mark.quick
 def test_a_key_given_twice_in_the_file_is_refused_with_both_lines(tmp_path):
     """YAML keeps the last of two equal keys without a word (found by a newcomer walkthrough)."""
