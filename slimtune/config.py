@@ -340,6 +340,7 @@ def positive(name: str, value: float) -> None:
 
 
 NO_SECTIONS: Mapping[str, type] = types.MappingProxyType({})
+COMMAND_LINE = "on the command line"  # where an override was given (Sources' place)
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,7 @@ class Read:
 
     cfg: RunConfig
     given: list[str]
+    typed: list[str] = dataclasses.field(default_factory=list)  # those of `given` given on the command line
 
 
 def read(path: str | Path | None, overrides: list[str] = (), base: dict | None = None,
@@ -364,7 +366,9 @@ def read(path: str | Path | None, overrides: list[str] = (), base: dict | None =
         raw = _read_yaml(Path(path), sources)
     for item in overrides:
         _apply_override(raw, item, sources)
-    return Read(from_dict(RunConfig, raw, prefix="", sources=sources, sections=sections), sources.given())
+    given = sources.given()
+    return Read(from_dict(RunConfig, raw, prefix="", sources=sources, sections=sections), given,
+                [key for key in given if sources.of(key) == COMMAND_LINE])
 
 
 def _read_yaml(path: Path, sources: Sources) -> dict:
@@ -407,7 +411,7 @@ def _apply_override(raw: dict, item: str, sources: Sources) -> None:
             raise UserError(f"override '{item}': '{part}' is not a section.")
         node = child
     node[parts[-1]] = value
-    sources.give(key, "on the command line")
+    sources.give(key, COMMAND_LINE)
 
 
 def _inside(key: str, known: Mapping[str, tuple]) -> list[str]:

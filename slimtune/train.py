@@ -364,7 +364,9 @@ def _begin(run: Run, folder: RunFolder | None, say) -> tuple[data.BatchStream, i
     _on_rank0(run.dist, lambda: folder.claim(run.cfg, _resolved(run)), "the run folder's claim")
     stream = batch_stream(run)
     start = resume(run, stream, say)  # before config.yaml: a refused resume leaves the folder's settings as they were
-    if run.dist.is_main:
+    # A finished run run again trains nothing: its record keeps the settings its weights were trained
+    # with, so that the next resume compares with them (not with an engine that never ran).
+    if run.dist.is_main and start < run.cfg.train.steps:
         folder.settled(run.cfg, _resolved(run))
         if start and changed:
             say(f"resuming with changed settings: {', '.join(changed)}")

@@ -161,6 +161,11 @@ def test_a_finished_run_run_again_says_there_is_nothing_to_train_and_shows_no_sp
     assert "2 (all taken before this run)" in said and "tokens/s" not in said and "wall time" not in said
     assert "out/adapter" in said  # the result is still named
     assert [r["step"] for r in records(here / "out")] == [1, 2]
+    # Settings given to a run that trained nothing are not recorded as its own (found by a newcomer walkthrough).
+    record, config_yaml = (here / "out" / "run.json").read_text(), (here / "out" / "config.yaml").read_text()
+    assert run("train.steps=2", "train.lr=0.5") == 0
+    assert "changed settings" not in capsys.readouterr().out
+    assert ((here / "out" / "run.json").read_text(), (here / "out" / "config.yaml").read_text()) == (record, config_yaml)
 
 
 def test_a_resume_where_auto_resolves_otherwise_says_so_and_records_what_it_resolved_to(here, capsys):

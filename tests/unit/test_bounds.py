@@ -245,6 +245,11 @@ def test_settings_the_method_or_plan_leaves_unread_are_said_to_be_ignored(tmp_pa
     heard.clear()
     settings.load(path, ["lora.rank=8", "method=full", "freeze=[x]", "method=lora"], warn=heard.append)
     assert heard == ["freeze is set but method is lora (only the adapters train): ignored."]  # lora.rank is read
+    heard.clear()  # a file kept for both methods, switched on the command line: its lora section is not a mistake
+    path.write_text("model: m\ndata: d.jsonl\nlora: {rank: 8, alpha: 16}\n")
+    settings.load(path, ["method=full"], warn=heard.append)
+    settings.load(path, ["method=full", "lora.rank=4", "lora.alpha=8"], warn=heard.append)
+    assert heard == ["lora.rank and lora.alpha are set but method is full: ignored."]
 
 
 def test_freeze_patterns_freeze_what_they_match_and_one_that_matches_nothing_is_refused(model_dir):
