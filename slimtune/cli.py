@@ -144,7 +144,7 @@ def _add_export(export: argparse.ArgumentParser) -> None:
                         help="with --gguf: the weights' type (default f16; q8_0: 8-bit, about half the size)")
 
 
-RUN_DIR_HELP = ("a run's output_dir (LoRA: its adapter over the base, nothing merged), an adapter folder, a HF "
+RUN_DIR_HELP = ("a run's output_dir (LoRA: its adapter over the base, nothing merged), an adapter folder, an HF "
                 "model folder or a Hub model's name (org/name)")
 DEVICE_HELP = "auto (default: CUDA when present), cpu, cuda, cuda:N"
 
