@@ -158,9 +158,9 @@ def test_a_stopped_job_ends_in_one_sentence(workdir, how):
     """Ctrl-C reaches every process of the job (its process group): rank 0 names the checkpoint, once,
     and the launcher adds nothing. SIGTERM (a scheduler's stop) reaches the launcher alone: torchrun ends
     the ranks with it, and the launcher names the checkpoint. No traceback either way."""
-    job = Job(workdir, "run.yaml", "lora.dropout=0", "--no-progress", "train.steps=400", "train.save_every=3",
+    job = Job(workdir, "run.yaml", "lora.dropout=0", "--no-progress", "train.steps=400", "train.save_every=1",
               "--nproc", "2", "output_dir=out")
-    job.wait_for(workdir / "out" / "checkpoints" / "step-00000003")
+    job.wait_for(workdir / "out" / "checkpoints" / "step-00000001")
     if how == "Ctrl-C":
         os.killpg(job.proc.pid, signal.SIGINT)
     else:
