@@ -312,13 +312,22 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
         finally:
             bar.close()
             log.close()
-        result_dir = export.save_result(run, out)
-        if dist.is_main:
-            folder.finished(run.cfg.train.steps, result_dir)
+        trained_to = max(start, run.cfg.train.steps)  # a run with nothing to train holds its checkpoint's step
+        kept = _on_rank0(dist, lambda: _result_of(folder, trained_to, out), "the result's check")
+        result_dir = out / kept if kept else export.save_result(run, out)
+        if dist.is_main and not kept:
+            folder.finished(trained_to, result_dir)
     summary = _summary(run, log, time.perf_counter() - began, start, result_dir)
     if dist.is_main:
         log.plot(out / "metrics.png")
     return run, summary
+
+
+def _result_of(folder: RunFolder, step: int, out: Path) -> str | None:
+    """The result folder's name when the folder's record says it already holds the weights of `step`
+    (a finished run run again: nothing is exported again, gigabytes for a full fine-tune); else None."""
+    result = (folder.record or {}).get("result") or {}
+    return result["path"] if result.get("step") == step and (out / str(result.get("path"))).is_dir() else None
 
 
 def _check_before_loading(folder: RunFolder, cfg: RunConfig) -> None:

@@ -163,9 +163,14 @@ def test_a_finished_run_run_again_says_there_is_nothing_to_train_and_shows_no_sp
     assert [r["step"] for r in records(here / "out")] == [1, 2]
     # Settings given to a run that trained nothing are not recorded as its own (found by a newcomer walkthrough).
     record, config_yaml = (here / "out" / "run.json").read_text(), (here / "out" / "config.yaml").read_text()
-    assert run("train.steps=2", "train.lr=0.5") == 0
-    assert "changed settings" not in capsys.readouterr().out
-    assert ((here / "out" / "run.json").read_text(), (here / "out" / "config.yaml").read_text()) == (record, config_yaml)
+    exported = {f.name: f.stat().st_mtime_ns for f in (here / "out" / "adapter").iterdir()}
+    for again in (["train.steps=2", "train.lr=0.5"], ["train.steps=1", "train.warmup_steps=0"]):  # lower: still step 2
+        assert run(*again) == 0
+        assert "changed settings" not in capsys.readouterr().out
+        assert ((here / "out" / "run.json").read_text(), (here / "out" / "config.yaml").read_text()) == \
+            (record, config_yaml)
+    assert json.loads(record)["result"] == {"step": 2, "path": "adapter"}
+    assert {f.name: f.stat().st_mtime_ns for f in (here / "out" / "adapter").iterdir()} == exported  # not written again
 
 
 def test_a_resume_where_auto_resolves_otherwise_says_so_and_records_what_it_resolved_to(here, capsys):
