@@ -73,17 +73,18 @@ def unread_sections(cfg, given: list[str]) -> list[str]:
     return [key for key in given if key.split(".")[0] in unread]
 
 
-def unread_by_choice(cfg, given: list[str], typed: list[str]) -> list[str]:
+def unread_by_choice(cfg, given: list[str], typed: list[str], settles_open: bool) -> list[str]:
     """Given settings that the run's method or plan leaves unread, each group with why: lora.* under
     method=full and freeze under method=lora when typed on the command line (a file's lora section under
-    a `method=full` override is a file kept for both), gpu (--gpu) without plan=auto wherever given."""
+    a `method=full` override is a file kept for both), gpu (--gpu) wherever given when neither plan=auto
+    nor settings the engine leaves to the planner (`settles_open`: chunk.n_chunks=0) read it."""
     unread = []
-    lora = [key for key in typed if key.startswith("lora.")]
+    lora = [key for key in typed if key == "lora" or key.startswith("lora.")]
     if lora and cfg.method == "full":
         unread.append(f"{listed(lora)} {'is' if len(lora) == 1 else 'are'} set but method is full: ignored")
     if "freeze" in typed and cfg.method == "lora":
         unread.append("freeze is set but method is lora (only the adapters train): ignored")
-    if "gpu" in given and cfg.plan != "auto":
+    if "gpu" in given and cfg.plan != "auto" and not settles_open:
         unread.append("gpu (--gpu) is set but plan is manual: ignored; add plan=auto to plan for that card")
     return unread
 

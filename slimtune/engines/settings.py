@@ -34,7 +34,7 @@ def load(path: str | Path | None, overrides: list[str] = (), base: dict | None =
     if ignored:
         (warn or say_warning)(f"{listed(ignored)} {'is' if len(ignored) == 1 else 'are'} set but engine is"
                               f" {cfg.engine}: ignored.")
-    for sentence in unread_by_choice(cfg, found.given, found.typed):
+    for sentence in unread_by_choice(cfg, found.given, found.typed, bool(registry.get(cfg.engine).open_settings(cfg))):
         (warn or say_warning)(f"{sentence}.")
     return cfg
 

@@ -250,6 +250,10 @@ def test_settings_the_method_or_plan_leaves_unread_are_said_to_be_ignored(tmp_pa
     settings.load(path, ["method=full"], warn=heard.append)
     settings.load(path, ["method=full", "lora.rank=4", "lora.alpha=8"], warn=heard.append)
     assert heard == ["lora.rank and lora.alpha are set but method is full: ignored."]
+    heard.clear()  # a whole section typed; and gpu read by settings the engine leaves to the planner
+    settings.load(path, ["method=full", "lora={rank: 4}"], warn=heard.append)
+    settings.load(path, ["method=full", "engine=chunk", "chunk.n_chunks=0", "gpu=8GiB"], warn=heard.append)
+    assert heard == ["lora is set but method is full: ignored."]
 
 
 def test_freeze_patterns_freeze_what_they_match_and_one_that_matches_nothing_is_refused(model_dir):
