@@ -477,16 +477,20 @@ def _run(args: argparse.Namespace) -> int:
             print(f"slimtune: error: {_rank_prefix(err)}{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
-        if not getattr(err, "said", False) and _rank_zero():  # Ctrl-C reaches every rank: rank 0 says it
+        if _says_its_stops():
             print(f"slimtune: {_interrupted(args.command, err)}", file=sys.stderr)
         return interrupts.exit_code(err)
     return 0
 
 
-def _rank_zero() -> bool:
+def _says_its_stops() -> bool:
+    """Rank 0 alone under torchrun (a stop torchrun passes on reaches every rank), and no rank that
+    `train --nproc` started: its launcher says it (launch.LAUNCHER_SAYS_STOPS)."""
+    from slimtune import launch
     from slimtune.dist import ranks as distributed
 
-    return distributed.env_rank() == 0
+    started_by_nproc = distributed.launched() and os.environ.get(launch.LAUNCHER_SAYS_STOPS)
+    return distributed.env_rank() == 0 and not started_by_nproc
 
 
 def _interrupted(command: str, err: KeyboardInterrupt) -> str:

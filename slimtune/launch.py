@@ -22,6 +22,9 @@ from slimtune.store import checkpoint
 # checkpoints are written whole or not at all).
 SHUTDOWN_S = 5
 REFUSED = 2  # a rank's exit code after it said why in one sentence (a UserError: cli._run)
+# Set for the ranks this launcher starts: a stop (Ctrl-C) is said by the launcher, which outlives them;
+# a rank finishing its trackers could be killed by torchrun (SHUTDOWN_S) before it had said it.
+LAUNCHER_SAYS_STOPS = "SLIMTUNE_LAUNCHER_SAYS_STOPS"
 
 
 def torchrun_args(nproc: int, train_args: list[str]) -> list[str]:
@@ -46,6 +49,7 @@ def run_local(nproc: int, train_args: list[str], output_dir: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config, entrypoint, args = torchrun.config_from_args(torchrun.parse_args(torchrun_args(nproc, train_args)))
     _quiet_agent()
+    os.environ[LAUNCHER_SAYS_STOPS] = "1"  # the ranks inherit it
     try:
         elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
@@ -65,15 +69,9 @@ def _quiet_agent() -> None:
 
 
 def _stopped(signum: int, output_dir: str) -> KeyboardInterrupt:
-    """Ctrl-C (SIGINT) reaches every rank, and rank 0 names the checkpoint itself: the launcher adds
-    nothing. Another signal (SIGTERM from a scheduler, SIGHUP) was the launcher's alone, and torchrun
-    ended the ranks with it: the launcher says where the same command resumes from."""
-    import signal
-
-    if signum == signal.SIGINT:
-        stopped = interrupts.Signalled(signum)
-        stopped.said = True
-        return stopped
+    """The launcher was stopped (Ctrl-C reaches it alone: torchrun starts the ranks in sessions of their
+    own; or SIGTERM from a scheduler), and torchrun passed the signal on to the ranks and waited for
+    them: the launcher says where the same command resumes from (the ranks leave it to it)."""
     return interrupts.Interrupted(f"torchrun stopped every rank. {_resume_hint(output_dir)}", signum)
 
 

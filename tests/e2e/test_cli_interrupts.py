@@ -73,6 +73,8 @@ def test_sigterm_stops_training_as_ctrl_c_does_with_exit_143(workdir, monkeypatc
     from, and exits 143; the default handler is back afterwards."""
     import os
 
+    for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):  # in a torchrun rank SIGTERM keeps its default
+        monkeypatch.delenv(name, raising=False)
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a fresh process
     real = train._train_step
 

@@ -102,6 +102,7 @@ def test_plan_auto_trains_with_the_recommended_plan(tmp_path, tiny_model_dir, ca
     assert "tokens/s modelled)" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="device=auto must resolve to the CPU")
 def test_plan_auto_for_the_cpu_itself_prints_no_modelled_speed(tmp_path, tiny_model_dir, capsys):
     """Planned for the CPU it runs on (no gpu given), the plans are ranked by a generic card's rates:
     it printed that card's millions of tokens/s as the CPU's (found by a newcomer walkthrough)."""
