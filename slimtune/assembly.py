@@ -117,13 +117,16 @@ def apply_method(cfg: RunConfig, stack: Stack, codes_device: torch.device | None
     if cfg.method == "lora":
         lora.apply(stack.model, cfg.lora)
         return
-    names = [name for name, _ in stack.model.named_parameters()]
-    unmatched = [p for p in cfg.freeze if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+    # Every name a parameter goes by: a tied head's weight is the embedding's, named twice (lm_head.weight
+    # too), and freezing either name freezes the one tensor.
+    named = list(stack.model.named_parameters(remove_duplicate=False))
+    unmatched = [p for p in cfg.freeze if not any(fnmatch.fnmatchcase(name, p) for name, _ in named)]
     if unmatched:
         raise UserError(f"freeze pattern '{unmatched[0]}' matches no parameter of the model (fnmatch on names such as"
-                        f" '{names[min(1, len(names) - 1)]}'; '*embed_tokens*' freezes the embedding).")
-    for name, param in stack.model.named_parameters():
-        param.requires_grad_(not any(fnmatch.fnmatchcase(name, p) for p in cfg.freeze))
+                        f" '{named[min(1, len(named) - 1)][0]}'; '*embed_tokens*' freezes the embedding).")
+    frozen = {id(param) for name, param in named if any(fnmatch.fnmatchcase(name, p) for p in cfg.freeze)}
+    for param in stack.model.parameters():
+        param.requires_grad_(id(param) not in frozen)
     if not any(p.requires_grad for p in stack.model.parameters()):
         raise UserError(f"freeze patterns {cfg.freeze} freeze every parameter; nothing would train.")
 

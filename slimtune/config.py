@@ -399,9 +399,10 @@ def _apply_override(raw: dict, item: str, sources: Sources) -> None:
     try:
         value = yaml.safe_load(text) if text else ""
     except yaml.YAMLError as err:
-        if text.startswith("[") and "*" in text:  # freeze=[*embed_tokens*]: YAML reads a bare * as an alias
-            raise UserError(f"override '{item}': quote each pattern, e.g. {key}=\"['*embed_tokens*']\" (YAML reads"
-                            f" a bare * as an alias: {getattr(err, 'problem', err)}).") from None
+        if "*" in text:  # freeze=[*embed_tokens*] or freeze=*embed*: YAML reads a bare * as an alias
+            items = ", ".join(f"'{i.strip()}'" for i in text.strip().strip("[]").split(",") if i.strip())
+            raise UserError(f"override '{item}': quote each pattern, as {key}=\"[{items}]\" (YAML reads a bare *"
+                            f" as an alias: {getattr(err, 'problem', err)}).") from None
         value = text
     node = raw
     parts = key.split(".")

@@ -256,13 +256,13 @@ def test_settings_the_method_or_plan_leaves_unread_are_said_to_be_ignored(tmp_pa
     assert heard == ["lora is set but method is full: ignored."]
 
 
-def test_freeze_patterns_freeze_what_they_match_and_one_that_matches_nothing_is_refused(model_dir):
+def test_freeze_patterns_freeze_what_they_match_and_one_that_matches_nothing_is_refused(model_dir, tmp_path, tokenizer):
     from slimtune import assembly
     from slimtune.model.stack import Stack
 
-    def trainable(*patterns: str) -> list[str]:
+    def trainable(*patterns: str, folder=model_dir) -> list[str]:
         cfg = settings.load(None, ["method=full", f"freeze=[{', '.join(patterns)}]"], base={"model": "m", "data": "d"})
-        stack = Stack(load_model(model_dir, torch.float32, torch.device("cpu")))
+        stack = Stack(load_model(folder, torch.float32, torch.device("cpu")))
         assembly.apply_method(cfg, stack)
         return [name for name, p in stack.model.named_parameters() if p.requires_grad]
 
@@ -273,6 +273,10 @@ def test_freeze_patterns_freeze_what_they_match_and_one_that_matches_nothing_is_
     assert str(err.value).startswith("freeze pattern 'nomatch' matches no parameter of the model (fnmatch on names")
     with pytest.raises(UserError, match=r"freeze every parameter; nothing would train"):
         trainable("'*'")
+    # A tied head is the embedding under a second name: freezing it by that name freezes the one tensor.
+    tied = save_tiny_model(tmp_path / "tied", tokenizer, tie_word_embeddings=True)
+    assert trainable("lm_head.weight", folder=tied) == trainable("'*embed_tokens*'", folder=tied) != \
+        trainable(folder=tied)
 
 
 def test_listed_roundpipe_workers_must_be_devices_of_this_machine():

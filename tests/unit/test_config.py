@@ -100,8 +100,11 @@ def test_an_empty_path_is_refused(tmp_path, key, what):
 def test_a_bare_star_pattern_on_the_command_line_asks_for_quotes(tmp_path):
     with pytest.raises(UserError) as err:
         settings.load(write(tmp_path, CONTRACT), ["method=full", "freeze=[*embed_tokens*]"])
-    assert str(err.value).startswith("override 'freeze=[*embed_tokens*]': quote each pattern, e.g."
+    assert str(err.value).startswith("override 'freeze=[*embed_tokens*]': quote each pattern, as"
                                      " freeze=\"['*embed_tokens*']\" (YAML reads a bare * as an alias")
+    with pytest.raises(UserError) as err:
+        settings.load(write(tmp_path, CONTRACT), ["lora.targets=*q*"])
+    assert str(err.value).startswith("override 'lora.targets=*q*': quote each pattern, as lora.targets=\"['*q*']\"")
     cfg = settings.load(write(tmp_path, CONTRACT), ["method=full", "freeze=['*embed_tokens*']"])
     assert cfg.freeze == ["*embed_tokens*"]
 
