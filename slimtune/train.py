@@ -91,10 +91,10 @@ def _auto_plan(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE) -> Run
     """plan=auto: the planner's recommended engine and options for the run's card (and its ranks)."""
     gpu = presets.gpu_profile(cfg.gpu) if cfg.gpu else presets.device_profile(device)
     planned, chosen = planner.apply_recommended(cfg, presets.model_config(cfg.model), _machine(cfg, gpu, dist))
-    # On the CPU the plans are ranked by a generic card's rates (presets.device_profile): a CPU's own speed
-    # is not modelled, so no figure for it is printed.
-    speed = (f"ranked by {presets.GENERIC_RATES_FROM}'s rates, the CPU's speed not modelled" if device.type != "cuda"
-             and not cfg.gpu else f"{chosen.tokens_per_s:,.0f} tokens/s modelled")
+    # On the CPU, or a card not in the presets, the plans are ranked by a generic card's rates
+    # (presets.device_profile): no speed is printed as this device's.
+    speed = (f"ranked by {presets.GENERIC_RATES_FROM}'s rates, {gpu.name}'s own speed not modelled"
+             if gpu.generic_rates else f"{chosen.tokens_per_s:,.0f} tokens/s modelled")
     print(f"plan=auto on {gpu.name}: {chosen.engine} {chosen.label} "
           f"(device peak {human_bytes(chosen.estimate.device_peak_bytes)}, measured on fake tensors; {speed})")
     return planned

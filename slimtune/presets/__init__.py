@@ -97,6 +97,7 @@ class GpuProfile:
     memory_gbps: float  # device memory bandwidth, GB/s
     host_link_gbps: float  # realistic one-direction pinned host<->device, GB/s
     description: str = ""
+    generic_rates: bool = False  # the rates are GENERIC_RATES_FROM's: this device's own are unknown
 
 
 _NUMBERS = ("memory_bytes", "bf16_tflops", "fp32_tflops", "memory_gbps", "host_link_gbps")
@@ -221,8 +222,8 @@ def device_profile(device) -> GpuProfile:
 
     if device.type != "cuda":
         return replace(_named(GENERIC_RATES_FROM), name="cpu", memory_bytes=physical_ram_bytes(),
-                       description="this machine's RAM")
+                       description="this machine's RAM", generic_rates=True)
     props = torch.cuda.get_device_properties(device)
     name = _card_index().get(_normal(props.name))
     base = _named(name or GENERIC_RATES_FROM)
-    return replace(base, name=props.name, memory_bytes=props.total_memory)
+    return replace(base, name=props.name, memory_bytes=props.total_memory, generic_rates=name is None)

@@ -110,7 +110,7 @@ def test_plan_auto_for_the_cpu_itself_prints_no_modelled_speed(tmp_path, tiny_mo
     settings.validate(cfg)
     train.build(cfg)
     said = capsys.readouterr().out
-    assert "plan=auto on cpu:" in said and "rtx4090's rates, the CPU's speed not modelled)" in said
+    assert "plan=auto on cpu:" in said and "rtx4090's rates, cpu's own speed not modelled)" in said
     assert "tokens/s" not in said
 
 

@@ -152,3 +152,16 @@ def test_a_disk_counts_gb_and_tb_as_its_maker_does_and_memory_as_gib(spec, memor
 def test_a_disk_size_that_is_not_one_names_the_flag(spec):
     with pytest.raises(UserError, match=f"--disk must be a (positive )?size such as .*'{spec}'"):
         presets.disk_size(spec, "--disk")
+
+
+@pytest.mark.parametrize("name, generic", [("NVIDIA GeForce RTX 4090", False), ("Mystery Accelerator 9000", True)])
+def test_the_device_s_profile_says_when_its_rates_are_a_stand_in(monkeypatch, name, generic):
+    """A card outside the presets is planned with rtx4090's rates; plan=auto must not print them as its
+    own speed (as on the CPU)."""
+    import types
+
+    props = types.SimpleNamespace(name=name, total_memory=8 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    profile = presets.device_profile(torch.device("cuda"))
+    assert (profile.name, profile.memory_bytes, profile.generic_rates) == (name, 8 * 2**30, generic)
+    assert presets.device_profile(torch.device("cpu")).generic_rates
