@@ -43,9 +43,10 @@ class Sources:
     def of(self, key: str) -> str:
         """Where `key` was given: its own place, else that of a key given under it (`trian.steps=3` on
         the command line gives `trian`), else that of the section it sits in."""
-        inner = next((place for k, place in self.places.items() if k.startswith(key + ".")), None)
-        if key not in self.places and inner is not None:
-            return inner
+        if key not in self.places:
+            inner = next((place for k, place in self.places.items() if k.startswith(key + ".")), None)
+            if inner is not None:
+                return inner
         parts = key.split(".")
         while parts:
             place = self.places.get(".".join(parts))

@@ -34,7 +34,8 @@ def load(path: str | Path | None, overrides: list[str] = (), base: dict | None =
     if ignored:
         (warn or say_warning)(f"{listed(ignored)} {'is' if len(ignored) == 1 else 'are'} set but engine is"
                               f" {cfg.engine}: ignored.")
-    for sentence in unread_by_choice(cfg, found.given, found.typed, bool(registry.get(cfg.engine).open_settings(cfg))):
+    settles_open = bool(registry.get(cfg.engine).open_settings(cfg))
+    for sentence in unread_by_choice(cfg, found.given, found.typed, settles_open):
         (warn or say_warning)(f"{sentence}.")
     return cfg
 

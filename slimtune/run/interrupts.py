@@ -24,6 +24,7 @@ the job ended (launch.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -81,8 +82,6 @@ def _ours_to_take(signum: int) -> bool:
 
 
 def _in_a_torchrun_rank() -> bool:
-    import os
-
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
