@@ -174,7 +174,7 @@ def _fetch_error(err: BaseException, name: str, revision: str | None) -> BaseExc
                                                and not isinstance(err, hub.RepositoryNotFoundError)):
         return UserError(f"model '{name}' is gated or private and the Hub refused access (HTTP {status}): {access}.")
     if isinstance(err, hub.RepositoryNotFoundError):
-        return UserError(f"model '{name}' is neither a local folder{local_paths.offer(name)} nor a Hub model this"
+        return UserError(f"model '{name}' is neither a local folder{_looked_for(name)} nor a Hub model this"
                          " account can see (a private one needs HF_TOKEN set to a token with access).")
     if isinstance(err, hub.RevisionNotFoundError):
         return UserError(f"model_revision '{revision}' is not a branch, tag or commit of {name} on the Hub.")
@@ -183,7 +183,7 @@ def _fetch_error(err: BaseException, name: str, revision: str | None) -> BaseExc
                          " it; run again with a connection.")
     if isinstance(err, hub.LocalEntryNotFoundError):
         at = f" at revision '{revision}'" if revision else ""
-        missing = (f"model '{name}' is not a local folder{local_paths.offer(name)}, and{at} it is not in the Hub"
+        missing = (f"model '{name}' is not a local folder{_looked_for(name)}, and{at} it is not in the Hub"
                    f" cache ({constants.HF_HUB_CACHE})")
         if constants.is_offline_mode():
             return UserError(f"{missing} while HF_HUB_OFFLINE is set, so it cannot be fetched; fetch it once with a"
@@ -191,3 +191,10 @@ def _fetch_error(err: BaseException, name: str, revision: str | None) -> BaseExc
         return UserError(f"{missing} and the Hub cannot be reached; check the connection (or HF_ENDPOINT) and run"
                          " again.")
     return err
+
+
+def _looked_for(name: str) -> str:
+    """The near local folders, else where a relative name was looked for as a folder (a config's
+    `models/x` run from another folder, or before the step that makes it)."""
+    near = local_paths.offer(name)
+    return near or f" (none at {Path.cwd() / name})"

@@ -131,8 +131,8 @@ def test_a_revision_pins_the_snapshot_a_branch_tag_or_commit_names(cache, here, 
 
 def test_a_revision_the_cache_lacks_offline_is_one_sentence(cache, here, capsys):
     put_snapshot(cache, NAME, here / "model", COMMITS[0])
-    refused(capsys, train("model_revision=v2"), f"model '{NAME}' is not a local folder, and at revision 'v2' it is not in the Hub cache",
-            "HF_HUB_OFFLINE")
+    refused(capsys, train("model_revision=v2"), f"model '{NAME}' is not a local folder (none at {here / NAME}), and at"
+            " revision 'v2' it is not in the Hub cache", "HF_HUB_OFFLINE")
 
 
 def test_a_resume_at_another_commit_is_refused_and_goes_on_pinned_to_the_first(cache, here, tokenizer, capsys):
@@ -166,8 +166,8 @@ def test_a_cached_config_without_weights_offline_is_one_sentence(cache, here, ca
 
 
 def test_nothing_cached_offline_is_one_sentence(cache, here, capsys):
-    refused(capsys, train(), f"model '{NAME}' is not a local folder, and it is not in the Hub cache",
-            "HF_HUB_OFFLINE")
+    refused(capsys, train(), f"model '{NAME}' is not a local folder (none at {here / NAME}), and it is not in the Hub"
+            " cache", "HF_HUB_OFFLINE")
 
 
 @pytest.fixture()
