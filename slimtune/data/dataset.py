@@ -199,7 +199,7 @@ def read_records(source: str | Where) -> tuple[list[Any], Callable[[int], str]]:
     lines = _csv_lines(p) if kind == "csv" else None
     if (len(lines) if lines is not None else _parquet_rows(p)) == 0:  # datasets' own message is cryptic
         raise UserError(f"{_what(where)} '{path}' holds no records.")
-    return _load_file(kind, p, path), _where(path, lines)
+    return _load_file(kind, p, f"{_what(where)} '{path}'"), _where(path, lines)
 
 
 def _what(where: Where) -> str:
@@ -230,7 +230,7 @@ def _read_json(p: Path, label: str) -> tuple[list[Any], Callable[[int], str]]:
     else:
         rows, lines = _scan_json_lines(text, label)
     with contextlib.suppress(UserError):  # datasets refuses some valid JSON; our parse is the same data
-        loaded = _load_file("json", p, label) if rows else []
+        loaded = _load_file("json", p, f"data file '{label}'") if rows else []
         rows = loaded if len(loaded) == len(rows) else rows
     return rows, _where(label, lines)
 
@@ -274,7 +274,7 @@ def _csv_lines(p: Path) -> list[int]:
     return starts
 
 
-def _load_file(kind: str, p: Path, label: str) -> list[Any]:
+def _load_file(kind: str, p: Path, named: str) -> list[Any]:
     # A throwaway cache dir keeps datasets from writing arrow files into the user's home.
     with repository.quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="slimtune-data-") as cache:
         try:
@@ -283,7 +283,7 @@ def _load_file(kind: str, p: Path, label: str) -> list[Any]:
                                        **options)
             return ds.to_list()
         except Exception as err:  # noqa: BLE001 - any reader failure is a property of the user's file
-            raise UserError(f"data file '{label}' could not be read as {kind} ({repository.cause(err)}).") from None
+            raise UserError(f"{named} could not be read as {kind} ({repository.cause(err)}).") from None
 
 
 def _csv_as_text(p: Path) -> dict:

@@ -551,7 +551,9 @@ def test_missing_path_unknown_extension_and_empty_data(tmp_path, tokenizer):
     assert "save_to_disk" in _error(tmp_path, tokenizer, "folder")
     # The evaluation data is named by its setting, not taken for the training data (a newcomer walkthrough).
     train = write_jsonl(tmp_path / "train.jsonl", PR)
-    for name, said in [("empty.jsonl", "holds no records"), ("none.jsonl", "does not exist")]:
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not a parquet file PAR1")
+    for name, said in [("empty.jsonl", "holds no records"), ("none.jsonl", "does not exist"),
+                       ("bad.parquet", "could not be read as parquet")]:
         with pytest.raises(UserError) as err:
             load_splits(cfg(train, eval_path=str(tmp_path / name)), tokenizer, 0)
         assert str(err.value).startswith(f"data.eval_path '{tmp_path / name}' {said}")
