@@ -80,8 +80,10 @@ def _draw_card(ax, machine: Machine) -> None:
     per = " per card" if machine.cards > 1 else ""
     words = f"{machine.gpu.name}: {human_bytes(machine.gpu.memory_bytes)}{per}"
     ax.axvline(card, color="#C00000", linestyle="--", linewidth=1.4, zorder=1, label=words)
-    ax.text(card, 0.01, words + " ", transform=ax.get_xaxis_transform(), rotation=90, ha="right", va="bottom",
-            fontsize=8, color="#C00000", zorder=4)
+    # Named just above the frame, where no bar's status text reaches (inside, at the bottom, it crossed
+    # the last rows' texts); the title stands a row higher to leave it room (plan_figure).
+    ax.text(card, 1.005, words, transform=ax.get_xaxis_transform(), ha="center", va="bottom",
+            fontsize=8, color="#C00000", clip_on=False)
 
 
 def _legend(ax, results: list[PlanResult]) -> None:
@@ -122,7 +124,7 @@ def figure(results: list[PlanResult], machine: Machine, title: str):
     ax.set_ylim(len(results) - 0.4, -0.6)  # the first plan on top, as the table lists it
     ax.set_xlabel("device memory (GiB)")
     ax.grid(axis="x", color="#E6E6E6", zorder=0)
-    ax.set_title(textwrap.fill(title, 110), fontsize=10, loc="left")
+    ax.set_title(textwrap.fill(title, 110), fontsize=10, loc="left", pad=16)  # above the card's name
     _legend(ax, results)
     ax.annotate(footnote(), xy=(0, 0), xycoords="axes fraction", xytext=(0, -34), textcoords="offset points",
                 va="top", ha="left", fontsize=7, color="#444444")

@@ -84,6 +84,8 @@ def test_the_picture_names_the_card_the_verdicts_and_what_is_assumed(preset_plan
     texts = [t.get_text() for t in ax.texts]
     assert "\u2713 fits  \u2190 recommended" in texts and "\u2717 no (host RAM)" in texts
     assert sum("rtx3060: 12.0 GiB" in t for t in texts) == 1
+    (card,) = [t for t in ax.texts if t.get_text() == "rtx3060: 12.0 GiB"]
+    assert card.get_position()[1] > 1.0  # above the frame: inside, at its foot, it crossed the last rows' verdicts
     assert [line.get_xdata()[0] for line in ax.lines] == [12.0]  # the card's line, in GiB
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert {"weights", "temporaries", "total (no breakdown)", "CUDA context (assumed)", "rtx3060: 12.0 GiB"} <= set(legend)
