@@ -1,10 +1,11 @@
-"""The native host AdamW's 8-bit fused loop at several commits, timed against each other (issue 30,
-item 7: the loop is compute-bound, so changes to it are judged by its arithmetic's speed).
+"""The native host AdamW's loop at several commits, timed against each other (issue 30, item 7: the
+8-bit loop is compute-bound, so changes to it are judged by its arithmetic's speed).
 
     python benchmarks/run.py adamw_kernel_ab                                   # d565b0c against HEAD
     SLIMTUNE_AB_REVS="d565b0c 61cad2a HEAD" python benchmarks/run.py adamw_kernel_ab
     SLIMTUNE_AB_REVS="HEAD WORKTREE" python benchmarks/run.py adamw_kernel_ab  # an edit not yet committed
     SLIMTUNE_AB_REVS="HEAD HEAD@zig" python benchmarks/run.py adamw_kernel_ab  # gcc against zig cc (ziglang)
+    SLIMTUNE_AB_LAYOUT=split python benchmarks/run.py adamw_kernel_ab          # the fp32-moment default layout
 
 Each revision's slimtune/optim/native/adamw.c (read with `git show`; WORKTREE names the working
 tree's file) is built as the library is (native/build.py's compiler, flags and instruction sets; a
@@ -15,7 +16,8 @@ the same tensors as the working tree's library and must leave the same bits in e
 case stops: only exact kernels are compared.
 
 The timing is host_adam_bandwidth's split_8bit layout (bf16 weight + residual, bf16 gradient, 8-bit
-m and v), one thread: runs of 2^14 numbers (in the L1 and L2), 2^20 (four sets of them: mostly the
+m and v; on the VBMI path where the machine runs it, else the portable loops), or the layout
+SLIMTUNE_AB_LAYOUT names (split: fp32 m and v), one thread: runs of 2^14 numbers (in the L1 and L2), 2^20 (four sets of them: mostly the
 L3) and 2^25 (in memory, the size host_adam_bandwidth's ratio is taken at), each in four allocations
 at different offsets (where the tensors fall moves the loop by a few percent), the builds alternated
 round by round, the best call of each. The loop is called through ctypes, so a figure includes the
@@ -34,6 +36,8 @@ from pathlib import Path
 import torch
 
 REVS_ENV = "SLIMTUNE_AB_REVS"
+LAYOUT_ENV = "SLIMTUNE_AB_LAYOUT"
+LAYOUTS = ("split_8bit", "split")
 DEFAULT_REVS = ("d565b0c", "HEAD")  # the loop before its chains were staged (fb06106), and now
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 KERNEL = "slimtune/optim/native/adamw.c"
@@ -50,19 +54,23 @@ STEP = 5.0
 def run(quick: bool) -> dict:
     from slimtune.optim.native import adamw
 
-    if adamw.library() is None or not adamw.fast_path():
-        return {"skipped": "the native loop's AVX-512 VBMI path does not run here"}
+    if adamw.library() is None:
+        return {"skipped": "the native host AdamW does not build or load here"}
+    layout = os.environ.get(LAYOUT_ENV, LAYOUTS[0])
+    if layout not in LAYOUTS:
+        raise SystemExit(f"{LAYOUT_ENV}={layout!r} is not a layout this case times; it times {', '.join(LAYOUTS)}.")
+    path = ("vbmi" if adamw.fast_path() else "portable") if layout == "split_8bit" else "fp32 moments"
     torch.set_num_threads(1)
     revs = os.environ.get(REVS_ENV, " ".join(DEFAULT_REVS)).split()
     commits = [_commit(rev) for rev in revs]
     with tempfile.TemporaryDirectory(prefix="adamw-ab-") as folder:
         libraries = [_built(rev, Path(folder) / f"{index}") for index, rev in enumerate(revs)]
         for rev, lib in zip(revs, libraries):
-            _check_exact(rev, lib, adamw.library())
+            _check_exact(rev, lib, adamw.library(), layout)
         rounds, scale = (1, 16) if quick else (ROUNDS, 1)
-        sizes = {n: _time(libraries, n, rounds, max(4, CALLS[n] // scale)) for n in SIZES}
-    result = {"revs": revs, "commits": commits, "rounds": rounds, "allocations": ALLOCATIONS,
-              "ns_per_number": {str(n): found for n, found in sizes.items()}}
+        sizes = {n: _time(libraries, n, rounds, max(4, CALLS[n] // scale), layout) for n in SIZES}
+    result = {"revs": revs, "commits": commits, "layout": layout, "path": path, "isa": list(adamw.isa() or ()),
+              "rounds": rounds, "allocations": ALLOCATIONS, "ns_per_number": {str(n): found for n, found in sizes.items()}}
     _summarize(result)
     return result
 
@@ -105,13 +113,13 @@ def _built(rev: str, folder: Path) -> ctypes.CDLL:
     return lib
 
 
-def _layout(n: int) -> tuple:
-    """Fresh split_8bit tensors of n numbers (HostAdam's, as host_adam_bandwidth makes them) with a
+def _layout(n: int, layout: str) -> tuple:
+    """Fresh tensors of the layout for n numbers (HostAdam's, as host_adam_bandwidth makes them) with a
     gradient in place, and their Run."""
     import host_adam_bandwidth as bandwidth
     from slimtune.optim.native import adamw
 
-    adam = bandwidth.host_adam("split_8bit", n, None)
+    adam = bandwidth.host_adam(layout, n, None)
     tensors = bandwidth.native_tensors(adam)
     tensors["grad"].copy_(torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3)
     return adam, tensors, adamw.run_of(n, tensors, 1, False)
@@ -125,13 +133,13 @@ def _constants():
     return adamw.constants(hyper, STEP, 1.0)
 
 
-def _check_exact(rev: str, lib: ctypes.CDLL, reference: ctypes.CDLL) -> None:
+def _check_exact(rev: str, lib: ctypes.CDLL, reference: ctypes.CDLL, layout: str) -> None:
     """Two steps of rev's build and of the working tree's library on equal tensors: the same bits,
     every output (weights, residuals, codes, absmax)."""
     from slimtune.optim.native import adamw
 
     n = 1 << 14
-    _, tensors, _ = _layout(n)
+    _, tensors, _ = _layout(n, layout)
     outputs = []
     for kernel in (lib, reference):
         mine = {role: t.clone() for role, t in tensors.items()}
@@ -146,12 +154,12 @@ def _check_exact(rev: str, lib: ctypes.CDLL, reference: ctypes.CDLL) -> None:
                          "only exact kernels are compared.")
 
 
-def _time(libraries: list, n: int, rounds: int, calls: int) -> list[dict]:
+def _time(libraries: list, n: int, rounds: int, calls: int, layout: str) -> list[dict]:
     """Per build: the best ns a number of each allocation, and the best of all."""
     held, layouts = [], []
     for index in range(ALLOCATIONS):
         held.append(torch.empty(4096 * (index + 1) + 64 * index, dtype=torch.uint8))  # shifts what follows
-        layouts.append(_layout(n))
+        layouts.append(_layout(n, layout))
     constants = _constants()
     best = [[float("inf")] * ALLOCATIONS for _ in libraries]
     for _ in range(rounds):

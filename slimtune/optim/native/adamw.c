@@ -176,6 +176,95 @@ static inline __attribute__((always_inline)) void span(
     }
 }
 
+/* ---------------------------------------------------------------- the split layout on AVX2 */
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_SPLIT_AVX2 1
+
+/* span()'s split layout with a bf16 gradient, on torch's vector formula, 8 numbers an instruction, written
+   out because gcc's own vectorization of span() ran at a third of the divider's rate on AVX2 (Zen 3: 1.40
+   ns a number in the L3 against 0.47 for the square root and two divisions alone). The same operations
+   on the same numbers in the same order, so the same bits: bf16 pieces widened by zero-extension and
+   shifts, narrow() and residual_of() as integer operations, the residual's clamp as the signed
+   saturation of a 32-to-16-bit pack. `clips` and `decays` are compile-time constants (x * 1.0f is x,
+   so skipping the multiply changes no bit). Returns the numbers done: `count` rounded down to 16. */
+static inline __attribute__((always_inline)) int64_t split_avx2_of(
+        int64_t count, const Hyper *h, uint16_t *restrict weight, int16_t *restrict residual,
+        uint16_t *restrict shadow, const uint16_t *restrict grad, float *restrict m, float *restrict v,
+        const int clips, const int decays, const int small) {
+    const float coeff_value = small ? h->lerp_weight : h->lerp_weight - 1.0f;
+    const __m256 clip = _mm256_set1_ps(h->clip), decay = _mm256_set1_ps(h->decay);
+    const __m256 coeff = _mm256_set1_ps(coeff_value), beta2 = _mm256_set1_ps(h->beta2);
+    const __m256 c2 = _mm256_set1_ps(h->one_minus_beta2), bias2_sqrt = _mm256_set1_ps(h->bias2_sqrt);
+    const __m256 eps = _mm256_set1_ps(h->eps), step_size = _mm256_set1_ps(h->step_size);
+    const __m256i round_bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), infinity = _mm256_set1_epi32(0x7F800000);
+    const int64_t done = count & ~(int64_t)15;
+    for (int64_t i = 0; i < done; i += 16) {
+        __m256i tops[2], residuals[2];
+        for (int half = 0; half < 2; half++) {
+            const int64_t at = i + 8 * half;
+            const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(weight + at)));
+            const __m256i low = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(residual + at)));
+            const __m256i g16 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(grad + at)));
+            __m256 p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(w, 16), low));
+            __m256 g = _mm256_castsi256_ps(_mm256_slli_epi32(g16, 16));
+            if (clips) g = _mm256_mul_ps(g, clip);
+            if (decays) p = _mm256_mul_ps(p, decay);
+            const __m256 m0 = _mm256_loadu_ps(m + at), v0 = _mm256_loadu_ps(v + at);
+            const __m256 m1 = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m0), small ? m0 : g);
+            const __m256 v1 = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(v0, beta2));
+            _mm256_storeu_ps(m + at, m1);
+            _mm256_storeu_ps(v + at, v1);
+            const __m256 denominator = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v1), bias2_sqrt), eps);
+            const __m256i u = _mm256_castps_si256(_mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step_size, m1),
+                                                                                 denominator)));
+            /* narrow(): (u + 0x7FFF + ((u >> 16) & 1)) >> 16, 0xFFFF for a NaN */
+            const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+            const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, round_bias), lsb), 16);
+            const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, magnitude), infinity);
+            tops[half] = _mm256_or_si256(rounded, _mm256_srli_epi32(nan, 16));
+            residuals[half] = _mm256_sub_epi32(u, _mm256_slli_epi32(tops[half], 16));  /* residual_of, unclamped */
+        }
+        /* packs interleave the 128-bit lanes: [a0-3 b0-3 a4-7 b4-7], put in order by one qword permute */
+        const __m256i tops16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(tops[0], tops[1]), 0xD8);
+        const __m256i residuals16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(residuals[0], residuals[1]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(weight + i), tops16);
+        _mm256_storeu_si256((__m256i *)(residual + i), residuals16);
+        if (shadow) _mm256_storeu_si256((__m256i *)(shadow + i), tops16);
+    }
+    return done;
+}
+
+/* split_avx2_of with its compile-time choices made from the step's constants: one loop each. */
+static int64_t split_avx2(const Run *r, const Hyper *h, int64_t at, int64_t count, float *m, float *v) {
+    const int small = fabsf(h->lerp_weight) < 0.5f, clips = h->clip != 1.0f, decays = h->decay != 1.0f;
+    const int kind = small * 4 + clips * 2 + decays;
+    uint16_t *const weight = r->weight + at, *const shadow = r->shadow ? r->shadow + at : NULL;
+    const uint16_t *const grad = (const uint16_t *)r->grad + at;
+    int16_t *const residual = r->residual + at;
+#define SPLIT_AVX2(s, c, d) split_avx2_of(count, h, weight, residual, shadow, grad, m, v, c, d, s)
+    switch (kind) {
+        case 0: return SPLIT_AVX2(0, 0, 0);
+        case 1: return SPLIT_AVX2(0, 0, 1);
+        case 2: return SPLIT_AVX2(0, 1, 0);
+        case 3: return SPLIT_AVX2(0, 1, 1);
+        case 4: return SPLIT_AVX2(1, 0, 0);
+        case 5: return SPLIT_AVX2(1, 0, 1);
+        case 6: return SPLIT_AVX2(1, 1, 0);
+        default: return SPLIT_AVX2(1, 1, 1);
+    }
+#undef SPLIT_AVX2
+}
+#else
+#define HAVE_SPLIT_AVX2 0
+static int64_t split_avx2(const Run *r, const Hyper *h, int64_t at, int64_t count, float *m, float *v) {
+    (void)r, (void)h, (void)at, (void)count, (void)m, (void)v;
+    return 0;
+}
+#endif
+
 #define AT(pointer) ((pointer) ? (pointer) + at : NULL)
 #define SPAN(split, bf16, shadows)                                                                    \
     span(count, *h, AT(r->master), AT(r->weight), AT(r->residual), AT(r->shadow), AT((uint16_t *)r->grad), \
@@ -186,6 +275,11 @@ static inline __attribute__((always_inline)) void span(
 static inline __attribute__((always_inline)) void vector_span(const Run *r, const Hyper *h, int64_t at,
                                                               int64_t count, float *m, float *v) {
     if (count <= 0) return;
+    if (HAVE_SPLIT_AVX2 && r->split && r->grad_bf16) {
+        const int64_t done = split_avx2(r, h, at, count, m, v);
+        at += done, count -= done, m += done, v += done;
+        if (count == 0) return;
+    }
     const int kind = r->split * 4 + r->grad_bf16 * 2 + (r->shadow != NULL), scalar = 0;
     switch (kind) {
         case 0: SPAN(0, 0, 0); break;
