@@ -17,7 +17,8 @@ case stops: only exact kernels are compared.
 
 The timing is host_adam_bandwidth's split_8bit layout (bf16 weight + residual, bf16 gradient, 8-bit
 m and v; on the VBMI path where the machine runs it, else the portable loops), or the layout
-SLIMTUNE_AB_LAYOUT names (split: fp32 m and v), one thread: runs of 2^14 numbers (in the L1 and L2), 2^20 (four sets of them: mostly the
+SLIMTUNE_AB_LAYOUT names (split: fp32 m and v; split_accum: the same with an fp32 gradient, as
+train.grad_accum > 1 leaves it), one thread: runs of 2^14 numbers (in the L1 and L2), 2^20 (four sets of them: mostly the
 L3) and 2^25 (in memory, the size host_adam_bandwidth's ratio is taken at), each in four allocations
 at different offsets (where the tensors fall moves the loop by a few percent), the builds alternated
 round by round, the best call of each. The loop is called through ctypes, so a figure includes the
@@ -37,7 +38,7 @@ import torch
 
 REVS_ENV = "SLIMTUNE_AB_REVS"
 LAYOUT_ENV = "SLIMTUNE_AB_LAYOUT"
-LAYOUTS = ("split_8bit", "split")
+LAYOUTS = ("split_8bit", "split", "split_accum")
 DEFAULT_REVS = ("d565b0c", "HEAD")  # the loop before its chains were staged (fb06106), and now
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 KERNEL = "slimtune/optim/native/adamw.c"

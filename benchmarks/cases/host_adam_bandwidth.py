@@ -44,6 +44,7 @@ FLUSH_BYTES = 64 << 20  # twice the L3: written before each timed update so no o
 LAYOUTS = {
     "whole": (False, None, "fp32", False),
     "split": (True, torch.bfloat16, "fp32", False),
+    "split_accum": (True, None, "fp32", False),  # train.grad_accum > 1: the gradient an fp32 accumulator
     "split_8bit": (True, torch.bfloat16, "8bit", False),
     "split_disk": (True, torch.bfloat16, "fp32", True),
     "split_8bit_disk": (True, torch.bfloat16, "8bit", True),

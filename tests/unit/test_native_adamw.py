@@ -234,6 +234,20 @@ def test_masters_at_the_edges_of_the_split_equal_the_tile_path(monkeypatch):
         both_paths(monkeypatch, edge_masters(), split=False, grad_dtype=torch.float32, shadow=True, hyper=hyper)
 
 
+@pytest.mark.parametrize("beta1", [0.9, 0.3], ids=["lerp_small", "lerp_large"])
+@pytest.mark.parametrize("clip", [1.0, 0.3], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01], ids=["no_decay", "decay"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16_grad", "fp32_grad"])
+def test_each_variant_of_the_split_loop_equals_the_tile_path(monkeypatch, beta1, clip, weight_decay, grad_dtype):
+    """The split layout with fp32 moments, the default: on AVX2 builds its loop is written out
+    (adamw.c's split_avx2_of), compiled once for each of lerp's branches, with and without the
+    clipping and the weight decay's multiplies; elsewhere gcc's vectorization of the plain loop. Each
+    against the tile path, at the edges of the split too, over a partial vector and the scalar tail."""
+    hyper = tiled_adamw.Hyper(1e-3, beta1, 0.999, 1e-8, weight_decay)
+    masters = torch.cat([torch.randn(3 * 256 + 13, generator=torch.Generator().manual_seed(4)), edge_masters()])
+    both_paths(monkeypatch, masters, steps=2, hyper=hyper, clip=clip, split=True, grad_dtype=grad_dtype, shadow=True)
+
+
 @pytest.mark.parametrize("eight_bit_path", PATHS, indirect=True)
 def test_masters_at_the_edges_of_the_split_with_8bit_moments_equal_the_tile_path(monkeypatch, eight_bit_path):
     """The same masters through the layout the VBMI path fuses (its own rounding to bf16 and

@@ -182,17 +182,19 @@ static inline __attribute__((always_inline)) void span(
 #include <immintrin.h>
 #define HAVE_SPLIT_AVX2 1
 
-/* span()'s split layout with a bf16 gradient, on torch's vector formula, 8 numbers an instruction, written
+/* span()'s split layout, on torch's vector formula, 8 numbers an instruction, written
    out because gcc's own vectorization of span() ran at a third of the divider's rate on AVX2 (Zen 3: 1.40
    ns a number in the L3 against 0.47 for the square root and two divisions alone). The same operations
    on the same numbers in the same order, so the same bits: bf16 pieces widened by zero-extension and
    shifts, narrow() and residual_of() as integer operations, the residual's clamp as the signed
-   saturation of a 32-to-16-bit pack. `clips` and `decays` are compile-time constants (x * 1.0f is x,
-   so skipping the multiply changes no bit). Returns the numbers done: `count` rounded down to 16. */
+   saturation of a 32-to-16-bit pack. The gradient is bf16 (one micro-batch a step) or fp32 (an
+   accumulator: train.grad_accum > 1), `grad_bf16`. `clips` and `decays` are compile-time constants
+   (x * 1.0f is x, so skipping the multiply changes no bit). Returns the numbers done: `count` rounded
+   down to 16. */
 static inline __attribute__((always_inline)) int64_t split_avx2_of(
         int64_t count, const Hyper *h, uint16_t *restrict weight, int16_t *restrict residual,
-        uint16_t *restrict shadow, const uint16_t *restrict grad, float *restrict m, float *restrict v,
-        const int clips, const int decays, const int small) {
+        uint16_t *restrict shadow, const void *restrict grad, float *restrict m, float *restrict v,
+        const int grad_bf16, const int clips, const int decays, const int small) {
     const float coeff_value = small ? h->lerp_weight : h->lerp_weight - 1.0f;
     const __m256 clip = _mm256_set1_ps(h->clip), decay = _mm256_set1_ps(h->decay);
     const __m256 coeff = _mm256_set1_ps(coeff_value), beta2 = _mm256_set1_ps(h->beta2);
@@ -207,9 +209,10 @@ static inline __attribute__((always_inline)) int64_t split_avx2_of(
             const int64_t at = i + 8 * half;
             const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(weight + at)));
             const __m256i low = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(residual + at)));
-            const __m256i g16 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(grad + at)));
             __m256 p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(w, 16), low));
-            __m256 g = _mm256_castsi256_ps(_mm256_slli_epi32(g16, 16));
+            __m256 g = grad_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)grad + at))), 16))
+                                 : _mm256_loadu_ps((const float *)grad + at);
             if (clips) g = _mm256_mul_ps(g, clip);
             if (decays) p = _mm256_mul_ps(p, decay);
             const __m256 m0 = _mm256_loadu_ps(m + at), v0 = _mm256_loadu_ps(v + at);
@@ -237,23 +240,20 @@ static inline __attribute__((always_inline)) int64_t split_avx2_of(
     return done;
 }
 
-/* split_avx2_of with its compile-time choices made from the step's constants: one loop each. */
+/* split_avx2_of with its compile-time choices made from the run and the step's constants: one loop each. */
 static int64_t split_avx2(const Run *r, const Hyper *h, int64_t at, int64_t count, float *m, float *v) {
     const int small = fabsf(h->lerp_weight) < 0.5f, clips = h->clip != 1.0f, decays = h->decay != 1.0f;
-    const int kind = small * 4 + clips * 2 + decays;
+    const int kind = r->grad_bf16 * 8 + small * 4 + clips * 2 + decays;
     uint16_t *const weight = r->weight + at, *const shadow = r->shadow ? r->shadow + at : NULL;
-    const uint16_t *const grad = (const uint16_t *)r->grad + at;
+    const void *const grad = r->grad_bf16 ? (const void *)((const uint16_t *)r->grad + at)
+                                          : (const void *)((const float *)r->grad + at);
     int16_t *const residual = r->residual + at;
-#define SPLIT_AVX2(s, c, d) split_avx2_of(count, h, weight, residual, shadow, grad, m, v, c, d, s)
+#define SPLIT_AVX2(k) case k: return split_avx2_of(count, h, weight, residual, shadow, grad, m, v, (k) >> 3 & 1, \
+                                                   (k) >> 1 & 1, (k) & 1, (k) >> 2 & 1)
     switch (kind) {
-        case 0: return SPLIT_AVX2(0, 0, 0);
-        case 1: return SPLIT_AVX2(0, 0, 1);
-        case 2: return SPLIT_AVX2(0, 1, 0);
-        case 3: return SPLIT_AVX2(0, 1, 1);
-        case 4: return SPLIT_AVX2(1, 0, 0);
-        case 5: return SPLIT_AVX2(1, 0, 1);
-        case 6: return SPLIT_AVX2(1, 1, 0);
-        default: return SPLIT_AVX2(1, 1, 1);
+        SPLIT_AVX2(0); SPLIT_AVX2(1); SPLIT_AVX2(2); SPLIT_AVX2(3); SPLIT_AVX2(4); SPLIT_AVX2(5); SPLIT_AVX2(6);
+        SPLIT_AVX2(7); SPLIT_AVX2(8); SPLIT_AVX2(9); SPLIT_AVX2(10); SPLIT_AVX2(11); SPLIT_AVX2(12);
+        SPLIT_AVX2(13); SPLIT_AVX2(14); default: SPLIT_AVX2(15);
     }
 #undef SPLIT_AVX2
 }
@@ -275,7 +275,7 @@ static int64_t split_avx2(const Run *r, const Hyper *h, int64_t at, int64_t coun
 static inline __attribute__((always_inline)) void vector_span(const Run *r, const Hyper *h, int64_t at,
                                                               int64_t count, float *m, float *v) {
     if (count <= 0) return;
-    if (HAVE_SPLIT_AVX2 && r->split && r->grad_bf16) {
+    if (HAVE_SPLIT_AVX2 && r->split) {
         const int64_t done = split_avx2(r, h, at, count, m, v);
         at += done, count -= done, m += done, v += done;
         if (count == 0) return;
