@@ -299,6 +299,7 @@ SPLIT_PIECES = ("fused_adamw", "combine", "split", "widen_grad_bf16", "clear_gra
 PIECES_OF = {  # the tile pieces each layout runs on the tiled path (tiled_adamw's forms)
     "whole": ("fused_adamw", "shadow_bf16", "clear_grad_fp32"),
     "split": SPLIT_PIECES,
+    "split_accum": ("fused_adamw", "combine", "split", "clear_grad_fp32"),  # the fp32 gradient read as it rests
     "split_8bit": (*SPLIT_PIECES, "dequantize_m", "quantize_m", "dequantize_v", "quantize_v"),
     "split_disk": SPLIT_PIECES,
     "split_8bit_disk": (*SPLIT_PIECES, "dequantize_m", "quantize_m", "dequantize_v", "quantize_v"),
