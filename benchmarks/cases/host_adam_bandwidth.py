@@ -9,8 +9,9 @@ optimizer layout comes to it, on 1 and 2 threads (torch.set_num_threads):
   program reads and writes, not the cache lines the hardware fetches to write).
 - torch's fused CPU AdamW (torch.optim.AdamW(fused=True)) on one fp32 parameter of 2^25 numbers:
   28 bytes a number (read p, g, m, v; write p, m, v).
-- HostAdam.update for five layouts (whole fp32 master, split master, 8-bit moments, moments in
-  memory-mapped files, fp32 or 8-bit), bytes counted from what the code touches, the accumulator's
+- HostAdam.update for six layouts (whole fp32 master, split master with a bf16 gradient or an fp32
+  one (split_accum: train.grad_accum > 1), 8-bit moments, moments in memory-mapped files, fp32 or
+  8-bit), bytes counted from what the code touches, the accumulator's
   emptying included: on the tiled torch path (SLIMTUNE_NATIVE=0) and on the native C loop where it
   applies; 8-bit moments also on the native loop's portable path (SLIMTUNE_NATIVE_VBMI=0) where
   its AVX-512 VBMI path runs.

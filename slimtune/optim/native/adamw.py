@@ -31,7 +31,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from slimtune.optim import moments8
+from slimtune.optim import moments8, split_master
 from slimtune.optim.native import build
 
 # torch's fused CPU AdamW computes a call's last numel % 8 numbers on its scalar path (under both its
@@ -362,21 +362,54 @@ def library() -> ctypes.CDLL | None:
 
 def _agrees_with_torch(lib: ctypes.CDLL) -> bool:
     """The library and torch._fused_adamw_ leave the same bits on runs of every length mod 16 (the
-    scalar tail), four of each, with and without weight decay and clipping, on both of lerp's branches
-    (a few milliseconds, once a process)."""
+    scalar tail), four of each, with and without weight decay and clipping, on both of lerp's branches,
+    for a whole fp32 master and for the split one (split_master's pieces, updated from their combined
+    master by torch, then split again), its gradient bf16 or fp32 by turns: AVX2 builds run the split
+    layout on a loop of its own (a few milliseconds, once a process)."""
     generator = torch.Generator().manual_seed(0)
     for length in range(1024, 1088):
         settings = types.SimpleNamespace(lr=1e-3 * (1 + length % 3), beta1=(0.9, 0.3)[length // 16 % 2], beta2=0.999,
                                          eps=1e-8, weight_decay=0.01 * (length % 3))
-        step_count, clip = float(1 + length % 5), (1.0, 0.37)[length // 32 % 2]
+        step = (settings, float(1 + length % 5), (1.0, 0.37)[length // 32 % 2])
         p, g, m = (torch.randn(length, generator=generator) * scale for scale in (1.0, 1e-2, 1e-3))
         v = torch.rand(length, generator=generator) * 1e-4
-        ours = {"master": p.clone(), "grad": g.clone(), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
-        lib.slimtune_adamw(ctypes.byref(run_of(length, ours, 1)), ctypes.byref(constants(settings, step_count, clip)))
-        torch._fused_adamw_([p], [g.mul_(clip)], [m], [v], [], [torch.tensor(step_count)], amsgrad=False,
-                            lr=settings.lr, beta1=settings.beta1, beta2=settings.beta2,
-                            weight_decay=settings.weight_decay, eps=settings.eps, maximize=False)
-        if not all(torch.equal(a.view(torch.int32), b.view(torch.int32))
-                   for a, b in zip((p, m, v), (ours["master"], ours["exp_avg"], ours["exp_avg_sq"]))):
+        if not (_whole_agrees(lib, step, p, g, m, v) and _split_agrees(lib, step, p, g, m, v, length % 2 == 0)):
             return False
     return True
+
+
+def _torch_step(step: tuple, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> tuple:
+    """(p, m, v) after torch._fused_adamw_'s step on copies, the gradient clipped in fp32 first."""
+    settings, step_count, clip = step
+    p, m, v = p.clone(), m.clone(), v.clone()
+    torch._fused_adamw_([p], [g.float() * clip], [m], [v], [], [torch.tensor(step_count)], amsgrad=False,
+                        lr=settings.lr, beta1=settings.beta1, beta2=settings.beta2,
+                        weight_decay=settings.weight_decay, eps=settings.eps, maximize=False)
+    return p, m, v
+
+
+def _library_step(lib: ctypes.CDLL, step: tuple, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    length = tensors["grad"].numel()
+    lib.slimtune_adamw(ctypes.byref(run_of(length, tensors, 1)), ctypes.byref(constants(*step)))
+    return tensors
+
+
+def _whole_agrees(lib: ctypes.CDLL, step: tuple, p, g, m, v) -> bool:
+    ours = _library_step(lib, step, {"master": p.clone(), "grad": g.clone(), "exp_avg": m.clone(),
+                                     "exp_avg_sq": v.clone()})
+    return _same_bits(_torch_step(step, p, g, m, v), (ours["master"], ours["exp_avg"], ours["exp_avg_sq"]))
+
+
+def _split_agrees(lib: ctypes.CDLL, step: tuple, p, g, m, v, grad_bf16: bool) -> bool:
+    weight, residual = torch.empty(p.shape, dtype=torch.bfloat16), torch.empty(p.shape, dtype=torch.int16)
+    split_master.split(p, weight, residual)
+    grad = g.to(torch.bfloat16) if grad_bf16 else g
+    ours = _library_step(lib, step, {"weight": weight.clone(), "residual": residual.clone(), "grad": grad.clone(),
+                                     "exp_avg": m.clone(), "exp_avg_sq": v.clone()})
+    p1, m1, v1 = _torch_step(step, split_master.combined(weight, residual), grad, m, v)
+    split_master.split(p1, weight, residual)
+    return _same_bits((weight, residual, m1, v1), (ours["weight"], ours["residual"], ours["exp_avg"], ours["exp_avg_sq"]))
+
+
+def _same_bits(expected: tuple, found: tuple) -> bool:
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(expected, found))
