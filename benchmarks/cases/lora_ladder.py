@@ -2,7 +2,7 @@
 section 3) with slimtune's own techniques, batch 1, fp32 compute, LoRA r=16 alpha 32 on all
 seven linears, the LAST 30% of each sequence trainable (one example per row).
 
-Part 1: the device peak of step 2 of the real resident step run on fake tensors (the method of
+Part 1: the device peak of one step (estimate.STEPS) of the real resident step run on fake tensors (the method of
 slimtune.planning.estimate, replicated here so the batch can carry this label pattern) for the
 Llama-3.2-3B and Qwen2.5-3B shapes at 1K..16K tokens, beside the paper's figures.
 Part 2: the same ladder run for real (random weights, 2 layers, T=512, CPU meter) beside its
@@ -118,7 +118,7 @@ def _result_row(result, seconds: float, trainable: int) -> dict:
 
 
 def fake_estimate(model_config, cfg, batch: Batch) -> dict:
-    """slimtune.planning.estimate.estimate on our own batch: two engine steps on fake tensors, step 2 metered."""
+    """slimtune.planning.estimate.estimate on our own batch: estimate.STEPS engine steps on fake tensors, the last metered."""
     began = time.perf_counter()
     found = estimate(model_config, cfg, *batch.input_ids.shape, batch=batch)
     step = step_peak_bytes(found.device_peak_bytes, found.breakdown)
