@@ -61,7 +61,11 @@ def preset_rows(names: list[str]) -> list[dict]:
             assert all(plans == runs[0][1] for _, plans in runs), "a cold plan answered differently"
             cold[name, method] = ([seconds for seconds, _ in runs], runs[0][1])
             print(f"{name} {method}: plan {' / '.join(f'{s:.1f}' for s, _ in runs)} s cold", flush=True)
-    jobs = [(name, method, found) for (name, method), (_, plans) in cold.items() for found in plans]
+    refused = {key: plans for key, (_, plans) in cold.items() if isinstance(plans, str)}
+    for (name, method), sentence in refused.items():
+        print(f"{name} {method}: refused on this machine: {sentence}", flush=True)
+    jobs = [(name, method, found) for (name, method), (_, plans) in cold.items() if (name, method) not in refused
+            for found in plans]
     checker = _importable_self()
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         deepest_first = sorted(range(len(jobs)), key=lambda i: -presets.model_config(jobs[i][0]).num_hidden_layers)
@@ -69,6 +73,11 @@ def preset_rows(names: list[str]) -> list[dict]:
         checks = [futures[i].result() for i in range(len(jobs))]
     rows = []
     for (name, method), (seconds, plans) in cold.items():
+        if (name, method) in refused:
+            rows.append({"preset": name, "method": method, "cold_plan_seconds": statistics.median(seconds),
+                         "cold_plan_seconds_runs": seconds, "refused": plans, "equal_to_full_depth": None,
+                         "full_depth": []})
+            continue
         mine = [c for (n, m, _), c in zip(jobs, checks) if (n, m) == (name, method)]
         rows.append({"preset": name, "method": method, "cold_plan_seconds": statistics.median(seconds),
                      "cold_plan_seconds_runs": seconds,
@@ -87,15 +96,22 @@ def _importable_self():
     return importlib.import_module("cases.plans")
 
 
-def cold_plan(name: str, method: str) -> tuple[float, list[dict]]:
+def cold_plan(name: str, method: str) -> tuple[float, list[dict] | str]:
     """`slimtune plan --json` as a user runs it: a new process, no cached estimate. Returns its wall
-    time and its plans."""
+    time and its plans, or the planner's refusal (exit 2: a model whose weights fit neither this
+    machine's RAM nor the card, which every engine loads them into whole) as its sentence."""
     with tempfile.TemporaryDirectory(prefix="slimtune-cache-") as cache:
         began = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "slimtune.cli", "plan", "--model", name, "--gpu", SIZES[0],
                                "--seq", str(SEQ), "--batch", str(BATCH), "--method", method, "--json"],
-                              capture_output=True, text=True, check=True, env={**os.environ, "XDG_CACHE_HOME": cache})
-        return time.perf_counter() - began, json.loads(done.stdout)
+                              capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": cache})
+        seconds = time.perf_counter() - began
+        if done.returncode == 2 and done.stderr.startswith("slimtune: error: "):
+            return seconds, done.stderr.strip().splitlines()[-1].removeprefix("slimtune: error: ")
+        if done.returncode != 0:
+            raise SystemExit(f"slimtune plan --model {name} --method {method} failed ({done.returncode}): "
+                             f"{done.stderr.strip()[-2000:]}")
+        return seconds, json.loads(done.stdout)
 
 
 def full_depth_check(name: str, method: str, found: dict) -> dict:
@@ -167,5 +183,5 @@ def run(quick: bool) -> dict:
     return {"seq": SEQ, "batch": BATCH, "sizes": SIZES, "cold_plan_goal_seconds": 10,
             "cold_runs": COLD_RUNS, "slowest_cold_plan_seconds": max(r["cold_plan_seconds"] for r in rows),
             "slowest_single_cold_plan_seconds": max(max(r["cold_plan_seconds_runs"]) for r in rows),
-            "every_plan_equal_to_full_depth": all(r["equal_to_full_depth"] for r in rows),
+            "every_plan_equal_to_full_depth": all(r["equal_to_full_depth"] for r in rows if "refused" not in r),
             "presets": rows, "reference": hf_reference()}
