@@ -281,6 +281,7 @@ def _without_nproc(words: list[str]) -> list[str]:
 
 def _plan(args: argparse.Namespace) -> None:
     from slimtune.planning import planner
+    from slimtune.planning.progress import Weighing
     from slimtune import presets
 
     if args.seq <= 0 or args.batch <= 0 or args.rank <= 0:
@@ -290,8 +291,9 @@ def _plan(args: argparse.Namespace) -> None:
     model_config = presets.model_config(args.model)
     machine = planner.Machine.named(args.gpu, args.host_ram, args.disk, cards=args.gpus, nodes=args.nodes)
     base = planner.planning_config(args.method, args.rank)
+    longest = ", and the longest sequence each fits" if args.max_seq is not None else ""
     results = planner.plan(model_config, base, machine, args.batch, args.seq, max_seq=args.max_seq is not None,
-                           seq_limit=args.max_seq or 0)
+                           seq_limit=args.max_seq or 0, progress=Weighing("slimtune plan", longest))
     title = f"slimtune plan: {args.model}, {args.method}, batch {args.batch} x seq {args.seq}, on {machine.describe()}"
     print(planner.to_json(results) if args.json else planner.table(results, title, machine, detail=args.detail))
     positions = getattr(model_config, "max_position_embeddings", None)

@@ -32,6 +32,7 @@ from slimtune.data import dataset as data
 from slimtune.dist import ranks as distributed
 from slimtune.run import interrupts
 from slimtune.planning import planner
+from slimtune.planning.progress import Weighing
 from slimtune.config import RunConfig, to_dict
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
@@ -87,10 +88,17 @@ def _machine(cfg: RunConfig, gpu: presets.GpuProfile, dist: Dist = SINGLE) -> pl
                            rank_per_card=dist.active)
 
 
-def _auto_plan(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE) -> RunConfig:
+def _weighing(who: str, bar: bool) -> Weighing:
+    """What planning before training shows (rank 0 plans): the bar where the run shows one on a
+    terminal, else a line."""
+    return Weighing(who, bar=bar and sys.stderr.isatty())
+
+
+def _auto_plan(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE, bar: bool = False) -> RunConfig:
     """plan=auto: the planner's recommended engine and options for the run's card (and its ranks)."""
     gpu = presets.gpu_profile(cfg.gpu) if cfg.gpu else presets.device_profile(device)
-    planned, chosen = planner.apply_recommended(cfg, presets.model_config(cfg.model), _machine(cfg, gpu, dist))
+    planned, chosen = planner.apply_recommended(cfg, presets.model_config(cfg.model), _machine(cfg, gpu, dist),
+                                                _weighing(f"plan=auto on {gpu.name}", bar))
     # On the CPU, or a card not in the presets, the plans are ranked by a generic card's rates
     # (presets.device_profile): no speed is printed as this device's.
     speed = (f"ranked by {presets.GENERIC_RATES_FROM}'s rates, {gpu.name}'s own speed not modelled"
@@ -100,29 +108,30 @@ def _auto_plan(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE) -> Run
     return planned
 
 
-def _settle_open(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE) -> RunConfig:
+def _settle_open(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE, bar: bool = False) -> RunConfig:
     """Settings the run left to the planner (EngineSpec.open_settings): the engine's first candidate
     that fits the run's card."""
     candidates = engines.get(cfg.engine).open_settings(cfg)
     if not candidates:
         return cfg
     gpu = presets.gpu_profile(cfg.gpu) if cfg.gpu else presets.device_profile(device)
-    settled, chosen = planner.first_fitting(presets.model_config(cfg.model), cfg, candidates,
-                                            _machine(cfg, gpu, dist))
+    open_keys = ", ".join(sorted({key for candidate in candidates for key in candidate}))
+    settled, chosen = planner.first_fitting(presets.model_config(cfg.model), cfg, candidates, _machine(cfg, gpu, dist),
+                                            _weighing(f"settling {open_keys} for {gpu.name}", bar))
     print(f"settled for {gpu.name}: {chosen.label} (device peak {human_bytes(chosen.estimate.device_peak_bytes)},"
           " measured on fake tensors)")
     return settled
 
 
-def build(cfg: RunConfig, dist: Dist = SINGLE) -> Run:
+def build(cfg: RunConfig, dist: Dist = SINGLE, bar: bool = False) -> Run:
     """Device, plan, precision, tokenizer and data, then the model and engine (assembly.py). Under
     torchrun rank 0 plans and every rank takes its plan (their RAM and disk may differ)."""
     cfg = hub.resolved(cfg)  # fit resolved it already; a caller of build alone may give a Hub name
     device = assembly.resolve_device(cfg.device, dist)
 
     def planned() -> RunConfig:
-        settled = _auto_plan(cfg, device, dist) if cfg.plan == "auto" else cfg
-        return _settle_open(settled, device, dist)
+        settled = _auto_plan(cfg, device, dist, bar) if cfg.plan == "auto" else cfg
+        return _settle_open(settled, device, dist, bar)
 
     cfg = _on_rank0(dist, planned, "the plan")
     precision = assembly.resolve_precision(cfg.precision, device)
@@ -283,7 +292,7 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
     say = tqdm.write if progress else (print if dist.is_main else _silent)
     with RunFolder(cfg) if dist.is_main else contextlib.nullcontext() as folder:
         _on_rank0(dist, lambda: _check_before_loading(folder, cfg), "the run folder's check")
-        run = run or build(cfg, dist)
+        run = run or build(cfg, dist, bar=progress)
         run.engine.progress, run.engine.notes = progress, dist.is_main
         out = Path(run.cfg.output_dir)
         stream, start = _begin(run, folder, say)
@@ -519,7 +528,9 @@ def out_of_memory_advice(run: Run, step: int, when: str = "at") -> str:
     cfg = run.cfg
     gpu = presets.device_profile(run.device)
     machine = _machine(cfg, gpu)
-    results, chosen = planner.plan_run(cfg, presets.model_config(cfg.model), machine)
+    # A bar on a terminal only: what is printed here must stay one sentence.
+    looking = Weighing(f"out of device memory: a plan for {gpu.name}", show=sys.stderr.isatty())
+    results, chosen = planner.plan_run(cfg, presets.model_config(cfg.model), machine, looking)
     where = f"out of device memory {when} step {step} with engine={cfg.engine} precision={run.precision}"
     if chosen is None:
         return f"{where}, and {planner.no_fit_sentence(results, machine)}"

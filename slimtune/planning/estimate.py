@@ -68,9 +68,12 @@ def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 
 
 
 def meta_model(config, dtype: torch.dtype) -> nn.Module:
-    """An HF model of `config`'s shape with no storage at all."""
+    """An HF model of `config`'s shape with no storage at all. It gets a copy of `config`: building sets
+    the config's dtype and the step its use_cache, and the caller's config keys the estimate cache (a
+    changed one read as another model, so a plan made again weighed afresh the plans weighed first)."""
     from transformers import AutoModelForCausalLM
 
+    config = copy.deepcopy(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from slimtune.dist import fake_ranks
 from slimtune.planning import estimate, longest_seq, tile_choice, worker as planning_worker, rank_plan
 from slimtune.device import speed
 from slimtune.planning.estimate_cache import cached_estimate, is_cached
+from slimtune.planning.progress import Weighing, quiet
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
 from slimtune.units import human_bytes
@@ -285,24 +287,30 @@ def _needs_by_segment(machine: Machine, found: estimate.Estimate, ranks: int) ->
 PARALLEL_FROM = 16 * 1024
 
 
-def first_fitting(model_config, cfg: RunConfig, candidates: list[dict], machine: Machine) -> tuple[RunConfig, PlanResult]:
+def first_fitting(model_config, cfg: RunConfig, candidates: list[dict], machine: Machine,
+                  progress: Weighing | None = None) -> tuple[RunConfig, PlanResult]:
     """The run with the first of `candidates` (settings the run left open, in the engine's order of
     preference) that fits `machine`, found by bisection: a later candidate needs no more than an
     earlier one (e.g. more chunks). One sentence when none fits."""
     machine.refuse_unloadable(model_config)
     plan = {"engine": cfg.engine}
+    progress = progress or quiet()
 
     def weighed(i: int) -> PlanResult:
-        return weigh(model_config, cfg, {**plan, **candidates[i]}, machine, cfg.train.batch_size, cfg.data.max_length)
+        found = weigh(model_config, cfg, {**plan, **candidates[i]}, machine, cfg.train.batch_size, cfg.data.max_length)
+        progress.tick()
+        return found
 
-    low, high, found = -1, len(candidates) - 1, weighed(len(candidates) - 1)
-    if not found.fits:
-        raise UserError(f"engine={cfg.engine} with {found.label} does not fit {machine.describe()}: "
-                        f"{_smallest_need([found])}.")
-    while high - low > 1:  # candidates[high] fits, candidates[low] does not (or low = -1)
-        middle = (low + high) // 2
-        result = weighed(middle)
-        low, high, found = (low, middle, result) if result.fits else (middle, high, found)
+    progress.start(1 + math.ceil(math.log2(len(candidates))), exact=len(candidates) == 1)
+    with progress:
+        low, high, found = -1, len(candidates) - 1, weighed(len(candidates) - 1)
+        if not found.fits:
+            raise UserError(f"engine={cfg.engine} with {found.label} does not fit {machine.describe()}: "
+                            f"{_smallest_need([found])}.")
+        while high - low > 1:  # candidates[high] fits, candidates[low] does not (or low = -1)
+            middle = (low + high) // 2
+            result = weighed(middle)
+            low, high, found = (low, middle, result) if result.fits else (middle, high, found)
     return _run_config(cfg, candidates[high]), found
 
 
@@ -326,7 +334,7 @@ def applicable_plans(base: RunConfig, machine: Machine | None = None) -> list[di
 
 
 def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int, seq_len: int,
-               max_seq: bool, seq_limit: int = 0) -> list[PlanResult]:
+               max_seq: bool, seq_limit: int = 0, progress: Weighing | None = None) -> list[PlanResult]:
     """Plans are independent: beside this process, one spawned worker (a forked torch can hang in its
     thread pool) takes the next plan the moment it is free; results keep the plans' order."""
     import os
@@ -339,12 +347,17 @@ def _weigh_all(model_config, base: RunConfig, machine: Machine, batch_size: int,
     left = [i for i in range(len(jobs)) if i not in results]
     order = sorted(left, key=lambda i: (_expected_length(base, jobs[i][2]), i))
     small = model_config.num_hidden_layers * model_config.hidden_size < PARALLEL_FROM
-    if (os.cpu_count() or 1) < 2 or len(order) < 2 or small:
-        planning_worker.discard()
-        results.update((i, weigh(*jobs[i])) for i in order)
-        return [results[i] for i in range(len(jobs))]
-    with planning_worker.take() as worker:
-        results.update(_share_with_a_worker(worker, jobs, order))
+    progress = progress or quiet()
+    progress.start(len(order))
+    with progress:
+        if (os.cpu_count() or 1) < 2 or len(order) < 2 or small:
+            planning_worker.discard()
+            for i in order:
+                results[i] = weigh(*jobs[i])
+                progress.tick()
+        else:
+            with planning_worker.take() as worker:
+                results.update(_share_with_a_worker(worker, jobs, order, progress.tick))
     return [results[i] for i in range(len(jobs))]
 
 
@@ -358,12 +371,12 @@ def _expected_length(base: RunConfig, plan: dict) -> tuple[int, bool, bool]:
     return spec.estimate_passes(cfg), not spec.by_depth(cfg), cfg.activations.checkpoint != "none"
 
 
-def _share_with_a_worker(worker, jobs: list[tuple], order: list[int]) -> dict[int, PlanResult]:
+def _share_with_a_worker(worker, jobs: list[tuple], order: list[int], weighed=lambda: None) -> dict[int, PlanResult]:
     """Weigh jobs[i] for i in `order`: this process and the worker (fed by a thread that waits for it,
     so it never idles) each take the next one left until none is. `order` puts the plans expected to
     take longest last (_expected_length; within alike ones, engines list their plans plain to
     elaborate): taking them from the end, the longest go first and the last ones, which decide when
-    both are done, are short."""
+    both are done, are short. `weighed()` is called after each plan, by whichever thread weighed it."""
     import threading
 
     lock, results, failures = threading.Lock(), {}, []
@@ -376,6 +389,7 @@ def _share_with_a_worker(worker, jobs: list[tuple], order: list[int]) -> dict[in
         try:
             while (index := take()) is not None:
                 results[index] = worker.run(weigh, *jobs[index])
+                weighed()
         except BaseException as err:  # noqa: BLE001  (raised again in this process's thread)
             failures.append(err)
 
@@ -383,6 +397,7 @@ def _share_with_a_worker(worker, jobs: list[tuple], order: list[int]) -> dict[in
     feeder.start()
     while (index := take()) is not None:
         results[index] = weigh(*jobs[index])
+        weighed()
     feeder.join()
     if failures:
         raise failures[0]
@@ -390,11 +405,12 @@ def _share_with_a_worker(worker, jobs: list[tuple], order: list[int]) -> dict[in
 
 
 def plan(model_config, base: RunConfig, machine: Machine, batch_size: int, seq_len: int,
-         max_seq: bool = False, seq_limit: int = 0) -> list[PlanResult]:
+         max_seq: bool = False, seq_limit: int = 0, progress: Weighing | None = None) -> list[PlanResult]:
     """Every candidate plan for base.method, fastest first; the fastest that fits is recommended.
-    `max_seq`: also each plan's longest sequence, up to `seq_limit` (0: the model's positions)."""
+    `max_seq`: also each plan's longest sequence, up to `seq_limit` (0: the model's positions).
+    `progress`: what to show while the plans not in the estimate cache are weighed (None: nothing)."""
     machine.refuse_unloadable(model_config)
-    results = _weigh_all(model_config, base, machine, batch_size, seq_len, max_seq, seq_limit)
+    results = _weigh_all(model_config, base, machine, batch_size, seq_len, max_seq, seq_limit, progress)
     results.sort(key=lambda r: (-r.tokens_per_s, r.estimate.device_peak_bytes))
     fitting = [r for r in results if r.fits]
     if fitting:
@@ -418,9 +434,10 @@ def planning_config(method: str, rank: int = 16, **train) -> RunConfig:
     return settings.load(None, [], base=base)
 
 
-def plan_run(cfg: RunConfig, model_config, machine: Machine) -> tuple[list[PlanResult], PlanResult | None]:
+def plan_run(cfg: RunConfig, model_config, machine: Machine,
+             progress: Weighing | None = None) -> tuple[list[PlanResult], PlanResult | None]:
     """The run's own method, sequence length and batch, planned for `machine`; and the recommended plan."""
-    results = plan(model_config, cfg, machine, cfg.train.batch_size, cfg.data.max_length)
+    results = plan(model_config, cfg, machine, cfg.train.batch_size, cfg.data.max_length, progress=progress)
     return results, recommended(results)
 
 
@@ -442,9 +459,10 @@ def is_the_plan(cfg: RunConfig, result: PlanResult) -> bool:
     return _run_config(cfg, {"engine": result.engine, **result.options}) == cfg
 
 
-def apply_recommended(cfg: RunConfig, model_config, machine: Machine) -> tuple[RunConfig, PlanResult]:
+def apply_recommended(cfg: RunConfig, model_config, machine: Machine,
+                      progress: Weighing | None = None) -> tuple[RunConfig, PlanResult]:
     """plan=auto: the run's settings with the recommended plan's engine and options."""
-    results, chosen = plan_run(cfg, model_config, machine)
+    results, chosen = plan_run(cfg, model_config, machine, progress)
     if chosen is None:
         raise UserError(no_fit_sentence(results, machine))
     return _run_config(cfg, {"engine": chosen.engine, **chosen.options}), chosen

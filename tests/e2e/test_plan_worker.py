@@ -1,6 +1,7 @@
 """`slimtune plan` shares its plans with a spawned worker process: the answers must be the ones the
 planner gives alone in one process, in the same order, and the worker must really be used."""
 
+import io
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import pytest
 from transformers import LlamaConfig
 
 from slimtune.planning import planner, worker as planning_worker
+from slimtune.planning.progress import Weighing
 from slimtune import presets
 
 # One xdist worker runs this module (scripts/test.sh: --dist loadgroup), so its module fixture
@@ -67,9 +69,12 @@ def test_plans_shared_with_a_worker_equal_the_plans_made_alone(wide_model_dir, m
     run = planning_worker.Worker.run
     monkeypatch.setattr(planning_worker.Worker, "run", lambda self, *call: served.append(call) or run(self, *call))
     model_config = presets.model_config(str(wide_model_dir))
-    shared = planner.plan(model_config, planner.planning_config("lora"), planner.Machine.named("1GiB"), 1, 48)
+    weighing = Weighing("slimtune plan", stream=io.StringIO())
+    shared = planner.plan(model_config, planner.planning_config("lora"), planner.Machine.named("1GiB"), 1, 48,
+                          progress=weighing)
     assert served, "the worker took no plan"
     assert json.loads(planner.to_json(shared)) == alone
+    assert weighing.done == weighing.total == len(alone)  # the worker's plans counted as they came back
 
 
 def test_the_command_line_with_its_early_worker_prints_the_same_plans(wide_model_dir, tmp_path, alone):
@@ -81,6 +86,8 @@ def test_the_command_line_with_its_early_worker_prints_the_same_plans(wide_model
         capture_output=True, text=True, timeout=300, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cli")})
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == alone
+    # stderr is a pipe here: one line, before the wait, for every plan weighed (none was cached)
+    assert done.stderr == f"slimtune plan: weighing {len(alone)} plans on fake tensors\n"
 
 
 def test_the_command_line_leaves_no_leaked_semaphore_warning(wide_model_dir, tmp_path):

@@ -50,3 +50,15 @@ def test_the_auto_tile_and_the_same_tile_set_by_hand_estimate_alike():
     assert estimate_cache.tile_run(config, _cfg(), 600) == 256
     assert found[0] == found[1]
     assert found[0] != estimate.estimate(config, _cfg(seq_tile=600), 1, 600)  # tiles change the step here
+
+
+def test_an_estimate_leaves_the_model_config_that_keys_it_as_it_was():
+    """Building the fake model set the caller's config's dtype and use_cache: the same question asked
+    again then had another key, and a plan made again weighed afresh the plans weighed first."""
+    from conftest import tiny_config
+    from slimtune.planning import estimate
+
+    config, cfg = tiny_config(), _cfg()
+    key = estimate_cache._key(config, cfg, 1, 32)
+    estimate.estimate(config, cfg, 1, 32, by_depth=False)
+    assert estimate_cache._key(config, cfg, 1, 32) == key

@@ -1,0 +1,82 @@
+"""The planner never waits silently: while it weighs plans it shows a bar on a terminal and one line
+otherwise, counting exactly the plans it weighs (none when the estimate cache holds them all); the
+worker's share is counted too (tests/e2e/test_plan_worker.py)."""
+
+import io
+
+import pytest
+
+from conftest import tiny_config
+from slimtune.planning import planner
+from slimtune.planning.progress import Weighing
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_file_gets_one_line_saying_how_many_plans_and_nothing_per_plan():
+    stream = io.StringIO()
+    with Weighing("slimtune plan", ", and the longest sequence each fits", stream=stream) as weighing:
+        weighing.start(3)
+        for _ in range(3):
+            weighing.tick()
+    assert stream.getvalue() == ("slimtune plan: weighing 3 plans on fake tensors, and the longest sequence each"
+                                 " fits\n")
+    assert (weighing.done, weighing.total) == (3, 3)
+
+
+@pytest.mark.parametrize("total, exact, said", [(1, True, "weighing 1 plan on"), (4, False, "weighing at most 4 plans")])
+def test_the_line_counts_plans_as_they_are(total, exact, said):
+    stream = io.StringIO()
+    Weighing("x", stream=stream).start(total, exact)
+    assert said in stream.getvalue()
+
+
+def test_a_terminal_gets_a_bar_that_counts_each_plan_and_is_wiped():
+    stream = Terminal()
+    weighing = Weighing("slimtune plan", stream=stream)
+    assert weighing.as_bar
+    weighing.start(2)
+    weighing.tick()
+    weighing.tick()
+    weighing.close()
+    shown = stream.getvalue()  # (tqdm redraws at most every 0.1 s: the ticks above came sooner)
+    assert "slimtune plan: weighing plans" in shown and "0/2" in shown and weighing.done == 2
+    assert shown.endswith("\r"), "the bar is left on the screen"  # leave=False: wiped, the table follows
+
+
+def test_nothing_is_shown_when_asked_for_nothing_or_nothing_is_left_to_weigh():
+    for weighing in (Weighing("x", show=False, stream=Terminal()), Weighing("x", stream=io.StringIO())):
+        weighing.start(0 if weighing.show else 5)
+        weighing.close()
+        assert weighing.stream.getvalue() == ""
+
+
+def test_the_planner_counts_every_plan_it_weighs_and_none_it_finds_cached():
+    model_config, base = tiny_config(num_hidden_layers=3), planner.planning_config("lora")
+    machine = planner.Machine.named("1GiB")
+    stream = io.StringIO()
+    weighing = Weighing("slimtune plan", stream=stream)
+    results = planner.plan(model_config, base, machine, 1, 40, progress=weighing)
+    assert weighing.done == weighing.total == len(results) > 1
+    assert stream.getvalue() == f"slimtune plan: weighing {len(results)} plans on fake tensors\n"
+    again = Weighing("slimtune plan", stream=io.StringIO())
+    planner.plan(model_config, base, machine, 1, 40, progress=again)  # every estimate is in the cache now
+    assert again.total == again.done == 0 and again.stream.getvalue() == ""
+
+
+def test_settling_an_open_setting_says_how_many_plans_it_may_weigh():
+    """chunk.n_chunks left open: a bisection over the counts, announced as at most so many plans."""
+    from slimtune.engines import settings
+    from slimtune.engines.chunk import state
+
+    base = settings.load(None, ["engine=chunk", "chunk.n_chunks=0"],
+                         base=planner.to_dict(planner.planning_config("full")))
+    candidates = state.open_settings(base)
+    stream = io.StringIO()
+    weighing = Weighing("settling chunk.n_chunks", stream=stream)
+    planner.first_fitting(tiny_config(num_hidden_layers=2), base, candidates, planner.Machine.named("1GiB"), weighing)
+    assert 1 <= weighing.done <= weighing.total < len(candidates)
+    assert stream.getvalue() == f"settling chunk.n_chunks: weighing at most {weighing.total} plans on fake tensors\n"
