@@ -281,7 +281,7 @@ def _without_nproc(words: list[str]) -> list[str]:
 
 def _plan(args: argparse.Namespace) -> None:
     from slimtune.planning import planner
-    from slimtune.planning.progress import Weighing
+    from slimtune.planning.weighing import Weighing
     from slimtune import presets
 
     if args.seq <= 0 or args.batch <= 0 or args.rank <= 0:
@@ -367,14 +367,16 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
+    from slimtune import progress
     from slimtune.serve import inference, evaluate as scoring
 
     _refuse_nonpositive(("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens))
     source = inference.resolve(args.run_dir)
     base = source.base_source() if args.compare_base else None  # a missing base is said before anything loads
     tokenizer = inference.load_tokenizer(source)
+    shown = progress.mode_for(bar=True)  # a bar on a terminal, lines on a file or pipe (stderr)
     prepared = scoring.prepare(scoring.data_config(source, args.data, args.format, args.overrides), tokenizer,
-                               args.batch_size)
+                               args.batch_size, shown)
     new_tokens = args.max_new_tokens or (scoring.default_new_tokens(tokenizer, prepared.cases)
                                          if prepared.cases else None)
     scores = {}
@@ -382,7 +384,7 @@ def _eval(args: argparse.Namespace) -> None:
         if src is not None:
             loaded = inference.load(src, args.device, tokenizer)
             print(f"slimtune eval [{name}]: {loaded.describe()}", file=sys.stderr)
-            scores[name] = scoring.score(loaded, prepared, args.batch_size, new_tokens)
+            scores[name] = scoring.score(loaded, prepared, args.batch_size, new_tokens, shown)
             del loaded  # one model in memory at a time
     found = scoring.report(prepared, new_tokens, scores)
     print(scoring.to_json(found) if args.json else scoring.table(found, list(scores)))

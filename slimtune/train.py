@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from slimtune import assembly, engines, export, presets
+from slimtune import assembly, engines, export, presets, progress
 from slimtune.store import checkpoint
 from slimtune.data import dataset as data
 from slimtune.dist import ranks as distributed
 from slimtune.run import interrupts
 from slimtune.planning import planner
-from slimtune.planning.progress import Weighing
+from slimtune.planning.weighing import Weighing
 from slimtune.config import RunConfig, to_dict
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
@@ -138,7 +138,7 @@ def build(cfg: RunConfig, dist: Dist = SINGLE, bar: bool = False) -> Run:
     torch.manual_seed(cfg.train.seed)
     read_config(cfg.model)  # a wrong folder is named before anything else is read
     tokenizer = load_tokenizer(cfg.model)
-    splits = data.load_splits(cfg.data, tokenizer, cfg.train.seed)
+    splits = data.load_splits(cfg.data, tokenizer, cfg.train.seed, progress.mode_for(bar, dist.is_main))
     if not splits.train:
         raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
     stack = assembly.load_stack(cfg, device, precision, dist)

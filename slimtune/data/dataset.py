@@ -44,6 +44,7 @@ from slimtune import local_paths
 from slimtune.data import repository
 from slimtune.data.chat_templates import assistant_spans, render, resolve_template
 from slimtune.data.repository import Where
+from slimtune import progress
 from slimtune.config import DataConfig
 from slimtune.errors import UserError
 from slimtune.device.memory import mark_host_resident
@@ -124,15 +125,16 @@ class Splits:
     report: DataReport
 
 
-def load_splits(cfg: DataConfig, tokenizer: Any, seed: int) -> Splits:
-    """Read, tokenize, truncate and split the data named by `cfg`."""
+def load_splits(cfg: DataConfig, tokenizer: Any, seed: int, shown: progress.Mode = "none") -> Splits:
+    """Read, tokenize, truncate and split the data named by `cfg`; `shown`: how the tokenizing is
+    shown when it takes a while (run/progress.py)."""
     encoder = _Encoder(cfg, tokenizer)
     counts = {"truncated": 0, "dropped": 0, "empty": 0}
-    train = _load_examples(Where(cfg.path, cfg.subset, cfg.split), encoder, cfg.max_length, counts)
+    train = _load_examples(Where(cfg.path, cfg.subset, cfg.split), encoder, cfg.max_length, counts, shown)
     if not train:
         raise UserError(_nothing_to_train(cfg, counts))
     if cfg.eval_path or cfg.eval_split:
-        held_out = _load_examples(_evaluation(cfg), encoder, cfg.max_length, counts)
+        held_out = _load_examples(_evaluation(cfg), encoder, cfg.max_length, counts, shown)
     else:
         train, held_out = _hold_out(train, cfg.eval_fraction, seed)
     report = DataReport(len(train), len(held_out), counts["truncated"], counts["dropped"], cfg.max_length,
@@ -298,13 +300,14 @@ def _csv_as_text(p: Path) -> dict:
     return {"features": datasets.Features({str(n): datasets.Value("string") for n in names}), "na_filter": False}
 
 
-def _load_examples(source: Where, encoder: _Encoder, max_length: int, counts: dict) -> list[Example]:
+def _load_examples(source: Where, encoder: _Encoder, max_length: int, counts: dict,
+                   shown: progress.Mode = "none") -> list[Example]:
     rows, where = read_records(source)
     if not rows:
         raise UserError(f"{_what(source)} '{source.path}' holds no records.")
     _refuse_absent_fields(rows, encoder.fields(), f"{_what(source)} '{source.path}'")
     examples = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(progress.shown(rows, f"tokenizing {source.path}", "record", shown)):
         ids, trained = encoder.encode(row, functools.partial(where, i))
         counts["truncated"] += len(ids) > max_length
         example = _shifted(ids[:max_length], trained[:max_length])

@@ -24,7 +24,7 @@ from slimtune.dist import fake_ranks
 from slimtune.planning import estimate, longest_seq, tile_choice, worker as planning_worker, rank_plan
 from slimtune.device import speed
 from slimtune.planning.estimate_cache import cached_estimate, is_cached
-from slimtune.planning.progress import Weighing, quiet
+from slimtune.planning.weighing import Weighing, quiet
 from slimtune.config import RunConfig, to_dict
 from slimtune.errors import UserError
 from slimtune.units import human_bytes

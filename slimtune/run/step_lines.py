@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-EVERY_S = 30.0
+from slimtune.progress import EVERY_S
 
 
 class StepLines:

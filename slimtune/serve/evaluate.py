@@ -25,7 +25,7 @@ import torch
 
 from slimtune.data import dataset as data
 from slimtune.serve import inference
-from slimtune import config
+from slimtune import config, progress
 from slimtune.config import DataConfig
 from slimtune.errors import UserError
 
@@ -65,8 +65,8 @@ def data_config(source: inference.Source, path: str, fmt: str | None, overrides:
     return cfg
 
 
-def prepare(cfg: DataConfig, tokenizer, batch_size: int) -> EvalData:
-    splits = data.load_splits(cfg, tokenizer, seed=0)
+def prepare(cfg: DataConfig, tokenizer, batch_size: int, shown: progress.Mode = "none") -> EvalData:
+    splits = data.load_splits(cfg, tokenizer, seed=0, shown=shown)
     examples = splits.train  # eval_fraction 0: every record
     batches = data.eval_batches(examples, batch_size, cfg.max_length, cfg.packing, tokenizer.pad_token_id)
     cases = None if cfg.format == "text" else answer_cases(cfg, tokenizer)
@@ -96,32 +96,35 @@ def default_new_tokens(tokenizer, cases: list[tuple[list[int], str]]) -> int:
 
 
 def exact_match(model: torch.nn.Module, tokenizer, device: torch.device, cases: list[tuple[list[int], str]],
-                batch_size: int = 50, max_new_tokens: int = 24, precision: str = "fp32") -> float:
+                batch_size: int = 50, max_new_tokens: int = 24, precision: str = "fp32",
+                shown: progress.Mode = "none") -> float:
     """The share of `cases` (prompt ids, reference) whose greedy answer equals the reference, both stripped."""
     answers = inference.greedy_answers(model, tokenizer, device, [ids for ids, _ in cases], max_new_tokens,
-                                       batch_size, precision)
+                                       batch_size, precision, shown)
     return sum(a.strip() == ref.strip() for a, (_, ref) in zip(answers, cases)) / max(len(cases), 1)
 
 
-def loss_sum(loaded: inference.Loaded, batches: list[data.Batch]) -> tuple[float, int]:
+def loss_sum(loaded: inference.Loaded, batches: list[data.Batch], shown: progress.Mode = "none") -> tuple[float, int]:
     """(summed loss, trained tokens) over `batches`, as the trainer evaluates them."""
     from slimtune.config import ActivationsConfig, LossConfig
     from slimtune.step.forward import evaluate_batches, model_loss
     from slimtune.model.stack import Stack
 
     stack, activations, loss = Stack(loaded.model), ActivationsConfig(), LossConfig()
-    return evaluate_batches(batches, lambda b: model_loss(stack, activations, loss, loaded.device, loaded.precision,
-                                                          b.to(loaded.device), training=False).exact_sum)
+    return evaluate_batches(progress.shown(batches, "eval: loss", "batch", shown),
+                            lambda b: model_loss(stack, activations, loss, loaded.device, loaded.precision,
+                                                 b.to(loaded.device), training=False).exact_sum)
 
 
-def score(loaded: inference.Loaded, prepared: EvalData, batch_size: int, max_new_tokens: int | None) -> dict:
+def score(loaded: inference.Loaded, prepared: EvalData, batch_size: int, max_new_tokens: int | None,
+          shown: progress.Mode = "none") -> dict:
     """eval_loss, eval_ppl and (prompt_response, chat) exact_match of one model."""
-    total, tokens = loss_sum(loaded, prepared.batches)
+    total, tokens = loss_sum(loaded, prepared.batches, shown)
     loss = total / max(tokens, 1)
     figures = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
     if prepared.cases:
         figures["exact_match"] = exact_match(loaded.model, loaded.tokenizer, loaded.device, prepared.cases,
-                                             batch_size, max_new_tokens, loaded.precision)
+                                             batch_size, max_new_tokens, loaded.precision, shown)
     return figures
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import yaml
 
+from slimtune import progress
 from slimtune.store import results
 from slimtune.errors import UserError
 
@@ -241,7 +242,8 @@ def generation_settings(model: torch.nn.Module, tokenizer, max_new_tokens: int, 
 
 @torch.no_grad()
 def greedy_answers(model: torch.nn.Module, tokenizer, device: torch.device, prompts: list[list[int]],
-                   max_new_tokens: int, batch_size: int = 50, precision: str = "fp32") -> list[str]:
+                   max_new_tokens: int, batch_size: int = 50, precision: str = "fp32",
+                   shown: progress.Mode = "none") -> list[str]:
     """Each prompt's greedy completion, decoded without special tokens: batches of left-padded
     prompts, so that every prompt ends where generation starts."""
     from slimtune.step.precision import autocast_for
@@ -249,7 +251,7 @@ def greedy_answers(model: torch.nn.Module, tokenizer, device: torch.device, prom
     model.eval()
     settings = generation_settings(model, tokenizer, max_new_tokens)
     answers = []
-    for start in range(0, len(prompts), batch_size):
+    for start in progress.shown(range(0, len(prompts), batch_size), "eval: answers", "batch", shown):
         chunk = prompts[start : start + batch_size]
         width = max(map(len, chunk))
         ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in chunk], device=device)

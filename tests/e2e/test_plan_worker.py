@@ -12,7 +12,7 @@ import pytest
 from transformers import LlamaConfig
 
 from slimtune.planning import planner, worker as planning_worker
-from slimtune.planning.progress import Weighing
+from slimtune.planning.weighing import Weighing
 from slimtune import presets
 
 # One xdist worker runs this module (scripts/test.sh: --dist loadgroup), so its module fixture

@@ -22,7 +22,7 @@ ROOT = Path(slimtune.__file__).parent
 # (a package's submodules sit in its layer). A module may import from its own layer or a lower one.
 # The empty slimtune/__init__.py is the ground everything stands on.
 LAYERS = (
-    ("slimtune", "errors", "units", "local_paths", "config_sources", "config"),
+    ("slimtune", "errors", "units", "local_paths", "config_sources", "config", "progress"),
     ("device",),
     ("dist", "data"),
     ("store",),

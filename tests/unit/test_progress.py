@@ -1,14 +1,20 @@
-"""The planner never waits silently: while it weighs plans it shows a bar on a terminal and one line
-otherwise, counting exactly the plans it weighs (none when the estimate cache holds them all); the
-worker's share is counted too (tests/e2e/test_plan_worker.py)."""
+"""No long wait is silent. The planner shows a bar on a terminal and one line otherwise while it
+weighs plans, counting exactly the plans it weighs (none when the estimate cache holds them all; the
+worker's share too: tests/e2e/test_plan_worker.py). Tokenizing a dataset and the eval command's work
+(slimtune/progress.py) show nothing for work over within 2 s, then a bar on a terminal, or on a file
+a line then and at most every 30 s."""
 
 import io
+import json
 
 import pytest
 
 from conftest import tiny_config
+from slimtune import progress
+from slimtune.config import DataConfig
+from slimtune.data import dataset
 from slimtune.planning import planner
-from slimtune.planning.progress import Weighing
+from slimtune.planning.weighing import Weighing
 
 
 class Terminal(io.StringIO):
@@ -80,3 +86,52 @@ def test_settling_an_open_setting_says_how_many_plans_it_may_weigh():
     planner.first_fitting(tiny_config(num_hidden_layers=2), base, candidates, planner.Machine.named("1GiB"), weighing)
     assert 1 <= weighing.done <= weighing.total < len(candidates)
     assert stream.getvalue() == f"settling chunk.n_chunks: weighing at most {weighing.total} plans on fake tensors\n"
+
+
+class Clock:
+    """Seconds that pass as the caller asks: `step` a reading."""
+
+    def __init__(self, step: float):
+        self.now, self.step = -step, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_lines_begin_after_the_delay_and_then_come_at_most_every_30_s():
+    stream = io.StringIO()
+    items = list(range(100))
+    seen = list(progress.shown(items, "tokenizing x.jsonl", "record", "lines", stream, Clock(1.0)))
+    assert seen == items
+    # readings: 0 (start), then 1, 2, ... before each item: item 1 is read at 2 s, then every 30 s
+    assert stream.getvalue().splitlines() == ["tokenizing x.jsonl: 1/100 records", "tokenizing x.jsonl: 31/100 records",
+                                              "tokenizing x.jsonl: 61/100 records", "tokenizing x.jsonl: 91/100 records"]
+
+
+def test_quick_work_and_none_show_nothing():
+    for mode, stream in (("lines", io.StringIO()), ("bar", Terminal()), ("none", Terminal())):
+        assert list(progress.shown(range(5), "x", "record", mode, stream, Clock(0.1))) == list(range(5))
+        assert stream.getvalue() == "", mode
+
+
+def test_a_bar_is_asked_for_only_on_a_terminal_and_nothing_from_another_rank():
+    assert progress.mode_for(bar=True, show=False) == "none"
+    assert progress.mode_for(bar=True) == "lines"  # pytest's stderr is not a terminal
+    assert progress.mode_for(bar=False) == "lines"
+
+
+def test_tokenizing_a_dataset_is_shown_once_it_takes_a_while(tmp_path, monkeypatch, capsys):
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "response": f" {i + 1}"}) + "\n" for i in range(40)))
+    from slimtune import demo
+
+    tokenizer = AutoTokenizer.from_pretrained(str(demo.ASSETS / "base"))
+    cfg = DataConfig(path=str(path), max_length=32)
+    dataset.load_splits(cfg, tokenizer, 0)  # "none", the default
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    dataset.load_splits(cfg, tokenizer, 0, shown="lines")
+    assert capsys.readouterr().err == f"tokenizing {path}: 0/40 records\n"
