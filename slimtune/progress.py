@@ -1,6 +1,7 @@
 """Progress for long work outside the training loop's steps: tokenizing a dataset (a chat record takes
-1-1.5 ms on two CPU cores, so 100K records are minutes) and the eval command's loss and answers.
-Work done within DELAY_S shows nothing. Past that: a bar on a terminal ("bar"); on a file or a pipe
+1-1.5 ms on two CPU cores, so 100K records are minutes), the eval command's loss and answers, and
+writing a large folder (a checkpoint, a result, a merged export: one line before it). Work done
+within DELAY_S shows nothing. Past that: a bar on a terminal ("bar"); on a file or a pipe
 ("lines", since tqdm's bar written to a file is a stream of carriage returns) a line then and at most
 one every EVERY_S, the rhythm of the training loop's --no-progress lines (run/step_lines.py); "none"
 shows nothing (another rank; a caller that shows its own progress). Always on stderr: stdout may hold
@@ -13,8 +14,11 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Callable, Literal, TextIO, TypeVar
 
+from slimtune.units import human_bytes
+
 DELAY_S = 2.0
 EVERY_S = 30.0  # a file's or a pipe's lines: at most one this often (the training loop's too)
+LARGE_WRITE = 1 << 30  # bytes: a folder this large takes seconds to minutes to write, so it is said
 Mode = Literal["bar", "lines", "none"]
 T = TypeVar("T")
 
@@ -46,3 +50,12 @@ def shown(items: Sequence[T], what: str, unit: str, mode: Mode, stream: TextIO |
             print(f"{what}: {done:,}/{len(items):,} {unit}s", file=stream, flush=True)
             said = now
         yield item
+
+
+def writing(folder, size: int | None) -> None:
+    """One line on stderr before a folder of `size` bytes is written, when it is large (a checkpoint of
+    a full fine-tune: tens of GiB); through tqdm, so a training bar is redrawn below it."""
+    if size is not None and size >= LARGE_WRITE:
+        from tqdm import tqdm
+
+        tqdm.write(f"writing {folder} ({human_bytes(size)})", file=sys.stderr)

@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slimtune.dist.ranks import SINGLE, Dist
+from slimtune import progress
 from slimtune.errors import UserError
 from slimtune.units import human_bytes
 
@@ -124,6 +125,7 @@ def atomic_folder(final: Path, replaceable=lambda folder: False, needed: int | N
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        progress.writing(final, needed)
         yield tmp
         _modes_as_umask_gives(tmp)
         _fsync_tree(tmp)

@@ -135,3 +135,14 @@ def test_tokenizing_a_dataset_is_shown_once_it_takes_a_while(tmp_path, monkeypat
     monkeypatch.setattr(progress, "DELAY_S", 0.0)
     dataset.load_splits(cfg, tokenizer, 0, shown="lines")
     assert capsys.readouterr().err == f"tokenizing {path}: 0/40 records\n"
+
+
+def test_a_large_folder_is_said_before_it_is_written_and_a_small_one_is_not(tmp_path, capsys):
+    from slimtune.store import checkpoint
+
+    with checkpoint.atomic_folder(tmp_path / "small", needed=progress.LARGE_WRITE - 1) as tmp:
+        (tmp / "a").write_bytes(b"x")
+    assert capsys.readouterr().err == ""
+    with checkpoint.atomic_folder(tmp_path / "checkpoint-5", needed=3 * 2**30) as tmp:
+        (tmp / "a").write_bytes(b"x")
+    assert capsys.readouterr().err == f"writing {tmp_path / 'checkpoint-5'} (3.0 GiB)\n"
