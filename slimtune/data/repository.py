@@ -8,7 +8,8 @@ dataset repository (data files, and a README.md whose YAML names its configs and
     load_saved(where)      the records of a save_to_disk folder (a split of a DatasetDict)
 
 A Hub dataset goes through datasets.load_dataset into the user's datasets cache (HF_DATASETS_CACHE), where
-a second run, or one offline (HF_HUB_OFFLINE=1), finds it; the library shows its download bars. A local
+a second run, or one offline (HF_HUB_OFFLINE=1, or no connection to the Hub: _load_from_cache), finds it;
+the library shows its download bars. A local
 folder is read as load_dataset reads a Hub repository (the same configs and splits from the README's
 YAML), into a throwaway cache. Every failure a user can cause is one sentence naming the setting.
 """
@@ -16,8 +17,10 @@ YAML), into a throwaway cache. Every failure a user can cause is one sentence na
 from __future__ import annotations
 
 import contextlib
-import logging
+import os
+import pickle
 import re
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -85,7 +88,9 @@ def load(where: Where) -> list[Any]:
     """The records of `where`: a Hub dataset through the datasets cache, a folder through a throwaway one."""
     split = where.split or "train"
     if not Path(where.path).exists():  # a Hub name (read_records checked)
-        with quiet_datasets(progress=True) as datasets, _unreachable_hub_said(where):
+        if _hub_unreachable():
+            return _load_from_cache(where, split)
+        with quiet_datasets(progress=True) as datasets:
             try:
                 return _load_by_name(datasets, where.path, where.subset, split)
             except Exception as err:  # noqa: BLE001 - every reader failure is said as one sentence
@@ -98,26 +103,45 @@ def load(where: Where) -> list[Any]:
             raise _error(err, where, split, folder=True) from None
 
 
-@contextlib.contextmanager
-def _unreachable_hub_said(where: Where):
-    """On a machine that cannot reach the Hub (local_paths.hub_unreachable), datasets still asks it, five
-    retries over about 25 s, before it looks in its cache (it has no cache-only switch but HF_HUB_OFFLINE,
-    read when it is imported): one line says so at once, in place of huggingface_hub's retry warnings."""
+def _hub_unreachable() -> bool:
+    """No connection to the Hub opens from here (local_paths.hub_unreachable), and HF_HUB_OFFLINE is unset."""
     from huggingface_hub import constants
 
-    if constants.is_offline_mode() or not local_paths.hub_unreachable():
-        yield
-        return
-    print(f"slimtune: the Hub cannot be reached from here: {where.path_setting} '{where.path}' is looked for in the"
-          " datasets cache once huggingface_hub has given up asking (about 25 s; HF_HUB_OFFLINE=1 skips that).",
-          file=sys.stderr, flush=True)
-    hub_log = logging.getLogger("huggingface_hub")
-    level = hub_log.level
-    hub_log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        hub_log.setLevel(level)
+    return not constants.is_offline_mode() and local_paths.hub_unreachable()
+
+
+def _load_from_cache(where: Where, split: str) -> list[Any]:
+    """`where` read from the datasets cache alone, on a machine that cannot reach the Hub. In this process
+    datasets would ask the Hub first, five retries over about 25 s (huggingface_hub reads HF_HUB_OFFLINE,
+    its only cache-only switch, once, when imported), so a process of its own started with HF_HUB_OFFLINE=1
+    reads it (1-3 s) and hands back the records or the sentence (_answer_from_cache)."""
+    print(f"slimtune: the Hub cannot be reached from here: {where.path_setting} '{where.path}' is read from the"
+          " datasets cache", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="slimtune-data-") as folder:
+        asked, answer = Path(folder) / "asked.pickle", Path(folder) / "answer.pickle"
+        asked.write_bytes(pickle.dumps((where, split)))
+        done = subprocess.run([sys.executable, "-m", "slimtune.data.repository", str(asked), str(answer)],
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if not answer.is_file():  # the reader itself failed (killed, out of memory): its last words
+            last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+            raise UserError(f"{where.path_setting} '{where.path}' could not be read from the datasets cache ({last}).")
+        read, value = pickle.loads(answer.read_bytes())
+    if not read:
+        raise UserError(value)
+    return value
+
+
+def _answer_from_cache(asked: Path, answer: Path) -> None:
+    """_load_from_cache's reader, in its own process under HF_HUB_OFFLINE=1: (True, records) or (False,
+    the sentence) into `answer`."""
+    where, split = pickle.loads(asked.read_bytes())
+    with quiet_datasets() as datasets:
+        try:
+            found = (True, _load_by_name(datasets, where.path, where.subset, split))
+        except Exception as err:  # noqa: BLE001 - every reader failure is said as one sentence
+            found = (False, str(_error(err, where, split, unreachable=True)))
+    answer.write_bytes(pickle.dumps(found))
 
 
 def refuse_splits_of_a_file(where: Where) -> None:
@@ -166,8 +190,9 @@ def _load_by_name(datasets, name: str, subset: str | None, split: str) -> list[A
     return datasets.load_dataset(name, "default", split=split).to_list()
 
 
-def _error(err: BaseException, where: Where, split: str, folder: bool = False) -> UserError:
-    """One sentence for a failed load_dataset, naming the setting at fault."""
+def _error(err: BaseException, where: Where, split: str, folder: bool = False, unreachable: bool = False) -> UserError:
+    """One sentence for a failed load_dataset, naming the setting at fault. `unreachable`: read offline
+    because the Hub cannot be reached (_load_from_cache), not because the user set HF_HUB_OFFLINE."""
     import datasets
 
     what, text = f"{where.path_setting} '{where.path}'", str(err)
@@ -190,6 +215,9 @@ def _error(err: BaseException, where: Where, split: str, folder: bool = False) -
         return UserError(f"{what} is neither a local file or folder nor a Hub dataset this account can see (a private"
                          " one needs HF_TOKEN set to a token with access).")
     if isinstance(err, ConnectionError):
+        if unreachable:
+            return UserError(f"{what} is not in the datasets cache ({datasets.config.HF_DATASETS_CACHE}) and the Hub"
+                             " cannot be reached from here; check the connection, or fetch it once where there is one.")
         if datasets.config.HF_HUB_OFFLINE:
             return UserError(f"{what} is not in the datasets cache ({datasets.config.HF_DATASETS_CACHE}) and"
                              " HF_HUB_OFFLINE is set, so it cannot be fetched; fetch it once with a connection, or"
@@ -210,3 +238,7 @@ def _listed(text: str) -> str:
         return ", ".join(re.findall(r"'([^']*)'", found.group(1)))
     found = re.search(r"in the cache: (.*)$", text.splitlines()[0] if text else "")  # "... in the cache: a, b"
     return found.group(1).rstrip(".") if found else "(none listed)"
+
+
+if __name__ == "__main__":  # _load_from_cache's reader: python -m slimtune.data.repository ASKED ANSWER
+    _answer_from_cache(Path(sys.argv[1]), Path(sys.argv[2]))

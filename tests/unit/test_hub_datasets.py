@@ -152,6 +152,34 @@ def test_a_run_trains_on_a_hub_dataset_by_name_and_evaluates_on_its_second_split
     assert "30 train / 6 eval examples" in capsys.readouterr().out
 
 
+def test_where_the_hub_cannot_be_reached_a_cached_dataset_is_read_at_once(tmp_path, tokenizer, monkeypatch, capsys):
+    """HF_HUB_OFFLINE unset and no connection: datasets in this process would ask the Hub, five retries over
+    about 25 s, before reading its cache. A process of its own started offline reads it instead, so this
+    process never calls datasets for it; an uncached name is one sentence that does not blame HF_HUB_OFFLINE."""
+    from slimtune import local_paths
+    from slimtune.data import repository
+
+    cache = tmp_path / "datasets-cache"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))  # the reader's process reads these
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    cache_as_a_first_load_leaves_it(write_repository(tmp_path / "sums"), cache, "org/sums")
+    shutil.rmtree(tmp_path / "sums")
+    monkeypatch.setattr(local_paths, "hub_unreachable", lambda: True)
+
+    def asked_here(*args):
+        raise AssertionError("datasets was asked in this process")
+
+    monkeypatch.setattr(repository, "_load_by_name", asked_here)
+    expected = as_local_files(tmp_path, tokenizer, train=TRAIN, eval=TEST)
+    assert examples(tokenizer, path="org/sums", eval_split="test") == expected
+    assert "slimtune: the Hub cannot be reached from here: data.path 'org/sums' is read from the datasets cache" in \
+        capsys.readouterr().err
+    said = refusal(tokenizer, path="org/absent")
+    assert said == (f"data.path 'org/absent' is not in the datasets cache ({cache}) and the Hub cannot be reached from"
+                    " here; check the connection, or fetch it once where there is one.")
+
+
 @pytest.mark.parametrize("status", [401, 403])
 def test_a_gated_hub_dataset_without_access_says_how_to_get_it(tmp_path, tokenizer, monkeypatch, status):
     """A Hub endpoint on 127.0.0.1 refusing as the Hub refuses a gated dataset to someone without access."""
