@@ -1,6 +1,6 @@
 """Progress for long work outside the training loop's steps: tokenizing a dataset (a chat record takes
 1-1.5 ms on two CPU cores, so 100K records are minutes), the eval command's loss and answers, and
-writing a large folder (a checkpoint, a result, a merged export: one line before it). Work done
+a large folder written, checked or read (a checkpoint, a result, a merged export: one line before). Work done
 within DELAY_S shows nothing. Past that: a bar on a terminal ("bar"); on a file or a pipe
 ("lines", since tqdm's bar written to a file is a stream of carriage returns) a line then and at most
 one every EVERY_S, the rhythm of the training loop's --no-progress lines (run/step_lines.py); "none"
@@ -18,7 +18,7 @@ from slimtune.units import human_bytes
 
 DELAY_S = 2.0
 EVERY_S = 30.0  # a file's or a pipe's lines: at most one this often (the training loop's too)
-LARGE_WRITE = 1 << 30  # bytes: a folder this large takes seconds to minutes to write, so it is said
+LARGE_FOLDER = 1 << 30  # bytes: a folder this large takes seconds to minutes to write or read, so it is said
 Mode = Literal["bar", "lines", "none"]
 T = TypeVar("T")
 
@@ -52,10 +52,11 @@ def shown(items: Sequence[T], what: str, unit: str, mode: Mode, stream: TextIO |
         yield item
 
 
-def writing(folder, size: int | None) -> None:
-    """One line on stderr before a folder of `size` bytes is written, when it is large (a checkpoint of
-    a full fine-tune: tens of GiB); through tqdm, so a training bar is redrawn below it."""
-    if size is not None and size >= LARGE_WRITE:
+def large_folder(doing: str, folder, size: int | None) -> None:
+    """One line on stderr before a folder of `size` bytes is written, checked or read ("writing",
+    "checking", "reading"), when it is large (a checkpoint of a full fine-tune: tens of GiB, minutes at a
+    disk's speed); through tqdm, so a training bar is redrawn below it."""
+    if size is not None and size >= LARGE_FOLDER:
         from tqdm import tqdm
 
-        tqdm.write(f"writing {folder} ({human_bytes(size)})", file=sys.stderr)
+        tqdm.write(f"{doing} {folder} ({human_bytes(size)})", file=sys.stderr)

@@ -125,7 +125,7 @@ def atomic_folder(final: Path, replaceable=lambda folder: False, needed: int | N
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        progress.writing(final, needed)
+        progress.large_folder("writing", final, needed)
         yield tmp
         _modes_as_umask_gives(tmp)
         _fsync_tree(tmp)
@@ -336,6 +336,7 @@ def file_sums(folder: Path, leave_out: tuple[str, ...] = ()) -> dict[str, dict]:
 
 def files_damage(folder: Path, files: dict[str, dict]) -> str | None:
     """The first file of `files` (file_sums as written) that is missing, cut short or changed, or None."""
+    progress.large_folder("checking", folder, sum(want["bytes"] for want in files.values()))
     for name, want in files.items():
         path = folder / name
         if not path.is_file():
@@ -363,6 +364,7 @@ def load(folder: Path, template=None) -> tuple[int, EngineState, dict, dict]:
     if meta.get("format") != FORMAT:
         raise UserError(f"checkpoint '{folder}' is in an older format than this slimtune reads; resume it with the"
                         " slimtune that wrote it, or start afresh with train.overwrite=true or another output_dir.")
+    progress.large_folder("reading", folder, sum(want["bytes"] for want in meta.get("files", {}).values()))
     blob = torch.load(folder / "state.pt", weights_only=True)  # tensors and plain values only: no code runs
     if meta.get("sharded"):
         trainable, exp_avg, exp_avg_sq = _load_sharded(folder, template)

@@ -137,12 +137,42 @@ def test_tokenizing_a_dataset_is_shown_once_it_takes_a_while(tmp_path, monkeypat
     assert capsys.readouterr().err == f"tokenizing {path}: 0/40 records\n"
 
 
-def test_a_large_folder_is_said_before_it_is_written_and_a_small_one_is_not(tmp_path, capsys):
+def test_a_large_folder_is_said_before_it_is_written_checked_or_read_and_a_small_one_is_not(tmp_path, monkeypatch,
+                                                                                            capsys):
     from slimtune.store import checkpoint
 
-    with checkpoint.atomic_folder(tmp_path / "small", needed=progress.LARGE_WRITE - 1) as tmp:
+    with checkpoint.atomic_folder(tmp_path / "small", needed=progress.LARGE_FOLDER - 1) as tmp:
         (tmp / "a").write_bytes(b"x")
     assert capsys.readouterr().err == ""
     with checkpoint.atomic_folder(tmp_path / "checkpoint-5", needed=3 * 2**30) as tmp:
         (tmp / "a").write_bytes(b"x")
     assert capsys.readouterr().err == f"writing {tmp_path / 'checkpoint-5'} (3.0 GiB)\n"
+    sums = checkpoint.file_sums(tmp_path / "checkpoint-5")
+    assert checkpoint.files_damage(tmp_path / "checkpoint-5", sums) is None
+    assert capsys.readouterr().err == ""  # one byte
+    monkeypatch.setattr(progress, "LARGE_FOLDER", 1)
+    assert checkpoint.files_damage(tmp_path / "checkpoint-5", sums) is None
+    assert capsys.readouterr().err == f"checking {tmp_path / 'checkpoint-5'} (1 B)\n"
+
+
+def test_a_resume_of_a_large_checkpoint_says_it_checks_and_reads_it(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from conftest import engine_config
+    from slimtune.config import TrainConfig
+    from slimtune.engines.resident import ResidentEngine
+    from slimtune.model.stack import Stack
+    from slimtune.store import checkpoint
+    from test_slide import batches, model_of
+
+    engine = ResidentEngine(Stack(model_of()), engine_config(TrainConfig(steps=2, batch_size=2)), torch.device("cpu"),
+                            "fp32")
+    engine.step(batches(300, 0, 2))
+    monkeypatch.setattr(progress, "LARGE_FOLDER", 1)  # the tiny checkpoint stands for a large one
+    saved = checkpoint.save(tmp_path, 1, engine.state_dict(), {"epoch": 0, "cursor": 2}, keep_last=1)
+    found, damaged = checkpoint.latest_intact(tmp_path)
+    checkpoint.load(found)
+    size = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file() and p.name != "meta.json")
+    said = [line.rsplit(" (", 1)[0] for line in capsys.readouterr().err.splitlines()]
+    assert found == saved and not damaged and size > 0
+    assert said == [f"writing {saved}", f"checking {saved}", f"reading {saved}"]
