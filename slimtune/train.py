@@ -232,6 +232,8 @@ def resume(run: Run, stream: data.BatchStream, say=print) -> int:
     if not (found / "meta.json").is_file():  # rank 0 sees it: this rank is on another filesystem
         raise UserError(f"rank {run.dist.rank} cannot read checkpoint '{found}', which rank 0 resumes from: under"
                         " torchrun on several machines output_dir must be on a filesystem every node shares.")
+    if run.dist.is_main:  # every rank reads it; one says so
+        progress.large_folder("reading", found, checkpoint.written_bytes(found))
     step, engine_state, stream_state, rng = checkpoint.load(found, run.engine.state_dict)
     try:
         stream.load_state_dict(stream_state)

@@ -328,6 +328,15 @@ def damage(folder: Path) -> str | None:
     return files_damage(folder, meta["files"])
 
 
+def written_bytes(folder: Path) -> int:
+    """The bytes of a checkpoint's files as meta.json lists them (0 where it lists none)."""
+    try:
+        files = json.loads((folder / "meta.json").read_text()).get("files") or {}
+    except (OSError, ValueError):
+        return 0
+    return sum(want["bytes"] for want in files.values())
+
+
 def file_sums(folder: Path, leave_out: tuple[str, ...] = ()) -> dict[str, dict]:
     """Each file under `folder` (its path there, / between parts) -> its size and CRC-32."""
     paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in leave_out]
@@ -364,7 +373,6 @@ def load(folder: Path, template=None) -> tuple[int, EngineState, dict, dict]:
     if meta.get("format") != FORMAT:
         raise UserError(f"checkpoint '{folder}' is in an older format than this slimtune reads; resume it with the"
                         " slimtune that wrote it, or start afresh with train.overwrite=true or another output_dir.")
-    progress.large_folder("reading", folder, sum(want["bytes"] for want in meta.get("files", {}).values()))
     blob = torch.load(folder / "state.pt", weights_only=True)  # tensors and plain values only: no code runs
     if meta.get("sharded"):
         trainable, exp_avg, exp_avg_sq = _load_sharded(folder, template)

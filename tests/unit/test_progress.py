@@ -155,7 +155,7 @@ def test_a_large_folder_is_said_before_it_is_written_checked_or_read_and_a_small
     assert capsys.readouterr().err == f"checking {tmp_path / 'checkpoint-5'} (1 B)\n"
 
 
-def test_a_resume_of_a_large_checkpoint_says_it_checks_and_reads_it(tmp_path, monkeypatch, capsys):
+def test_a_large_checkpoint_is_said_as_it_is_written_and_checked(tmp_path, monkeypatch, capsys):
     import torch
 
     from conftest import engine_config
@@ -171,8 +171,28 @@ def test_a_resume_of_a_large_checkpoint_says_it_checks_and_reads_it(tmp_path, mo
     monkeypatch.setattr(progress, "LARGE_FOLDER", 1)  # the tiny checkpoint stands for a large one
     saved = checkpoint.save(tmp_path, 1, engine.state_dict(), {"epoch": 0, "cursor": 2}, keep_last=1)
     found, damaged = checkpoint.latest_intact(tmp_path)
-    checkpoint.load(found)
     size = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file() and p.name != "meta.json")
+    assert found == saved and not damaged and checkpoint.written_bytes(found) == size > 0
     said = [line.rsplit(" (", 1)[0] for line in capsys.readouterr().err.splitlines()]
-    assert found == saved and not damaged and size > 0
-    assert said == [f"writing {saved}", f"checking {saved}", f"reading {saved}"]
+    assert said == [f"writing {saved}", f"checking {saved}"]  # train's resume says "reading" (rank 0 only)
+
+
+def test_a_resumed_run_says_it_reads_a_large_checkpoint(tmp_path, tokenizer, monkeypatch, capsys):
+    from pathlib import Path
+
+    from conftest import save_tiny_model, write_jsonl
+    from slimtune import cli
+    from slimtune.store import checkpoint
+
+    save_tiny_model(tmp_path / "model", tokenizer)
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i} + 1 =", "response": f" {i + 1}"} for i in range(16)])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(progress, "LARGE_FOLDER", 1)  # the tiny checkpoints stand for large ones
+    run = ["train", "--no-progress", "model=model", "data.path=train.jsonl", "data.max_length=16",
+           "train.batch_size=4", "train.save_every=1", "lora.rank=4", "output_dir=out"]
+    assert cli.main([*run, "train.steps=1"]) == 0
+    capsys.readouterr()
+    assert cli.main([*run, "train.steps=2"]) == 0
+    said = [line.rsplit(" (", 1)[0] for line in capsys.readouterr().err.splitlines()]
+    first, second = (Path("out/checkpoints") / f"{checkpoint.PREFIX}{k:08d}" for k in (1, 2))
+    assert said == [f"checking {first}", f"reading {first}", f"writing {second}", "writing out/adapter"]
