@@ -26,13 +26,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from slimtune import assembly, engines, export, presets, progress
+from slimtune import assembly, engines, export, presets
 from slimtune.store import checkpoint
 from slimtune.data import dataset as data
 from slimtune.dist import ranks as distributed
 from slimtune.run import interrupts
 from slimtune.planning import planner
 from slimtune.planning.weighing import Weighing
+from slimtune.progress import is_terminal, large_folder, mode_for
 from slimtune.config import RunConfig, to_dict
 from slimtune.engines.base import Engine
 from slimtune.errors import UserError
@@ -91,7 +92,7 @@ def _machine(cfg: RunConfig, gpu: presets.GpuProfile, dist: Dist = SINGLE) -> pl
 def _weighing(who: str, bar: bool) -> Weighing:
     """What planning before training shows (rank 0 plans): the bar where the run shows one on a
     terminal, else a line."""
-    return Weighing(who, bar=bar and sys.stderr.isatty())
+    return Weighing(who, bar=bar and is_terminal(sys.stderr))
 
 
 def _auto_plan(cfg: RunConfig, device: torch.device, dist: Dist = SINGLE, bar: bool = False) -> RunConfig:
@@ -138,7 +139,7 @@ def build(cfg: RunConfig, dist: Dist = SINGLE, bar: bool = False) -> Run:
     torch.manual_seed(cfg.train.seed)
     read_config(cfg.model)  # a wrong folder is named before anything else is read
     tokenizer = load_tokenizer(cfg.model)
-    splits = data.load_splits(cfg.data, tokenizer, cfg.train.seed, progress.mode_for(bar, dist.is_main))
+    splits = data.load_splits(cfg.data, tokenizer, cfg.train.seed, mode_for(bar, dist.is_main))
     if not splits.train:
         raise UserError(f"data.path '{cfg.data.path}' gives no training examples after tokenization.")
     stack = assembly.load_stack(cfg, device, precision, dist)
@@ -233,7 +234,7 @@ def resume(run: Run, stream: data.BatchStream, say=print) -> int:
         raise UserError(f"rank {run.dist.rank} cannot read checkpoint '{found}', which rank 0 resumes from: under"
                         " torchrun on several machines output_dir must be on a filesystem every node shares.")
     if run.dist.is_main:  # every rank reads it; one says so
-        progress.large_folder("reading", found, checkpoint.written_bytes(found))
+        large_folder("reading", found, checkpoint.written_bytes(found))
     step, engine_state, stream_state, rng = checkpoint.load(found, run.engine.state_dict)
     try:
         stream.load_state_dict(stream_state)
@@ -530,8 +531,9 @@ def out_of_memory_advice(run: Run, step: int, when: str = "at") -> str:
     cfg = run.cfg
     gpu = presets.device_profile(run.device)
     machine = _machine(cfg, gpu)
-    # A bar on a terminal only: what is printed here must stay one sentence.
-    looking = Weighing(f"out of device memory: a plan for {gpu.name}", show=sys.stderr.isatty())
+    # A bar (wiped when done) and never lines, so that what is printed here stays one sentence.
+    looking = Weighing(f"out of device memory: a plan for {gpu.name}", show=run.dist.is_main and is_terminal(sys.stderr),
+                       bar=True)
     results, chosen = planner.plan_run(cfg, presets.model_config(cfg.model), machine, looking)
     where = f"out of device memory {when} step {step} with engine={cfg.engine} precision={run.precision}"
     if chosen is None:

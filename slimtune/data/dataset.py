@@ -127,7 +127,7 @@ class Splits:
 
 def load_splits(cfg: DataConfig, tokenizer: Any, seed: int, shown: progress.Mode = "none") -> Splits:
     """Read, tokenize, truncate and split the data named by `cfg`; `shown`: how the tokenizing is
-    shown when it takes a while (run/progress.py)."""
+    shown when it takes a while (slimtune/progress.py)."""
     encoder = _Encoder(cfg, tokenizer)
     counts = {"truncated": 0, "dropped": 0, "empty": 0}
     train = _load_examples(Where(cfg.path, cfg.subset, cfg.split), encoder, cfg.max_length, counts, shown)

@@ -114,34 +114,50 @@ def _load_from_cache(where: Where, split: str) -> list[Any]:
     """`where` read from the datasets cache alone, on a machine that cannot reach the Hub. In this process
     datasets would ask the Hub first, five retries over about 25 s (huggingface_hub reads HF_HUB_OFFLINE,
     its only cache-only switch, once, when imported), so a process of its own started with HF_HUB_OFFLINE=1
-    reads it (1-3 s) and hands back the records or the sentence (_answer_from_cache)."""
+    reads it (1-3 s) and hands back the records or the sentence (_answer_from_cache) through a file."""
     print(f"slimtune: the Hub cannot be reached from here: {where.path_setting} '{where.path}' is read from the"
           " datasets cache", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="slimtune-data-") as folder:
         asked, answer = Path(folder) / "asked.pickle", Path(folder) / "answer.pickle"
-        asked.write_bytes(pickle.dumps((where, split)))
+        with asked.open("wb") as handle:
+            pickle.dump((where, split), handle)
         done = subprocess.run([sys.executable, "-m", "slimtune.data.repository", str(asked), str(answer)],
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-        if not answer.is_file():  # the reader itself failed (killed, out of memory): its last words
+                              env=_reader_environment(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, errors="replace")
+        try:
+            with answer.open("rb") as handle:
+                read, value = pickle.load(handle) if done.returncode == 0 else (None, None)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            read = None
+        if read is None:  # the reader itself failed (killed, out of memory, a full disk): its last words
             last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
             raise UserError(f"{where.path_setting} '{where.path}' could not be read from the datasets cache ({last}).")
-        read, value = pickle.loads(answer.read_bytes())
     if not read:
         raise UserError(value)
     return value
 
 
+def _reader_environment() -> dict[str, str]:
+    """This process's environment, offline, and with slimtune importable wherever it was imported from."""
+    root = str(Path(__file__).resolve().parents[2])
+    paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(paths)}
+
+
 def _answer_from_cache(asked: Path, answer: Path) -> None:
     """_load_from_cache's reader, in its own process under HF_HUB_OFFLINE=1: (True, records) or (False,
-    the sentence) into `answer`."""
-    where, split = pickle.loads(asked.read_bytes())
+    the sentence) into `answer`, whole or not at all (written beside it, then renamed)."""
+    with asked.open("rb") as handle:
+        where, split = pickle.load(handle)
     with quiet_datasets() as datasets:
         try:
             found = (True, _load_by_name(datasets, where.path, where.subset, split))
         except Exception as err:  # noqa: BLE001 - every reader failure is said as one sentence
             found = (False, str(_error(err, where, split, unreachable=True)))
-    answer.write_bytes(pickle.dumps(found))
+    partial = answer.with_suffix(".partial")
+    with partial.open("wb") as handle:
+        pickle.dump(found, handle, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(partial, answer)
 
 
 def refuse_splits_of_a_file(where: Where) -> None:

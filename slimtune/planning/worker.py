@@ -104,13 +104,11 @@ def _serve(connection, warm_up: tuple[str, str, tuple]) -> None:
 
 
 def _no_process_locks_for_bars() -> None:
-    """tqdm guards its output with a multiprocessing lock, made at the first bar (a disabled one too, as
-    lsp's projector fit makes under fake tensors). This worker is killed, never torn down, so the resource
-    tracker would report that lock's semaphore as leaked when the command ends. It serves one call at a
-    time and prints no bar: a thread lock does (tqdm.set_lock, tqdm's own way to choose the lock)."""
-    from tqdm import tqdm
+    """This worker is killed, never torn down, and lsp's projector fit makes a (disabled) bar in it under
+    fake tensors: progress.thread_lock_for_bars says why a thread lock then."""
+    from slimtune import progress
 
-    tqdm.set_lock(threading.RLock())
+    progress.thread_lock_for_bars()
 
 
 def start(model: str | None = None) -> None:

@@ -7,6 +7,7 @@ split or subset, a split of a single file and an uncached name offline each one 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,8 @@ def test_where_the_hub_cannot_be_reached_a_cached_dataset_is_read_at_once(tmp_pa
     """HF_HUB_OFFLINE unset and no connection: datasets in this process would ask the Hub, five retries over
     about 25 s, before reading its cache. A process of its own started offline reads it instead, so this
     process never calls datasets for it; an uncached name is one sentence that does not blame HF_HUB_OFFLINE."""
+    from huggingface_hub import constants
+
     from slimtune import local_paths
     from slimtune.data import repository
 
@@ -166,6 +169,7 @@ def test_where_the_hub_cannot_be_reached_a_cached_dataset_is_read_at_once(tmp_pa
     cache_as_a_first_load_leaves_it(write_repository(tmp_path / "sums"), cache, "org/sums")
     shutil.rmtree(tmp_path / "sums")
     monkeypatch.setattr(local_paths, "hub_unreachable", lambda: True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as huggingface_hub read it (the variable unset)
 
     def asked_here(*args):
         raise AssertionError("datasets was asked in this process")
@@ -178,6 +182,22 @@ def test_where_the_hub_cannot_be_reached_a_cached_dataset_is_read_at_once(tmp_pa
     said = refusal(tokenizer, path="org/absent")
     assert said == (f"data.path 'org/absent' is not in the datasets cache ({cache}) and the Hub cannot be reached from"
                     " here; check the connection, or fetch it once where there is one.")
+
+
+@pytest.mark.parametrize("reader, said", [
+    ("echo 'MemoryError: the reader ran out' >&2; exit 1", "MemoryError: the reader ran out"),
+    ('printf "\\200\\004" > "$4"; exit 0', "exit code 0"),  # a torn answer (args: -m MODULE ASKED ANSWER)
+    ("exit 0", "exit code 0"),  # no answer at all
+], ids=["dies", "torn", "silent"])
+def test_a_cache_reader_that_fails_is_one_sentence(tmp_path, tokenizer, monkeypatch, reader, said):
+    from slimtune.data import repository
+
+    monkeypatch.setattr(repository, "_hub_unreachable", lambda: True)
+    script = tmp_path / "reader"
+    script.write_text(f"#!/bin/sh\n{reader}\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))
+    assert refusal(tokenizer, path="org/sums") == f"data.path 'org/sums' could not be read from the datasets cache ({said})."
 
 
 @pytest.mark.parametrize("status", [401, 403])

@@ -6,6 +6,8 @@ a line then and at most every 30 s."""
 
 import io
 import json
+import sys
+import time
 
 import pytest
 
@@ -24,7 +26,7 @@ class Terminal(io.StringIO):
 
 def test_a_file_gets_one_line_saying_how_many_plans_and_nothing_per_plan():
     stream = io.StringIO()
-    with Weighing("slimtune plan", ", and the longest sequence each fits", stream=stream) as weighing:
+    with Weighing("slimtune plan", ", and the longest sequence each fits", stream=stream, delay=0) as weighing:
         weighing.start(3)
         for _ in range(3):
             weighing.tick()
@@ -36,14 +38,13 @@ def test_a_file_gets_one_line_saying_how_many_plans_and_nothing_per_plan():
 @pytest.mark.parametrize("total, exact, said", [(1, True, "weighing 1 plan on"), (4, False, "weighing at most 4 plans")])
 def test_the_line_counts_plans_as_they_are(total, exact, said):
     stream = io.StringIO()
-    Weighing("x", stream=stream).start(total, exact)
+    Weighing("x", stream=stream, delay=0).start(total, exact)
     assert said in stream.getvalue()
 
 
 def test_a_terminal_gets_a_bar_that_counts_each_plan_and_is_wiped():
     stream = Terminal()
-    weighing = Weighing("slimtune plan", stream=stream)
-    assert weighing.as_bar
+    weighing = Weighing("slimtune plan", stream=stream, delay=0)
     weighing.start(2)
     weighing.tick()
     weighing.tick()
@@ -53,27 +54,43 @@ def test_a_terminal_gets_a_bar_that_counts_each_plan_and_is_wiped():
     assert shown.endswith("\r"), "the bar is left on the screen"  # leave=False: wiped, the table follows
 
 
-def test_nothing_is_shown_when_asked_for_nothing_or_nothing_is_left_to_weigh():
-    for weighing in (Weighing("x", show=False, stream=Terminal()), Weighing("x", stream=io.StringIO())):
-        weighing.start(0 if weighing.show else 5)
+def test_nothing_is_shown_when_asked_for_nothing_nothing_is_left_or_all_is_over_within_the_delay():
+    for weighing in (Weighing("x", show=False, stream=Terminal(), delay=0), Weighing("x", stream=io.StringIO(), delay=0),
+                     Weighing("x", stream=Terminal()), Weighing("x", stream=io.StringIO())):
+        weighing.start(0 if weighing.delay == 0 and weighing.show else 5)
+        weighing.tick()
         weighing.close()
         assert weighing.stream.getvalue() == ""
+
+
+def test_a_slow_first_plan_is_not_a_silent_wait():
+    """The line comes when the delay has passed, from a timer, while the first plan is still weighed."""
+    stream = io.StringIO()
+    weighing = Weighing("slimtune plan", stream=stream, delay=0.05)
+    weighing.start(2)
+    for _ in range(200):  # up to 10 s
+        if stream.getvalue():
+            break
+        time.sleep(0.05)
+    weighing.close()
+    assert stream.getvalue() == "slimtune plan: weighing 2 plans on fake tensors\n" and weighing.done == 0
 
 
 def test_the_planner_counts_every_plan_it_weighs_and_none_it_finds_cached():
     model_config, base = tiny_config(num_hidden_layers=3), planner.planning_config("lora")
     machine = planner.Machine.named("1GiB")
     stream = io.StringIO()
-    weighing = Weighing("slimtune plan", stream=stream)
+    weighing = Weighing("slimtune plan", stream=stream, delay=0)
     results = planner.plan(model_config, base, machine, 1, 40, progress=weighing)
     assert weighing.done == weighing.total == len(results) > 1
-    assert stream.getvalue() == f"slimtune plan: weighing {len(results)} plans on fake tensors\n"
-    again = Weighing("slimtune plan", stream=io.StringIO())
+    # (then, on a slow machine, the count every 30 s)
+    assert stream.getvalue().splitlines()[0] == f"slimtune plan: weighing {len(results)} plans on fake tensors"
+    again = Weighing("slimtune plan", stream=io.StringIO(), delay=0)
     planner.plan(model_config, base, machine, 1, 40, progress=again)  # every estimate is in the cache now
     assert again.total == again.done == 0 and again.stream.getvalue() == ""
 
 
-def test_settling_an_open_setting_says_how_many_plans_it_may_weigh():
+def test_settling_an_open_setting_says_how_many_plans_it_may_weigh_and_counts_none_cached():
     """chunk.n_chunks left open: a bisection over the counts, announced as at most so many plans."""
     from slimtune.engines import settings
     from slimtune.engines.chunk import state
@@ -82,10 +99,16 @@ def test_settling_an_open_setting_says_how_many_plans_it_may_weigh():
                          base=planner.to_dict(planner.planning_config("full")))
     candidates = state.open_settings(base)
     stream = io.StringIO()
-    weighing = Weighing("settling chunk.n_chunks", stream=stream)
-    planner.first_fitting(tiny_config(num_hidden_layers=2), base, candidates, planner.Machine.named("1GiB"), weighing)
+    weighing = Weighing("settling chunk.n_chunks", stream=stream, delay=0)
+    model_config, machine = tiny_config(num_hidden_layers=2), planner.Machine.named("1GiB")
+    planner.first_fitting(model_config, base, candidates, machine, weighing)
     assert 1 <= weighing.done <= weighing.total < len(candidates)
-    assert stream.getvalue() == f"settling chunk.n_chunks: weighing at most {weighing.total} plans on fake tensors\n"
+    assert stream.getvalue().splitlines()[0] == (f"settling chunk.n_chunks: weighing at most {weighing.total} plans on"
+                                                 " fake tensors")
+    # The same bisection again meets only cached plans: none counted, and over within the delay, so silent.
+    again = Weighing("settling chunk.n_chunks", stream=io.StringIO())
+    planner.first_fitting(model_config, base, candidates, machine, again)
+    assert again.done == 0 and again.stream.getvalue() == ""
 
 
 class Clock:
@@ -102,23 +125,36 @@ class Clock:
 def test_lines_begin_after_the_delay_and_then_come_at_most_every_30_s():
     stream = io.StringIO()
     items = list(range(100))
-    seen = list(progress.shown(items, "tokenizing x.jsonl", "record", "lines", stream, Clock(1.0)))
+    seen = list(progress.shown(items, "tokenizing x.jsonl", "record", "lines", stream=stream, delay=0, clock=Clock(1.0)))
     assert seen == items
-    # readings: 0 (start), then 1, 2, ... before each item: item 1 is read at 2 s, then every 30 s
-    assert stream.getvalue().splitlines() == ["tokenizing x.jsonl: 1/100 records", "tokenizing x.jsonl: 31/100 records",
-                                              "tokenizing x.jsonl: 61/100 records", "tokenizing x.jsonl: 91/100 records"]
+    # the clock reads 0 as the delay ends (here at once), then 1, 2, ... as each item ends
+    assert stream.getvalue().splitlines() == ["tokenizing x.jsonl: 0/100 records", "tokenizing x.jsonl: 30/100 records",
+                                              "tokenizing x.jsonl: 60/100 records", "tokenizing x.jsonl: 90/100 records"]
+
+
+def test_a_bar_counts_the_items_and_is_wiped_and_plurals_are_named():
+    stream = Terminal()
+    assert list(progress.shown(range(3), "eval: loss", "batch", "bar", "batches", stream=stream, delay=0)) == [0, 1, 2]
+    assert "eval: loss" in stream.getvalue() and "0/3" in stream.getvalue() and stream.getvalue().endswith("\r")
+    stream = io.StringIO()
+    list(progress.shown(range(3), "eval: loss", "batch", "lines", "batches", stream=stream, delay=0))
+    assert stream.getvalue() == "eval: loss: 0/3 batches\n"
 
 
 def test_quick_work_and_none_show_nothing():
     for mode, stream in (("lines", io.StringIO()), ("bar", Terminal()), ("none", Terminal())):
-        assert list(progress.shown(range(5), "x", "record", mode, stream, Clock(0.1))) == list(range(5))
+        assert list(progress.shown(range(5), "x", "record", mode, stream=stream)) == list(range(5))
         assert stream.getvalue() == "", mode
 
 
-def test_a_bar_is_asked_for_only_on_a_terminal_and_nothing_from_another_rank():
-    assert progress.mode_for(bar=True, show=False) == "none"
+def test_a_bar_is_asked_for_only_on_a_terminal_and_nothing_from_another_rank(monkeypatch):
     assert progress.mode_for(bar=True) == "lines"  # pytest's stderr is not a terminal
     assert progress.mode_for(bar=False) == "lines"
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert progress.mode_for(bar=True) == "bar" and progress.mode_for(bar=False) == "lines"
+    assert progress.mode_for(bar=True, show=False) == "none"
+    monkeypatch.setattr(sys, "stderr", None)  # pythonw, some daemons
+    assert progress.mode_for(bar=True) == "lines" and Weighing("x", show=False).done == 0
 
 
 def test_tokenizing_a_dataset_is_shown_once_it_takes_a_while(tmp_path, monkeypatch, capsys):
