@@ -7,6 +7,7 @@ a line then and at most every 30 s."""
 import io
 import json
 import sys
+import threading
 import time
 
 import pytest
@@ -52,6 +53,9 @@ def test_a_terminal_gets_a_bar_that_counts_each_plan_and_is_wiped():
     shown = stream.getvalue()  # (tqdm redraws at most every 0.1 s: the ticks above came sooner)
     assert "slimtune plan: weighing plans" in shown and "0/2" in shown and weighing.done == 2
     assert shown.endswith("\r"), "the bar is left on the screen"  # leave=False: wiped, the table follows
+    from tqdm import tqdm  # a thread lock guards the bars, not a multiprocessing one (progress.thread_lock_for_bars)
+
+    assert isinstance(tqdm.get_lock(), type(threading.RLock()))
 
 
 def test_nothing_is_shown_when_asked_for_nothing_nothing_is_left_or_all_is_over_within_the_delay():
