@@ -111,7 +111,7 @@ def loss_sum(loaded: inference.Loaded, batches: list[data.Batch], shown: progres
     from slimtune.model.stack import Stack
 
     stack, activations, loss = Stack(loaded.model), ActivationsConfig(), LossConfig()
-    return evaluate_batches(progress.shown(batches, "eval: loss", "batch", shown),
+    return evaluate_batches(progress.shown(batches, "eval: loss", "batch", shown, "batches"),
                             lambda b: model_loss(stack, activations, loss, loaded.device, loaded.precision,
                                                  b.to(loaded.device), training=False).exact_sum)
 

@@ -251,7 +251,7 @@ def greedy_answers(model: torch.nn.Module, tokenizer, device: torch.device, prom
     model.eval()
     settings = generation_settings(model, tokenizer, max_new_tokens)
     answers = []
-    for start in progress.shown(range(0, len(prompts), batch_size), "eval: answers", "batch", shown):
+    for start in progress.shown(range(0, len(prompts), batch_size), "eval: answers", "batch", shown, "batches"):
         chunk = prompts[start : start + batch_size]
         width = max(map(len, chunk))
         ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in chunk], device=device)

@@ -236,3 +236,17 @@ def test_a_resumed_run_says_it_reads_a_large_checkpoint(tmp_path, tokenizer, mon
     said = [line.rsplit(" (", 1)[0] for line in capsys.readouterr().err.splitlines()]
     first, second = (Path("out/checkpoints") / f"{checkpoint.PREFIX}{k:08d}" for k in (1, 2))
     assert said == [f"checking {first}", f"reading {first}", f"writing {second}", "writing out/adapter"]
+
+
+def test_eval_answers_are_counted_in_batches(tokenizer, monkeypatch, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from slimtune.serve import inference
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=len(tokenizer)))
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    prompts = [tokenizer(f"{i} + 1 =")["input_ids"] for i in range(3)]
+    answers = inference.greedy_answers(model, tokenizer, torch.device("cpu"), prompts, 2, batch_size=2, shown="lines")
+    assert len(answers) == 3 and capsys.readouterr().err == "eval: answers: 0/2 batches\n"
