@@ -474,7 +474,8 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
         record["allreduce_bytes"] = dist.take_reduced_bytes()  # this rank's payload, the step's own sums
     if _due(step, t.eval_every, t.steps):
         try:
-            record.update(evaluate(run, run.eval_batches))
+            with _named_on_the_bar(bar, f"evaluating after step {step}"):
+                record.update(evaluate(run, run.eval_batches))
         except torch.OutOfMemoryError:
             raise UserError(out_of_memory_advice(run, step, "evaluating after")) from None
     if _due(step, t.log_every, t.steps) or not result.applied:
@@ -482,11 +483,27 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
     if not result.applied:
         _refuse_nonfinite(run, step, result, skips)
     if _due(step, t.save_every, t.steps):
-        checkpoint.save(Path(run.cfg.output_dir), step, run.engine.state_dict(), drawn.stream.state_dict(), t.keep_last,
-                        dist)
+        with _named_on_the_bar(bar, f"saving step {step}"):
+            checkpoint.save(Path(run.cfg.output_dir), step, run.engine.state_dict(), drawn.stream.state_dict(),
+                            t.keep_last, dist)
     bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False,
                     mem=_peak_text(result.device_peak_bytes))
     bar.update(1)
+
+
+@contextlib.contextmanager
+def _named_on_the_bar(bar, doing: str):
+    """On a terminal the bar names what runs between two steps (an evaluation; a checkpoint's save, minutes
+    for a full fine-tune's state) while it runs, where it would otherwise sit still with no word; --no-progress
+    lines and a bar in a file are left as they are."""
+    named = hasattr(bar, "set_description_str") and is_terminal(sys.stderr)
+    if named:
+        bar.set_description_str(doing, refresh=True)
+    try:
+        yield
+    finally:
+        if named:
+            bar.set_description_str("", refresh=False)
 
 
 def combine_ranks(dist: Dist, step: int, result):

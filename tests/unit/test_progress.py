@@ -250,3 +250,27 @@ def test_eval_answers_are_counted_in_batches(tokenizer, monkeypatch, capsys):
     prompts = [tokenizer(f"{i} + 1 =")["input_ids"] for i in range(3)]
     answers = inference.greedy_answers(model, tokenizer, torch.device("cpu"), prompts, 2, batch_size=2, shown="lines")
     assert len(answers) == 3 and capsys.readouterr().err == "eval: answers: 0/2 batches\n"
+
+
+def test_a_bar_on_a_terminal_names_what_runs_between_steps(monkeypatch):
+    from slimtune import train
+    from slimtune.run.step_lines import StepLines
+
+    class Bar:
+        def __init__(self):
+            self.said = []
+
+        def set_description_str(self, text, refresh=True):
+            self.said.append(text)
+
+    bar = Bar()
+    with train._named_on_the_bar(bar, "saving a checkpoint"):
+        pass
+    assert bar.said == []  # pytest's stderr is a file: left as it is
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    with pytest.raises(KeyboardInterrupt), train._named_on_the_bar(bar, "saving a checkpoint"):
+        assert bar.said == ["saving a checkpoint"]
+        raise KeyboardInterrupt
+    assert bar.said == ["saving a checkpoint", ""]
+    with train._named_on_the_bar(StepLines(3, 0, print), "evaluating"):  # --no-progress: nothing to name
+        pass
