@@ -1,11 +1,11 @@
 """Progress for long work outside the training loop's steps: tokenizing a dataset (a chat record takes
-1-1.5 ms on two CPU cores, so 100K records are minutes), the eval command's loss and answers, and
-a large folder written, checked or read (a checkpoint, a result, a merged export: one line before). Work done
-within DELAY_S shows nothing. Past that: a bar on a terminal ("bar"); on a file or a pipe
-("lines", since tqdm's bar written to a file is a stream of carriage returns) a line then and at most
-one every EVERY_S, the rhythm of the training loop's --no-progress lines (run/step_lines.py); "none"
-shows nothing (another rank; a caller that shows its own progress). Always on stderr: stdout may hold
-a table or JSON."""
+1-1.5 ms on two CPU cores, so 100K records are minutes), the eval command's loss and answers, the
+planner's plans (planning/weighing.py), and a large folder written, checked or read (a checkpoint, a
+result, a merged export: one line before). Work done within DELAY_S shows nothing. Past that: a bar on
+a terminal ("bar"); on a file or a pipe ("lines", since tqdm's bar written to a file is a stream of
+carriage returns) a line then and at most one every EVERY_S, the rhythm of the training loop's
+--no-progress lines (run/step_lines.py); "none" shows nothing (another rank; a caller that shows its
+own progress). Always on stderr: stdout may hold a table or JSON."""
 
 from __future__ import annotations
 

@@ -549,8 +549,8 @@ def out_of_memory_advice(run: Run, step: int, when: str = "at") -> str:
     gpu = presets.device_profile(run.device)
     machine = _machine(cfg, gpu)
     # A bar (wiped when done) and never lines, so that what is printed here stays one sentence.
-    looking = Weighing(f"out of device memory: a plan for {gpu.name}", show=run.dist.is_main and is_terminal(sys.stderr),
-                       bar=True)
+    looking = Weighing(f"out of device memory: a plan for {gpu.name}", bar=True,
+                       show=run.dist.is_main and is_terminal(sys.stderr))
     results, chosen = planner.plan_run(cfg, presets.model_config(cfg.model), machine, looking)
     where = f"out of device memory {when} step {step} with engine={cfg.engine} precision={run.precision}"
     if chosen is None:
