@@ -296,19 +296,18 @@ def first_fitting(model_config, cfg: RunConfig, candidates: list[dict], machine:
     plan = {"engine": cfg.engine}
     progress = progress or quiet()
 
-    def cached(i: int) -> bool:
-        return is_cached(model_config, _run_config(cfg, {**plan, **candidates[i]}), cfg.train.batch_size,
-                         cfg.data.max_length)
+    # Candidates in the estimate cache cost nothing and are not counted.
+    fresh = {i for i, c in enumerate(candidates)
+             if not is_cached(model_config, _run_config(cfg, {**plan, **c}), cfg.train.batch_size, cfg.data.max_length)}
 
     def weighed(i: int) -> PlanResult:
-        counted = not cached(i)  # one in the estimate cache costs nothing and is not counted
         found = weigh(model_config, cfg, {**plan, **candidates[i]}, machine, cfg.train.batch_size, cfg.data.max_length)
-        if counted:
+        if i in fresh:
             progress.tick()
         return found
 
     most = 1 + math.ceil(math.log2(len(candidates)))  # a bisection's weighings at most
-    progress.start(min(most, sum(not cached(i) for i in range(len(candidates)))), exact=len(candidates) == 1)
+    progress.start(min(most, len(fresh)), exact=len(candidates) == 1)
     with progress:
         low, high, found = -1, len(candidates) - 1, weighed(len(candidates) - 1)
         if not found.fits:
