@@ -125,12 +125,14 @@ class Splits:
     report: DataReport
 
 
-def load_splits(cfg: DataConfig, tokenizer: Any, seed: int, shown: progress.Mode = "none") -> Splits:
+def load_splits(cfg: DataConfig, tokenizer: Any, seed: int, shown: progress.Mode = "none",
+                records: tuple[list[Any], Callable[[int], str]] | None = None) -> Splits:
     """Read, tokenize, truncate and split the data named by `cfg`; `shown`: how the tokenizing is
-    shown when it takes a while (slimtune/progress.py)."""
+    shown when it takes a while (slimtune/progress.py); `records`: what read_records gave for cfg's
+    path, subset and split, where the caller has read them already."""
     encoder = _Encoder(cfg, tokenizer)
     counts = {"truncated": 0, "dropped": 0, "empty": 0}
-    train = _load_examples(Where(cfg.path, cfg.subset, cfg.split), encoder, cfg.max_length, counts, shown)
+    train = _load_examples(Where(cfg.path, cfg.subset, cfg.split), encoder, cfg.max_length, counts, shown, records)
     if not train:
         raise UserError(_nothing_to_train(cfg, counts))
     if cfg.eval_path or cfg.eval_split:
@@ -301,8 +303,8 @@ def _csv_as_text(p: Path) -> dict:
 
 
 def _load_examples(source: Where, encoder: _Encoder, max_length: int, counts: dict,
-                   shown: progress.Mode = "none") -> list[Example]:
-    rows, where = read_records(source)
+                   shown: progress.Mode = "none", records: tuple | None = None) -> list[Example]:
+    rows, where = records if records is not None else read_records(source)
     if not rows:
         raise UserError(f"{_what(source)} '{source.path}' holds no records.")
     _refuse_absent_fields(rows, encoder.fields(), f"{_what(source)} '{source.path}'")

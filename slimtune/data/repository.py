@@ -114,9 +114,13 @@ def _load_from_cache(where: Where, split: str) -> list[Any]:
     """`where` read from the datasets cache alone, on a machine that cannot reach the Hub. In this process
     datasets would ask the Hub first, five retries over about 25 s (huggingface_hub reads HF_HUB_OFFLINE,
     its only cache-only switch, once, when imported), so a process of its own started with HF_HUB_OFFLINE=1
-    reads it (1-3 s) and hands back the records or the sentence (_answer_from_cache) through a file."""
-    print(f"slimtune: the Hub cannot be reached from here: {where.path_setting} '{where.path}' is read from the"
-          " datasets cache", file=sys.stderr, flush=True)
+    reads it (1-3 s) and hands back the records or the sentence (_answer_from_cache) through a file.
+    Under torchrun each rank reads it; rank 0 says so."""
+    from slimtune.dist.ranks import env_rank
+
+    if env_rank() == 0:
+        print(f"slimtune: the Hub cannot be reached from here: {where.path_setting} '{where.path}' is read from"
+              " the datasets cache", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="slimtune-data-") as folder:
         asked, answer = Path(folder) / "asked.pickle", Path(folder) / "answer.pickle"
         with asked.open("wb") as handle:

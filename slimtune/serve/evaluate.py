@@ -46,10 +46,13 @@ class EvalData:
 def data_config(source: inference.Source, path: str, fmt: str | None, overrides: list[str] = ()) -> DataConfig:
     """The data settings of `path`: the run's own (fields, template, max_length, packing), with
     `fmt` when given (default: the run's format, else prompt_response) and `data.key=value` overrides
-    (an eval file whose fields are named otherwise than the run's); nothing held out."""
+    (an eval file whose fields are named otherwise than the run's, a split: data.split=test); all of
+    `path` scored, nothing held out. The run's subset is kept where `path` is the run's own dataset;
+    its splits are not (they named what it trained and evaluated on, and a file has none)."""
     known = {f.name for f in dataclasses.fields(DataConfig)}
     settings = {k: v for k, v in source.data.items() if k in known}
-    settings.update(path=str(path), eval_path=None, eval_fraction=0.0)
+    subset = settings.get("subset") if settings.get("path") == str(path) else None
+    settings.update(path=str(path), subset=subset, split=None, eval_path=None, eval_split=None, eval_fraction=0.0)
     if fmt is not None:
         settings["format"] = fmt
     outside = [item for item in overrides if not item.startswith("data.")]
@@ -66,16 +69,19 @@ def data_config(source: inference.Source, path: str, fmt: str | None, overrides:
 
 
 def prepare(cfg: DataConfig, tokenizer, batch_size: int, shown: progress.Mode = "none") -> EvalData:
-    splits = data.load_splits(cfg, tokenizer, seed=0, shown=shown)
+    """The batches the loss is over and the cases answered: the same records, read once (a Hub dataset
+    that cannot be reached is read by a process of its own: once, and said once)."""
+    records = data.read_records(data.Where(cfg.path, cfg.subset, cfg.split))
+    splits = data.load_splits(cfg, tokenizer, seed=0, shown=shown, records=records)
     examples = splits.train  # eval_fraction 0: every record
     batches = data.eval_batches(examples, batch_size, cfg.max_length, cfg.packing, tokenizer.pad_token_id)
-    cases = None if cfg.format == "text" else answer_cases(cfg, tokenizer)
+    cases = None if cfg.format == "text" else answer_cases(cfg, tokenizer, *records)
     return EvalData(cfg, batches, len(examples), sum(b.num_targets for b in batches), splits.report.truncated, cases)
 
 
-def answer_cases(cfg: DataConfig, tokenizer) -> list[tuple[list[int], str]]:
-    """(prompt ids, reference answer) of every record; load_splits has checked their fields."""
-    rows, where = data.read_records(cfg.path)  # noqa: SLF001 - the same reading as training's
+def answer_cases(cfg: DataConfig, tokenizer, rows: list, where) -> list[tuple[list[int], str]]:
+    """(prompt ids, reference answer) of every record (`where` names record i); load_splits has checked
+    their fields."""
     cases = []
     for i, row in enumerate(rows):
         if cfg.format == "prompt_response":

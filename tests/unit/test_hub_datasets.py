@@ -179,6 +179,11 @@ def test_where_the_hub_cannot_be_reached_a_cached_dataset_is_read_at_once(tmp_pa
     assert examples(tokenizer, path="org/sums", eval_split="test") == expected
     assert "slimtune: the Hub cannot be reached from here: data.path 'org/sums' is read from the datasets cache" in \
         capsys.readouterr().err
+    with monkeypatch.context() as rank_1:  # under torchrun every rank reads it, and rank 0 alone says so
+        rank_1.setenv("WORLD_SIZE", "2")
+        rank_1.setenv("RANK", "1")
+        assert examples(tokenizer, path="org/sums", eval_split="test") == expected
+        assert "cannot be reached" not in capsys.readouterr().err
     said = refusal(tokenizer, path="org/absent")
     assert said == (f"data.path 'org/absent' is not in the datasets cache ({cache}) and the Hub cannot be reached from"
                     " here; check the connection, or fetch it once where there is one.")
@@ -239,3 +244,30 @@ def test_a_gated_hub_dataset_without_access_says_how_to_get_it(tmp_path, tokeniz
         server.server_close()
     assert said.startswith(f"data.path 'org/gated' is a gated dataset: accept its terms at {endpoint}/datasets/org/gated")
     assert "HF_TOKEN" in said
+
+
+def eval_cases(tokenizer, run_data: dict, path: str, overrides: list[str] = ()) -> list[str]:
+    """The references `slimtune eval --data path` answers, the run having trained with `run_data`."""
+    from pathlib import Path as P
+
+    from slimtune.serve import evaluate, inference
+
+    source = inference.Source(P("run"), "lora run", P("model"), data={"max_length": 32, **run_data})
+    prepared = evaluate.prepare(evaluate.data_config(source, path, None, list(overrides)), tokenizer, 4)
+    assert len(prepared.cases) == prepared.examples  # every record scored is answered, and no other
+    return [reference for _, reference in prepared.cases]
+
+
+def test_eval_answers_the_split_and_subset_it_scores(tmp_path, tokenizer):
+    """slimtune eval on a dataset with splits and subsets: the answers are of the records the loss is of,
+    the split and subset named, not the default split of the default subset."""
+    repository = str(write_repository(tmp_path / "sums"))
+    assert eval_cases(tokenizer, {}, repository, ["data.split=test"]) == [r["response"] for r in TEST]
+    qa = ["data.subset=qa", "data.prompt_field=question", "data.response_field=answer"]
+    assert eval_cases(tokenizer, {}, repository, qa) == [r["answer"] for r in QA]
+    # A run that trained on the repository's train split and evaluated on its test split, scored on test
+    # (the run's subset kept: the same dataset), and on a file of its own (no split carried to a file).
+    run = {"path": repository, "split": "train", "eval_split": "test"}
+    assert eval_cases(tokenizer, run, repository, ["data.split=test"]) == [r["response"] for r in TEST]
+    file = write_jsonl(tmp_path / "held.jsonl", TEST[:4])
+    assert eval_cases(tokenizer, {**run, "subset": "default"}, str(file)) == [r["response"] for r in TEST[:4]]
