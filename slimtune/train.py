@@ -474,7 +474,7 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
         record["allreduce_bytes"] = dist.take_reduced_bytes()  # this rank's payload, the step's own sums
     if _due(step, t.eval_every, t.steps):
         try:
-            with _named_on_the_bar(bar, f"evaluating after step {step}"):
+            with _named_while_running(bar, f"evaluating after step {step}"):
                 record.update(evaluate(run, run.eval_batches))
         except torch.OutOfMemoryError:
             raise UserError(out_of_memory_advice(run, step, "evaluating after")) from None
@@ -483,7 +483,7 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
     if not result.applied:
         _refuse_nonfinite(run, step, result, skips)
     if _due(step, t.save_every, t.steps):
-        with _named_on_the_bar(bar, f"saving step {step}"):
+        with _named_while_running(bar, f"saving step {step}"):
             checkpoint.save(Path(run.cfg.output_dir), step, run.engine.state_dict(), drawn.stream.state_dict(),
                             t.keep_last, dist)
     bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False,
@@ -492,10 +492,15 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
 
 
 @contextlib.contextmanager
-def _named_on_the_bar(bar, doing: str):
-    """On a terminal the bar names what runs between two steps (an evaluation; a checkpoint's save, minutes
-    for a full fine-tune's state) while it runs, where it would otherwise sit still with no word; --no-progress
-    lines and a bar in a file are left as they are."""
+def _named_while_running(bar, doing: str):
+    """What runs between two steps (an evaluation; a checkpoint's save, minutes for a full fine-tune's
+    state) named while it runs, where the progress would otherwise sit still with no word: on a terminal
+    by the bar; with --no-progress by a line once it outlasts the lines' rhythm (StepLines.running). A
+    bar in a file is left as it is (tqdm writes it every 30 s)."""
+    if isinstance(bar, StepLines):
+        with bar.running(doing):
+            yield
+        return
     named = hasattr(bar, "set_description_str") and is_terminal(sys.stderr)
     if named:
         bar.set_description_str(doing, refresh=True)

@@ -264,13 +264,31 @@ def test_a_bar_on_a_terminal_names_what_runs_between_steps(monkeypatch):
             self.said.append(text)
 
     bar = Bar()
-    with train._named_on_the_bar(bar, "saving a checkpoint"):
+    with train._named_while_running(bar, "saving a checkpoint"):
         pass
     assert bar.said == []  # pytest's stderr is a file: left as it is
     monkeypatch.setattr(sys, "stderr", Terminal())
-    with pytest.raises(KeyboardInterrupt), train._named_on_the_bar(bar, "saving a checkpoint"):
+    with pytest.raises(KeyboardInterrupt), train._named_while_running(bar, "saving a checkpoint"):
         assert bar.said == ["saving a checkpoint"]
         raise KeyboardInterrupt
     assert bar.said == ["saving a checkpoint", ""]
-    with train._named_on_the_bar(StepLines(3, 0, print), "evaluating"):  # --no-progress: nothing to name
+
+
+def test_no_progress_lines_name_what_outlasts_their_rhythm_between_steps():
+    """--no-progress: an evaluation or a save that outlasts StepLines.every_s is said while it runs, and
+    again each every_s; one over sooner says nothing."""
+    from slimtune import train
+    from slimtune.run.step_lines import StepLines
+
+    said = []
+    with train._named_while_running(StepLines(3, 0, said.append, every_s=60.0), "evaluating after step 1"):
         pass
+    assert said == []
+    with train._named_while_running(StepLines(3, 0, said.append, every_s=0.02), "saving step 2"):
+        waited = time.monotonic()
+        while len(said) < 2 and time.monotonic() - waited < 30:  # the watcher's lines, however loaded the machine
+            time.sleep(0.01)
+    count = len(said)
+    assert count >= 2 and all(line.startswith("saving step 2 (") and line.endswith(" s so far)") for line in said)
+    time.sleep(0.1)
+    assert len(said) == count  # nothing said once it has ended
