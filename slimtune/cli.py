@@ -330,6 +330,8 @@ def _export(args: argparse.Namespace) -> None:
         raise UserError("--out names the merged folder; add --merge, or leave --out out with --gguf.")
     if not (args.merge or args.gguf):
         raise UserError("say what to export: --merge (an HF folder), --gguf FILE (a GGUF file), or both.")
+    if args.merge and args.gguf:  # the GGUF's refusals before the merge writes anything
+        export.check_gguf(args.run_dir, args.gguf)
     if args.merge:
         merged = export.merge_run(args.run_dir, args.out)
         step = f"step {merged.step}" if merged.step is not None else "the result"

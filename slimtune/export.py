@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 
 from slimtune import local_paths
@@ -71,7 +70,8 @@ def save_result(run, out: Path) -> Path:
     if run.cfg.method == "lora":
         return save_adapter(run.stack.model, run.cfg.lora, run.cfg.model, out / name,
                             trainable, recorded)
-    return save_model(run.stack.model, run.tokenizer, out / name, trainable, recorded=recorded)
+    tokenizer = with_template(run.tokenizer, run.cfg.data.format, run.cfg.data.chat_template)
+    return save_model(run.stack.model, tokenizer, out / name, trainable, recorded=recorded)
 
 
 def _recorded_result(run_dir: Path) -> str | None:
@@ -104,13 +104,14 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     from slimtune.model.stack import load_tokenizer
 
     run_dir, cfg = Path(run_dir), run_config(run_dir)
-    if cfg["method"] == "full":
+    if cfg.get("method") == "full":
         raise UserError(f"'{run_dir}' was full fine-tuning; its model is already whole in {run_dir / 'model'}.")
     setting = "--out" if out is not None else "the export folder"
     out = Path(out) if out is not None else run_dir / "merged"
     check_out(run_dir, cfg, out, setting)
     model, step, source = _merged(run_dir, cfg)
-    return Merged(save_model(model, load_tokenizer(cfg["model"]), out, kind="merged"), step, source)
+    tokenizer = with_trained_template(load_tokenizer(base_model(run_dir, cfg)), run_dir, cfg)
+    return Merged(save_model(model, tokenizer, out, kind="merged"), step, source)
 
 
 def run_config(run_dir: Path) -> dict:
@@ -120,7 +121,44 @@ def run_config(run_dir: Path) -> dict:
         raise UserError(local_paths.missing("run folder", run_dir))
     if not config_path.is_file():
         raise UserError(f"'{run_dir}' is not a slimtune run folder (no config.yaml).")
-    return yaml.safe_load(config_path.read_text())
+    return results.run_config(config_path)
+
+
+def base_model(run_dir: Path, cfg: dict) -> str:
+    """The model a LoRA run trained from, as it exists now: config.yaml's `model` from here or from the
+    folder the training ran in (a relative path: results.trained_path, as chat and eval find it), or a
+    Hub snapshot that a cleaned cache lost, fetched again; one sentence when it is nowhere."""
+    found = results.trained_path(run_dir, cfg, str(cfg["model"]))
+    if found is None and hub.origin(cfg["model"]) is not None:
+        return hub.folder(cfg["model"])
+    if found is None:
+        raise UserError(f"the base model '{cfg['model']}' that run '{run_dir}' trained from (config.yaml `model`) is"
+                        " not found.")
+    return str(found)
+
+
+def with_trained_template(tokenizer, run_dir: Path, cfg: dict):
+    """with_template for a run folder's config.yaml (its data.chat_template file perhaps relative to the
+    folder the training ran in)."""
+    data = cfg.get("data") or {}
+    template = data.get("chat_template")
+    if template:
+        found = results.trained_path(run_dir, cfg, str(template))
+        template = str(found) if found is not None and found.is_file() else template
+    return with_template(tokenizer, data.get("format"), template)
+
+
+def with_template(tokenizer, data_format: str | None, template: str | None):
+    """`tokenizer` carrying the chat template a run on chat data trained with (data.chat_template, else
+    its own, else slimtune's default: resolve_template), so a result or an export is prompted as
+    training formatted it (transformers' and llama.cpp's apply_chat_template, `slimtune chat`, the
+    GGUF's tokenizer.chat_template); other formats leave the tokenizer as it is."""
+    from slimtune.data.chat_templates import resolve_template
+
+    if data_format != "chat":
+        return tokenizer
+    tokenizer.chat_template = resolve_template(tokenizer, template)
+    return tokenizer
 
 
 @dataclass
@@ -137,16 +175,18 @@ def trained_model(run_dir: Path) -> Trained:
     from slimtune.model.stack import load_model, load_tokenizer
 
     run_dir, cfg = Path(run_dir), run_config(run_dir)
-    if cfg["method"] != "full":
+    if cfg.get("method") != "full":
         model, step, source = _merged(run_dir, cfg)
-        return Trained(model, load_tokenizer(cfg["model"]), step, source)
+        return Trained(model, with_trained_template(load_tokenizer(base_model(run_dir, cfg)), run_dir, cfg), step,
+                       source)
     folder = run_dir / "model"
     if not folder.is_dir():
         raise UserError(f"full fine-tuning run '{run_dir}' has no model/ yet: it has not finished a result.")
     results.verify(folder, "model folder")
     result = _recorded(run_dir)
     model = load_model(folder, torch.float32, torch.device("cpu"))
-    return Trained(model, load_tokenizer(folder), result.get("step") if result else None, folder)
+    tokenizer = with_trained_template(load_tokenizer(folder), run_dir, cfg)
+    return Trained(model, tokenizer, result.get("step") if result else None, folder)
 
 
 def _merged(run_dir: Path, cfg: dict) -> tuple[torch.nn.Module, int | None, Path]:
@@ -156,7 +196,7 @@ def _merged(run_dir: Path, cfg: dict) -> tuple[torch.nn.Module, int | None, Path
     step, source = newest_adapter(run_dir)
     if source.name == "adapter":
         results.verify(source, "adapter folder")  # said before the base model loads
-    model = load_model(cfg["model"], torch.float32, torch.device("cpu"))
+    model = load_model(base_model(run_dir, cfg), torch.float32, torch.device("cpu"))
     if source.name == "adapter":
         lora.load_peft_adapter(model, source)
     else:  # a checkpoint: its trained tensors are the adapter's, by parameter name
@@ -174,17 +214,25 @@ def write_gguf(run_dir: Path, path: Path, file_type: str, progress: bool = True)
     writes is checked before anything loads: a GGUF file or nothing, and nowhere among what the run
     and its inputs keep (the run's own files, the base model's folder, the data)."""
     from slimtune.export_gguf import writer
-    from slimtune.model.stack import load_tokenizer
 
-    run_dir, cfg = Path(run_dir), run_config(run_dir)
-    path = Path(path)
-    writer.check_target(path)
-    results.check_kept(path, f"--gguf '{path}'", kept_by_run(run_dir, cfg, ()), "choose another file")
-    folder = run_dir / "model" if cfg["method"] == "full" else cfg["model"]
-    writer.check_model(_config(folder), load_tokenizer(folder))  # a layout it cannot map: said before loading
+    run_dir, cfg, path = Path(run_dir), run_config(run_dir), Path(path)
+    check_gguf(run_dir, path)
     trained = trained_model(run_dir)
     name = hub.public_name(cfg["model"])[0].rsplit("/", 1)[-1]  # a Hub snapshot's model name, not its commit
     return writer.write(trained.model, trained.tokenizer, path, file_type, name, progress), trained
+
+
+def check_gguf(run_dir: Path, path: Path) -> None:
+    """What write_gguf checks before anything loads (and `slimtune export --merge --gguf` before it
+    merges): the file may be written, and the model's layout and tokenizer map to GGUF."""
+    from slimtune.export_gguf import writer
+    from slimtune.model.stack import load_tokenizer
+
+    run_dir, cfg, path = Path(run_dir), run_config(run_dir), Path(path)
+    writer.check_target(path)
+    results.check_kept(path, f"--gguf '{path}'", kept_by_run(run_dir, cfg, ()), "choose another file")
+    folder = run_dir / "model" if cfg.get("method") == "full" else base_model(run_dir, cfg)
+    writer.check_model(_config(folder), load_tokenizer(folder))
 
 
 def _config(folder):

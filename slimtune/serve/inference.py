@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from slimtune import progress
 from slimtune.store import results
@@ -102,7 +101,7 @@ def resolve(folder: str | Path) -> Source:
 def _run(folder: Path) -> Source:
     from slimtune.model import hub
 
-    cfg = _read_yaml(folder / "config.yaml")
+    cfg = results.run_config(folder / "config.yaml")
     data = dict(cfg.get("data") or {})
     if data.get("chat_template"):
         found = results.trained_path(folder, cfg, data["chat_template"])
@@ -152,16 +151,6 @@ def _adapter_base(folder: Path) -> Path | None:
     if base and not Path(base).exists() and hub.is_hub_name(base):
         return Path(hub.folder(base, named.get("revision")))
     return Path(base) if base else None
-
-
-def _read_yaml(path: Path) -> dict:
-    try:
-        cfg = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise UserError(f"{path} is not readable YAML ({str(err).splitlines()[0]}).") from None
-    if not isinstance(cfg, dict) or "model" not in cfg:
-        raise UserError(f"{path} is not a slimtune run's config (it names no `model`).")
-    return cfg
 
 
 def _result_step(folder: Path) -> int | None:

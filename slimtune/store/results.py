@@ -151,9 +151,23 @@ def verify(folder: Path, what: str) -> None:
                         " restore the file or write the folder again.")
 
 
+def run_config(path: Path) -> dict:
+    """A run's config.yaml (`path`), or one sentence: unreadable, not YAML, or not a slimtune run's."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise UserError(f"{path} is not readable YAML ({str(err).splitlines()[0]}).") from None
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise UserError(f"{path} is not a slimtune run's config (it names no `model`).")
+    return cfg
+
+
 def trained_path(run_dir: Path, cfg: dict, value: str) -> Path | None:
     """`value`, a path the run recorded, as it exists now: as written (absolute, or from here), or
-    from the folder the training ran in (the run folder less output_dir's parts). None: neither."""
+    from the folder the training ran in (the run folder less output_dir's parts). None: neither, or
+    no path at all (data.chat_template may be the template's text, longer than a file name may be)."""
     path = Path(value)
     candidates = [path]
     out = Path(str(cfg.get("output_dir", "")))
@@ -162,4 +176,11 @@ def trained_path(run_dir: Path, cfg: dict, value: str) -> Path | None:
         n = len(out.parts)
         if root.parts[-n:] == out.parts:
             candidates.insert(0, Path(*root.parts[:-n]) / path)
-    return next((c for c in candidates if c.exists()), None)
+    return next((c for c in candidates if _exists(c)), None)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL in it: no such path
+        return False

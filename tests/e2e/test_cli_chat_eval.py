@@ -233,6 +233,72 @@ def test_a_lora_run_without_its_adapter_folder_loads_its_newest_checkpoint_and_a
     assert (alone.kind, alone.weights, alone.adapter) == ("adapter", BASE, lora_run / "adapter")
 
 
+# ---------------------------------------------------------------- export of what the run trained with
+
+
+def relocated_copy(root: Path, run: Path, name: str, **settings) -> Path:
+    """A copy of `run` at root/runs/<name> whose config.yaml records `settings` (as if it had trained with
+    them from `root`: output_dir runs/<name>)."""
+    import shutil
+
+    import yaml
+
+    copy = root / "runs" / name
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns(".lock"))
+    cfg = yaml.safe_load((copy / "config.yaml").read_text())
+    for key, value in settings.items():
+        section, _, field = key.partition(".")
+        if field:
+            cfg.setdefault(section, {})[field] = value
+        else:
+            cfg[key] = value
+    (copy / "config.yaml").write_text(yaml.safe_dump({**cfg, "output_dir": f"runs/{name}"}))
+    return copy
+
+
+def test_export_finds_a_relative_base_from_another_folder_and_carries_the_trained_chat_template(runs, tmp_path,
+                                                                                               capsys, monkeypatch):
+    """A run that named its base by a relative path (`model: base`), exported from another folder, merges
+    onto that base, as chat and eval find it (export looked it up from the working directory: refused, or
+    merged onto whatever folder of that name was there). A run on chat data exports the template it
+    trained with, in the merged folder's tokenizer and the GGUF file; the GGUF's refusals come before
+    the merge writes anything."""
+    from gguf import GGUFReader
+
+    root, lora_run, full_run = runs
+    template = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}{% endfor %}### assistant: "
+    copy = relocated_copy(root, lora_run, "lora-relative", model="base", **{"data.format": "chat",
+                                                                          "data.chat_template": template})
+    monkeypatch.chdir(tmp_path)  # no ./base here
+    assert cli.main(["export", str(copy), "--merge", "--gguf", str(tmp_path / "no" / "x.gguf")]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (copy / "merged").exists()
+    assert cli.main(["export", str(copy), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    merged = load_model(tmp_path / "merged", torch.float32, CPU).eval()
+    ids = torch.tensor([data.encode_prompt(load_tokenizer(BASE), PROMPTS[0])])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(lora_run)(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+    assert load_tokenizer(tmp_path / "merged").chat_template == template
+    assert load_tokenizer(BASE).chat_template != template  # the base's own is not what was trained
+    # A full run on chat data with no template of its own: its model/ and its GGUF carry the one it trained with.
+    trained = data.resolve_template(load_tokenizer(BASE), None)
+    assert load_tokenizer(full_run / "model").chat_template == trained
+    assert cli.main(["export", str(full_run), "--gguf", str(tmp_path / "full.gguf")]) == 0
+    field = GGUFReader(tmp_path / "full.gguf").get_field("tokenizer.chat_template")
+    assert field is not None and bytes(field.parts[field.data[0]]).decode() == trained
+
+
+def test_a_run_trained_with_an_inline_chat_template_longer_than_a_file_name_chats(runs, capsys):
+    """data.chat_template may be the template's text: looked up as a path it is too long for a file name
+    (OSError: File name too long), which chat and eval raised as a traceback."""
+    root, lora_run, _ = runs
+    template = "{#- " + "an inline template, longer than any file name may be; " * 6 + "-#}" + \
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    copy = relocated_copy(root, lora_run, "lora-inline", **{"data.format": "chat", "data.chat_template": template})
+    assert cli.main(["chat", str(copy), "--prompt", PROMPTS[0], "--max-new-tokens", "2"]) == 0
+    assert "slimtune chat: lora run" in capsys.readouterr().err  # answered (an answer may be empty: eos first)
+
+
 # ---------------------------------------------------------------- --version and plan --png
 
 
@@ -299,6 +365,8 @@ def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp
     (["eval", "{lora}", "train.steps=3", "--data", "{tmp}/fields.jsonl"], "'train.steps=3': eval takes data.* settings"),
     (["eval", "{lora}", "data.response_fild=answer", "--data", "{tmp}/fields.jsonl"],
      "unknown key 'data.response_fild' on the command line (did you mean 'data.response_field'?)"),
+    (["export", "{tmp}/notarun", "--merge"], "notarun/config.yaml is not a slimtune run's config (it names no `model`)"),
+    (["export", "{tmp}/badyaml", "--gguf", "{tmp}/x.gguf"], "badyaml/config.yaml is not readable YAML"),
 ])
 def test_bad_input_ends_in_one_sentence(runs, tmp_path, capsys, argv, words):
     _, lora_run, _ = runs
@@ -308,6 +376,9 @@ def test_bad_input_ends_in_one_sentence(runs, tmp_path, capsys, argv, words):
     (tmp_path / "no-adapter" / "config.yaml").write_text((lora_run / "config.yaml").read_text())
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": \n')
     write_jsonl(tmp_path / "fields.jsonl", [{"prompt": "a", "answer": "b"}])
+    for name, text in (("notarun", "foo: 1\n"), ("badyaml", "model: [a\n")):  # another project's config.yaml
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(text)
     argv = [a.format(tmp=tmp_path, lora=lora_run) for a in argv]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
