@@ -83,23 +83,29 @@ class Conversation:
         self.turns = []
 
     def prompt_ids(self, text: str) -> list[int]:
-        """The token ids the model continues for the message `text`; in the chat style the oldest
-        pairs of turns are left out (and forgotten) until the prompt leaves room for an answer."""
+        """The token ids the model continues for the message `text` (prompt())."""
+        return self.prompt(text)[0]
+
+    def prompt(self, text: str) -> tuple[list[int], list[dict]]:
+        """(the token ids the model continues for the message `text`, the earlier turns they hold): in
+        the chat style the oldest pairs of turns are left out until the prompt leaves room for an
+        answer; reply() forgets them once it answers (a message refused keeps every turn)."""
         tok = self.loaded.tokenizer
         if self.style == "plain":
-            return data.encode_prompt(tok, text)
+            return data.encode_prompt(tok, text), self.turns
         turns = self.turns + [{"role": "user", "content": text}]
         while True:
             ids = data.encode_prompt(tok, data.render_chat_prompt(tok, self.head + turns, self.template))
             if self.limit is None or len(ids) < self.limit or len(turns) == 1:
-                self.turns = turns[:-1]
-                return ids
+                return ids, turns[:-1]
             turns = turns[2:]
 
     def reply(self, text: str, out: TextIO) -> str:
         """The model's answer to `text`, streamed to `out` as it is decoded; returned whole."""
         model, tok, device = self.loaded.model, self.loaded.tokenizer, self.loaded.device
-        ids = self.prompt_ids(text)
+        ids, kept = self.prompt(text)
+        if not ids:  # a tokenizer that adds no bos, and nothing typed: no token to continue from
+            raise UserError("the message is empty; type something for the model to answer.")
         room = self.max_new_tokens if self.limit is None else min(self.max_new_tokens, self.limit - len(ids))
         if room <= 0:
             raise UserError(f"the prompt is {len(ids)} tokens and the model takes at most {self.limit}; "
@@ -113,7 +119,7 @@ class Conversation:
                                      generation_config=settings, streamer=_streamer(tok, out))
         answer = tok.decode(out_ids[0, len(ids):], skip_special_tokens=True)
         if self.style == "chat":
-            self.turns += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.strip()}]
+            self.turns = kept + [{"role": "user", "content": text}, {"role": "assistant", "content": answer.strip()}]
         return answer
 
 

@@ -43,6 +43,10 @@ class EvalData:
     cases: list[tuple[list[int], str]] | None  # (prompt ids, reference answer); None for text data
 
 
+# What the data is and what training held out of it: --data names the one and eval holds out nothing.
+NOT_EVAL_SETTINGS = frozenset({"data.path", "data.eval_path", "data.eval_split", "data.eval_fraction"})
+
+
 def data_config(source: inference.Source, path: str, fmt: str | None, overrides: list[str] = ()) -> DataConfig:
     """The data settings of `path`: the run's own (fields, template, max_length, packing), with
     `fmt` when given (default: the run's format, else prompt_response) and `data.key=value` overrides
@@ -59,6 +63,10 @@ def data_config(source: inference.Source, path: str, fmt: str | None, overrides:
     if outside:
         raise UserError(f"'{outside[0]}': eval takes data.* settings only (the fields, template and lengths of"
                         " --data), e.g. data.prompt_field=question.")
+    held = next((item for item in overrides if item.split("=", 1)[0] in NOT_EVAL_SETTINGS), None)
+    if held is not None:
+        raise UserError(f"'{held}': eval scores all of --data, held out nothing; name the file with --data, and a"
+                        " split of a dataset with data.split (e.g. data.split=test).")
     if overrides:  # typed and checked as train's overrides are
         settings = config.to_dict(config.read(None, list(overrides), base={"model": "-", "data": settings}).cfg)["data"]
     cfg = DataConfig(**settings)

@@ -234,20 +234,24 @@ def greedy_answers(model: torch.nn.Module, tokenizer, device: torch.device, prom
                    max_new_tokens: int, batch_size: int = 50, precision: str = "fp32",
                    shown: progress.Mode = "none") -> list[str]:
     """Each prompt's greedy completion, decoded without special tokens: batches of left-padded
-    prompts, so that every prompt ends where generation starts."""
+    prompts, so that every prompt ends where generation starts. An empty prompt (an empty prompt field,
+    with a tokenizer that adds no bos) has no token to continue from: its answer is empty."""
     from slimtune.step.precision import autocast_for
 
     model.eval()
     settings = generation_settings(model, tokenizer, max_new_tokens)
-    answers = []
-    for start in progress.shown(range(0, len(prompts), batch_size), "eval: answers", "batch", shown, "batches"):
-        chunk = prompts[start : start + batch_size]
+    answers = [""] * len(prompts)
+    asked = [i for i, p in enumerate(prompts) if p]
+    for start in progress.shown(range(0, len(asked), batch_size), "eval: answers", "batch", shown, "batches"):
+        which = asked[start : start + batch_size]
+        chunk = [prompts[i] for i in which]
         width = max(map(len, chunk))
         ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
         with autocast_for(device, precision):
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
-        answers += [tokenizer.decode(row, skip_special_tokens=True) for row in out[:, width:]]
+        for i, row in zip(which, out[:, width:]):
+            answers[i] = tokenizer.decode(row, skip_special_tokens=True)
     return answers
 
 

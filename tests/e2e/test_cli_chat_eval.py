@@ -365,6 +365,9 @@ def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp
     (["eval", "{lora}", "train.steps=3", "--data", "{tmp}/fields.jsonl"], "'train.steps=3': eval takes data.* settings"),
     (["eval", "{lora}", "data.response_fild=answer", "--data", "{tmp}/fields.jsonl"],
      "unknown key 'data.response_fild' on the command line (did you mean 'data.response_field'?)"),
+    (["eval", "{lora}", "data.eval_split=test", "--data", "{tmp}/fields.jsonl"],
+     "'data.eval_split=test': eval scores all of --data, held out nothing; name the file with --data, and a split"),
+    (["eval", "{lora}", "data.eval_fraction=0.5", "--data", "{tmp}/fields.jsonl"], "'data.eval_fraction=0.5': eval"),
     (["export", "{tmp}/notarun", "--merge"], "notarun/config.yaml is not a slimtune run's config (it names no `model`)"),
     (["export", "{tmp}/badyaml", "--gguf", "{tmp}/x.gguf"], "badyaml/config.yaml is not readable YAML"),
 ])

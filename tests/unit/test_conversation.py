@@ -43,18 +43,32 @@ def test_the_prompt_holds_the_turns_so_far_and_forgets_the_oldest_when_too_long(
     assert talk.turns == turns  # the new message joins them only with its answer
     whole = len(talk.prompt_ids("bye"))
     talk.limit = whole - 1  # one token short: the oldest pair goes
-    text = tokenizer.decode(talk.prompt_ids("bye"))
+    ids, kept = talk.prompt("bye")
+    text = tokenizer.decode(ids)
     assert "hello" not in text and "Be terse." in text and "the quick brown fox" in text
-    assert talk.turns == turns[2:]
+    assert kept == turns[2:] and talk.turns == turns  # forgotten once answered (reply), not before
     plain = conversation.Conversation(loaded(tokenizer, None), "plain", 8, 0.0)
     plain.turns = list(turns)
     assert tokenizer.decode(plain.prompt_ids("bye")) == "bye"  # alone, as written
 
 
-def test_a_prompt_without_room_for_an_answer_is_one_sentence(tokenizer):
+def test_a_prompt_without_room_for_an_answer_is_one_sentence_and_keeps_the_conversation(tokenizer):
     talk = conversation.Conversation(loaded(tokenizer, 4), "chat", 8, 0.0)
     with pytest.raises(UserError, match="the model takes at most 4"):
         talk.reply("the quick brown fox jumps over the lazy dog", io.StringIO())
+    earlier = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    talk = conversation.Conversation(loaded(tokenizer, 40), "chat", 8, 0.0)
+    talk.turns = list(earlier)
+    with pytest.raises(UserError, match="the model takes at most 40"):  # the message alone is too long
+        talk.reply("the quick brown fox jumps over the lazy dog " * 4, io.StringIO())
+    assert talk.turns == earlier  # a refused message forgets nothing (it erased every earlier turn)
+
+
+def test_an_empty_message_is_one_sentence_where_the_tokenizer_adds_no_bos(tokenizer, monkeypatch):
+    talk = conversation.Conversation(loaded(tokenizer, None), "plain", 8, 0.0)
+    monkeypatch.setattr(conversation.data, "encode_prompt", lambda tok, text: [])  # a Qwen-like tokenizer, ""
+    with pytest.raises(UserError, match="the message is empty"):
+        talk.reply("", io.StringIO())
 
 
 class FakeTalk:

@@ -36,3 +36,14 @@ def test_an_answer_that_differs_only_in_case_is_no_match_and_surrounding_space_i
     recased = {answer.swapcase(), answer.upper(), answer.lower(), answer.capitalize()} - {answer}
     assert recased  # the fixture chose an answer with a cased letter
     assert {reference: rate(reference) for reference in recased} == {reference: 0.0 for reference in recased}
+
+
+def test_an_empty_prompt_is_answered_empty_beside_the_others_and_not_generated(answered):
+    """A prompt field "" with a tokenizer that adds no bos (Qwen's) leaves no token to continue from:
+    generation raised on it (a batch of width 0, or an empty row beside others); its answer is empty
+    and every other prompt in its batch is answered as alone."""
+    model, tokenizer, ids, answer = answered
+    answers = inference.greedy_answers(model, tokenizer, CPU, [[], ids, []], NEW_TOKENS, batch_size=2)
+    assert answers[0] == answers[2] == "" and answers[1].strip() == answer
+    assert inference.greedy_answers(model, tokenizer, CPU, [[]], NEW_TOKENS) == [""]
+    assert scoring.exact_match(model, tokenizer, CPU, [([], "4"), (ids, answer)], max_new_tokens=NEW_TOKENS) == 0.5
