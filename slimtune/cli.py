@@ -335,7 +335,8 @@ def _export(args: argparse.Namespace) -> None:
     if args.merge:
         merged = export.merge_run(args.run_dir, args.out)
         step = f"step {merged.step}" if merged.step is not None else "the result"
-        print(f"merged model ({step}, adapter from {merged.source}) written to {merged.folder}")
+        dtype = str(merged.dtype).removeprefix("torch.")
+        print(f"merged model ({step}, adapter from {merged.source}) written to {merged.folder} in {dtype}, as the base")
     if args.gguf:
         written, trained = export.write_gguf(args.run_dir, args.gguf, args.gguf_type, progress=sys.stderr.isatty())
         step = f"step {trained.step}" if trained.step is not None else "the result"

@@ -94,6 +94,7 @@ class Merged:
     folder: Path  # the merged HF model folder
     step: int | None  # the training step its adapter holds (None: a run folder from before steps were recorded)
     source: Path  # where the adapter came from: the result (adapter/) or a newer checkpoint
+    dtype: torch.dtype  # its weights' dtype: the base's
 
 
 def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
@@ -101,7 +102,7 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     newest is the result (adapter/) unless a checkpoint holds a later step (a run stopped or killed
     after it resumed) or adapter/ is gone: then the checkpoint's adapter weights are merged, and the
     return says so. Where it writes is checked before anything loads (check_out)."""
-    from slimtune.model.stack import load_tokenizer
+    from slimtune.model.stack import load_tokenizer, stored_float_dtype
 
     run_dir, cfg = Path(run_dir), run_config(run_dir)
     if cfg.get("method") == "full":
@@ -110,8 +111,12 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     out = Path(out) if out is not None else run_dir / "merged"
     check_out(run_dir, cfg, out, setting)
     model, step, source = _merged(run_dir, cfg)
-    tokenizer = with_trained_template(load_tokenizer(base_model(run_dir, cfg)), run_dir, cfg)
-    return Merged(save_model(model, tokenizer, out, kind="merged"), step, source)
+    base = base_model(run_dir, cfg)
+    # Merged in float32, written in the base's dtype (a bf16 base's merged folder is its size, not twice it),
+    # as PEFT's merge_and_unload leaves a model loaded in that dtype.
+    dtype = stored_float_dtype(base)
+    tokenizer = with_trained_template(load_tokenizer(base), run_dir, cfg)
+    return Merged(save_model(model.to(dtype), tokenizer, out, kind="merged"), step, source, dtype)
 
 
 def run_config(run_dir: Path) -> dict:

@@ -230,6 +230,26 @@ def _index_shards(folder: Path) -> list[str]:
     return shards
 
 
+def stored_float_dtype(folder: str | Path) -> torch.dtype:
+    """The dtype a model folder's floating-point weights are stored in (the most numbers in one, from
+    the safetensors headers: no tensor data is read); float32 where it holds none."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    counts: dict[torch.dtype, int] = {}
+    for name in weight_files(folder, read_config(folder)):
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                if dtype is not None:
+                    counts[dtype] = counts.get(dtype, 0) + math.prod(piece.get_shape())
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
 def read_headers(folder: Path, files: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every weight's shape and file, from the safetensors headers alone (no tensor data is read);
     safe_open also checks that the header's offsets cover the file exactly, so a truncated file fails."""

@@ -288,6 +288,32 @@ def test_export_finds_a_relative_base_from_another_folder_and_carries_the_traine
     assert field is not None and bytes(field.parts[field.data[0]]).decode() == trained
 
 
+def test_a_merged_export_is_written_in_the_base_models_dtype(runs, tmp_path, capsys):
+    """A bf16 base's merged folder is bf16 (it was written in float32, twice the base's size): the adapter
+    merged in float32 onto the base's weights, then rounded once, as PEFT's merge on a bf16 model leaves it."""
+    from safetensors.torch import load_file
+
+    from slimtune.model.stack import stored_float_dtype
+
+    root, lora_run, _ = runs
+    base16 = root / "base16"
+    if not base16.exists():
+        load_model(BASE, torch.bfloat16, CPU).save_pretrained(str(base16))
+        load_tokenizer(BASE).save_pretrained(str(base16))
+    copy = relocated_copy(root, lora_run, "lora-bf16", model="base16")
+    assert cli.main(["export", str(copy), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    assert "in bfloat16, as the base" in capsys.readouterr().out
+    assert stored_float_dtype(tmp_path / "merged") == torch.bfloat16
+    expected = load_model(base16, torch.float32, CPU)
+    lora.load_peft_adapter(expected, lora_run / "adapter")
+    lora.merge(expected)
+    written = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    compared = [name for name in expected.state_dict() if name in written]  # (a tied head is written once)
+    assert len(compared) >= len(written) - 1 and len(compared) > 10
+    for name in compared:
+        assert torch.equal(written[name], expected.state_dict()[name].to(torch.bfloat16)), name
+
+
 def test_a_run_trained_with_an_inline_chat_template_longer_than_a_file_name_chats(runs, capsys):
     """data.chat_template may be the template's text: looked up as a path it is too long for a file name
     (OSError: File name too long), which chat and eval raised as a traceback."""
