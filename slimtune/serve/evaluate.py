@@ -79,7 +79,7 @@ def data_config(source: inference.Source, path: str, fmt: str | None, overrides:
 def prepare(cfg: DataConfig, tokenizer, batch_size: int, shown: progress.Mode = "none") -> EvalData:
     """The batches the loss is over and the cases answered: the same records, read once (a Hub dataset
     that cannot be reached is read by a process of its own: once, and said once)."""
-    records = data.read_records(data.Where(cfg.path, cfg.subset, cfg.split))
+    records = data.read_records(data.Where(cfg.path, cfg.subset, cfg.split, path_setting="--data"))
     splits = data.load_splits(cfg, tokenizer, seed=0, shown=shown, records=records)
     examples = splits.train  # eval_fraction 0: every record
     batches = data.eval_batches(examples, batch_size, cfg.max_length, cfg.packing, tokenizer.pad_token_id)

@@ -394,6 +394,8 @@ def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp
     (["eval", "{lora}", "data.eval_split=test", "--data", "{tmp}/fields.jsonl"],
      "'data.eval_split=test': eval scores all of --data, held out nothing; name the file with --data, and a split"),
     (["eval", "{lora}", "data.eval_fraction=0.5", "--data", "{tmp}/fields.jsonl"], "'data.eval_fraction=0.5': eval"),
+    (["eval", "{lora}", "data.split=test", "--data", "{tmp}/fields.jsonl"],
+     "data.split names a split or subset of a Hub dataset or a dataset folder, but --data '"),
     (["export", "{tmp}/notarun", "--merge"], "notarun/config.yaml is not a slimtune run's config (it names no `model`)"),
     (["export", "{tmp}/badyaml", "--gguf", "{tmp}/x.gguf"], "badyaml/config.yaml is not readable YAML"),
 ])
