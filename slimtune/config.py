@@ -378,8 +378,14 @@ def _read_yaml(path: Path, sources: Sources) -> dict:
     if not path.is_file():
         raise UserError(local_paths.missing("config file", path))
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         raw = yaml.safe_load(text)
+    except UnicodeDecodeError as err:
+        line = err.object[:err.start].count(b"\n") + 1
+        raise UserError(f"{path} line {line}: not UTF-8 text (byte 0x{err.object[err.start]:02x}); save it as"
+                        " UTF-8.") from None
+    except OSError as err:
+        raise UserError(f"config file '{path}' cannot be read ({err.strerror or err}).") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -406,8 +412,10 @@ def _apply_override(raw: dict, item: str, sources: Sources) -> None:
         value = text
     node = raw
     parts = key.split(".")
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
+        if depth == 0 and part == "data" and isinstance(child, str):  # the shorthand `data: FILE` (_coerce)
+            child = node[part] = {"path": child}
         if not isinstance(child, dict):
             raise UserError(f"override '{item}': '{part}' is not a section.")
         node = child

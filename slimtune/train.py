@@ -312,14 +312,14 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
             for step in range(start + 1, run.cfg.train.steps + 1):
                 _train_step(run, step, drawn, log, bar, skips)
                 interrupts.check()  # a Ctrl-C that a finalizer swallowed during the step stops the run here
-        except distributed.PeerFailed as err:
-            log.close(failed=True)
-            raise distributed.PeerFailed(f"{err} {_last_checkpoint_sentence(run)}") from None
-        except KeyboardInterrupt as err:
-            log.close(failed=True)
-            raise interrupts.Interrupted(_last_checkpoint_sentence(run), interrupts.signum_of(err)) from None
-        except BaseException:
+        except BaseException as err:
             log.close(failed=True)  # the W&B and MLflow runs are marked failed
+            if folder is not None:  # stopped before its first checkpoint: nothing to continue, so a retry may
+                folder.withdraw()  # change any setting (its metrics stay until then)
+            if isinstance(err, distributed.PeerFailed):
+                raise distributed.PeerFailed(f"{err} {_last_checkpoint_sentence(run)}") from None
+            if isinstance(err, KeyboardInterrupt):
+                raise interrupts.Interrupted(_last_checkpoint_sentence(run), interrupts.signum_of(err)) from None
             raise
         finally:
             bar.close()
@@ -472,13 +472,14 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
     record = {**_record(step, result, time.perf_counter() - tick), "skipped_updates": skips.total}
     if dist.active:
         record["allreduce_bytes"] = dist.take_reduced_bytes()  # this rank's payload, the step's own sums
-    if _due(step, t.eval_every, t.steps):
+    evaluated = _due(step, t.eval_every, t.steps)
+    if evaluated:
         try:
             with _named_while_running(bar, f"evaluating after step {step}"):
                 record.update(evaluate(run, run.eval_batches))
         except torch.OutOfMemoryError:
             raise UserError(out_of_memory_advice(run, step, "evaluating after")) from None
-    if _due(step, t.log_every, t.steps) or not result.applied:
+    if _due(step, t.log_every, t.steps) or evaluated or not result.applied:  # an evaluation is always logged
         log.log(record)
     if not result.applied:
         _refuse_nonfinite(run, step, result, skips)

@@ -25,7 +25,8 @@ def resolve_template(tokenizer: Any, template: str | None) -> str:
     if template:
         if os.path.isfile(template):
             return Path(template).read_text(encoding="utf-8")
-        if template.endswith((".jinja", ".j2")):
+        if template.endswith((".jinja", ".j2")) or not any(mark in template for mark in ("{{", "{%", "{#")):
+            # No Jinja in it: not a template's text (it would render every conversation the same) but a file's name.
             raise UserError(f"data.chat_template file '{template}' does not exist.")
         return template
     own = tokenizer.chat_template

@@ -232,7 +232,11 @@ def _read_json(p: Path, label: str) -> tuple[list[Any], Callable[[int], str]]:
     if p.suffix.lower() == ".json" and text.lstrip().startswith("["):
         rows, lines = _scan_json_array(text, label)
     else:
-        rows, lines = _scan_json_lines(text, label)
+        try:
+            rows, lines = _scan_json_lines(text, label)
+        except UserError:
+            _refuse_one_object(text, label)
+            raise
     with contextlib.suppress(UserError):  # datasets refuses some valid JSON; our parse is the same data
         loaded = _load_file("json", p, f"data file '{label}'") if rows else []
         rows = loaded if len(loaded) == len(rows) else rows
@@ -265,6 +269,20 @@ def _scan_json_array(text: str, label: str) -> tuple[list[Any], list[int]]:
     return rows, lines
 
 
+def _refuse_one_object(text: str, label: str) -> None:
+    """A file that is one JSON object over several lines (`{"data": [...]}`, pretty-printed) is valid JSON but
+    no records: said so, naming where its records may be, rather than "not valid JSON" at its first line."""
+    try:
+        whole = json.loads(text)
+    except ValueError:
+        return
+    if isinstance(whole, dict):
+        lists = [str(k) for k, v in whole.items() if isinstance(v, list)]
+        inside = f"; its records may be the list under {', '.join(repr(k) for k in lists)}" if lists else ""
+        raise UserError(f"{label} holds one JSON object, not records: give a list of records (.json) or one record"
+                        f" a line (.jsonl){inside}.")
+
+
 def _csv_lines(p: Path) -> list[int]:
     """The line each CSV record starts on (header = line 1); quoted fields may span lines."""
     with open(p, newline="", encoding="utf-8", errors="replace") as f:
@@ -272,7 +290,7 @@ def _csv_lines(p: Path) -> list[int]:
         next(reader, None)
         starts, previous = [], reader.line_num
         for row in reader:
-            if row:  # pandas skips blank lines, so the records do too
+            if row and (len(row) > 1 or row[0].strip()):  # pandas skips blank lines (or white space alone)
                 starts.append(previous + 1)
             previous = reader.line_num
     return starts

@@ -162,10 +162,11 @@ class RunFolder:
         return changed
 
     def withdraw(self) -> None:
-        """Forget a run that ends before its first checkpoint without having trained (a tracker could
-        not start): without run.json the folder holds no run, so a retry may change any setting. A
-        run with checkpoints stays recorded."""
-        if self.record is not None and not checkpoint.list_checkpoints(self.root / "checkpoints"):
+        """Forget a run that ends before its first checkpoint (a tracker could not start, a step failed,
+        a stop): without run.json the folder holds no run, so a retry may change any setting. A run with
+        checkpoints, or with a result, stays recorded."""
+        if self.record is not None and not self.record.get("result") and \
+                not checkpoint.list_checkpoints(self.root / "checkpoints"):
             (self.root / RECORD).unlink(missing_ok=True)
             self.record = None
 

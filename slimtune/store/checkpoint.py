@@ -289,8 +289,14 @@ def list_checkpoints(folder: Path) -> list[Path]:
     """Complete checkpoints, oldest first (temporary folders of a killed save are ignored)."""
     if not folder.is_dir():
         return []
-    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(TMP_SUFFIX)]
+    found = [p for p in folder.iterdir() if p.is_dir() and _is_checkpoint_name(p.name)]
     return sorted(found, key=step_of)
+
+
+def _is_checkpoint_name(name: str) -> bool:
+    """step-<digits> alone: a killed save's temporary folder, or a user's copy (step-00000004.bak,
+    "step-00000004 copy"), is not one of the run's checkpoints."""
+    return name.startswith(PREFIX) and name[len(PREFIX):].isascii() and name[len(PREFIX):].isdigit()
 
 
 def step_of(folder: Path) -> int:

@@ -339,3 +339,22 @@ def test_kills_and_interrupts_at_random_moments_keep_resume_bit_exact(here):
     subprocess.run([sys.executable, "-m", "slimtune.cli", *args], cwd=here, check=True, capture_output=True)
     assert [r["loss"] for r in records(here / "out")] == [r["loss"] for r in records(here / "straight")]
     assert not list((here / "out" / "activations").glob("blocks-*"))  # nothing a kill left behind
+
+
+def test_a_run_stopped_before_its_first_checkpoint_may_be_retried_with_other_settings(here, capsys):
+    """Its stop says no checkpoint was written yet: there is nothing to continue, so a retry with another
+    method trains (it was refused as "a run this one cannot continue"). A run with a checkpoint stays held."""
+    code = run("method=full", "train.lr=1e30", "train.max_grad_norm=0", "train.save_every=0", "output_dir=stopped")
+    refused(capsys, code, "no checkpoint was written yet")
+    assert not (here / "stopped" / "run.json").exists()
+    assert run("train.steps=2", "output_dir=stopped") == 0
+    assert run("train.steps=3", "method=full", "output_dir=stopped") == 2  # now it holds checkpoints
+    assert "holds a run this one cannot continue: method was 'lora', now 'full'" in capsys.readouterr().err
+
+
+def test_an_evaluation_is_logged_on_a_step_that_is_not_a_logging_step(here):
+    """train.eval_every=2, train.log_every=3: the evaluations at steps 2 and 4 reached no log (only the
+    last step's did), though they ran."""
+    assert run("train.steps=5", "train.eval_every=2", "train.log_every=3", "train.save_every=0", "output_dir=evals") == 0
+    found = [json.loads(line) for line in (here / "evals" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "eval_loss" in r) for r in found] == [(2, True), (3, False), (4, True), (5, True)]

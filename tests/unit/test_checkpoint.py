@@ -100,3 +100,13 @@ def test_a_run_saved_on_more_cards_resumes_on_fewer(monkeypatch):
              "cuda_own": torch.tensor([5], dtype=torch.uint8)}
     checkpoint.set_process_rng_state(state)
     assert restored == [(0, 0), (5, 0)]
+
+
+def test_a_copy_of_a_checkpoint_beside_the_others_is_not_one_of_them(tmp_path):
+    """step-00000004.bak or "step-00000004 copy" (a user's backup) beside the checkpoints: every resume ended in
+    a ValueError reading its step from the name."""
+    root = tmp_path / "checkpoints"
+    for name in ("step-00000002", "step-00000004", "step-00000004.bak", "step-00000004 copy", "step-00000006.tmp",
+                 "step-", "step-١٢"):  # (Arabic-Indic digits: str.isdigit, not ASCII)
+        (root / name).mkdir(parents=True)
+    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step-00000002", "step-00000004"]

@@ -337,3 +337,18 @@ def test_precision_auto_is_bf16_on_a_card_with_bf16_of_its_own(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n or including_emulation)
         assert assembly.resolve_precision("auto", cuda) == expected
     assert assembly.resolve_precision("fp32", cuda) == "fp32"
+
+
+def test_a_config_file_that_is_not_utf8_is_one_sentence_naming_its_line(tmp_path):
+    path = tmp_path / "latin.yaml"
+    path.write_bytes(b"model: m\n# r\xe9glages\ndata: {path: t.jsonl}\noutput_dir: out\n")
+    with pytest.raises(UserError) as caught:
+        settings.load(path)
+    assert str(caught.value) == f"{path} line 2: not UTF-8 text (byte 0xe9); save it as UTF-8."
+
+
+def test_the_data_file_shorthand_takes_data_overrides(tmp_path):
+    """`data: train.jsonl` (the shorthand for data.path) with data.max_length=32 on the command line: refused
+    as "'data' is not a section" before."""
+    cfg = settings.load(write(tmp_path, "model: m\ndata: train.jsonl\noutput_dir: out\n"), ["data.max_length=32"])
+    assert cfg.data.path == "train.jsonl" and cfg.data.max_length == 32

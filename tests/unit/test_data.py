@@ -557,3 +557,25 @@ def test_missing_path_unknown_extension_and_empty_data(tmp_path, tokenizer):
         with pytest.raises(UserError) as err:
             load_splits(cfg(train, eval_path=str(tmp_path / name)), tokenizer, 0)
         assert str(err.value).startswith(f"data.eval_path '{tmp_path / name}' {said}")
+
+
+def test_a_chat_template_with_no_jinja_is_a_missing_file_not_a_template(tmp_path, tokenizer):
+    """data.chat_template=templates/chat.tmpl (no such file): without {{ }}, {% %} or {# #} it is a file's name,
+    not a template (as text it rendered every conversation to itself, and the run said every record empty)."""
+    msg = _error(tmp_path, tokenizer, "c.jsonl", _jsonl(CHAT), format="chat", chat_template="templates/chat.tmpl")
+    assert msg == "data.chat_template file 'templates/chat.tmpl' does not exist."
+
+
+def test_a_white_space_line_in_a_csv_does_not_shift_the_lines_named(tmp_path, tokenizer):
+    ok = json.dumps(CHAT[1]["messages"]).replace('"', '""')
+    bad = json.dumps([{"role": "user", "content": "no answer"}]).replace('"', '""')
+    msg = _error(tmp_path, tokenizer, "ws.csv", f'messages\n"{ok}"\n   \n"{ok}"\n"{bad}"\n', format="chat")
+    assert msg.startswith(f"{tmp_path / 'ws.csv'} line 5: ")  # pandas skips the line of spaces (line 3); the count did not
+
+
+def test_one_pretty_printed_json_object_is_said_to_be_no_records_not_invalid_json(tmp_path, tokenizer):
+    text = json.dumps({"data": PR, "version": 1}, indent=2)
+    msg = _error(tmp_path, tokenizer, "obj.json", text)
+    assert msg == (f"{tmp_path / 'obj.json'} holds one JSON object, not records: give a list of records (.json) or one record a line"
+                   " (.jsonl); its records may be the list under 'data'.")
+    assert "line 2: not valid JSON" in _error(tmp_path, tokenizer, "bad.json", '{"prompt": "a", "response": "b"}\n{"p\n')

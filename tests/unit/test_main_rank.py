@@ -42,7 +42,8 @@ def test_another_machines_first_process_writes_no_checkpoint_and_no_result(tmp_p
     assert (saved / "meta.json").is_file()
     model = model_of(layers=1, dtype=torch.float32)
     for dist, out in ((second, tmp_path / "second"), (main, tmp_path / "main")):
-        run = SimpleNamespace(dist=dist, cfg=SimpleNamespace(method="full"), stack=Stack(model), tokenizer=tokenizer,
+        cfg = SimpleNamespace(method="full", data=SimpleNamespace(format="text", chat_template=None))
+        run = SimpleNamespace(dist=dist, cfg=cfg, stack=Stack(model), tokenizer=tokenizer,
                               engine=SimpleNamespace(trainable_state=dict))
         export.save_result(run, out)
     assert not (tmp_path / "second").exists()
