@@ -184,7 +184,7 @@ class TrainConfig:
     schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "Learning-rate decay after warmup.")
     warmup_steps: int = setting(0, "Linear warmup steps from 0 to lr.")
     seed: int = setting(0, "Seed for initialisation, data order and dropout.")
-    log_every: int = setting(1, "Write metrics every N steps.")
+    log_every: int = setting(1, "Write metrics every N steps (and at each evaluation).")
     eval_every: int = setting(0, "Evaluate every N steps (0: only at the end).")
     eval_batches: int = setting(0, "Evaluation batches per evaluation (0: the whole eval split).")
     save_every: int = setting(0, "Checkpoint every N steps (0: only at the end).")
