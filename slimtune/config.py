@@ -420,7 +420,7 @@ def _apply_override(raw: dict, item: str, sources: Sources) -> None:
             raise UserError(f"override '{item}': '{part}' is not a section.")
         node = child
     node[parts[-1]] = value
-    sources.give(key, COMMAND_LINE)
+    sources.give(key, COMMAND_LINE, text)
 
 
 def _inside(key: str, known: Mapping[str, tuple]) -> list[str]:
@@ -485,6 +485,8 @@ def _coerce(hint: Any, value: Any, key: str, sources: Sources) -> Any:
             raise UserError(f"{key} must be a list, got {value!r}.")
         (item,) = typing.get_args(hint)
         return [_coerce(item, v, f"{key}[{i}]", sources) for i, v in enumerate(value)]
+    if hint is str and isinstance(value, (int, float)) and key in sources.texts:
+        value = sources.texts[key]  # a text setting as written: output_dir=0755 (YAML reads 493), a name "2024"
     return _coerce_scalar(hint, value, key)
 
 

@@ -21,10 +21,14 @@ class Sources:
     def __init__(self, default: str):
         self.default = default
         self.places: dict[str, str] = {}
+        self.texts: dict[str, str] = {}  # a scalar's text as written (a text setting YAML read as a number: 0755)
 
-    def give(self, key: str, place: str) -> None:
+    def give(self, key: str, place: str, text: str | None = None) -> None:
         self.places = {k: v for k, v in self.places.items() if k != key and not k.startswith(key + ".")}
+        self.texts = {k: v for k, v in self.texts.items() if k != key and not k.startswith(key + ".")}
         self.places[key] = place
+        if text is not None:
+            self.texts[key] = text
 
     def note_lines(self, node: yaml.Node, prefix: str, path: Path) -> None:
         """Each key's line in a composed YAML document, nested sections' keys dotted. A key given twice
@@ -37,7 +41,8 @@ class Sources:
             if key in seen:
                 raise UserError(f"{path} line {line}: '{key}' is given twice (first on line {seen[key]}); keep one.")
             seen[key] = line
-            self.give(key, f"in {path} line {line}")
+            text = value_node.value if isinstance(value_node, yaml.ScalarNode) else None
+            self.give(key, f"in {path} line {line}", text)
             self.note_lines(value_node, key + ".", path)
 
     def of(self, key: str) -> str:

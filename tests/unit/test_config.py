@@ -352,3 +352,14 @@ def test_the_data_file_shorthand_takes_data_overrides(tmp_path):
     as "'data' is not a section" before."""
     cfg = settings.load(write(tmp_path, "model: m\ndata: train.jsonl\noutput_dir: out\n"), ["data.max_length=32"])
     assert cfg.data.path == "train.jsonl" and cfg.data.max_length == 32
+
+
+def test_a_text_setting_that_yaml_reads_as_a_number_keeps_its_text(tmp_path):
+    """output_dir=0755 (YAML 1.1 reads octal 493) or `output_dir: 2024` in the file: refused as "must be a
+    string, got 493" before; a text setting takes the value as written."""
+    cfg = settings.load(write(tmp_path, "model: m\ndata: {path: t.jsonl}\noutput_dir: 2024\n"))
+    assert cfg.output_dir == "2024"
+    cfg = settings.load(write(tmp_path, "model: m\ndata: {path: t.jsonl}\noutput_dir: out\n"), ["output_dir=0755"])
+    assert cfg.output_dir == "0755"
+    with pytest.raises(UserError, match="train.steps must be an integer"):  # a number setting is still checked
+        settings.load(write(tmp_path, "model: m\ndata: {path: t.jsonl}\n"), ["train.steps=0755x"])
