@@ -71,7 +71,7 @@ class DataConfig:
         positive("data.max_length", self.max_length)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise UserError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}.")
-        for name in ("subset", "split", "eval_split"):
+        for name in ("subset", "split", "eval_split", "eval_path"):  # (an empty eval_path fell back to eval_fraction)
             if getattr(self, name) is not None and not getattr(self, name).strip():
                 raise UserError(f"data.{name} is empty; name one, or leave it out.")
         if self.eval_split is not None and self.eval_path is None and self.eval_split == (self.split or "train"):

@@ -363,3 +363,9 @@ def test_a_text_setting_that_yaml_reads_as_a_number_keeps_its_text(tmp_path):
     assert cfg.output_dir == "0755"
     with pytest.raises(UserError, match="train.steps must be an integer"):  # a number setting is still checked
         settings.load(write(tmp_path, "model: m\ndata: {path: t.jsonl}\n"), ["train.steps=0755x"])
+
+
+def test_an_empty_eval_path_is_refused_not_taken_for_none(tmp_path):
+    with pytest.raises(UserError) as err:
+        settings.load(write(tmp_path, CONTRACT), ["data.eval_path="])
+    assert str(err.value) == "data.eval_path is empty; name one, or leave it out."
