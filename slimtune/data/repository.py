@@ -95,6 +95,7 @@ def load(where: Where) -> list[Any]:
                 return _load_by_name(datasets, where.path, where.subset, split)
             except Exception as err:  # noqa: BLE001 - every reader failure is said as one sentence
                 raise _error(err, where, split) from None
+    refuse_mixed_formats(where)
     with quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="slimtune-data-") as cache:
         try:
             ds = datasets.load_dataset(where.path, where.subset, split=split, cache_dir=cache, keep_in_memory=True)
@@ -162,6 +163,29 @@ def _answer_from_cache(asked: Path, answer: Path) -> None:
     with partial.open("wb") as handle:
         pickle.dump(found, handle, protocol=pickle.HIGHEST_PROTOCOL)
     os.replace(partial, answer)
+
+
+# A data file's format by its extension, as datasets infers a folder's builder.
+_FORMATS = {".jsonl": "JSON", ".json": "JSON", ".csv": "CSV", ".tsv": "CSV", ".parquet": "Parquet", ".txt": "text",
+            ".arrow": "Arrow"}
+
+
+def refuse_mixed_formats(where: Where) -> None:
+    """A folder of data files in several formats, without a README.md naming which files are which: datasets
+    reads the most common format alone and drops the others' records without a word, so it is said."""
+    folder = Path(where.path)
+    if (folder / "README.md").is_file():
+        return
+    kinds: dict[str, str] = {}
+    for file in sorted(folder.rglob("*")):
+        kind = _FORMATS.get(file.suffix.lower())
+        hidden = any(part.startswith((".", "_")) for part in file.relative_to(folder).parts)  # as datasets skips them
+        if kind is not None and file.is_file() and not hidden:
+            kinds.setdefault(kind, file.relative_to(folder).as_posix())
+    if len(kinds) > 1:
+        found = ", ".join(f"{name} ({kind})" for kind, name in kinds.items())
+        raise UserError(f"{where.path_setting} '{where.path}' holds data files in several formats ({found}); datasets"
+                        " would read one format and drop the others: keep one format in the folder, or name a file.")
 
 
 def refuse_splits_of_a_file(where: Where) -> None:

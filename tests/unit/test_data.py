@@ -579,3 +579,18 @@ def test_one_pretty_printed_json_object_is_said_to_be_no_records_not_invalid_jso
     assert msg == (f"{tmp_path / 'obj.json'} holds one JSON object, not records: give a list of records (.json) or one record a line"
                    " (.jsonl); its records may be the list under 'data'.")
     assert "line 2: not valid JSON" in _error(tmp_path, tokenizer, "bad.json", '{"prompt": "a", "response": "b"}\n{"p\n')
+
+
+def test_a_folder_of_data_files_in_several_formats_is_one_sentence(tmp_path, tokenizer):
+    """datasets reads a folder's most common format alone: a.jsonl's records were read and b.csv's dropped
+    without a word."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(_jsonl(PR))
+    _write_csv(folder / "b.csv", PR[:1])
+    (folder / ".hidden.csv").write_text("prompt,response\nx,y\n")  # hidden files are not read: not counted
+    msg = _error(tmp_path, tokenizer, "mixed")
+    assert msg == (f"data.path '{folder}' holds data files in several formats (a.jsonl (JSON), b.csv (CSV)); datasets"
+                   " would read one format and drop the others: keep one format in the folder, or name a file.")
+    (folder / "b.csv").unlink()
+    assert len(load_splits(cfg(folder), tokenizer, 0).train) == len(PR)
