@@ -110,8 +110,8 @@ def merge_run(run_dir: Path, out: Path | None = None) -> Merged:
     setting = "--out" if out is not None else "the export folder"
     out = Path(out) if out is not None else run_dir / "merged"
     check_out(run_dir, cfg, out, setting)
-    model, step, source = _merged(run_dir, cfg)
     base = base_model(run_dir, cfg)
+    model, step, source = _merged(run_dir, cfg, base)
     # Merged in float32, written in the base's dtype (a bf16 base's merged folder is its size, not twice it),
     # as PEFT's merge_and_unload leaves a model loaded in that dtype.
     dtype = stored_float_dtype(base)
@@ -181,9 +181,9 @@ def trained_model(run_dir: Path) -> Trained:
 
     run_dir, cfg = Path(run_dir), run_config(run_dir)
     if cfg.get("method") != "full":
-        model, step, source = _merged(run_dir, cfg)
-        return Trained(model, with_trained_template(load_tokenizer(base_model(run_dir, cfg)), run_dir, cfg), step,
-                       source)
+        base = base_model(run_dir, cfg)
+        model, step, source = _merged(run_dir, cfg, base)
+        return Trained(model, with_trained_template(load_tokenizer(base), run_dir, cfg), step, source)
     folder = run_dir / "model"
     if not folder.is_dir():
         raise UserError(f"full fine-tuning run '{run_dir}' has no model/ yet: it has not finished a result.")
@@ -194,14 +194,14 @@ def trained_model(run_dir: Path) -> Trained:
     return Trained(model, tokenizer, result.get("step") if result else None, folder)
 
 
-def _merged(run_dir: Path, cfg: dict) -> tuple[torch.nn.Module, int | None, Path]:
-    """(base model with the newest adapter merged in, its step, where the adapter came from)."""
+def _merged(run_dir: Path, cfg: dict, base: str) -> tuple[torch.nn.Module, int | None, Path]:
+    """(the `base` model folder with the newest adapter merged in, its step, where the adapter came from)."""
     from slimtune.model.stack import load_model
 
     step, source = newest_adapter(run_dir)
     if source.name == "adapter":
         results.verify(source, "adapter folder")  # said before the base model loads
-    model = load_model(base_model(run_dir, cfg), torch.float32, torch.device("cpu"))
+    model = load_model(base, torch.float32, torch.device("cpu"))
     if source.name == "adapter":
         lora.load_peft_adapter(model, source)
     else:  # a checkpoint: its trained tensors are the adapter's, by parameter name
