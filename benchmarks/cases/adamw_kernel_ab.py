@@ -123,15 +123,7 @@ def _layout(n: int, layout: str) -> tuple:
     adam = bandwidth.host_adam(layout, n, None)
     tensors = bandwidth.native_tensors(adam)
     tensors["grad"].copy_(torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3)
-    return adam, tensors
-
-
-def _run_for(lib: ctypes.CDLL, n: int, tensors: dict):
-    """The Run a build reads: 8-bit moments on its fast path (VBMI or AVX2) only where it has one, so
-    that a revision from before the AVX2 path is handed the portable loops' Run."""
-    from slimtune.optim.native import adamw
-
-    return adamw.run_of(n, tensors, 1, False, fast=bool(lib.slimtune_fast_8bit()) and adamw.fast_path())
+    return adam, tensors, adamw.run_of(n, tensors, 1, False)
 
 
 def _constants():
@@ -148,11 +140,11 @@ def _check_exact(rev: str, lib: ctypes.CDLL, reference: ctypes.CDLL, layout: str
     from slimtune.optim.native import adamw
 
     n = 1 << 14
-    _, tensors = _layout(n, layout)
+    _, tensors, _ = _layout(n, layout)
     outputs = []
     for kernel in (lib, reference):
         mine = {role: t.clone() for role, t in tensors.items()}
-        run = _run_for(kernel, n, mine)
+        run = adamw.run_of(n, mine, 1, False)
         for _ in range(2):
             kernel.slimtune_adamw(ctypes.byref(run), ctypes.byref(_constants()))
         outputs.append(mine)
@@ -172,9 +164,8 @@ def _time(libraries: list, n: int, rounds: int, calls: int, layout: str) -> list
     constants = _constants()
     best = [[float("inf")] * ALLOCATIONS for _ in libraries]
     for _ in range(rounds):
-        for a, (_, tensors) in enumerate(layouts):
+        for a, (_, _, run) in enumerate(layouts):
             for b, lib in enumerate(libraries):
-                run = _run_for(lib, n, tensors)
                 call, args = lib.slimtune_adamw, (ctypes.byref(run), ctypes.byref(constants))
                 for _ in range(calls):
                     began = time.perf_counter()

@@ -74,27 +74,6 @@ typedef struct {
     int32_t top[32];         /* by binade: its first segment's last code, 65536 x (it + 1) - 1 */
     int32_t count;           /* midpoints on the positive side: 128 (signed map), 255 (unsigned) */
     int32_t zero;            /* the code of 0.0: 127 (signed), 0 (unsigned) */
-    /* The AVX2 path's tables, 8 entries each (one vpermps). Decoding rebuilds map[c] as moments8 builds
-       it: a = |c - offset| numbers one side's values outward from 0.0, and a's exponent e as a float
-       names the decade (entry (127 + e) mod 8) and its fraction k / 2^e the place in it; the value is
-       the mean of linspace edges k and k + 1, each fma(step, j, 0.1) below the decade's middle and
-       fma(-step, n - 1 - j, 1) from it, times the decade's scale (with j / 2^e for j, and the step times
-       2^e: the same products). */
-    int32_t offset;          /* 127 (signed), -1 (unsigned) */
-    int32_t special;         /* the a whose value is special_value: 0 (signed: 0.0), 256 (unsigned: 1.0) */
-    float special_value;
-    float step[8];           /* by entry: the decade's linspace step times 2^e */
-    float inc[8];            /* 2^-e: edge k + 1's fraction from edge k's */
-    float scale[8];          /* 10^(d - 6) as fp32 (or what makes the entry's value: 1.0, 0.0) */
-    /* Coding: the segment of a (Fast's comment above) is guess + (a > bound[guess]), where guess =
-       floor(float(bits of a) * guess_slope + guess_intercept) is the segment or the one before (checked
-       when building); the segment's line by segment mod 8 (segment 0, below every midpoint, counts 0). */
-    uint32_t bound[8];       /* bits of the first midpoint of each decade: segment s + 1 begins above bound[s] */
-    float line_slope[8];
-    float line_intercept[8];
-    int32_t line_top[8];
-    float guess_slope;
-    float guess_intercept;
 } Fast;
 
 /* An 8-bit moment (moments8.Moment8) and its lookup tables (moments8's, by signedness). */
@@ -368,13 +347,13 @@ static void encode(const Coded *c, int64_t begin, int64_t count, const float *x)
 
 /* ---------------------------------------------------------------- 8-bit moments on AVX-512 VBMI */
 
-#define FIXED 16             /* counts are found in 1/65536ths */
-#define UNSURE 8             /* within 8/65536 of a step, the midpoints decide */
-#define FLOOR_BITS 0x33800000 /* 2^-24 (binade 103): below either map's smallest midpoint */
-
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_FAST 1
+
+#define FIXED 16             /* counts are found in 1/65536ths */
+#define UNSURE 8             /* within 8/65536 of a step, the midpoints decide */
+#define FLOOR_BITS 0x33800000 /* 2^-24 (binade 103): below either map's smallest midpoint */
 
 /* A map's planes in registers: four 64-byte quarters of each byte plane. */
 typedef struct { __m512i quarter[4][4]; } Planes;
@@ -930,190 +909,6 @@ static int64_t split_blocks(const Run *r, const Hyper *h, int64_t at, int64_t en
 #ifdef FAST_OPTIONS_PUSHED
 #pragma GCC pop_options
 #endif
-/* ---------------------------------------------------------------- 8-bit moments on AVX2 */
-
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HAVE_FAST 2
-
-/* The portable loops look codes up by hardware gathers, four a number (two moments decoded, two
-   coded), and a gather costs about 0.6 ns a number on this project's Zen 3 CPUs whatever its table's
-   size. AVX2 has no wider lookup than 16 bytes (vpshufb) or 8 dwords (vpermps), so this path computes
-   instead: a code's value by moments8's own arithmetic on the code (Fast's decoding tables, one entry
-   a decade), and a number's code by the count of midpoints below it on its decade's line, as the VBMI
-   path does, with the decade found by a guess from the number's bits and one compare (Fast's coding
-   tables). The same bits as the portable loops, which the loader checks before using it. */
-
-/* A map's decoding tables in registers. */
-typedef struct {
-    __m256 step, inc, scale, special_value;
-    __m256i offset, special;
-} Decoding;
-
-static inline Decoding decoding_of(const Fast *f) {
-    return (Decoding){_mm256_loadu_ps(f->step), _mm256_loadu_ps(f->inc), _mm256_loadu_ps(f->scale),
-                      _mm256_set1_ps(f->special_value), _mm256_set1_epi32(f->offset), _mm256_set1_epi32(f->special)};
-}
-
-/* torch.linspace(0.1, 1, n)'s edge j, from x = j / 2^e (n = 2^e + 1, `step` its step times 2^e): from
-   the start below the middle, from the end at and above it (the two agree at the middle). */
-static inline __m256 edge(__m256 x, __m256 step) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 from_start = _mm256_fmadd_ps(step, x, _mm256_set1_ps(0.1f));
-    const __m256 from_end = _mm256_fnmadd_ps(step, _mm256_sub_ps(one, x), one);
-    return _mm256_blendv_ps(from_end, from_start, _mm256_cmp_ps(x, _mm256_set1_ps(0.5f), _CMP_LT_OQ));
-}
-
-/* map[c] * absmax for 8 codes. */
-static inline __m256 decode8(const Decoding *d, const uint8_t *codes, __m256 absmax) {
-    const __m256i signed_a = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes)), d->offset);
-    const __m256i a = _mm256_abs_epi32(signed_a);
-    const __m256 exact = _mm256_cvtepi32_ps(a);  /* a < 2^24: exact */
-    const __m256i entry = _mm256_srli_epi32(_mm256_castps_si256(exact), 23);  /* vpermps reads its low 3 bits */
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 in_binade = _mm256_or_ps(_mm256_and_ps(exact, _mm256_castsi256_ps(_mm256_set1_epi32(0x007FFFFF))), one);
-    const __m256 x = _mm256_sub_ps(in_binade, one);  /* k / 2^e, exact */
-    const __m256 step = _mm256_permutevar8x32_ps(d->step, entry);
-    const __m256 below = edge(x, step), above = edge(_mm256_add_ps(x, _mm256_permutevar8x32_ps(d->inc, entry)), step);
-    const __m256 mean = _mm256_mul_ps(_mm256_add_ps(below, above), _mm256_set1_ps(0.5f));  /* (e_k + e_k+1) / 2 */
-    __m256 value = _mm256_mul_ps(_mm256_permutevar8x32_ps(d->scale, entry), mean);
-    value = _mm256_or_ps(value, _mm256_castsi256_ps(_mm256_and_si256(signed_a, _mm256_set1_epi32((int)0x80000000))));
-    value = _mm256_blendv_ps(value, d->special_value, _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, d->special)));
-    return _mm256_mul_ps(value, absmax);
-}
-
-/* A block's numbers decoded into out (BLOCK of them). */
-static void fast_decode(const Coded *c, int64_t begin, float *restrict out) {
-    const Decoding d = decoding_of(c->fast);
-    const __m256 absmax = _mm256_set1_ps(c->absmax[begin / BLOCK]);
-    for (int j = 0; j < BLOCK; j += 8) _mm256_storeu_ps(out + j, decode8(&d, c->codes + begin + j, absmax));
-}
-
-/* A map's coding tables in registers. */
-typedef struct {
-    __m256i bound, top, zero;
-    __m256 slope, intercept, guess_slope, guess_intercept;
-} Lines;
-
-static inline Lines lines_of(const Fast *f) {
-    return (Lines){_mm256_loadu_si256((const __m256i *)f->bound), _mm256_loadu_si256((const __m256i *)f->line_top),
-                   _mm256_set1_epi32(f->zero), _mm256_loadu_ps(f->line_slope), _mm256_loadu_ps(f->line_intercept),
-                   _mm256_set1_ps(f->guess_slope), _mm256_set1_ps(f->guess_intercept)};
-}
-
-/* settle()'s work for 8 lanes: the lanes in `unsure` (a bit a lane) counted exactly against the midpoints. */
-static __attribute__((noinline)) __m256i settle8(const Fast *f, __m256i a, __m256i counts, int unsure) {
-    int32_t bits[8], n[8];
-    _mm256_storeu_si256((__m256i *)bits, a);
-    _mm256_storeu_si256((__m256i *)n, counts);
-    for (int lane = 0; lane < 8; lane++) {
-        if (!((unsure >> lane) & 1)) continue;
-        const float x = from_bits((uint32_t)bits[lane]);
-        int32_t k = n[lane] - f->zero;
-        while (k > 0 && x <= f->midpoints[k - 1]) k--;
-        while (k < f->count && x > f->midpoints[k]) k++;
-        n[lane] = k + f->zero;
-    }
-    return _mm256_loadu_si256((const __m256i *)n);
-}
-
-/* line_counts() on 8 lanes: the code of 0.0 plus the count of the positive side's midpoints below a
-   (fp32 bits; a negative int32 counts none). Lanes where the line lands near a step are set in *near
-   (all ones); `settles`: they are counted exactly against the midpoints here. */
-static inline __m256i count8(const Fast *f, const Lines *l, __m256i a, __m256i *near, const int settles) {
-    a = _mm256_max_epi32(a, _mm256_set1_epi32(FLOOR_BITS));
-    const __m256i guess = _mm256_cvttps_epi32(_mm256_fmadd_ps(_mm256_cvtepi32_ps(a), l->guess_slope,
-                                                              l->guess_intercept));
-    const __m256i above = _mm256_cmpgt_epi32(a, _mm256_permutevar8x32_epi32(l->bound, guess));
-    const __m256i segment = _mm256_sub_epi32(guess, above);  /* 0 .. 8; entry segment mod 8 */
-    const __m256 line = _mm256_fmadd_ps(_mm256_castsi256_ps(a), _mm256_permutevar8x32_ps(l->slope, segment),
-                                        _mm256_permutevar8x32_ps(l->intercept, segment));
-    const __m256i fixed = _mm256_cvtps_epi32(line);  /* to nearest, as the VBMI path rounds */
-    const __m256i fraction = _mm256_and_si256(fixed, _mm256_set1_epi32((1 << FIXED) - 2 * UNSURE));
-    const __m256i below = _mm256_cmpeq_epi32(segment, _mm256_setzero_si256());  /* below every midpoint */
-    const __m256i unsure = _mm256_andnot_si256(below, _mm256_cmpeq_epi32(fraction, _mm256_setzero_si256()));
-    __m256i n = _mm256_srai_epi32(_mm256_min_epi32(fixed, _mm256_permutevar8x32_epi32(l->top, segment)), FIXED);
-    n = _mm256_blendv_epi8(n, l->zero, below);
-    *near = _mm256_or_si256(*near, unsure);
-    if (settles) {
-        const int lanes = _mm256_movemask_ps(_mm256_castsi256_ps(unsure));
-        if (lanes) n = settle8(f, a, n, lanes);
-    }
-    return n;
-}
-
-/* code16_signed()'s rule on 8 numbers: -t takes zero - (the positive side's midpoints below |t| + 1 ulp). */
-static inline __m256i code8_signed(const Fast *f, const Lines *l, __m256 x, __m256 inverse, __m256i *near,
-                                   const int settles) {
-    const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(x, inverse));
-    const __m256i negative = _mm256_srai_epi32(bits, 31);
-    const __m256i a = _mm256_sub_epi32(bits, _mm256_and_si256(negative, _mm256_set1_epi32(0x7FFFFFFF)));
-    const __m256i n = count8(f, l, a, near, settles);
-    const __m256i code = _mm256_blendv_epi8(n, _mm256_sub_epi32(_mm256_add_epi32(l->zero, l->zero), n), negative);
-    return _mm256_max_epi32(code, _mm256_setzero_si256());
-}
-
-static inline __m256i code8(const Fast *f, const Lines *l, __m256 x, __m256 inverse, __m256i *near,
-                            const int is_signed, const int settles) {
-    return is_signed ? code8_signed(f, l, x, inverse, near, settles)
-                     : count8(f, l, _mm256_castps_si256(_mm256_mul_ps(x, inverse)), near, settles);
-}
-
-/* A block's codes, 32 numbers a round (four registers packed into bytes); returns whether a lane
-   landed near a step (then, unless `settles`, its code may be a step off). */
-static inline __attribute__((always_inline)) int code_block8(const Coded *c, const Lines *l, int64_t begin,
-                                                             const float *restrict x, __m256 scale,
-                                                             const int is_signed, const int settles) {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* the packs interleave 128-bit lanes */
-    __m256i near = _mm256_setzero_si256();
-    for (int j = 0; j < BLOCK; j += 32) {
-        __m256i k[4];
-        for (int q = 0; q < 4; q++)
-            k[q] = code8(c->fast, l, _mm256_loadu_ps(x + j + 8 * q), scale, &near, is_signed, settles);
-        const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(k[0], k[1]), _mm256_packs_epi32(k[2], k[3]));
-        _mm256_storeu_si256((__m256i *)(c->codes + begin + j), _mm256_permutevar8x32_epi32(bytes, order));
-    }
-    return !_mm256_testz_si256(near, near);
-}
-
-static __attribute__((noinline)) void code_block8_settled(const Coded *c, const Lines *l, int64_t begin,
-                                                          const float *restrict x, __m256 scale) {
-    if (c->fast->zero) code_block8(c, l, begin, x, scale, 1, 1);
-    else code_block8(c, l, begin, x, scale, 0, 1);
-}
-
-/* scale_of() from 8 lanes of |x| maxima. */
-static inline float scale_of8(const Coded *c, int64_t begin, __m256i largest) {
-    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(largest), _mm256_extracti128_si256(largest, 1));
-    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
-    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
-    const float absmax = from_bits((uint32_t)_mm_cvtsi128_si32(m));
-    c->absmax[begin / BLOCK] = absmax;
-    return absmax <= 3.4028234663852886e38f ? 1.0f / (absmax < 1e-38f ? 1e-38f : absmax) : 0.0f;
-}
-
-/* A whole block coded as encode() does it, 32 numbers a round (four registers of codes packed into bytes). */
-static void fast_encode(const Coded *c, int64_t begin, const float *restrict x) {
-    __m256i largest = _mm256_setzero_si256();
-    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
-    for (int j = 0; j < BLOCK; j += 8)
-        largest = _mm256_max_epu32(largest, _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(x + j)), magnitude));
-    const float inverse = scale_of8(c, begin, largest);
-    if (inverse == 0.0f) {
-        code_block(c->codes + begin, x, BLOCK, 1.0f / c->absmax[begin / BLOCK], c->lookup);  /* inf: 0; NaN: NaN */
-        return;
-    }
-    const Lines l = lines_of(c->fast);
-    const __m256 scale = _mm256_set1_ps(inverse);
-    const int near = c->fast->zero ? code_block8(c, &l, begin, x, scale, 1, 0) : code_block8(c, &l, begin, x, scale, 0, 0);
-    if (near) code_block8_settled(c, &l, begin, x, scale);  /* rare: the block again, its near lanes settled */
-}
-
-static int64_t split_blocks(const Run *r, const Hyper *h, int64_t at, int64_t end) {
-    (void)r, (void)h, (void)end;
-    return at;  /* no fused loop: slice_coded's blocks run the pieces above in turn */
-}
-
 #else
 #define HAVE_FAST 0
 static void fast_decode(const Coded *c, int64_t begin, float *restrict out) { (void)c, (void)begin, (void)out; }
@@ -1124,8 +919,7 @@ static int64_t split_blocks(const Run *r, const Hyper *h, int64_t at, int64_t en
 }
 #endif
 
-/* 1 when this library has the VBMI path (built with its flags: native/adamw.py asks first), 2 the AVX2
-   one, 0 neither (the portable loops). */
+/* 1 when this library has the VBMI path (built with its flags: native/adamw.py asks first). */
 int slimtune_fast_8bit(void) { return HAVE_FAST; }
 
 /* numel fp32 numbers x coded into c, a block at a time, as the step codes its moments: what the tests
@@ -1135,17 +929,6 @@ int slimtune_encode(const Coded *c, int64_t numel, const float *x) {
         const int64_t count = numel - at < BLOCK ? numel - at : BLOCK;
         if (c->fast && count == BLOCK) fast_encode(c, at, x + at);
         else encode(c, at, count, x + at);
-    }
-    return 0;
-}
-
-/* numel numbers decoded from c into out, a block at a time, as the step decodes its moments: what the
-   loader and the tests hold against moments8's dequantizer on every code of the map. */
-int slimtune_decode(const Coded *c, int64_t numel, float *out) {
-    for (int64_t at = 0; at < numel; at += BLOCK) {
-        const int64_t count = numel - at < BLOCK ? numel - at : BLOCK;
-        if (c->fast && count == BLOCK) fast_decode(c, at, out + at);
-        else decode(c, at, count, out + at);
     }
     return 0;
 }

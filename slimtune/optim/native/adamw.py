@@ -60,11 +60,7 @@ class Fast(ctypes.Structure):
 
     _fields_ = [("planes", ctypes.c_uint8 * 256 * 4), ("midpoints", ctypes.c_float * 256),
                 ("threshold", ctypes.c_uint32 * 32), ("slope", ctypes.c_float * 32), ("intercept", ctypes.c_float * 32),
-                ("top", ctypes.c_int32 * 32), ("count", ctypes.c_int32), ("zero", ctypes.c_int32),
-                ("offset", ctypes.c_int32), ("special", ctypes.c_int32), ("special_value", ctypes.c_float),
-                *((name, ctypes.c_float * 8) for name in ("step", "inc", "scale")), ("bound", ctypes.c_uint32 * 8),
-                ("line_slope", ctypes.c_float * 8), ("line_intercept", ctypes.c_float * 8),
-                ("line_top", ctypes.c_int32 * 8), ("guess_slope", ctypes.c_float), ("guess_intercept", ctypes.c_float)]
+                ("top", ctypes.c_int32 * 32), ("count", ctypes.c_int32), ("zero", ctypes.c_int32)]
 
 
 class Coded(ctypes.Structure):
@@ -137,26 +133,11 @@ def _fast_path_of(lib: ctypes.CDLL) -> bool:
     if not lib.slimtune_fast_8bit():
         return False
     with _disable_current_modes():
-        agrees = _fast_values_agree(lib) and _fast_codes_agree(lib) and _fast_steps_agree(lib)
+        agrees = _fast_codes_agree(lib) and _fast_steps_agree(lib)
     if not agrees:
         build.say_once("the native host AdamW's VBMI path does not give its portable loops' bits on this machine: "
                        "8-bit moments take the portable loops.")
     return agrees
-
-
-def _fast_values_agree(lib: ctypes.CDLL) -> bool:
-    """Every code of both maps decoded alike by both paths, at scales 0, 1, one of the map's own
-    values' size and two far ends (the AVX2 path computes each value rather than looking it up)."""
-    codes = torch.arange(256, dtype=torch.uint8).repeat(5)
-    absmax = torch.tensor([1.0, 0.0, 3.7e-3, 3.0e38, 1.2e-38])
-    for signed in (True, False):
-        values = [torch.empty(codes.numel()) for _ in range(2)]
-        for k, fast in enumerate((ctypes.addressof(fast_tables(signed)), None)):
-            coded = Coded(codes.data_ptr(), absmax.data_ptr(), *_tables(signed), fast)
-            lib.slimtune_decode(ctypes.byref(coded), ctypes.c_int64(codes.numel()), ctypes.c_void_p(values[k].data_ptr()))
-        if not torch.equal(values[0].view(torch.int32), values[1].view(torch.int32)):
-            return False
-    return True
 
 
 def _fast_codes_agree(lib: ctypes.CDLL) -> bool:
@@ -244,69 +225,7 @@ def fast_tables(signed: bool) -> Fast:
         fast.threshold[binade % 32] = inside[0] if inside else 0x40000000  # 2.0: no boundary
     assert not any(bits >> 23 == 127 for bits in bound_bits), "a boundary in [1, 2) would need binade 128's line"
     _check_lines(lines, mids, starts, zero)
-    for segment, (slope, intercept, top) in enumerate(lines[1:], 1):  # segment 0 counts none: adamw.c blends it
-        fast.line_slope[segment % 8], fast.line_intercept[segment % 8], fast.line_top[segment % 8] = slope, intercept, top
-    fast.bound[:] = bound_bits
-    fast.guess_slope, fast.guess_intercept = _segment_guess(bound_bits)
-    _set_decoding(fast, signed)
     return fast
-
-
-def _segment_guess(bounds: list[int]) -> tuple[float, float]:
-    """(slope, intercept) such that floor(float(bits of a) * slope + intercept) is a's segment or the one
-    before, for every a from 2^-24 (FLOOR_BITS) to 2.0: a line through the bounds' bit patterns read as
-    numbers, which lie about a decade apart. The middle of the widest band that works, checked on fp32."""
-    floor_bits, two_bits = 0x33800000, 0x40000000
-    def f32(x: float) -> float:
-        return struct.unpack("<f", struct.pack("<f", x))[0]
-    best = None
-    for slope in torch.linspace(0.75, 1.06, 3101, dtype=torch.float64).mul(7 / (bounds[-1] - bounds[0])).tolist():
-        low = max([j - slope * f32(b + 1) for j, b in enumerate(bounds)] + [-slope * f32(floor_bits)])
-        high = min([j + 1 - slope * f32(b) for j, b in enumerate(bounds)] + [8 - slope * f32(two_bits)])
-        if best is None or high - low > best[0]:
-            best = (high - low, slope, (low + high) / 2)
-    width, slope, intercept = best
-    assert width > 0.1, "the segment boundaries are not spaced evenly enough for one guess"
-    return f32(slope), f32(intercept)
-
-
-def _set_decoding(fast: Fast, signed: bool) -> None:
-    """The AVX2 path's decoding tables (adamw.c's Fast): for each decade d, entry (127 + e) % 8 where
-    e = d (signed) or d + 1 (unsigned: two values more a decade), torch.linspace(0.1, 1, 2^e + 1)'s step
-    (computed as torch computes it in fp32) times 2^e, 2^-e, and the decade's scale 10^(d - 6) in fp32.
-    The map's ends take entries of their own: the signed map's 1.0 (a = 128, e = 7) a scale that
-    makes it from its edges 0.1 and 1; the unsigned map's 0.0 (a = 1, e = 0) a scale of 0; its 1.0
-    (a = 256) and the signed map's 0.0 (a = 0) are `special`. adamw.c's loader check holds the result
-    to every code of the map."""
-    fast.offset, fast.special, fast.special_value = (127, 0, 0.0) if signed else (-1, 256, 1.0)
-    for d in range(7):
-        e = d if signed else d + 1
-        entry = (127 + e) % 8
-        fast.step[entry] = _linspace_step(2 ** e + 1) * 2.0 ** e
-        fast.inc[entry], fast.scale[entry] = 2.0 ** -e, 10.0 ** (d - 6)
-    if signed:  # 1.0: edges 0.1 (x = 0) and 1 (x = 1), their mean 0.55 times a scale that rounds to 1.0
-        fast.step[(127 + 7) % 8], fast.inc[(127 + 7) % 8] = 0.0, 1.0
-        fast.scale[(127 + 7) % 8] = _scale_to_one()
-    else:  # 0.0 (a = 1): any edges times 0
-        fast.step[127 % 8], fast.inc[127 % 8], fast.scale[127 % 8] = 0.0, 1.0, 0.0
-
-
-def _linspace_step(n: int) -> float:
-    """torch.linspace(0.1, 1, n)'s step in fp32: (end - start) / (n - 1)."""
-    ends = torch.tensor([1.0, 0.1], dtype=torch.float32)
-    return float((ends[0] - ends[1]) / (n - 1))
-
-
-def _scale_to_one() -> float:
-    """The fp32 scale s nearest 1 / 0.55 for which s * mean(0.1, 1) rounds to 1.0 in fp32."""
-    ends = torch.tensor([0.1, 1.0], dtype=torch.float32)
-    mean = (ends[0] + ends[1]) * 0.5
-    guess = (1 / mean).view(torch.int32)
-    for offset in (0, 1, -1, 2, -2, 3, -3):
-        scale = (guess + offset).view(torch.float32)
-        if float(scale * mean) == 1.0:
-            return float(scale)
-    raise AssertionError("no fp32 scale takes the edges 0.1 and 1 to 1.0")
 
 
 def _check_lines(lines: list[tuple[float, float, int]], mids: torch.Tensor, starts: list[int], zero: int) -> None:
