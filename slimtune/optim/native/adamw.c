@@ -311,18 +311,9 @@ static inline __attribute__((always_inline)) void both_paths(const Run *r, const
 }
 
 /* moments8.py's dequantization: code map[c] times the block's absmax. */
-#include <immintrin.h>
 static void decode(const Coded *c, int64_t begin, int64_t count, float *restrict out) {
     const float absmax = c->absmax[begin / BLOCK];
     const uint8_t *restrict codes = c->codes + begin;
-    if (count == BLOCK) {
-        const __m256 s = _mm256_set1_ps(absmax);
-        for (int j = 0; j < BLOCK; j += 8) {
-            __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + j)));
-            _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_i32gather_ps(c->map, idx, 4), s));
-        }
-        return;
-    }
     for (int64_t j = 0; j < count; j++) out[j] = c->map[codes[j]] * absmax;  /* hardware gathers: slower */
 }
 
@@ -332,21 +323,6 @@ static void decode(const Coded *c, int64_t begin, int64_t count, float *restrict
    one; so one table of int32 entries serves, which gcc vectorizes with one gather a number. */
 static void code_block(uint8_t *restrict codes, const float *restrict x, int64_t count, float inverse,
                        const uint32_t *restrict lookup) {
-    if (count == BLOCK) {
-        const __m256 inv = _mm256_set1_ps(inverse);
-        const __m256i lowmask = _mm256_set1_epi32(0xFFFF), one = _mm256_set1_epi32(1), ff = _mm256_set1_epi32(0xFF);
-        for (int j = 0; j < BLOCK; j += 8) {
-            __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + j), inv));
-            __m256i entry = _mm256_i32gather_epi32((const int *)lookup, _mm256_srli_epi32(bits, 16), 4);
-            __m256i low = _mm256_and_si256(bits, lowmask), mid = _mm256_and_si256(_mm256_srli_epi32(entry, 8), lowmask);
-            __m256i gt = _mm256_cmpgt_epi32(low, mid), lt = _mm256_cmpgt_epi32(mid, low);
-            __m256i beyond = _mm256_blendv_epi8(gt, lt, _mm256_srai_epi32(bits, 31));
-            __m256i code = _mm256_add_epi32(_mm256_and_si256(entry, ff), _mm256_and_si256(beyond, _mm256_srli_epi32(entry, 24)));
-            __m128i p16 = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-            _mm_storel_epi64((__m128i *)(codes + j), _mm_packus_epi16(p16, p16));
-        }
-        return;
-    }
     for (int64_t j = 0; j < count; j++) {
         const uint32_t bits = to_bits(x[j] * inverse);
         const uint32_t entry = lookup[bits >> 16], low = bits & 0xFFFFu, mid = (entry >> 8) & 0xFFFFu;
