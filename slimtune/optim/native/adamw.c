@@ -314,13 +314,15 @@ static inline __attribute__((always_inline)) void both_paths(const Run *r, const
 static void decode(const Coded *c, int64_t begin, int64_t count, float *restrict out) {
     const float absmax = c->absmax[begin / BLOCK];
     const uint8_t *restrict codes = c->codes + begin;
-    for (int64_t j = 0; j < count; j++) out[j] = c->map[codes[j]] * absmax;  /* hardware gathers: slower */
+    for (int64_t j = 0; j < count; j++) out[j] = c->map[codes[j]] * absmax;  /* a table load a number */
 }
 
 /* Each x times `inverse` takes the code of its 16-bit bucket, plus one above the bucket's midpoint
    (moments8's rule). A midpoint lies inside its bucket, so it shares the number's sign and top bits,
    and "above" is a compare of the low 16 bits: greater for a positive number, smaller for a negative
-   one; so one table of int32 entries serves, which gcc vectorizes with one gather a number. */
+   one; so one table of int32 entries serves, one load a number. (gcc 12's AVX2 build makes both
+   loops' loads scalar ones inserted into vectors; vpgatherdd in their place, and a coding without
+   tables, each ran slower on Zen 3: benchmarks/docs/host_adam_bandwidth.md.) */
 static void code_block(uint8_t *restrict codes, const float *restrict x, int64_t count, float inverse,
                        const uint32_t *restrict lookup) {
     for (int64_t j = 0; j < count; j++) {
