@@ -33,12 +33,16 @@ from slimtune.model.stack import Stack, empty_model, load_model
 HOST = torch.device("cpu")
 
 
-def resolve_device(name: str, dist: Dist = SINGLE) -> torch.device:
-    """The run's device; under torchrun on CUDA the rank's own card, cuda:LOCAL_RANK."""
+def resolve_device(name: str, dist: Dist = SINGLE, flag: bool = False) -> torch.device:
+    """The run's device; under torchrun on CUDA the rank's own card, cuda:LOCAL_RANK. `flag`: the user
+    gave it as --device (chat, eval), not as the device setting (train), and the sentences say so."""
+    setting = "--device" if flag else "device"
+    spell = (lambda value: f"--device {value}") if flag else (lambda value: f"device={value}")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device is '{name}' but no CUDA device is available; use device=auto or device=cpu.")
+        raise UserError(f"{setting} is '{name}' but no CUDA device is available; use {spell('auto')} or "
+                        f"{spell('cpu')}.")
     if name.startswith("cuda:") and torch.device(name).index >= torch.cuda.device_count():
-        raise UserError(f"device is '{name}' but this machine has {torch.cuda.device_count()} CUDA device(s),"
+        raise UserError(f"{setting} is '{name}' but this machine has {torch.cuda.device_count()} CUDA device(s),"
                         f" numbered from 0.")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -176,7 +176,7 @@ def load(source: Source, device_name: str = "auto", tokenizer=None) -> Loaded:
     from slimtune import assembly
     from slimtune.model.stack import load_model
 
-    device = assembly.resolve_device(device_name)
+    device = assembly.resolve_device(device_name, flag=True)
     precision = assembly.resolve_precision("auto", device)
     results.verify(source.weights, "model folder")  # a model/ or merged export slimtune wrote is whole
     if source.adapter is not None:

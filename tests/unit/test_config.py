@@ -312,8 +312,11 @@ def test_a_cuda_device_this_machine_lacks_is_one_sentence(name, monkeypatch):
     from slimtune import assembly
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UserError, match=f"device is '{name}' but no CUDA device is available"):
+    with pytest.raises(UserError, match=f"device is '{name}' but no CUDA device is available; use device=auto"):
         assembly.resolve_device(name)
+    # chat and eval take it as --device: the sentence spells it so
+    with pytest.raises(UserError, match=f"^--device is '{name}' but no CUDA .* use --device auto or --device cpu"):
+        assembly.resolve_device(name, flag=True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     if name == "cuda:3":
