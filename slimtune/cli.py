@@ -284,11 +284,22 @@ def _plan(args: argparse.Namespace) -> None:
     from slimtune.planning.weighing import Weighing
     from slimtune import presets
 
-    if args.seq <= 0 or args.batch <= 0 or args.rank <= 0:
-        raise UserError("--seq, --batch and --rank must be positive.")
+    _refuse_nonpositive(("--seq", args.seq), ("--batch", args.batch), ("--rank", args.rank))
     if args.max_seq is not None and args.max_seq < 0:
         raise UserError(f"--max-seq LIMIT must be a positive token count, got {args.max_seq}.")
+    if args.max_seq and args.max_seq < args.seq:
+        raise UserError(f"--max-seq {args.max_seq} is shorter than --seq {args.seq}, which every plan is weighed at;"
+                        f" give a LIMIT of at least {args.seq}, or a shorter --seq.")
+    _refuse_a_huge_step("--seq", args.seq, args.batch)
+    if args.png:
+        from slimtune.planning import picture as plan_picture
+
+        plan_picture.check_target(args.png)  # before the plans' minutes, not after
     model_config = presets.model_config(args.model)
+    if args.max_seq is not None:
+        _refuse_a_huge_step("--max-seq LIMIT" if args.max_seq else "the model's positions (the --max-seq search's"
+                            " end; give --max-seq a LIMIT)", planner.seq_limit_of(model_config, args.max_seq),
+                            args.batch)
     machine = planner.Machine.named(args.gpu, args.host_ram, args.disk, cards=args.gpus, nodes=args.nodes)
     base = planner.planning_config(args.method, args.rank)
     longest = ", and the longest sequence each fits" if args.max_seq is not None else ""
@@ -305,6 +316,17 @@ def _plan(args: argparse.Namespace) -> None:
 
         written = plan_picture.write_png(results, machine, args.png, title)
         print(f"plan picture written to {written}", file=sys.stderr if args.json else sys.stdout)
+
+
+# The most tokens a step the planner weighs: its synthetic batch is real memory (24 bytes a token), and a
+# step of 2^24 tokens is past any card's activations already.
+MAX_STEP_TOKENS = 1 << 24
+
+
+def _refuse_a_huge_step(what: str, seq: int, batch: int) -> None:
+    if seq * batch > MAX_STEP_TOKENS:
+        raise UserError(f"{what} ({seq:,}) x --batch {batch:,} is {seq * batch:,} tokens a step; the planner weighs"
+                        f" at most {MAX_STEP_TOKENS:,} (2^24).")
 
 
 def _probe(args: argparse.Namespace) -> None:

@@ -131,10 +131,13 @@ def figure(results: list[PlanResult], machine: Machine, title: str):
     return fig
 
 
-def _target(path: str | Path) -> Path:
+def check_target(path: str | Path) -> Path:
+    """The picture's path, refused in one sentence unless it names a .png file (not a folder)."""
     target = Path(path)
     if target.suffix.lower() != ".png":
         raise UserError(f"the picture's path {str(path)!r} must end in .png.")
+    if target.is_dir():
+        raise UserError(f"the picture's path {str(path)!r} is a folder; name a .png file in it.")
     return target
 
 
@@ -158,7 +161,7 @@ def _save(fig, target: Path) -> None:
 
 def write_png(results: list[PlanResult], machine: Machine, path: str | Path, title: str) -> Path:
     """The plans (as planner.plan returns them) drawn for `machine` into the PNG at `path`."""
-    target = _target(path)
+    target = check_target(path)
     if not results:
         raise UserError("there are no plans to draw.")
     _save(figure(results, machine, title), target)

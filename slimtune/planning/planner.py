@@ -109,6 +109,7 @@ class PlanResult:
     recommended: bool = False
     max_seq: int | None = None  # --max-seq: the longest sequence that fits (0: none)
     max_seq_tile: int | None = None  # the sequence tile it was found with (None: the plan's own blocks)
+    max_seq_limit: int | None = None  # the longest --max-seq weighed (LIMIT, else the model's positions)
     ranks: int = 1  # processes under data parallelism (Machine.ranks); the figures are per device
     sync_s: float = 0.0  # modelled seconds a step spends summing gradients across ranks
     derived: bool = False  # the device figures are derived from the measurement by a formula (fsdp)
@@ -160,6 +161,7 @@ class PlanResult:
         if self.max_seq is not None:
             out["max_seq"] = self.max_seq
             out["max_seq_tile"] = self.max_seq_tile
+            out["max_seq_limit"] = self.max_seq_limit  # max_seq equal to it: fits there, longer not weighed
         return out
 
 
@@ -199,9 +201,15 @@ def weigh(model_config, base: RunConfig, plan: dict, machine: Machine, batch_siz
                         machine.shortfalls(found, ranks), ranks=ranks, sync_s=sync, derived=derived,
                         sharded=fake_ranks.needed(cfg, ranks))
     if max_seq:
+        result.max_seq_limit = seq_limit_of(model_config, seq_limit)
         result.max_seq, result.max_seq_tile = _longest_with_tile(model_config, cfg, machine, batch_size, seq_len,
-                                                                 seq_limit)
+                                                                 result.max_seq_limit)
     return result
+
+
+def seq_limit_of(model_config, limit: int = 0) -> int:
+    """The longest sequence --max-seq weighs: `limit`, else the model's positions, else 2^20 tokens."""
+    return limit or getattr(model_config, "max_position_embeddings", None) or 2**20
 
 
 def _tiled_to_fit(model_config, base: RunConfig, plan: dict, machine: Machine, batch_size: int, seq_len: int,
@@ -226,7 +234,7 @@ def _longest_with_tile(model_config, cfg: RunConfig, machine: Machine, batch_siz
     """The longest sequence of the plan, and the tile it was found with: the plan's own, or where it
     leaves the tile to the auto rule and its blocks run in tiles (its estimate with tiles of
     tile_choice.MIN_TILE tokens says a block did), MIN_TILE: the tile that fits the longest."""
-    limit = limit or getattr(model_config, "max_position_embeddings", None) or 2**20
+    limit = seq_limit_of(model_config, limit)
     at = min(tile_choice.probe_length(known), limit)
     # else no row is long enough to tile, or (fsdp) blocks run whole: sharding.whole_blocks
     if not cfg.activations.tile and at > tile_choice.MIN_TILE and cfg.dist.strategy != "fsdp":
@@ -259,7 +267,7 @@ def longest_fitting_seq(model_config, cfg: RunConfig, machine: Machine, batch_si
     from the length already estimated (`known`): by the curves through a few lengths' estimates
     (longest_seq.py), or (`by_length=False`) by doubling and bisection on the same estimate. Either
     way the answer fits and one token more does not (0: not even one token fits)."""
-    limit = limit or getattr(model_config, "max_position_embeddings", None) or 2**20
+    limit = seq_limit_of(model_config, limit)
     ranks = machine.ranks(cfg.engine)
 
     def needs(seq: int) -> dict[str, tuple[int, int]]:
@@ -507,8 +515,10 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
     ]
     if with_seq:
         lines.append("max seq: the longest sequence whose step fits (one token more does not), solved from a few "
-                     "lengths' estimates and confirmed by the estimate at it and one token more; (tile N): with "
-                     "activations.seq_tile=N, where the plan leaves its blocks' tile to the auto rule.")
+                     "lengths' estimates and confirmed by the estimate at it and one token more; (limit): it fits "
+                     "at the longest weighed (--max-seq LIMIT, else the model's positions), and longer was not "
+                     "weighed; (tile N): with activations.seq_tile=N, where the plan leaves its blocks' tile to the "
+                     "auto rule.")
     if machine.nodes * machine.cards > 1:
         lines += _data_parallel_notes(results, machine)
     chosen = recommended(results)
@@ -521,7 +531,8 @@ def _max_seq_cell(result: PlanResult) -> str:
     if not result.max_seq:
         return "-"
     tile = result.max_seq_tile if "activations.seq_tile" not in result.options else None
-    return f"{result.max_seq:,}" + (f" (tile {tile})" if tile else "")
+    capped = " (limit)" if result.max_seq == result.max_seq_limit else ""
+    return f"{result.max_seq:,}{capped}" + (f" (tile {tile})" if tile else "")
 
 
 def _data_parallel_notes(results: list[PlanResult], machine: Machine) -> list[str]:

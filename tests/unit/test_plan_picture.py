@@ -126,10 +126,11 @@ def test_an_unwritable_path_is_refused_and_leaves_nothing(tmp_path, preset_plans
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "taken.png").mkdir()  # a folder where the picture would go: the rename fails
     before = sorted(p.name for p in tmp_path.rglob("*"))
-    for path in (tmp_path / "a-file" / "plan.png", tmp_path / "taken.png"):
-        with pytest.raises(UserError, match=r"^cannot write the picture .*\.$") as refused:
-            plan_picture.write_png(results, machine, path, "t")
-        assert ". " not in str(refused.value)
+    with pytest.raises(UserError, match=r"^cannot write the picture .*\.$") as refused:
+        plan_picture.write_png(results, machine, tmp_path / "a-file" / "plan.png", "t")
+    assert ". " not in str(refused.value)
+    with pytest.raises(UserError, match=r"^the picture's path .*taken\.png' is a folder; name a \.png file in it\.$"):
+        plan_picture.write_png(results, machine, tmp_path / "taken.png", "t")
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 

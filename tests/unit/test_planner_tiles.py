@@ -62,11 +62,36 @@ def test_max_seq_names_its_tile_only_where_blocks_are_tiled(monkeypatch, tmp_pat
     assert "(tile 256)" in planner._max_seq_cell(tiled) and "tile" not in planner._max_seq_cell(untiled)
     beyond = planner.weigh(model_config, base_config(), TILED, roomy, 1, 256, max_seq=True, seq_limit=1500)
     assert beyond.max_seq == 1500  # --max-seq LIMIT: past the model's positions, as a run extending RoPE
+    # each fits at the longest weighed: the cell says longer was not weighed, not that one token more fails
+    assert planner._max_seq_cell(untiled) == "1,024 (limit)" and beyond.as_json()["max_seq_limit"] == 1500
+    small = machine(planner.weigh(model_config, base_config(), TILED, roomy, 1, 512).estimate.device_peak_bytes)
+    short = planner.weigh(model_config, base_config(), TILED, small, 1, 256, max_seq=True)
+    assert 256 <= short.max_seq < 1024 and "limit" not in planner._max_seq_cell(short)
 
 
 def test_max_seq_limit_must_be_positive(capsys):
     assert cli.main(["plan", "--model", "Llama-3.2-1B", "--gpu", "24GiB", "--max-seq", "-5"]) == 2
     assert "--max-seq LIMIT must be a positive token count, got -5." in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("words, said", [
+    (["--seq", "0"], "--seq must be positive, got 0."),
+    (["--batch", "-2"], "--batch must be positive, got -2."),
+    (["--seq", "256", "--max-seq", "100"], "--max-seq 100 is shorter than --seq 256, which every plan is weighed at;"
+                                           " give a LIMIT of at least 256, or a shorter --seq."),
+    (["--seq", "1000000000000"], "--seq (1,000,000,000,000) x --batch 1 is 1,000,000,000,000 tokens a step; the"
+                                 " planner weighs at most 16,777,216 (2^24)."),
+    (["--batch", "100000", "--seq", "2048"], "x --batch 100,000 is 204,800,000 tokens a step"),
+    (["--batch", "1000", "--max-seq"], "the model's positions (the --max-seq search's end; give --max-seq a LIMIT)"
+                                       " (131,072) x --batch 1,000"),
+    (["--png", "plan.jpg"], "the picture's path 'plan.jpg' must end in .png."),
+])
+def test_plan_flags_that_cannot_be_planned_are_one_sentence_before_any_weighing(capsys, monkeypatch, words, said):
+    """A huge step was a torch allocation traceback (the synthetic batch is real), a LIMIT below --seq
+    printed a 'longest' shorter than the rows that fit, and a bad --png path was refused after the plans."""
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: pytest.fail("weighed plans before refusing"))
+    assert cli.main(["plan", "--model", "Llama-3.1-8B", "--gpu", "24GiB", *words]) == 2
+    assert said in capsys.readouterr().err
 
 
 @pytest.mark.quick
