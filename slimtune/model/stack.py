@@ -50,6 +50,8 @@ def read_config(folder: str | Path) -> dict:
     if not isinstance(config, dict):
         raise UserError(f"{path} must hold a JSON object of model settings.")
     family = config.get("model_type")
+    if family is None:
+        raise UserError(f"{path} has no model_type; slimtune trains {', '.join(SUPPORTED_FAMILIES)} models.")
     if family not in SUPPORTED_FAMILIES:
         raise UserError(
             f"model_type '{family}' in {path} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}."

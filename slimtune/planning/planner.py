@@ -510,8 +510,7 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
         "Device peak" + (" and its breakdown" if detail else "") + ": the real training step run on fake tensors and "
         f"counted by the training loop's meter. Fits: peak + {human_bytes(CUDA_OVERHEAD_BYTES)} CUDA context "
         f"(assumed) <= the card, host RAM <= {HOST_RAM_SHARE:.0%} of the host's, disk <= the free disk.",
-        f"* tokens/s is modelled: step FLOPs over {machine.gpu.name}'s spec-sheet rate at {speed.ASSUMED_MFU:.0%} MFU "
-        "(assumed), plus optimizer and host-link traffic over its bandwidths.",
+        speed_note(machine),
     ]
     if with_seq:
         lines.append("max seq: the longest sequence whose step fits (one token more does not), solved from a few "
@@ -524,6 +523,12 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
     chosen = recommended(results)
     lines.append(f"recommended: {chosen.engine} {chosen.label}" if chosen else f"no plan fits: {_smallest_need(results)}.")
     return "\n".join(lines)
+
+
+def speed_note(machine: Machine) -> str:
+    """The table's footnote on tokens/s: modelled, and over which rates (a card's spec sheet, or measured)."""
+    return (f"* tokens/s is modelled: step FLOPs over {machine.gpu.name}'s {machine.gpu.rates} rate at "
+            f"{speed.ASSUMED_MFU:.0%} MFU (assumed), plus optimizer and host-link traffic over its bandwidths.")
 
 
 def _max_seq_cell(result: PlanResult) -> str:

@@ -54,6 +54,7 @@ def probe_cuda(device: torch.device) -> dict:
         "memory_gbps": 2 * copy_gbps(on_device, torch.empty_like(on_device), 20),
         "host_link_gbps": min(copy_gbps(pinned, on_device, 10), copy_gbps(on_device, pinned, 10)),
         "description": f"measured by slimtune probe on {props.name}",
+        "rates": "measured",  # the planner's footnote says so (an 8192-square matmul's rate, not the spec sheet's)
     }
 
 
@@ -69,6 +70,7 @@ def probe_cpu() -> dict:
         "memory_gbps": memory_gbps,
         "host_link_gbps": memory_gbps,  # host and device are the same memory
         "description": f"measured by slimtune probe on a CPU ({torch.get_num_threads()} threads)",
+        "rates": "measured",
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -98,6 +99,7 @@ class GpuProfile:
     host_link_gbps: float  # realistic one-direction pinned host<->device, GB/s
     description: str = ""
     generic_rates: bool = False  # the rates are GENERIC_RATES_FROM's: this device's own are unknown
+    rates: str = "spec-sheet"  # where the rates come from, as the planner's footnote says it
 
 
 _NUMBERS = ("memory_bytes", "bf16_tflops", "fp32_tflops", "memory_gbps", "host_link_gbps")
@@ -147,15 +149,24 @@ def _size_parts(text: str, what: str) -> tuple[float, str]:
     """A size's number and its unit (lower case), or one sentence naming `what`."""
     size = _SIZE.match(str(text))
     if not size or float(size.group(1)) <= 0:
-        positive = "a positive size" if _SIZE_LIKE.match(str(text)) else "a size"
-        raise UserError(f"{what} must be {positive} such as 64GiB, 64GB, 512MiB or 2TB, got '{text}'.")
+        raise UserError(f"{what} must be {_size_fault(str(text))} such as 64GiB, 64GB, 512MiB or 2TB, got '{text}'.")
     return float(size.group(1)), size.group(2).lower()
+
+
+def _size_fault(text: str) -> str:
+    """What a size that did not parse lacks, for the sentence: its unit, its number's form, or its sign."""
+    like = _SIZE_LIKE.match(text)
+    if not like:
+        return "a size"
+    if like.group(1).lower() in ("kib", "kb", "k", "b"):
+        return "a size in MiB, MB, GiB, GB, TiB or TB"
+    if re.search(r"e[-+]?\d|nan|inf", text, re.IGNORECASE):
+        return "a plain number (no exponent) with a unit"
+    return "a positive size"
 
 
 def physical_ram_bytes() -> int:
     """This machine's RAM."""
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -183,18 +194,22 @@ def _from_file(path: Path, spec: str) -> GpuProfile:
         raise UserError(f"GPU profile file '{spec}' must hold a JSON object.")
     missing = [k for k in _NUMBERS if k not in data]
     bad = [k for k in _NUMBERS if k in data and not _positive(data[k])]
+    if "memory_bytes" in data and "memory_bytes" not in bad and data["memory_bytes"] < 1:
+        bad.append("memory_bytes")  # a fraction of a byte: a 0 B card
     if missing or bad:
-        raise UserError(f"GPU profile file '{spec}' needs positive numbers for: {', '.join(missing + bad)}.")
+        raise UserError(f"GPU profile file '{spec}' needs positive finite numbers for: {', '.join(missing + bad)}.")
     known = {f.name for f in fields(GpuProfile)}
     values = {k: v for k, v in data.items() if k in known}
     values.setdefault("name", path.stem)
     values.setdefault("description", f"profile from {path}")
+    values.setdefault("rates", "profile file's")  # `slimtune probe` writes "measured"
     values["memory_bytes"] = int(values["memory_bytes"])
     return GpuProfile(**values)
 
 
 def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    """A finite number above 0 (json reads 1e400 as inf, and Infinity and NaN as themselves)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
 def gpu_profile(spec: str) -> GpuProfile:
@@ -208,6 +223,9 @@ def gpu_profile(spec: str) -> GpuProfile:
         return _sized(size.group(1), size.group(2))
     if text and Path(text).is_file():
         return _from_file(Path(text), text)
+    if text.lower().endswith(".json") or os.sep in text:  # meant as a profile file: say what is wrong with it
+        where = "is a folder, not a JSON file" if Path(text).is_dir() else "does not exist"
+        raise UserError(f"GPU profile file '{spec}' {where}; `slimtune probe --out FILE` writes one.")
     if _SIZE_LIKE.match(text):  # 0GiB, -8GB, 1e3GiB: meant as a size, not a card's name
         raise UserError(f"a GPU size must be a positive number of GiB, GB, G, MiB, MB or M, such as 24GiB or 500MiB;"
                         f" got '{spec}'.")

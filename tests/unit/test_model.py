@@ -64,6 +64,9 @@ def test_unsupported_family_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(UserError, match="model_type 'gpt2' .* is not supported; supported: llama"):
         read_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')  # was "model_type 'None' ... is not supported"
+    with pytest.raises(UserError, match="config.json has no model_type; slimtune trains llama, mistral"):
+        read_config(tmp_path)
 
 
 def test_pickle_only_weights_are_refused(tmp_path, tokenizer):

@@ -151,6 +151,10 @@ def test_probe_writes_a_profile_the_planner_reads(tmp_path):
     assert profile["fp32_tflops"] > 0 and profile["memory_gbps"] > 0
     card = presets.gpu_profile(str(tmp_path / "me.json"))
     assert card.memory_bytes == profile["memory_bytes"]
+    # its rates are measured, and the table's footnote says so (it said "spec-sheet" of every card)
+    assert card.rates == "measured" and presets.gpu_profile("rtx4090").rates == "spec-sheet"
+    machine = planner.Machine(card, 2**40, 2**40)
+    assert f"over {card.name}'s measured rate at" in planner.speed_note(machine)
 
 
 def test_every_plan_with_a_4bit_base_pays_for_its_dequantization_in_the_modelled_time():

@@ -1,6 +1,7 @@
 """Model presets build (on the meta device) to their published sizes; GPU specs parse or are refused."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -115,7 +116,8 @@ def test_profile_json_file(tmp_path):
     path = tmp_path / "probed.json"
     path.write_text(json.dumps({"name": "my-card", "memory_bytes": 8 * 2**30, "bf16_tflops": 40.0, "fp32_tflops": 10.0,
                                 "memory_gbps": 450.0, "host_link_gbps": 11.5, "measured_at": "today"}))  # fmt: skip
-    assert gpu_profile(str(path)) == GpuProfile("my-card", 8 * 2**30, 40.0, 10.0, 450.0, 11.5, f"profile from {path}")
+    assert gpu_profile(str(path)) == GpuProfile("my-card", 8 * 2**30, 40.0, 10.0, 450.0, 11.5, f"profile from {path}",
+                                                rates="profile file's")
     path.write_text(json.dumps({"memory_bytes": 8 * 2**30, "bf16_tflops": 40.0, "memory_gbps": 450.0}))
     with pytest.raises(UserError, match="host_link_gbps"):
         gpu_profile(str(path))
@@ -124,10 +126,34 @@ def test_profile_json_file(tmp_path):
         gpu_profile(str(path))
 
 
-@pytest.mark.parametrize("spec", ["rtx9090", "", "lots", "/no/such/file.json"])
+@pytest.mark.parametrize("spec", ["rtx9090", "", "lots"])
 def test_garbage_gpu_spec_is_refused(spec):
     with pytest.raises(UserError, match="unknown GPU .*named card .*24GiB.*JSON file"):
         gpu_profile(spec)
+
+
+def test_a_profile_file_that_is_not_there_or_not_a_number_each_is_one_sentence(tmp_path):
+    """A missing profile path was called an unknown card; json reads 1e400 as inf (int() of it raised
+    OverflowError) and Infinity as itself; 0.5 bytes made a 0 B card that nothing fits."""
+    for spec, said in ((tmp_path / "missing.json", "does not exist"), (tmp_path, "is a folder, not a JSON file")):
+        with pytest.raises(UserError, match=f"^GPU profile file '{spec}' {said}; `slimtune probe --out FILE` writes"):
+            gpu_profile(str(spec))
+    numbers = {"memory_bytes": 8 * 2**30, "bf16_tflops": 40.0, "fp32_tflops": 10.0, "memory_gbps": 450.0,
+               "host_link_gbps": 11.5}
+    path = tmp_path / "card.json"
+    for field, text in (("memory_bytes", "1e400"), ("bf16_tflops", "Infinity"), ("memory_gbps", "NaN"),
+                        ("memory_bytes", "0.5")):
+        path.write_text(json.dumps(numbers).replace(json.dumps(numbers[field]), text, 1))
+        with pytest.raises(UserError, match=f"^GPU profile file .* needs positive finite numbers for: {field}\\.$"):
+            gpu_profile(str(path))
+
+
+@pytest.mark.parametrize("spec, fault", [("64KiB", "a size in MiB, MB, GiB, GB, TiB or TB"),
+                                         ("100B", "a size in MiB"), ("1e3GB", "a plain number (no exponent)"),
+                                         ("-8GB", "a positive size"), ("lots", "a size")])
+def test_a_host_ram_size_says_what_is_wrong_with_it(spec, fault):
+    with pytest.raises(UserError, match=f"^--host-ram must be {re.escape(fault)}.* such as 64GiB.*got '{spec}'\\.$"):
+        presets.memory_size(spec, "--host-ram")
 
 
 @pytest.mark.parametrize("spec", ["0GB", "-4GiB", "24 TB"])
