@@ -501,7 +501,7 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
                human_bytes(e.host_bytes), human_bytes(e.disk_bytes), human_bytes(e.host_link_bytes),
                f"{r.tokens_per_s:,.0f}"]
         row += [_max_seq_cell(r)] if with_seq else []
-        rows.append(row + [("yes" if r.fits else "no (" + ", ".join(r.short) + ")")
+        rows.append(row + [("yes" if r.fits else "no (" + ", ".join(_short_cell(r, machine)) + ")")
                            + (" <- recommended" if r.recommended else "")])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [title, ""] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
@@ -523,6 +523,14 @@ def table(results: list[PlanResult], title: str, machine: Machine, detail: bool 
     chosen = recommended(results)
     lines.append(f"recommended: {chosen.engine} {chosen.label}" if chosen else f"no plan fits: {_smallest_need(results)}.")
     return "\n".join(lines)
+
+
+def _short_cell(result: PlanResult, machine: Machine) -> list[str]:
+    """What a plan lacks, by name; a host resource that its ranks on one machine share says their total
+    (the row's host RAM and disk are one rank's: 2 x 59.8 GiB of disk do not fit in 70 GiB)."""
+    here = max(result.ranks // machine.nodes, 1)
+    return [f"{what}: {here} ranks x {human_bytes(need // here)}" if here > 1 and what != "device" else what
+            for what, (need, _) in result.short.items()]
 
 
 def speed_note(machine: Machine) -> str:

@@ -115,7 +115,11 @@ def test_host_ram_is_shared_by_the_ranks_of_a_machine(model_config):
     roomy = planner.Machine(gpu, int(need * 2 / planner.HOST_RAM_SHARE) + 1, 2**40, cards=2)
     tight = planner.Machine(gpu, int(need * 1.5 / planner.HOST_RAM_SHARE), 2**40, cards=2)
     assert planner.weigh(model_config, planner.planning_config("full"), slide, roomy, 1, 32).fits
-    assert "host RAM" in planner.weigh(model_config, planner.planning_config("full"), slide, tight, 1, 32).short
+    short = planner.weigh(model_config, planner.planning_config("full"), slide, tight, 1, 32)
+    assert "host RAM" in short.short
+    # the table's host RAM is one rank's (under the machine's RAM): its "no" says the ranks' total
+    table = planner.table([short], "t", tight)
+    assert f"no (host RAM: 2 ranks x {planner.human_bytes(need)})" in table, table
 
 
 def test_plan_table_says_what_is_per_device(tiny_model_dir, capsys):
