@@ -85,7 +85,8 @@ class LoraConfig:
     dropout: float = setting(0.0, "Dropout on the LoRA input.")
     targets: str | list[str] = setting(
         "all-linear",
-        "Linears to adapt: 'all-linear' (every linear in the blocks) or name patterns such as [q_proj, v_proj].",
+        "Linears to adapt: 'all-linear' (every linear in the blocks) or name patterns such as [q_proj, v_proj]"
+        " (matched among the blocks' linears; the LM head takes no adapter).",
     )
 
     def validate(self) -> None:

@@ -87,20 +87,24 @@ def _is_linear(module: nn.Module) -> bool:
 
 
 def select_targets(model: nn.Module, targets: str | list[str], blocks_prefix: str = "model.layers.") -> list[str]:
-    """Module names to adapt: every linear inside the blocks for 'all-linear', else those whose
-    leaf name equals a pattern or whose full name matches it (fnmatch)."""
+    """Module names to adapt, all inside the blocks: every linear there for 'all-linear', else those
+    whose leaf name equals a pattern or whose full name matches it (fnmatch). A pattern that names
+    only linears outside the blocks (the LM head) is refused: the engines stream, tile and shard the
+    head as a plain weight, and PEFT's all-linear leaves it out too."""
     names = [n for n, m in model.named_modules() if _is_linear(m) and n.startswith(blocks_prefix)]
     if targets == "all-linear":
-        chosen = names
-    else:
-        patterns = [targets] if isinstance(targets, str) else targets
-        all_linear = [n for n, m in model.named_modules() if _is_linear(m)]
-        chosen = [n for n in all_linear if any(_matches(n, p) for p in patterns)]
-        for pattern in patterns:
-            if not any(_matches(n, pattern) for n in all_linear):
-                leaves = sorted({n.rsplit(".", 1)[-1] for n in all_linear})
-                raise UserError(f"lora.targets: '{pattern}' matches no linear layer; the model has {', '.join(leaves)}.")
-    return chosen
+        return names
+    patterns = [targets] if isinstance(targets, str) else targets
+    leaves = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))
+    outside = [n for n, m in model.named_modules() if _is_linear(m) and not n.startswith(blocks_prefix)]
+    for pattern in patterns:
+        if any(_matches(n, pattern) for n in names):
+            continue
+        if any(_matches(n, pattern) for n in outside):
+            raise UserError(f"lora.targets: '{pattern}' names {', '.join(n for n in outside if _matches(n, pattern))},"
+                            f" outside the decoder blocks, where slimtune puts no adapter; the blocks have {leaves}.")
+        raise UserError(f"lora.targets: '{pattern}' matches no linear layer of the blocks; they have {leaves}.")
+    return [n for n in names if any(_matches(n, p) for p in patterns)]
 
 
 def _matches(name: str, pattern: str) -> bool:

@@ -79,5 +79,21 @@ def test_target_that_matches_nothing_is_refused(tiny_model_dir):
     from slimtune.errors import UserError
 
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
-    with pytest.raises(UserError, match="lora.targets: 'qkv' matches no linear layer"):
+    with pytest.raises(UserError, match="lora.targets: 'qkv' matches no linear layer of the blocks; they have "
+                                        "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj.$"):
         lora.apply(model, LoraConfig(targets=["qkv"]))
+
+
+def test_the_lm_head_takes_no_adapter(tiny_model_dir):
+    """lora.targets=[lm_head] wrapped the head, and every engine's loss then raised (resident: 'LM head
+    LoRALinear has neither a weight nor weight_tiles()'); the refusal listed lm_head as a choice."""
+    from slimtune.errors import UserError
+
+    model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
+    with pytest.raises(UserError, match="^lora.targets: 'lm_head' names lm_head, outside the decoder blocks, where "
+                                        "slimtune puts no adapter; the blocks have down_proj, "):
+        lora.apply(model, LoraConfig(targets=["q_proj", "lm_head"]))
+    assert not lora.adapters(model)  # refused before any layer was wrapped
+    names = lora.apply(model, LoraConfig(targets=["*"]))  # every linear: the blocks' ones, as all-linear
+    assert names == lora.select_targets(load_model(tiny_model_dir, torch.float32, torch.device("cpu")), "all-linear")
+    assert not isinstance(model.lm_head, lora.LoRALinear)
