@@ -43,9 +43,10 @@ from slimtune.model.stack import read_config
 from slimtune.optim.host_adam import SCRATCH_KIND as MOMENTS
 
 RECORD = "run.json"
+CONFIG = "config.yaml"  # the run's resolved settings, written at each start
 LOCK = ".lock"
 # What a run writes in its folder: train.overwrite removes these and nothing else.
-RUN_FILES = (RECORD, "config.yaml", "metrics.jsonl", "metrics.png", "trackers.json", "checkpoints", "adapter", "model",
+RUN_FILES = (RECORD, CONFIG, "metrics.jsonl", "metrics.png", "trackers.json", "checkpoints", "adapter", "model",
              "merged", "tensorboard", "activations", "moments")
 SAMPLES = 16  # model fingerprint: bytes sampled from this many places of each weights file
 SAMPLE_BYTES = 4096
@@ -66,6 +67,7 @@ class RunFolder:
         if self.root.is_dir():
             self._lock()
             self.record = self._read_record()
+            self._refuse_a_users_config()
             if self._holds_run() and not self.cfg.train.overwrite:
                 if not self.cfg.train.resume:
                     raise UserError(
@@ -74,6 +76,15 @@ class RunFolder:
                 if self.record is not None:
                     self._check_identity()
         self._check_result_folder()
+
+    def _refuse_a_users_config(self) -> None:
+        """A config.yaml in a folder that holds no run is the user's (often the very config being run):
+        the run would replace it with its resolved settings, which chat, eval and export read there."""
+        config_file = self.root / CONFIG
+        if config_file.exists() and not self._holds_run():
+            raise UserError(f"output_dir '{self.root}' holds {CONFIG}, which no run there wrote; a run writes its "
+                            f"resolved settings to {config_file} (chat, eval and export read them), so keep your "
+                            "config outside output_dir, or use another output_dir.")
 
     def _check_result_folder(self) -> None:
         """The result's folder (adapter/ or model/ in output_dir) is not the base model, the data or a
@@ -167,6 +178,7 @@ class RunFolder:
         checkpoints, or with a result, stays recorded."""
         if self.record is not None and not self.record.get("result") and \
                 not checkpoint.list_checkpoints(self.root / "checkpoints"):
+            (self.root / CONFIG).unlink(missing_ok=True)  # the run's (a folder without a run keeps the user's)
             (self.root / RECORD).unlink(missing_ok=True)
             self.record = None
 

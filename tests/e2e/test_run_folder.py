@@ -352,6 +352,27 @@ def test_a_run_stopped_before_its_first_checkpoint_may_be_retried_with_other_set
     assert "holds a run this one cannot continue: method was 'lora', now 'full'" in capsys.readouterr().err
 
 
+def test_a_users_config_in_output_dir_is_never_replaced(here, capsys):
+    """A config kept in the folder it names as output_dir was replaced by the run's resolved dump,
+    comments and all (a common layout: runs/exp1/config.yaml with output_dir: runs/exp1)."""
+    mine = (here / "mine")
+    mine.mkdir()
+    text = "# my experiment\n" + (here / "run.yaml").read_text().replace("output_dir: out", "output_dir: mine")
+    (mine / "config.yaml").write_text(text)
+    before = tree(mine)
+    code = cli.main(["train", "mine/config.yaml", "--no-progress", "train.steps=2"])
+    refused(capsys, code, "output_dir 'mine' holds config.yaml, which no run there wrote; a run writes its resolved"
+                          " settings to mine/config.yaml (chat, eval and export read them), so keep your config")
+    assert tree(mine) == before and not (mine / "run.json").exists()
+    refused(capsys, run("train.steps=2", "output_dir=mine", "train.overwrite=true"), "holds config.yaml")  # a run's
+    assert (mine / "config.yaml").read_text() == text
+    # a run's own config.yaml goes with the run it withdraws (stopped before a checkpoint): a retry is not refused
+    code = run("method=full", "train.lr=1e30", "train.max_grad_norm=0", "train.save_every=0", "output_dir=stopped")
+    refused(capsys, code, "no checkpoint was written yet")
+    assert not (here / "stopped" / "config.yaml").exists() and (here / "stopped" / "metrics.jsonl").exists()
+    assert run("train.steps=2", "output_dir=stopped") == 0
+
+
 def test_an_evaluation_is_logged_on_a_step_that_is_not_a_logging_step(here):
     """train.eval_every=2, train.log_every=3: the evaluations at steps 2 and 4 reached no log (only the
     last step's did), though they ran."""
