@@ -307,10 +307,10 @@ def _fit(cfg: RunConfig, progress: bool, run: Run | None, dist: Dist) -> tuple[R
         bar = tqdm(total=run.cfg.train.steps, initial=start, unit="step", dynamic_ncols=True,
                    mininterval=0.1 if sys.stderr.isatty() else 30.0) if progress else \
             StepLines(run.cfg.train.steps, start, say)
-        began, skips, drawn = time.perf_counter(), Skips(), DrawnBatches(stream)
+        began, skips, drawn, peak = time.perf_counter(), Skips(), DrawnBatches(stream), LoggedPeak()
         try:
             for step in range(start + 1, run.cfg.train.steps + 1):
-                _train_step(run, step, drawn, log, bar, skips)
+                _train_step(run, step, drawn, log, bar, skips, peak)
                 interrupts.check()  # a Ctrl-C that a finalizer swallowed during the step stops the run here
         except BaseException as err:
             log.close(failed=True)  # the W&B and MLflow runs are marked failed
@@ -427,6 +427,23 @@ class Skips:
         self.total += not applied
 
 
+@dataclass
+class LoggedPeak:
+    """The largest device peak of the steps since the last logged row: with train.log_every > 1 a row
+    stands for several steps, and carries their largest peak (the summary's is the largest row's)."""
+
+    largest: int | None = None
+
+    def note(self, peak: int | None) -> int | None:
+        """The largest so far, this step's included."""
+        if peak is not None:
+            self.largest = peak if self.largest is None else max(self.largest, peak)
+        return self.largest
+
+    def logged(self) -> None:
+        self.largest = None
+
+
 class DrawnBatches:
     """The stream's batches step by step. For an engine that starts a step before the one before it
     ends (`starts_ahead`: roundpipe's async optimizer), the next step's are drawn one step early,
@@ -453,7 +470,8 @@ def _next_starts_early(run: Run, step: int) -> bool:
             and not _due(step, t.eval_every, t.steps) and not _due(step, t.save_every, t.steps))
 
 
-def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, skips: Skips) -> None:
+def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, skips: Skips,
+                peak: LoggedPeak) -> None:
     """One optimizer step, then what is due after it: evaluation, the log, a checkpoint. A step that
     could not update (non-finite) is logged, then ends the run or is skipped (train.on_nonfinite)."""
     t, dist = run.cfg.train, run.dist
@@ -469,7 +487,8 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
     except torch.OutOfMemoryError:
         raise UserError(out_of_memory_advice(run, step)) from None
     skips.note(result.applied)
-    record = {**_record(step, result, time.perf_counter() - tick), "skipped_updates": skips.total}
+    record = {**_record(step, result, time.perf_counter() - tick), "skipped_updates": skips.total,
+              "device_peak_bytes": peak.note(result.device_peak_bytes)}
     if dist.active:
         record["allreduce_bytes"] = dist.take_reduced_bytes()  # this rank's payload, the step's own sums
     evaluated = _due(step, t.eval_every, t.steps)
@@ -481,6 +500,7 @@ def _train_step(run: Run, step: int, drawn: DrawnBatches, log: MetricsLog, bar, 
             raise UserError(out_of_memory_advice(run, step, "evaluating after")) from None
     if _due(step, t.log_every, t.steps) or evaluated or not result.applied:  # an evaluation is always logged
         log.log(record)
+        peak.logged()
     if not result.applied:
         _refuse_nonfinite(run, step, result, skips)
     if _due(step, t.save_every, t.steps):

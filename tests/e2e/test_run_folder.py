@@ -373,6 +373,17 @@ def test_a_users_config_in_output_dir_is_never_replaced(here, capsys):
     assert run("train.steps=2", "output_dir=stopped") == 0
 
 
+def test_a_row_for_several_steps_carries_their_largest_device_peak(here):
+    """train.log_every=4 logged only every fourth step's own peak, and the summary's peak (the largest
+    row's) missed the steps between: 3.4x too low on data of mixed lengths."""
+    assert run("train.steps=8", "train.save_every=0", "train.eval_every=0", "output_dir=each") == 0
+    assert run("train.steps=8", "train.save_every=0", "train.eval_every=0", "train.log_every=4",
+               "output_dir=fourth") == 0
+    each = [r["device_peak_bytes"] for r in records(here / "each")]
+    assert (each[3], each[7]) != (max(each[:4]), max(each[4:]))  # the logged steps' own are not the largest
+    assert [r["device_peak_bytes"] for r in records(here / "fourth")] == [max(each[:4]), max(each[4:])]
+
+
 def test_an_evaluation_is_logged_on_a_step_that_is_not_a_logging_step(here):
     """train.eval_every=2, train.log_every=3: the evaluations at steps 2 and 4 reached no log (only the
     last step's did), though they ran."""
