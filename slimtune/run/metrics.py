@@ -139,12 +139,13 @@ class MetricsLog:
 
 def _tensorboard_writer(folder: Path, resume_step: int):
     """A resumed run hides what the killed one logged after its checkpoint (purge_step), as
-    metrics.jsonl drops it: TensorBoard would draw those steps twice."""
+    metrics.jsonl drops it: TensorBoard would draw those steps twice. A run started over (no
+    checkpoint: an attempt stopped before its first) hides all of that attempt's steps the same way."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional
         return None
-    return SummaryWriter(str(folder), purge_step=resume_step + 1 if resume_step else None)
+    return SummaryWriter(str(folder), purge_step=resume_step + 1)
 
 
 # ---------------------------------------------------------------- trackers: W&B and MLflow

@@ -61,6 +61,28 @@ def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
     assert tensorboard_steps(tmp_path / "out" / "tensorboard") == [1, 2, 3, 4]
 
 
+def test_tensorboard_after_a_start_over_shows_only_the_new_attempt(tmp_path):
+    """An attempt stopped before its first checkpoint (a Ctrl-C, a non-finite loss) is started over:
+    its steps were drawn beside the retry's (1, 2, 3 then 1 .. 4), as metrics.jsonl does not."""
+    pytest.importorskip("tensorboard")
+    cfg = settings(tmp_path)
+    log = opened(tmp_path, cfg)
+    for record in RECORDS:
+        log.log({**record, "loss": 9.0})
+    log.close(failed=True)
+    log = opened(tmp_path, cfg)
+    for record in RECORDS:
+        log.log(record)
+    log.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+    events.Reload()
+    shown = events.Scalars("loss")
+    assert [e.step for e in shown] == [1, 2, 3]
+    assert [e.value for e in shown] == pytest.approx([r["loss"] for r in RECORDS])  # the retry's (fp32), not 9.0
+
+
 # ---------------------------------------------------------------- W&B offline run files
 
 
