@@ -237,6 +237,11 @@ def _train_or_demo(args: argparse.Namespace) -> None:
     from slimtune.engines import settings
 
     if args.config is None and not args.overrides:
+        given = [flag for flag, value in (("--nproc", args.nproc), ("--gpu", args.gpu)) if value is not None]
+        if given:  # the demo would run in one process, without a word about the flag
+            raise UserError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} a config or key=value"
+                            " settings; `slimtune train` alone "
+                            "runs the built-in demo, in one process.")
         from slimtune import demo
 
         demo.main(progress=not args.no_progress)

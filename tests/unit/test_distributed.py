@@ -215,6 +215,18 @@ def test_nproc_is_spelled_out_and_not_nested(monkeypatch, capsys):
     assert "under torchrun leave it out" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, named", [(["--nproc", "2"], "--nproc"), (["--gpu", "8GiB"], "--gpu"),
+                                          (["--nproc", "2", "--gpu", "8GiB"], "--nproc and --gpu")])
+def test_the_demo_does_not_take_a_flag_it_would_ignore(monkeypatch, capsys, flags, named):
+    """`slimtune train --nproc 2` alone ran the demo in one process, the flag unsaid."""
+    from slimtune import cli, demo
+
+    monkeypatch.setattr(demo, "main", lambda **kwargs: pytest.fail("the demo ran"))
+    assert cli.main(["train", *flags]) == 2
+    assert f"{named} {'need' if ' and ' in named else 'needs'} a config or key=value settings; `slimtune train` alone runs the built-in demo, in one" \
+           " process." in capsys.readouterr().err
+
+
 def test_gradient_buckets_launch_in_bucket_order_as_they_fill(monkeypatch):
     """Hooks may fire in any order; buckets go out in one order on every rank, each as soon as it
     and those before it are full (one rank of gloo in this process: the sums are the gradients)."""
