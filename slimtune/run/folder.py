@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import contextlib
 import json
 import os
 import shutil
@@ -146,7 +147,7 @@ class RunFolder:
         self.cfg = cfg
         for setting, folder in _scratch_roots(cfg).items():
             check_writable(folder, setting)
-        self.root.mkdir(parents=True, exist_ok=True)
+        _make_folder(self.root, "output_dir")
         self._lock()
         if self.cfg.train.overwrite:
             for name in RUN_FILES:
@@ -294,13 +295,36 @@ def check_writable(folder: Path, setting: str, replaced: bool = False) -> None:
     """`folder` is, or can be made as, a folder this process may write; one sentence if not.
     `replaced`: an existing `folder` is replaced whole, so the folder holding it is written too."""
     probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    try:
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+    except OSError as err:  # a name longer than the file system takes, say
+        raise UserError(f"{setting} '{folder}' cannot be a folder: {err.strerror or err}.") from None
     if not probe.is_dir():
         raise UserError(f"{setting} '{folder}' cannot be a folder: '{probe}' is a file.")
     for place in [probe, probe.parent] if replaced and probe == folder else [probe]:
         if not os.access(place, os.W_OK | os.X_OK):
             raise UserError(f"{setting} '{folder}' is not writable ('{place}' does not let this user write).")
+
+
+def _make_folder(root: Path, setting: str) -> None:
+    """`root` and the missing folders above it, or none of them: a name the file system cannot take, or
+    a place writable by its permissions yet not for folders (/proc), is one sentence and leaves nothing."""
+    made = []
+    try:
+        for folder in reversed([root, *root.parents]):
+            if folder.is_dir():
+                continue
+            try:
+                folder.mkdir()
+            except FileExistsError:  # made meanwhile by another process
+                continue
+            made.append(folder)
+    except OSError as err:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise UserError(f"{setting} '{root}' cannot be made: {err.strerror or err}.") from None
 
 
 def result_name(cfg: RunConfig) -> str:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -371,6 +372,15 @@ def test_a_users_config_in_output_dir_is_never_replaced(here, capsys):
     refused(capsys, code, "no checkpoint was written yet")
     assert not (here / "stopped" / "config.yaml").exists() and (here / "stopped" / "metrics.jsonl").exists()
     assert run("train.steps=2", "output_dir=stopped") == 0
+
+
+def test_an_output_dir_the_file_system_cannot_hold_is_one_sentence(here, capsys):
+    """A name past the file system's limit (ENAMETOOLONG from a stat) and a folder under /proc (writable by
+    its permissions, yet mkdir fails) were tracebacks."""
+    refused(capsys, run(f"output_dir=runs/{'a' * 300}"), "File name too long.")
+    if Path("/proc/self").is_dir():
+        refused(capsys, run("output_dir=/proc/slimtune-run"), "output_dir '/proc/slimtune-run' cannot be made: ")
+    assert not (here / "runs").exists()
 
 
 def test_a_row_for_several_steps_carries_their_largest_device_peak(here):
