@@ -37,7 +37,21 @@ def load(path: str | Path | None, overrides: list[str] = (), base: dict | None =
     settles_open = bool(registry.get(cfg.engine).open_settings(cfg))
     for sentence in unread_by_choice(cfg, found.given, found.typed, settles_open):
         (warn or say_warning)(f"{sentence}.")
+    planned = _chosen_by_the_planner(cfg, found.given)
+    if planned:
+        (warn or say_warning)(f"{listed(planned)} {'is' if len(planned) == 1 else 'are'} set, but plan=auto chooses the"
+                              " engine and its options and may replace them (the plan it picks is said when the run"
+                              " starts); leave plan=auto out to train as set.")
     return cfg
+
+
+def _chosen_by_the_planner(cfg: RunConfig, given: list[str]) -> list[str]:
+    """The given settings that plan=auto's plans set (engine, precision, activations.checkpoint, ...):
+    its choice replaces them (a run that asked for engine=slide and plan=auto trained resident, unsaid)."""
+    if cfg.plan != "auto":
+        return []
+    keys = {key for cards in (1, 2) for plan in registry.plans_for(cfg.method, cards) for key in plan}
+    return [key for key in given if key in keys]
 
 
 def sections() -> dict[str, type]:

@@ -22,9 +22,9 @@ loaded or written, what a run records of itself, what resume verifies, and one r
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
-import contextlib
 import json
 import os
 import shutil

@@ -254,6 +254,11 @@ def test_settings_the_method_or_plan_leaves_unread_are_said_to_be_ignored(tmp_pa
     settings.load(path, ["method=full", "lora={rank: 4}"], warn=heard.append)
     settings.load(path, ["method=full", "engine=chunk", "chunk.n_chunks=0", "gpu=8GiB"], warn=heard.append)
     assert heard == ["lora is set but method is full: ignored."]
+    heard.clear()  # plan=auto's choice replaces the engine and the options its plans set (was unsaid)
+    settings.load(path, ["plan=auto", "gpu=8GiB", "engine=slide", "slide.slots=3", "precision=fp32"],
+                  warn=heard.append)
+    assert heard == ["engine and precision are set, but plan=auto chooses the engine and its options and may replace"
+                     " them (the plan it picks is said when the run starts); leave plan=auto out to train as set."]
 
 
 def test_freeze_patterns_freeze_what_they_match_and_one_that_matches_nothing_is_refused(model_dir, tmp_path, tokenizer):
