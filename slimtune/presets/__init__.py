@@ -160,7 +160,7 @@ def _size_fault(text: str) -> str:
         return "a size"
     if like.group(1).lower() in ("kib", "kb", "k", "b"):
         return "a size in MiB, MB, GiB, GB, TiB or TB"
-    if re.search(r"e[-+]?\d|nan|inf", text, re.IGNORECASE):
+    if re.search(r"\de[-+]?\d", text, re.IGNORECASE):
         return "a plain number (no exponent) with a unit"
     return "a positive size"
 
