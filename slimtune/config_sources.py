@@ -92,7 +92,24 @@ def unread_by_choice(cfg, given: list[str], typed: list[str], settles_open: bool
         unread.append("freeze is set but method is lora (only the adapters train): ignored")
     if "gpu" in given and cfg.plan != "auto" and not settles_open:
         unread.append("gpu (--gpu) is set but plan is manual: ignored; add plan=auto to plan for that card")
+    unread += [f"{listed(keys)} {'is' if len(keys) == 1 else 'are'} set but {why}: ignored"
+               for keys, why in _unread_by_setting(cfg, given)]
     return unread
+
+
+def _unread_by_setting(cfg, given: list[str]) -> list[tuple[list[str], str]]:
+    """Given settings that another setting's value leaves unread: the block files' folder without
+    checkpoint=disk, a tracker's options with the tracker off (each ran without a word)."""
+    found = []
+    for keys, off, why in (
+            (["activations.disk_dir"], cfg.activations.checkpoint != "disk",
+             f"activations.checkpoint is {cfg.activations.checkpoint}, not disk"),
+            (["log.wandb_project", "log.wandb_mode"], not cfg.log.wandb, "log.wandb is false"),
+            (["log.mlflow_tracking_uri", "log.mlflow_experiment"], not cfg.log.mlflow, "log.mlflow is false")):
+        named = [key for key in keys if key in given]
+        if named and off:
+            found.append((named, why))
+    return found
 
 
 def listed(keys: list[str]) -> str:

@@ -254,6 +254,14 @@ def test_settings_the_method_or_plan_leaves_unread_are_said_to_be_ignored(tmp_pa
     settings.load(path, ["method=full", "lora={rank: 4}"], warn=heard.append)
     settings.load(path, ["method=full", "engine=chunk", "chunk.n_chunks=0", "gpu=8GiB"], warn=heard.append)
     assert heard == ["lora is set but method is full: ignored."]
+    heard.clear()  # a setting another one's value leaves unread (each ran without a word)
+    settings.load(path, ["activations.disk_dir=/x", "log.wandb_mode=offline", "log.mlflow_experiment=e"],
+                  warn=heard.append)
+    settings.load(path, ["activations.checkpoint=disk", "activations.disk_dir=/x", "log.wandb=true",
+                         "log.wandb_mode=offline"], warn=heard.append)  # read: nothing said
+    assert heard == ["activations.disk_dir is set but activations.checkpoint is none, not disk: ignored.",
+                     "log.wandb_mode is set but log.wandb is false: ignored.",
+                     "log.mlflow_experiment is set but log.mlflow is false: ignored."]
     heard.clear()  # plan=auto's choice replaces the engine and the options its plans set (was unsaid)
     settings.load(path, ["plan=auto", "gpu=8GiB", "engine=slide", "slide.slots=3", "precision=fp32"],
                   warn=heard.append)
