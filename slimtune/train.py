@@ -639,7 +639,7 @@ def summary_table(summary: dict, extra: list[tuple[str, str]] = ()) -> str:
     """The run's figures, and `extra` rows (the demo's accuracies) aligned with them; a run that trained
     nothing (its steps were all done before) has no speed or peak to show, and says so instead of zeros."""
     idle = summary["resumed_from"] >= summary["steps"]
-    steps = (f"{summary['steps']} (all taken before this run)" if idle else
+    steps = (f"{summary['resumed_from']} (all taken before this run)" if idle else
              f"{summary['steps']} (resumed from {summary['resumed_from']})" if summary["resumed_from"] else
              str(summary["steps"]))
     rows = [

@@ -167,7 +167,9 @@ def test_a_finished_run_run_again_says_there_is_nothing_to_train_and_shows_no_sp
     exported = {f.name: f.stat().st_mtime_ns for f in (here / "out" / "adapter").iterdir()}
     for again in (["train.steps=2", "train.lr=0.5"], ["train.steps=1", "train.warmup_steps=0"]):  # lower: still step 2
         assert run(*again) == 0
-        assert "changed settings" not in capsys.readouterr().out
+        said = capsys.readouterr().out
+        assert "changed settings" not in said
+        assert "2 (all taken before this run)" in said  # the steps it holds, not train.steps (said "1 (...)")
         assert ((here / "out" / "run.json").read_text(), (here / "out" / "config.yaml").read_text()) == \
             (record, config_yaml)
     assert json.loads(record)["result"] == {"step": 2, "path": "adapter"}
