@@ -8,6 +8,7 @@ import importlib
 import math
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -428,9 +429,20 @@ def _refuse_nonpositive(*options: tuple[str, int | None]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
     except KeyboardInterrupt as err:  # Ctrl-C before a command began (the imports take seconds): nothing to say
         return _interrupted_early(argv, interrupts.exit_code(err))
+    if argv is None and code in (130, 143):
+        _deaf_while_ending()
+    return code
+
+
+def _deaf_while_ending() -> None:
+    """The process's own command line, stopped and said so, ends now: a second Ctrl-C (or SIGTERM) in
+    its teardown (atexit, finalizers) would print a KeyboardInterrupt traceback after the sentence and
+    change nothing, so both are ignored from here. Not for in-process callers (they give argv)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _interrupted_early(argv: list[str] | None, code: int) -> int:

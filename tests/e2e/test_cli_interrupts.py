@@ -130,3 +130,23 @@ def test_every_command_names_the_module_it_imports_under_the_watch():
     assert set(cli.COMMAND_MODULES) == set(cli._parser()[1])
     for module in cli.COMMAND_MODULES.values():
         importlib.import_module(module)
+
+
+def test_a_command_line_stopped_and_said_so_ignores_a_second_ctrl_c_while_it_ends():
+    """Two Ctrl-Cs a few milliseconds apart: the second, landing in the process's teardown (atexit,
+    finalizers) after the one-sentence message, printed a KeyboardInterrupt traceback (2 runs in 4). The
+    process's own command line (argv not given) ignores both signals once it has said it stopped; an
+    in-process caller keeps its handlers."""
+    script = (
+        "import signal, sys\n"
+        "from slimtune import cli\n"
+        "cli._main = lambda argv: 130\n"  # a command stopped by Ctrl-C, its sentence said
+        "assert cli.main(['train']) == 130 and signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+        "code = cli.main()\n"
+        "assert code == 130 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN, code\n"
+        "assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN\n"
+        "import os; os.kill(os.getpid(), signal.SIGINT)\n"  # the second Ctrl-C: nothing happens
+        "print('ended quietly')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ended quietly", done.stderr
