@@ -93,8 +93,18 @@ def unread_by_choice(cfg, given: list[str], typed: list[str], settles_open: bool
     if "gpu" in given and cfg.plan != "auto" and not settles_open:
         unread.append("gpu (--gpu) is set but plan is manual: ignored; add plan=auto to plan for that card")
     unread += [f"{listed(keys)} {'is' if len(keys) == 1 else 'are'} set but {why}: ignored"
-               for keys, why in _unread_by_setting(cfg, given)]
+               for keys, why in [*_unread_by_setting(cfg, given), *_unread_in_sections(cfg, given)]]
     return unread
+
+
+def _unread_in_sections(cfg, given: list[str]) -> list[tuple[list[str], str]]:
+    """What the run's engine sections say their own settings leave unread (a section's optional
+    `unread_given(given)`: slide.moments_dir without slide.moments=disk), for the sections the run reads."""
+    if cfg.plan == "auto":  # the planner picks the engine, and its options, later
+        return []
+    read = set(cfg.sections) - {key.split(".")[0] for key in unread_sections(cfg, list(cfg.sections))}
+    return [found for name in sorted(read) if hasattr(cfg.sections[name], "unread_given")
+            for found in cfg.sections[name].unread_given(given)]
 
 
 def _unread_by_setting(cfg, given: list[str]) -> list[tuple[list[str], str]]:

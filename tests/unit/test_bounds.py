@@ -262,6 +262,13 @@ def test_settings_the_method_or_plan_leaves_unread_are_said_to_be_ignored(tmp_pa
     assert heard == ["activations.disk_dir is set but activations.checkpoint is none, not disk: ignored.",
                      "log.wandb_mode is set but log.wandb is false: ignored.",
                      "log.mlflow_experiment is set but log.mlflow is false: ignored."]
+    heard.clear()  # an engine section's own: a folder for files its other setting keeps in RAM
+    settings.load(path, ["engine=slide", "method=full", "slide.moments_dir=/x"], warn=heard.append)
+    settings.load(path, ["engine=chunk", "method=full", "chunk.state_dir=/x"], warn=heard.append)
+    settings.load(path, ["engine=slide", "method=full", "slide.moments=disk", "slide.moments_dir=/x"],
+                  warn=heard.append)  # read: nothing said
+    assert heard == ["slide.moments_dir is set but slide.moments is ram, not disk: ignored.",
+                     "chunk.state_dir is set but chunk.state is ram, not disk: ignored."]
     heard.clear()  # plan=auto's choice replaces the engine and the options its plans set (was unsaid)
     settings.load(path, ["plan=auto", "gpu=8GiB", "engine=slide", "slide.slots=3", "precision=fp32"],
                   warn=heard.append)

@@ -109,6 +109,12 @@ class ChunkConfig:
                   " device; the link carries it every micro-batch). slide's working set always sends its gradients"
                   " to the host.")
 
+    def unread_given(self, given: list[str]) -> list[tuple[list[str], str]]:
+        """The given settings of this section that its other settings leave unread, each with why."""
+        if "chunk.state_dir" in given and self.state != "disk":
+            return [(["chunk.state_dir"], f"chunk.state is {self.state}, not disk")]
+        return []
+
     def validate(self) -> None:
         if self.n_chunks < 0:
             raise UserError(f"chunk.n_chunks must be a count, or 0 for the planner to choose, got {self.n_chunks}.")

@@ -26,6 +26,12 @@ class SlideConfig:
         "all", "engine=slide: all: every tensor has gradients, fp32 masters and AdamW state on the host; chunk:"
                " only the active chunk's (ChunkFT, the chunk.* settings), the host holding bf16 weights besides.")
 
+    def unread_given(self, given: list[str]) -> list[tuple[list[str], str]]:
+        """The given settings of this section that its other settings leave unread, each with why."""
+        if "slide.moments_dir" in given and self.moments != "disk":
+            return [(["slide.moments_dir"], f"slide.moments is {self.moments}, not disk")]
+        return []
+
     def validate(self) -> None:
         if self.slots not in (2, 3):
             raise UserError(f"slide.slots must be 2 or 3, got {self.slots}.")
