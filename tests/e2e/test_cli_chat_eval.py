@@ -353,10 +353,12 @@ def test_plan_png_hands_the_plans_machine_and_title_to_plan_picture(as_json, tmp
     picture = types.ModuleType("slimtune.planning.picture")
     picture.write_png = lambda results, machine, path, title: calls.append((results, machine, path, title)) or \
         Path(path)
+    checked = []
+    picture.check_target = lambda path: checked.append(path) or Path(path)  # the path, before any plan is weighed
     monkeypatch.setitem(sys.modules, "slimtune.planning.picture", picture)
     monkeypatch.setattr(slimtune.planning, "picture", picture, raising=False)
     results = ["a plan"]
-    monkeypatch.setattr(planner, "plan", lambda *a, **k: results)
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: (checked or pytest.fail("weighed before the check")) and results)
     monkeypatch.setattr(planner, "table", lambda found, title, machine, detail=False: f"TABLE {title}")
     monkeypatch.setattr(planner, "to_json", lambda found: "[]")
     png = str(tmp_path / "plan.png")
