@@ -110,10 +110,12 @@ def _unread_in_sections(cfg, given: list[str]) -> list[tuple[list[str], str]]:
 def _unread_by_setting(cfg, given: list[str]) -> list[tuple[list[str], str]]:
     """Given settings that another setting's value leaves unread: the block files' folder without
     checkpoint=disk, a tracker's options with the tracker off (each ran without a word)."""
-    found = []
+    found, acts = [], cfg.activations
     for keys, off, why in (
-            (["activations.disk_dir"], cfg.activations.checkpoint != "disk",
-             f"activations.checkpoint is {cfg.activations.checkpoint}, not disk"),
+            (["activations.disk_dir"], acts.checkpoint != "disk", f"activations.checkpoint is {acts.checkpoint}, not disk"),
+            (["activations.seq_tile", "activations.mlp_chunk", "activations.cache"], acts.checkpoint == "none",
+             "activations.checkpoint is none (tiles and the cache are checkpointed blocks')"),
+            (["activations.last_k"], acts.cache != "last_k", f"activations.cache is {acts.cache}, not last_k"),
             (["log.wandb_project", "log.wandb_mode"], not cfg.log.wandb, "log.wandb is false"),
             (["log.mlflow_tracking_uri", "log.mlflow_experiment"], not cfg.log.mlflow, "log.mlflow is false")):
         named = [key for key in keys if key in given]

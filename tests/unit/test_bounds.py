@@ -259,9 +259,15 @@ def test_settings_the_method_or_plan_leaves_unread_are_said_to_be_ignored(tmp_pa
                   warn=heard.append)
     settings.load(path, ["activations.checkpoint=disk", "activations.disk_dir=/x", "log.wandb=true",
                          "log.wandb_mode=offline"], warn=heard.append)  # read: nothing said
+    settings.load(path, ["activations.seq_tile=256", "activations.cache=small"], warn=heard.append)
+    settings.load(path, ["activations.checkpoint=recompute", "activations.seq_tile=256", "activations.last_k=3"],
+                  warn=heard.append)
     assert heard == ["activations.disk_dir is set but activations.checkpoint is none, not disk: ignored.",
                      "log.wandb_mode is set but log.wandb is false: ignored.",
-                     "log.mlflow_experiment is set but log.mlflow is false: ignored."]
+                     "log.mlflow_experiment is set but log.mlflow is false: ignored.",
+                     "activations.seq_tile and activations.cache are set but activations.checkpoint is none (tiles and"
+                     " the cache are checkpointed blocks'): ignored.",
+                     "activations.last_k is set but activations.cache is none, not last_k: ignored."]
     heard.clear()  # an engine section's own: a folder for files its other setting keeps in RAM
     settings.load(path, ["engine=slide", "method=full", "slide.moments_dir=/x"], warn=heard.append)
     settings.load(path, ["engine=chunk", "method=full", "chunk.state_dir=/x"], warn=heard.append)
