@@ -108,7 +108,7 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
     plan.add_argument("--method", choices=("lora", "full"), default="lora",
                       help="lora (adapters over a frozen, possibly 4-bit base) or full fine-tuning (default lora)")
-    plan.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    plan.add_argument("--rank", type=int, help="LoRA rank (default 16; --method lora only)")
     plan.add_argument("--gpus", "--gpus-per-node", dest="gpus", type=int, default=1,
                       help="cards of that kind per machine (default 1): one rank each under data parallelism, or one"
                            " worker each for an engine that uses several (roundpipe)")
@@ -307,7 +307,11 @@ def _plan(args: argparse.Namespace) -> None:
                             " end; give --max-seq a LIMIT)", planner.seq_limit_of(model_config, args.max_seq),
                             args.batch)
     machine = planner.Machine.named(args.gpu, args.host_ram, args.disk, cards=args.gpus, nodes=args.nodes)
-    base = planner.planning_config(args.method, args.rank)
+    if args.rank is not None and args.method == "full":
+        from slimtune.config_sources import say_warning
+
+        say_warning("--rank is set but --method is full (every weight trains, no adapter): ignored.")
+    base = planner.planning_config(args.method, 16 if args.rank is None else args.rank)
     longest = ", and the longest sequence each fits" if args.max_seq is not None else ""
     results = planner.plan(model_config, base, machine, args.batch, args.seq, max_seq=args.max_seq is not None,
                            seq_limit=args.max_seq or 0, progress=Weighing("slimtune plan", longest))

@@ -106,3 +106,14 @@ def test_largest_fitting_tile_by_bisection():
     assert len(asked) <= 3  # the smallest, then a bisection of the four others
     assert tile_choice.largest_fitting(8192, lambda tile: False) is None
     assert tile_choice.largest_fitting(200, fits) is None  # no tile shorter than the row
+
+
+def test_rank_with_full_fine_tuning_is_said_to_be_ignored(capsys, monkeypatch):
+    """--rank 16 --method full was accepted without a word (full fine-tuning has no adapter)."""
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: [])
+    monkeypatch.setattr(planner, "table", lambda *a, **k: "TABLE")
+    assert cli.main(["plan", "--model", "Llama-3.1-8B", "--gpu", "24GiB", "--method", "full", "--rank", "8"]) == 0
+    assert "warning: --rank is set but --method is full (every weight trains, no adapter): ignored." in \
+        capsys.readouterr().err
+    assert cli.main(["plan", "--model", "Llama-3.1-8B", "--gpu", "24GiB", "--method", "full"]) == 0
+    assert "--rank" not in capsys.readouterr().err
