@@ -241,8 +241,7 @@ def _train_or_demo(args: argparse.Namespace) -> None:
         given = [flag for flag, value in (("--nproc", args.nproc), ("--gpu", args.gpu)) if value is not None]
         if given:  # the demo would run in one process, without a word about the flag
             raise UserError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} a config or key=value"
-                            " settings; `slimtune train` alone "
-                            "runs the built-in demo, in one process.")
+                            " settings; `slimtune train` alone runs the built-in demo, in one process.")
         from slimtune import demo
 
         demo.main(progress=not args.no_progress)
