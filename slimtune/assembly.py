@@ -36,11 +36,10 @@ HOST = torch.device("cpu")
 def resolve_device(name: str, dist: Dist = SINGLE, flag: bool = False) -> torch.device:
     """The run's device; under torchrun on CUDA the rank's own card, cuda:LOCAL_RANK. `flag`: the user
     gave it as --device (chat, eval), not as the device setting (train), and the sentences say so."""
-    setting = "--device" if flag else "device"
-    spell = (lambda value: f"--device {value}") if flag else (lambda value: f"device={value}")
+    setting, spell = ("--device", "--device {}") if flag else ("device", "device={}")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"{setting} is '{name}' but no CUDA device is available; use {spell('auto')} or "
-                        f"{spell('cpu')}.")
+        raise UserError(f"{setting} is '{name}' but no CUDA device is available; use {spell.format('auto')} or "
+                        f"{spell.format('cpu')}.")
     if name.startswith("cuda:") and torch.device(name).index >= torch.cuda.device_count():
         raise UserError(f"{setting} is '{name}' but this machine has {torch.cuda.device_count()} CUDA device(s),"
                         f" numbered from 0.")

@@ -71,12 +71,18 @@ def unread_sections(cfg, given: list[str]) -> list[str]:
     reads chunk.*). None under plan=auto: the planner chooses the engine later."""
     if cfg.plan == "auto":
         return []
-    unread = set()
+    unread = set(cfg.sections) - _read_sections(cfg)
+    return [key for key in given if key.split(".")[0] in unread]
+
+
+def _read_sections(cfg) -> set[str]:
+    """The engine sections the run reads: its engine's, and any whose `read_by(cfg)` says so."""
+    read = set()
     for name, section in cfg.sections.items():
         read_by = getattr(section, "read_by", None)
-        if not (read_by(cfg) if read_by is not None else cfg.engine == name):
-            unread.add(name)
-    return [key for key in given if key.split(".")[0] in unread]
+        if read_by(cfg) if read_by is not None else cfg.engine == name:
+            read.add(name)
+    return read
 
 
 def unread_by_choice(cfg, given: list[str], typed: list[str], settles_open: bool) -> list[str]:
@@ -102,8 +108,7 @@ def _unread_in_sections(cfg, given: list[str]) -> list[tuple[list[str], str]]:
     `unread_given(given)`: slide.moments_dir without slide.moments=disk), for the sections the run reads."""
     if cfg.plan == "auto":  # the planner picks the engine, and its options, later
         return []
-    read = set(cfg.sections) - {key.split(".")[0] for key in unread_sections(cfg, list(cfg.sections))}
-    return [found for name in sorted(read) if hasattr(cfg.sections[name], "unread_given")
+    return [found for name in sorted(_read_sections(cfg)) if hasattr(cfg.sections[name], "unread_given")
             for found in cfg.sections[name].unread_given(given)]
 
 
